@@ -1,0 +1,3 @@
+from parambox.cli import main
+
+raise SystemExit(main())

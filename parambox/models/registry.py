@@ -1,0 +1,31 @@
+"""Name -> builder ``(input_shape, num_classes) -> nn.Sequential``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from parambox.errors import UserError
+
+MODELS: dict[str, Callable[[tuple[int, ...], int], nn.Sequential]] = {}
+
+
+def register(name: str):
+    def deco(fn):
+        MODELS[name] = fn
+        return fn
+
+    return deco
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Sequential:
+    from parambox.models import cnn, dense, resnet, vgg  # noqa: F401  (builders register on import)
+
+    if name not in MODELS:
+        raise UserError(f"unknown model {name!r}; choose from {', '.join(sorted(MODELS))}")
+    return MODELS[name](tuple(input_shape), num_classes)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

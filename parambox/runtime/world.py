@@ -1,0 +1,154 @@
+"""Who am I and who are my peers: rank, sizes, node and device, read from any launcher's environment."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+# Set by parambox's own local launcher on the workers it spawns.
+LOCAL_LAUNCHER_ENV = "PARAMBOX_LOCAL_LAUNCHER"
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the run.
+
+    >>> w = World.from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+    >>> (w.rank, w.world_size, w.launcher)
+    (1, 2, 'torchrun')
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    launcher: str = "none"  # none | local | torchrun | slurm | mpi
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        # The one place that picks a device: a GPU per local rank where there is one.
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> World:
+        env = os.environ if env is None else env
+        for reader in (_local, _torchrun, _slurm, _openmpi, _pmi):
+            world = reader(env)
+            if world is not None:
+                return world
+        return cls()
+
+
+def under_external_launcher(env: Mapping[str, str] | None = None) -> bool:
+    """True when torchrun, srun or mpiexec started this process (so it is one worker of many)."""
+    env = os.environ if env is None else env
+    return World.from_env(env).launcher not in ("none", "local") or LOCAL_LAUNCHER_ENV in env
+
+
+def _int(env: Mapping[str, str], *keys: str, default: int | None = None) -> int | None:
+    for k in keys:
+        if env.get(k, "") != "":
+            return int(env[k])
+    return default
+
+
+def _nodes(world_size: int, local_world_size: int) -> int:
+    return max(1, -(-world_size // max(1, local_world_size)))
+
+
+def _local(env):
+    if LOCAL_LAUNCHER_ENV not in env:
+        return None
+    n = int(env["WORLD_SIZE"])
+    return World(int(env["RANK"]), n, int(env["LOCAL_RANK"]), n, 0, 1, "local",
+                 env.get("MASTER_ADDR"), _int(env, "MASTER_PORT"))
+
+
+def _torchrun(env):
+    if "RANK" not in env or "WORLD_SIZE" not in env or "TORCHELASTIC_RUN_ID" not in env and "LOCAL_RANK" not in env:
+        return None
+    rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    local_size = _int(env, "LOCAL_WORLD_SIZE", default=size)
+    node = _int(env, "GROUP_RANK", default=rank // max(1, local_size))
+    return World(rank, size, _int(env, "LOCAL_RANK", default=0), local_size, node,
+                 _nodes(size, local_size), "torchrun", env.get("MASTER_ADDR"), _int(env, "MASTER_PORT"))
+
+
+def _slurm(env):
+    # SLURM_STEP_ID is set only inside an `srun` step, not in the batch script itself.
+    if "SLURM_PROCID" not in env or "SLURM_STEP_ID" not in env:
+        return None
+    size = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", default=1)
+    nodes = _int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", default=1)
+    local_size = _slurm_tasks_on_node(env, size, nodes)
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or socket.gethostname()
+    job = _int(env, "SLURM_JOB_ID", default=0)
+    port = _int(env, "MASTER_PORT", default=20000 + (job * 7 + _int(env, "SLURM_STEP_ID", default=0)) % 20000)
+    return World(int(env["SLURM_PROCID"]), size, _int(env, "SLURM_LOCALID", default=0), local_size,
+                 _int(env, "SLURM_NODEID", default=0), nodes, "slurm",
+                 env.get("MASTER_ADDR") or first_host(nodelist), port)
+
+
+def _slurm_tasks_on_node(env, size: int, nodes: int) -> int:
+    # SLURM_STEP_TASKS_PER_NODE looks like "2(x3),1"; our node's entry is what we need.
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return -(-size // nodes)
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m:
+            counts += [int(m.group(1))] * int(m.group(2) or 1)
+    node = _int(env, "SLURM_NODEID", default=0)
+    return counts[node] if node < len(counts) else counts[-1]
+
+
+def _openmpi(env):
+    if "OMPI_COMM_WORLD_RANK" not in env:
+        return None
+    size = int(env["OMPI_COMM_WORLD_SIZE"])
+    local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", default=size)
+    return World(int(env["OMPI_COMM_WORLD_RANK"]), size, _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", default=0),
+                 local_size, int(env["OMPI_COMM_WORLD_RANK"]) // max(1, local_size),
+                 _nodes(size, local_size), "mpi", env.get("MASTER_ADDR"), _int(env, "MASTER_PORT"))
+
+
+def _pmi(env):
+    if "PMI_RANK" not in env:
+        return None
+    size = int(env.get("PMI_SIZE", "1"))
+    local_size = _int(env, "MPI_LOCALNRANKS", default=size)
+    rank = int(env["PMI_RANK"])
+    return World(rank, size, _int(env, "MPI_LOCALRANKID", default=rank % max(1, local_size)), local_size,
+                 rank // max(1, local_size), _nodes(size, local_size), "mpi",
+                 env.get("MASTER_ADDR"), _int(env, "MASTER_PORT"))
+
+
+def first_host(nodelist: str) -> str:
+    """First host name of a SLURM node list: ``node[03-05,07],gpu1`` -> ``node03``."""
+    head = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if head is None:
+        return nodelist
+    prefix, ranges = head.group(1), head.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]

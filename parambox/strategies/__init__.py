@@ -1,0 +1,30 @@
+"""Update rules, one module each, registered by the name the CLI spells.
+
+Adding a strategy: write its module (a ``Strategy`` subclass with an ``Options`` model), add one line
+below, one preset in ``parambox.experiments.presets`` and one multi-process test.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from parambox.errors import UserError
+from parambox.strategies.base import Context, Options, Strategy, StepResult
+
+# name -> "module:Class", imported on first use so that a run loads only its own strategy.
+STRATEGIES: dict[str, str] = {
+    "single": "parambox.strategies.single:Single",
+    "allreduce": "parambox.strategies.allreduce:AllReduce",
+    "ps-sync": "parambox.strategies.ps_sync:ParameterServerSync",
+    "weight-avg": "parambox.strategies.weight_avg:WeightAveraging",
+}
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    if name not in STRATEGIES:
+        raise UserError(f"unknown strategy {name!r}; choose from {', '.join(sorted(STRATEGIES))}")
+    module, cls = STRATEGIES[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+__all__ = ["Context", "Options", "STRATEGIES", "StepResult", "Strategy", "strategy_class"]

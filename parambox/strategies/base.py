@@ -1,0 +1,143 @@
+"""The protocol every strategy implements, and the forward/backward they share.
+
+A strategy owns one training step (pipeline parallelism and L-BFGS must own forward and backward),
+so the loop in ``parambox.train.loop`` never branches on the strategy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from parambox.runtime.world import World
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Options(BaseModel):
+    """Base of each strategy's typed options (``[strategy_name]`` in TOML, ``--set name.key=v``)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean loss over this worker's batch
+    samples: int  # samples this worker consumed in the step
+    comm: dict[str, float] = field(default_factory=dict)  # seconds spent per communication phase
+    extra: dict[str, float] = field(default_factory=dict)  # e.g. staleness
+
+
+@dataclass
+class Context:
+    """What the loop hands a strategy: the plain PyTorch pieces it wraps."""
+
+    world: World
+    model: nn.Module  # same initial weights on every rank
+    make_optimizer: OptimizerFactory
+    loss_fn: LossFn
+    steps: int  # target steps per worker
+    timeout_s: float
+    run_dir: Any = None  # pathlib.Path of the run directory
+    box_backend: str = "shm"
+    seed: int = 0
+
+
+class Strategy:
+    """One update rule. Subclasses set ``name`` and ``Options`` and implement :meth:`step`.
+
+    >>> from parambox.strategies import STRATEGIES
+    >>> sorted(STRATEGIES)[:2]  # doctest: +SKIP
+    ['allreduce', 'box-sync']
+    """
+
+    name: ClassVar[str]
+    Options: ClassVar[type[Options]] = Options
+    # Asynchronous strategies carry on when a worker dies; the launcher then does not stop the others.
+    tolerates_worker_loss: ClassVar[bool] = False
+    # Strategies that need MPI (the rma box) are started through mpiexec by the local launcher.
+    needs_mpi: ClassVar[bool] = False
+
+    def __init__(self, ctx: Context, options: Options):
+        self.ctx = ctx
+        self.world = ctx.world
+        self.model = ctx.model
+        self.options = options
+        self.timers = PhaseTimers()
+
+    # -- data ---------------------------------------------------------------------------------
+    def data_partition(self) -> tuple[int, int]:
+        """(data-parallel rank, number of data-parallel ranks) for sharding the global batch."""
+        return self.world.rank, self.world.world_size
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
+        raise NotImplementedError
+
+    def should_stop(self, step: int) -> bool:
+        """Called before each step; asynchronous strategies align termination here."""
+        return step >= self.ctx.steps
+
+    def finish(self) -> None:
+        """After the last step: synchronise or collect the final weights (collective on all ranks)."""
+
+    # -- evaluation and checkpoints -------------------------------------------------------------
+    def eval_model(self) -> nn.Module | None:
+        """The model whose weights are the run's result, on rank 0 (None elsewhere). Collective."""
+        return self.model if self.world.rank == 0 else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's resume state beyond the model weights (optimizer, counters)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def load_model_state(self, model_state: dict[str, torch.Tensor]) -> None:
+        """Restore the whole model's weights on this rank (resume)."""
+        self.model.load_state_dict(model_state)
+
+    def close(self) -> None:
+        """Release process groups, shared memory and threads. Must not raise."""
+
+
+class PhaseTimers:
+    """Accumulates wall time per communication phase over one step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def pop(self) -> dict[str, float]:
+        out, self.seconds = self.seconds, {}
+        return out
+
+
+def forward_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The forward and backward pass every data-parallel strategy shares; returns the detached loss."""
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    return loss.detach()
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.nn.utils.parameters_to_vector(model.parameters())
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
