@@ -20,8 +20,7 @@ def register(name: str):
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Sequential:
-    from parambox.models import cnn, dense, resnet, vgg  # noqa: F401  (builders register on import)
-
+    import_builders()
     if name not in MODELS:
         raise UserError(f"unknown model {name!r}; choose from {', '.join(sorted(MODELS))}")
     return MODELS[name](tuple(input_shape), num_classes)
@@ -29,3 +28,8 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def import_builders() -> None:
+    # Builders register themselves on import; imported lazily so `parambox info` stays fast.
+    from parambox.models import cnn, dense, resnet, vgg  # noqa: F401

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 from parambox.errors import UserError
-from parambox.strategies.base import Context, Options, Strategy, StepResult
+from parambox.strategies.base import Context, Options, StepResult, Strategy
 
 # name -> "module:Class", imported on first use so that a run loads only its own strategy.
 STRATEGIES: dict[str, str] = {

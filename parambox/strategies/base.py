@@ -72,6 +72,7 @@ class Strategy:
         self.model = ctx.model
         self.options = options
         self.timers = PhaseTimers()
+        self.optimizer: torch.optim.Optimizer | None = None  # set by strategies with a local optimizer
 
     # -- data ---------------------------------------------------------------------------------
     def data_partition(self) -> tuple[int, int]:
@@ -96,10 +97,11 @@ class Strategy:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's resume state beyond the model weights (optimizer, counters)."""
-        return {}
+        return {"optimizer": self.optimizer.state_dict()} if self.optimizer is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        if self.optimizer is not None and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
 
     def load_model_state(self, model_state: dict[str, torch.Tensor]) -> None:
         """Restore the whole model's weights on this rank (resume)."""

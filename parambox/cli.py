@@ -1,0 +1,70 @@
+"""The command line: ``parambox train | sweep | bench | report | predict | slurm | info``.
+
+Thin by design: each command lives in its own module with ``configure(parser)`` and ``run(args) -> int``.
+A ``UserError`` (or pydantic ``ValidationError``) anywhere becomes one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from parambox.errors import UserError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("parambox.commands.train", "train a model with any strategy"),
+    "sweep": ("parambox.experiments.sweep", "grid over workers x batch size x learning rate"),
+    "bench": ("parambox.experiments.bench", "benchmarks measured side by side (sync, box, async, local)"),
+    "report": ("parambox.report", "plots and tables from run directories"),
+    "predict": ("parambox.perfmodel", "analytic scalability model: speedup and n_peak per topology"),
+    "slurm": ("parambox.commands.slurm", "write (or submit) a SLURM batch script for a training run"),
+    "info": ("parambox.commands.info", "what parambox sees: launcher, world, devices, strategies, models, data"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own errors: one line, exit 2
+        self.exit(2, f"parambox: error: {message}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _Parser(prog="parambox", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        if argv[:1] == [name]:  # only the chosen command's module is imported
+            importlib.import_module(module).configure(p)
+    args = parser.parse_args(argv)
+    args._argv = list(argv)  # the local launcher hands the same command to its workers
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except UserError as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        print("parambox: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if type(e).__name__ == "ValidationError":  # pydantic, without importing it here
+            return _fail(_validation_message(e))
+        raise
+
+
+def _fail(message: str) -> int:
+    print(f"parambox: error: {message}", file=sys.stderr)
+    if os.environ.get("PARAMBOX_DEBUG"):
+        import traceback
+
+        traceback.print_exc()
+    return 2
+
+
+def _validation_message(e) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "config"
+        parts.append(f"config field {loc!r}: {err['msg']}")
+    return "; ".join(parts)

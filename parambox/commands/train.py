@@ -1,0 +1,162 @@
+"""``parambox train``: one command for a laptop (local launcher) and for clusters (srun, mpiexec, torchrun)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from parambox.config import RunConfig, build_config, load_toml, parse_set
+from parambox.errors import UserError
+from parambox.runtime.world import World, under_external_launcher
+
+FLAGS = {  # flag -> config field; each flag's type and range come from RunConfig
+    "--strategy": "strategy", "--workers": "workers", "--model": "model", "--data": "data",
+    "--data-path": "data_path", "--steps": "steps", "--batch-size": "batch_size", "--lr": "lr",
+    "--optimizer": "optimizer", "--momentum": "momentum", "--weight-decay": "weight_decay", "--seed": "seed",
+    "--out": "out", "--checkpoint-every": "checkpoint_every", "--eval-every": "eval_every",
+    "--timeout": "timeout", "--threads": "threads", "--box": "box",
+}
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    for flag, field in FLAGS.items():
+        info = RunConfig.model_fields[field]
+        p.add_argument(flag, dest=field, default=None, metavar=field.upper(),
+                       help=f"{info.description or field} (default: {info.default})")
+    p.add_argument("--preset", default=None, help="start from a named preset (see `parambox info`)")
+    p.add_argument("--config", default=None, help="TOML file; tables named after strategies hold their options")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any field, e.g. --set easgd.tau=4 (repeatable)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--augment", dest="augment", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--tensorboard", action="store_true", default=None, help="also write TensorBoard events")
+    p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    from parambox.experiments.presets import preset
+
+    layers = [preset(args.preset) if args.preset else {}]
+    if args.config:
+        layers.append(load_toml(args.config))
+    layers.append({f: getattr(args, f) for f in [*FLAGS.values(), "augment", "tensorboard", "progress"]})
+    layers.append(parse_set(args.set))
+    return build_config(*layers)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    world = World.from_env()
+    if world.launcher == "local":  # spawned by our own launcher, which prepared the run directory
+        return run_worker(cfg, world, Path(cfg.out), args.resume)
+    if under_external_launcher():
+        cfg.out = cfg.out or external_run_dir(cfg)
+        if "--workers" in args._argv and cfg.workers != world.world_size and world.rank == 0:
+            print(f"parambox: warning: --workers {cfg.workers} ignored: the launcher started "
+                  f"{world.world_size} processes", file=sys.stderr)
+    run_dir = prepare_run_dir(cfg, args.resume)
+    if cfg.workers == 1 or under_external_launcher():
+        return run_worker(cfg, world, run_dir, args.resume)
+    return launch(cfg, args, run_dir)
+
+
+def external_run_dir(cfg: RunConfig) -> str:
+    """A run directory every rank agrees on without talking: named after the launcher's job id."""
+    env = os.environ
+    job = (env.get("SLURM_JOB_ID") and f"{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', 0)}") \
+        or env.get("TORCHELASTIC_RUN_ID") or env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_orte_ess_jobid")
+    if not job:
+        raise UserError("under this launcher, give --out DIR (a path every rank can write)")
+    return f"runs/{cfg.strategy}-{job.replace('/', '_').replace('@', '_')}"
+
+
+def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path:
+    if cfg.out is None:
+        if resume:
+            raise UserError("--resume needs --out DIR: the run directory to continue")
+        cfg.out = f"runs/{cfg.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(cfg.out).resolve()
+    cfg.out = str(run_dir)
+    if resume:
+        if not (run_dir / "checkpoints" / "last.pt").exists():
+            raise UserError(f"--resume: {run_dir / 'checkpoints' / 'last.pt'} does not exist")
+    elif (run_dir / "summary.json").exists() or (run_dir / "checkpoints").exists():
+        raise UserError(f"run directory {run_dir} already holds a run; use --resume or another --out")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+    return run_dir
+
+
+def launch(cfg: RunConfig, args: argparse.Namespace, run_dir: Path) -> int:
+    from parambox.runtime.launcher import launch_local
+    from parambox.strategies import strategy_class
+
+    cls = strategy_class(cfg.strategy)
+    argv = [*args._argv, "--out", str(run_dir)]
+    result = launch_local(argv, cfg.workers, run_dir / "logs", cfg.threads,
+                          use_mpi=cls.needs_mpi or cfg.box == "rma", tolerate_loss=cls.tolerates_worker_loss)
+    if result.returncode == 130:
+        print("parambox: interrupted; workers stopped", file=sys.stderr)
+        return 130
+    for rank, reason in result.failed.items():
+        print(f"parambox: error: worker rank {rank} failed: {reason} (log: {run_dir / 'logs'})", file=sys.stderr)
+        return 2 if reason.startswith("parambox: error:") else 1
+    if result.lost:
+        mark_lost(run_dir, result.lost)
+    return result.returncode
+
+
+def mark_lost(run_dir: Path, lost: list[int]) -> None:
+    path = run_dir / "summary.json"
+    if path.exists():
+        summary = json.loads(path.read_text())
+        summary["lost_workers"] = sorted(set(summary.get("lost_workers", [])) | set(lost))
+        tmp = run_dir / ".summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2))
+        tmp.replace(path)
+    print(f"parambox: warning: lost worker ranks {lost}; the others finished", file=sys.stderr)
+
+
+def run_worker(cfg: RunConfig, world: World, run_dir: Path, resume: bool) -> int:
+    from parambox.train.loop import train
+
+    try:
+        summary = train(cfg, world, run_dir, resume)
+    except BaseException as e:
+        return report_failure(e, world, run_dir)
+    if summary is not None:
+        print_summary(summary, run_dir)
+    return 0
+
+
+def report_failure(e: BaseException, world: World, run_dir: Path) -> int:
+    """One line on stderr and in logs/rank{r}.err (the launcher quotes it); the traceback goes to the log."""
+    if isinstance(e, KeyboardInterrupt | SystemExit):
+        raise e
+    user = isinstance(e, UserError) or type(e).__name__ in ("ValidationError", "CommTimeout")
+    line = f"parambox: error: {e}" if user else f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    logs = Path(os.environ.get("PARAMBOX_LOG_DIR") or run_dir / "logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / f"rank{world.rank}.err").write_text(line + "\n\n" + traceback.format_exc())
+    print(line if world.world_size == 1 else f"[rank {world.rank}] {line}", file=sys.stderr)
+    if os.environ.get("PARAMBOX_DEBUG"):
+        traceback.print_exc()
+    return 2 if user else 1
+
+
+def print_summary(summary: dict, run_dir: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="parambox run", show_header=False)
+    for key in ("strategy", "workers", "model", "data", "steps", "final_test_accuracy", "final_test_loss",
+                "wall_time_s", "samples_per_s"):
+        value = summary[key]
+        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    Console().print(table)
+    print(f"run directory: {run_dir}")

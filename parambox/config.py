@@ -1,0 +1,169 @@
+"""The run's typed configuration: defaults, validation, TOML files and ``--set key=value`` overrides.
+
+Precedence: preset < TOML file (``--config``) < flags < ``--set``. Strategy options live in a table
+named after the strategy (``[easgd]`` in TOML, ``--set easgd.tau=4``) and are validated by that
+strategy's own ``Options`` model.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from parambox.errors import UserError
+
+
+class RunConfig(BaseModel):
+    """Everything one training run needs.
+
+    >>> RunConfig(strategy="single", workers=1).global_batch_size
+    32
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    strategy: str = "allreduce"
+    workers: int = Field(2, ge=1, le=4096, description="worker processes (local launcher)")
+    model: str = "lenet"
+    data: str = "digits"
+    data_path: str | None = None
+    steps: int = Field(300, ge=1, description="optimizer steps per worker")
+    batch_size: int = Field(32, ge=1, description="per-worker batch size")
+    lr: float = Field(0.05, gt=0)
+    optimizer: Literal["sgd", "adam", "adagrad"] = "sgd"
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    seed: int = Field(0, ge=0)
+    out: str | None = None
+    checkpoint_every: int = Field(0, ge=0, description="0: only at the end")
+    eval_every: int = Field(100, ge=0, description="0: only at the end")
+    log_every: int = Field(1, ge=1)
+    timeout: float = Field(300.0, gt=0, description="seconds any blocking wait may take")
+    threads: int | None = Field(None, ge=1, description="torch threads per worker; default cores / workers")
+    augment: bool | None = Field(None, description="train-time augmentation; default: on where the data set has one")
+    box: Literal["shm", "rma"] = "shm"
+    tensorboard: bool = False
+    progress: bool = True
+    options: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-strategy options")
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, v: str) -> str:
+        from parambox.strategies import STRATEGIES
+
+        if v not in STRATEGIES:
+            raise ValueError(f"unknown strategy {v!r}; choose from {', '.join(sorted(STRATEGIES))}")
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, v: str) -> str:
+        from parambox.models.registry import MODELS, import_builders
+
+        import_builders()
+        if v not in MODELS:
+            raise ValueError(f"unknown model {v!r}; choose from {', '.join(sorted(MODELS))}")
+        return v
+
+    @field_validator("data")
+    @classmethod
+    def _known_data(cls, v: str) -> str:
+        from parambox.data.registry import DATASETS, _import_loaders
+
+        _import_loaders()
+        if v not in DATASETS:
+            raise ValueError(f"unknown data set {v!r}; choose from {', '.join(sorted(DATASETS))}")
+        return v
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.workers
+
+    def strategy_options(self):
+        """This run's strategy options, validated by the strategy's ``Options`` model."""
+        from parambox.strategies import strategy_class
+
+        cls = strategy_class(self.strategy)
+        return cls.Options(**self.options.get(self.strategy, {}))
+
+    def validate_options(self) -> None:
+        from parambox.strategies import STRATEGIES, strategy_class
+
+        for name, opts in self.options.items():
+            if name not in STRATEGIES:
+                raise UserError(f"config table [{name}] names no strategy; choose from {', '.join(sorted(STRATEGIES))}")
+            strategy_class(name).Options(**opts)
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in update.items():
+        if k == "options":
+            opts = {n: dict(o) for n, o in out.get("options", {}).items()}
+            for name, o in v.items():
+                opts.setdefault(name, {}).update(o)
+            out["options"] = opts
+        else:
+            out[k] = v
+    return out
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file -> config dict; tables named after strategies become strategy options."""
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise UserError(f"config file {p} does not exist") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"config file {p} is not valid TOML: {e}") from None
+    return split_tables(raw, f"config file {p}")
+
+
+def split_tables(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in raw.items():
+        if isinstance(v, dict):
+            out.setdefault("options", {})[k] = v
+        elif k.replace("-", "_") not in RunConfig.model_fields:
+            raise UserError(f"{where}: unknown key {k!r}")
+        else:
+            out[k.replace("-", "_")] = v
+    return out
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``["lr=0.1", "easgd.tau=4"]`` -> ``{"lr": 0.1, "options": {"easgd": {"tau": 4}}}``."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set {item!r}: expected key=value")
+        value = _parse_value(text)
+        if "." in key:
+            table, field = key.split(".", 1)
+            out.setdefault("options", {}).setdefault(table, {})[field] = value
+        elif key.replace("-", "_") in RunConfig.model_fields:
+            out[key.replace("-", "_")] = value
+        else:
+            raise UserError(f"--set {item!r}: unknown key {key!r}")
+    return out
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare word: a string
+
+
+def build_config(*layers: dict[str, Any]) -> RunConfig:
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        merged = merge(merged, {k: v for k, v in layer.items() if v is not None})
+    cfg = RunConfig(**merged)
+    cfg.validate_options()
+    return cfg

