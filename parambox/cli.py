@@ -20,7 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("parambox.report", "plots and tables from run directories"),
     "predict": ("parambox.perfmodel", "analytic scalability model: speedup and n_peak per topology"),
     "slurm": ("parambox.commands.slurm", "write (or submit) a SLURM batch script for a training run"),
-    "info": ("parambox.commands.info", "what parambox sees: launcher, world, devices, strategies, models, data"),
+    "info": (
+        "parambox.commands.info",
+        "what parambox sees: launcher, world, devices, strategies, models, data",
+    ),
 }
 
 

@@ -43,7 +43,9 @@ class RunConfig(BaseModel):
     log_every: int = Field(1, ge=1)
     timeout: float = Field(300.0, gt=0, description="seconds any blocking wait may take")
     threads: int | None = Field(None, ge=1, description="torch threads per worker; default cores / workers")
-    augment: bool | None = Field(None, description="train-time augmentation; default: on where the data set has one")
+    augment: bool | None = Field(
+        None, description="train-time augmentation; default: on where the data set has one"
+    )
     box: Literal["shm", "rma"] = "shm"
     tensorboard: bool = False
     progress: bool = True
@@ -94,7 +96,9 @@ class RunConfig(BaseModel):
 
         for name, opts in self.options.items():
             if name not in STRATEGIES:
-                raise UserError(f"config table [{name}] names no strategy; choose from {', '.join(sorted(STRATEGIES))}")
+                raise UserError(
+                    f"config table [{name}] names no strategy; choose from {', '.join(sorted(STRATEGIES))}"
+                )
             strategy_class(name).Options(**opts)
 
 

@@ -11,27 +11,52 @@ import traceback
 from pathlib import Path
 
 from parambox.config import RunConfig, build_config, load_toml, parse_set
-from parambox.errors import UserError
+from parambox.errors import CommTimeout, UserError
 from parambox.runtime.world import World, under_external_launcher
 
 FLAGS = {  # flag -> config field; each flag's type and range come from RunConfig
-    "--strategy": "strategy", "--workers": "workers", "--model": "model", "--data": "data",
-    "--data-path": "data_path", "--steps": "steps", "--batch-size": "batch_size", "--lr": "lr",
-    "--optimizer": "optimizer", "--momentum": "momentum", "--weight-decay": "weight_decay", "--seed": "seed",
-    "--out": "out", "--checkpoint-every": "checkpoint_every", "--eval-every": "eval_every",
-    "--timeout": "timeout", "--threads": "threads", "--box": "box",
+    "--strategy": "strategy",
+    "--workers": "workers",
+    "--model": "model",
+    "--data": "data",
+    "--data-path": "data_path",
+    "--steps": "steps",
+    "--batch-size": "batch_size",
+    "--lr": "lr",
+    "--optimizer": "optimizer",
+    "--momentum": "momentum",
+    "--weight-decay": "weight_decay",
+    "--seed": "seed",
+    "--out": "out",
+    "--checkpoint-every": "checkpoint_every",
+    "--eval-every": "eval_every",
+    "--timeout": "timeout",
+    "--threads": "threads",
+    "--box": "box",
 }
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     for flag, field in FLAGS.items():
         info = RunConfig.model_fields[field]
-        p.add_argument(flag, dest=field, default=None, metavar=field.upper(),
-                       help=f"{info.description or field} (default: {info.default})")
+        p.add_argument(
+            flag,
+            dest=field,
+            default=None,
+            metavar=field.upper(),
+            help=f"{info.description or field} (default: {info.default})",
+        )
     p.add_argument("--preset", default=None, help="start from a named preset (see `parambox info`)")
-    p.add_argument("--config", default=None, help="TOML file; tables named after strategies hold their options")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any field, e.g. --set easgd.tau=4 (repeatable)")
+    p.add_argument(
+        "--config", default=None, help="TOML file; tables named after strategies hold their options"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any field, e.g. --set easgd.tau=4 (repeatable)",
+    )
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--augment", dest="augment", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--tensorboard", action="store_true", default=None, help="also write TensorBoard events")
@@ -57,8 +82,11 @@ def run(args: argparse.Namespace) -> int:
     if under_external_launcher():
         cfg.out = cfg.out or external_run_dir(cfg)
         if "--workers" in args._argv and cfg.workers != world.world_size and world.rank == 0:
-            print(f"parambox: warning: --workers {cfg.workers} ignored: the launcher started "
-                  f"{world.world_size} processes", file=sys.stderr)
+            print(
+                f"parambox: warning: --workers {cfg.workers} ignored: the launcher started "
+                f"{world.world_size} processes",
+                file=sys.stderr,
+            )
     run_dir = prepare_run_dir(cfg, args.resume)
     if cfg.workers == 1 or under_external_launcher():
         return run_worker(cfg, world, run_dir, args.resume)
@@ -68,8 +96,12 @@ def run(args: argparse.Namespace) -> int:
 def external_run_dir(cfg: RunConfig) -> str:
     """A run directory every rank agrees on without talking: named after the launcher's job id."""
     env = os.environ
-    job = (env.get("SLURM_JOB_ID") and f"{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', 0)}") \
-        or env.get("TORCHELASTIC_RUN_ID") or env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_orte_ess_jobid")
+    job = (
+        (env.get("SLURM_JOB_ID") and f"{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', 0)}")
+        or env.get("TORCHELASTIC_RUN_ID")
+        or env.get("PMIX_NAMESPACE")
+        or env.get("OMPI_MCA_orte_ess_jobid")
+    )
     if not job:
         raise UserError("under this launcher, give --out DIR (a path every rank can write)")
     return f"runs/{cfg.strategy}-{job.replace('/', '_').replace('@', '_')}"
@@ -87,7 +119,7 @@ def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path:
             raise UserError(f"--resume: {run_dir / 'checkpoints' / 'last.pt'} does not exist")
     elif (run_dir / "summary.json").exists() or (run_dir / "checkpoints").exists():
         raise UserError(f"run directory {run_dir} already holds a run; use --resume or another --out")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)  # per-rank error files land here
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
     return run_dir
 
@@ -98,14 +130,25 @@ def launch(cfg: RunConfig, args: argparse.Namespace, run_dir: Path) -> int:
 
     cls = strategy_class(cfg.strategy)
     argv = [*args._argv, "--out", str(run_dir)]
-    result = launch_local(argv, cfg.workers, run_dir / "logs", cfg.threads,
-                          use_mpi=cls.needs_mpi or cfg.box == "rma", tolerate_loss=cls.tolerates_worker_loss)
+    result = launch_local(
+        argv,
+        cfg.workers,
+        run_dir / "logs",
+        cfg.threads,
+        use_mpi=cls.needs_mpi or cfg.box == "rma",
+        tolerate_loss=cls.tolerates_worker_loss,
+    )
     if result.returncode == 130:
         print("parambox: interrupted; workers stopped", file=sys.stderr)
         return 130
-    for rank, reason in result.failed.items():
-        print(f"parambox: error: worker rank {rank} failed: {reason} (log: {run_dir / 'logs'})", file=sys.stderr)
-        return 2 if reason.startswith("parambox: error:") else 1
+    for rank, (code, reason) in result.failed.items():
+        if reason.startswith("parambox: error: "):  # bad input or a timeout, found by a worker: one line
+            print(f"{reason} (worker rank {rank})", file=sys.stderr)
+            return code
+        print(
+            f"parambox: error: worker rank {rank} failed: {reason} (log: {run_dir / 'logs'})", file=sys.stderr
+        )
+        return 1
     if result.lost:
         mark_lost(run_dir, result.lost)
     return result.returncode
@@ -138,12 +181,16 @@ def report_failure(e: BaseException, world: World, run_dir: Path) -> int:
     """One line on stderr and in logs/rank{r}.err (the launcher quotes it); the traceback goes to the log."""
     if isinstance(e, KeyboardInterrupt | SystemExit):
         raise e
-    user = isinstance(e, UserError) or type(e).__name__ in ("ValidationError", "CommTimeout")
-    line = f"parambox: error: {e}" if user else f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    user = isinstance(e, UserError) or type(e).__name__ == "ValidationError"
+    if user or isinstance(e, CommTimeout):
+        line = f"parambox: error: {e}"
+    else:
+        line = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
     logs = Path(os.environ.get("PARAMBOX_LOG_DIR") or run_dir / "logs")
     logs.mkdir(parents=True, exist_ok=True)
     (logs / f"rank{world.rank}.err").write_text(line + "\n\n" + traceback.format_exc())
-    print(line if world.world_size == 1 else f"[rank {world.rank}] {line}", file=sys.stderr)
+    if world.launcher != "local":  # our launcher quotes the .err file itself: one line in all
+        print(line if world.world_size == 1 else f"[rank {world.rank}] {line}", file=sys.stderr)
     if os.environ.get("PARAMBOX_DEBUG"):
         traceback.print_exc()
     return 2 if user else 1
@@ -154,8 +201,17 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     from rich.table import Table
 
     table = Table(title="parambox run", show_header=False)
-    for key in ("strategy", "workers", "model", "data", "steps", "final_test_accuracy", "final_test_loss",
-                "wall_time_s", "samples_per_s"):
+    for key in (
+        "strategy",
+        "workers",
+        "model",
+        "data",
+        "steps",
+        "final_test_accuracy",
+        "final_test_loss",
+        "wall_time_s",
+        "samples_per_s",
+    ):
         value = summary[key]
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
     Console().print(table)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from datetime import timedelta
@@ -67,38 +68,45 @@ def destroy_distributed() -> None:
 
 
 class ProgressBoard:
-    """Each rank posts the step it has reached to the rendezvous store, once per step, so that a
-    timed-out collective can say which ranks never arrived instead of only "timed out"."""
+    """A small key-value store of its own (the process group's may be broken by a failed
+    collective) through which ranks that time out in a collective find out which peers never
+    arrived, so that the error names them instead of only saying "timed out"."""
 
     def __init__(self) -> None:
-        self.store = None
+        self.store: dist.Store | None = None
         self.step = -1
-        if dist.is_initialized():
-            try:
-                from torch.distributed.distributed_c10d import _get_default_store
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        from torch.distributed.distributed_c10d import _get_default_store
 
-                self.store = _get_default_store()
-            except Exception:
-                self.store = None
+        pg_store, rank = _get_default_store(), dist.get_rank()
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        if rank == 0:
+            self.store = dist.TCPStore(addr, 0, dist.get_world_size(), is_master=True, wait_for_workers=False)
+            pg_store.set("parambox/board", f"{addr}:{self.store.port}")
+        else:
+            host, port = pg_store.get("parambox/board").decode().rsplit(":", 1)
+            self.store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+        self.store.set_timeout(timedelta(seconds=5))
 
     def post(self, step: int) -> None:
-        self.step = step
-        if self.store is not None:
-            self.store.set(f"parambox/step/{dist.get_rank()}", str(step))
+        self.step = step  # local only: the hot path never talks to the store
 
-    def laggards(self) -> list[int]:
-        """Ranks whose last posted step is behind ours (or who never posted)."""
+    def missing_ranks(self, phase: str, grace_s: float = 2.0) -> list[int]:
+        """After a timeout: every rank that reached this collective timed out too and says so here;
+        the ranks that stay silent for ``grace_s`` are the ones that never arrived."""
         if self.store is None:
             return []
-        behind = []
-        for r in range(dist.get_world_size()):
-            key = f"parambox/step/{r}"
-            try:
-                if not self.store.check([key]) or int(self.store.get(key)) < self.step:
-                    behind.append(r)
-            except Exception:
-                behind.append(r)
-        return behind
+        world, me = dist.get_world_size(), dist.get_rank()
+        keys = [f"timeout/{self.step}/{phase}/{r}" for r in range(world)]
+        deadline = time.monotonic() + grace_s
+        try:
+            self.store.set(keys[me], "1")
+            while time.monotonic() < deadline and not self.store.check(keys):
+                time.sleep(0.05)
+            return [r for r in range(world) if not self.store.check([keys[r]])]
+        except Exception:  # the store's host (rank 0) is gone
+            return [0]
 
 
 BOARD: ProgressBoard | None = None
@@ -113,7 +121,7 @@ def collective(phase: str) -> Iterator[None]:
         text = str(e)
         if "imeout" not in text and "imed out" not in text and "closed" not in text.lower():
             raise
-        who = BOARD.laggards() if BOARD is not None else []
+        who = BOARD.missing_ranks(phase) if BOARD is not None else []
         missing = f"ranks not arrived: {who}" if who else "a peer closed the connection or stalled"
         step = BOARD.step if BOARD is not None else "?"
         raise CommTimeout(f"{phase} at step {step} timed out: {missing}") from None

@@ -29,7 +29,7 @@ STOP_GRACE_S = 3.0
 @dataclass
 class LaunchResult:
     returncode: int
-    failed: dict[int, str] = field(default_factory=dict)  # rank -> its one-line error
+    failed: dict[int, tuple[int, str]] = field(default_factory=dict)  # rank -> (exit code, one-line error)
     lost: list[int] = field(default_factory=list)  # ranks that died while the run carried on
 
 
@@ -73,7 +73,9 @@ def _spawn(cmd: list[str], n: int, env: dict[str, str]) -> list[subprocess.Popen
         wenv = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), **{LOCAL_LAUNCHER_ENV: "1"})
         # Rank 0 owns the terminal (progress bar, summary); the others are prefixed with their rank.
         out = None if rank == 0 else subprocess.PIPE
-        p = subprocess.Popen(cmd, env=wenv, stdout=out, stderr=out, start_new_session=True)
+        p = subprocess.Popen(
+            cmd, env=wenv, stdout=out, stderr=out, start_new_session=True, preexec_fn=_die_with_parent
+        )
         if rank:
             for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
                 threading.Thread(target=_pump, args=(stream, sink, rank), daemon=True).start()
@@ -92,7 +94,17 @@ def _spawn_mpi(cmd: list[str], n: int, env: dict[str, str]) -> list[subprocess.P
     env.pop("MASTER_ADDR")  # rank 0 broadcasts the rendezvous over MPI
     env.pop("MASTER_PORT")
     full = [mpiexec, "-n", str(n), "--oversubscribe", "--bind-to", "none", *cmd]
-    return [subprocess.Popen(full, env=env, start_new_session=True)]
+    return [subprocess.Popen(full, env=env, start_new_session=True, preexec_fn=_die_with_parent)]
+
+
+def _die_with_parent() -> None:
+    """Workers get SIGKILL when the launcher dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def _pump(stream, sink, rank: int) -> None:
@@ -117,7 +129,7 @@ def _supervise(procs: list[subprocess.Popen], log_dir: Path, tolerate_loss: bool
                     if tolerate_loss and rank != 0:
                         result.lost.append(rank)
                     else:
-                        result.failed[rank] = reason
+                        result.failed[rank] = (code, reason)
                         result.returncode = 1
                         return result
             if all(c is not None for c in codes):

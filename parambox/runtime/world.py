@@ -79,18 +79,41 @@ def _local(env):
     if LOCAL_LAUNCHER_ENV not in env:
         return None
     n = int(env["WORLD_SIZE"])
-    return World(int(env["RANK"]), n, int(env["LOCAL_RANK"]), n, 0, 1, "local",
-                 env.get("MASTER_ADDR"), _int(env, "MASTER_PORT"))
+    return World(
+        int(env["RANK"]),
+        n,
+        int(env["LOCAL_RANK"]),
+        n,
+        0,
+        1,
+        "local",
+        env.get("MASTER_ADDR"),
+        _int(env, "MASTER_PORT"),
+    )
 
 
 def _torchrun(env):
-    if "RANK" not in env or "WORLD_SIZE" not in env or "TORCHELASTIC_RUN_ID" not in env and "LOCAL_RANK" not in env:
+    if (
+        "RANK" not in env
+        or "WORLD_SIZE" not in env
+        or "TORCHELASTIC_RUN_ID" not in env
+        and "LOCAL_RANK" not in env
+    ):
         return None
     rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
     local_size = _int(env, "LOCAL_WORLD_SIZE", default=size)
     node = _int(env, "GROUP_RANK", default=rank // max(1, local_size))
-    return World(rank, size, _int(env, "LOCAL_RANK", default=0), local_size, node,
-                 _nodes(size, local_size), "torchrun", env.get("MASTER_ADDR"), _int(env, "MASTER_PORT"))
+    return World(
+        rank,
+        size,
+        _int(env, "LOCAL_RANK", default=0),
+        local_size,
+        node,
+        _nodes(size, local_size),
+        "torchrun",
+        env.get("MASTER_ADDR"),
+        _int(env, "MASTER_PORT"),
+    )
 
 
 def _slurm(env):
@@ -103,9 +126,17 @@ def _slurm(env):
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or socket.gethostname()
     job = _int(env, "SLURM_JOB_ID", default=0)
     port = _int(env, "MASTER_PORT", default=20000 + (job * 7 + _int(env, "SLURM_STEP_ID", default=0)) % 20000)
-    return World(int(env["SLURM_PROCID"]), size, _int(env, "SLURM_LOCALID", default=0), local_size,
-                 _int(env, "SLURM_NODEID", default=0), nodes, "slurm",
-                 env.get("MASTER_ADDR") or first_host(nodelist), port)
+    return World(
+        int(env["SLURM_PROCID"]),
+        size,
+        _int(env, "SLURM_LOCALID", default=0),
+        local_size,
+        _int(env, "SLURM_NODEID", default=0),
+        nodes,
+        "slurm",
+        env.get("MASTER_ADDR") or first_host(nodelist),
+        port,
+    )
 
 
 def _slurm_tasks_on_node(env, size: int, nodes: int) -> int:
@@ -127,9 +158,17 @@ def _openmpi(env):
         return None
     size = int(env["OMPI_COMM_WORLD_SIZE"])
     local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", default=size)
-    return World(int(env["OMPI_COMM_WORLD_RANK"]), size, _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", default=0),
-                 local_size, int(env["OMPI_COMM_WORLD_RANK"]) // max(1, local_size),
-                 _nodes(size, local_size), "mpi", env.get("MASTER_ADDR"), _int(env, "MASTER_PORT"))
+    return World(
+        int(env["OMPI_COMM_WORLD_RANK"]),
+        size,
+        _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", default=0),
+        local_size,
+        int(env["OMPI_COMM_WORLD_RANK"]) // max(1, local_size),
+        _nodes(size, local_size),
+        "mpi",
+        env.get("MASTER_ADDR"),
+        _int(env, "MASTER_PORT"),
+    )
 
 
 def _pmi(env):
@@ -138,9 +177,17 @@ def _pmi(env):
     size = int(env.get("PMI_SIZE", "1"))
     local_size = _int(env, "MPI_LOCALNRANKS", default=size)
     rank = int(env["PMI_RANK"])
-    return World(rank, size, _int(env, "MPI_LOCALRANKID", default=rank % max(1, local_size)), local_size,
-                 rank // max(1, local_size), _nodes(size, local_size), "mpi",
-                 env.get("MASTER_ADDR"), _int(env, "MASTER_PORT"))
+    return World(
+        rank,
+        size,
+        _int(env, "MPI_LOCALRANKID", default=rank % max(1, local_size)),
+        local_size,
+        rank // max(1, local_size),
+        _nodes(size, local_size),
+        "mpi",
+        env.get("MASTER_ADDR"),
+        _int(env, "MASTER_PORT"),
+    )
 
 
 def first_host(nodelist: str) -> str:

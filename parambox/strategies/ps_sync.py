@@ -33,7 +33,9 @@ class ParameterServerSync(Strategy):
         for p in self.params:
             p.grad = None
         loss = forward_backward(self.model, self.ctx.loss_fn, x, y)
-        grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        grad = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params]
+        )
         server = self.world.rank == 0
         with self.timers.phase("gather"), collective("gradient gather"):
             dist.gather(grad, self.inbox if server else None, dst=0)

@@ -47,7 +47,9 @@ def save_rank_state(ckpt_dir: Path, rank: int, step: int, state: dict[str, Any])
     atomic_save(state, ckpt_dir / f"rank{rank}-step{step}.pt")
 
 
-def save_last(ckpt_dir: Path, step: int, model_state: dict, config: dict, world_size: int, state: dict) -> None:
+def save_last(
+    ckpt_dir: Path, step: int, model_state: dict, config: dict, world_size: int, state: dict
+) -> None:
     atomic_save(
         {"model": model_state, "step": step, "world_size": world_size, "config": config, "rank0": state},
         ckpt_dir / "last.pt",

@@ -19,7 +19,7 @@ from parambox.models import build_model
 from parambox.runtime import dist as pbdist
 from parambox.runtime.world import World
 from parambox.strategies import Context, Strategy, strategy_class
-from parambox.train import checkpoint
+from parambox.train import checkpoint, faults
 from parambox.train.metrics import MetricsLogger
 from parambox.train.progress import Progress
 
@@ -57,6 +57,8 @@ def _loop(run: Run, resume: bool) -> dict[str, Any] | None:
         while not run.strategy.should_stop(step):
             pbdist.BOARD.post(step)
             x, y = run.batches.batch(step)
+            if faults.FAULTS:
+                x = faults.inject(world.rank, step, x)
             result = run.strategy.step(x.to(world.device), y.to(world.device), step)
             step, samples = step + 1, samples + result.samples
             if step % cfg.log_every == 0:
@@ -78,7 +80,9 @@ def _loop(run: Run, resume: bool) -> dict[str, Any] | None:
 
 
 def setup(cfg: RunConfig, world: World, run_dir: Path) -> Run:
-    torch.set_num_threads(cfg.threads or int(os.environ.get("PARAMBOX_THREADS", "0")) or torch.get_num_threads())
+    torch.set_num_threads(
+        cfg.threads or int(os.environ.get("PARAMBOX_THREADS", "0")) or torch.get_num_threads()
+    )
     pbdist.init_distributed(world, cfg.timeout)
     pbdist.BOARD = pbdist.ProgressBoard()
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
@@ -89,8 +93,17 @@ def setup(cfg: RunConfig, world: World, run_dir: Path) -> Run:
         from parambox.errors import UserError
 
         raise UserError(str(e)) from None
-    ctx = Context(world, model, make_optimizer_factory(cfg), F.cross_entropy, cfg.steps, cfg.timeout,
-                  run_dir, cfg.box, cfg.seed)
+    ctx = Context(
+        world,
+        model,
+        make_optimizer_factory(cfg),
+        F.cross_entropy,
+        cfg.steps,
+        cfg.timeout,
+        run_dir,
+        cfg.box,
+        cfg.seed,
+    )
     strategy = strategy_class(cfg.strategy)(ctx, cfg.strategy_options())
     torch.manual_seed(cfg.seed * 1000 + world.rank + 1)  # per-rank stream for dropout and the like
     dp_rank, dp_size = strategy.data_partition()
@@ -112,8 +125,14 @@ def make_optimizer_factory(cfg: RunConfig):
 
 
 def step_record(step: int, result, elapsed: float, global_samples: int) -> dict[str, Any]:
-    rec = {"kind": "step", "step": step, "time": round(elapsed, 6), "loss": result.loss,
-           "samples_per_s": global_samples / max(elapsed, 1e-9), "comm": result.comm}
+    rec = {
+        "kind": "step",
+        "step": step,
+        "time": round(elapsed, 6),
+        "loss": result.loss,
+        "samples_per_s": global_samples / max(elapsed, 1e-9),
+        "comm": result.comm,
+    }
     rec.update(result.extra)
     return rec
 
@@ -147,7 +166,9 @@ def save_checkpoint(run: Run, step: int) -> None:
         with pbdist.collective("checkpoint barrier"):
             dist.barrier()
     if run.world.rank == 0:
-        checkpoint.save_last(ckpt_dir, step, model.state_dict(), run.cfg.model_dump(), run.world.world_size, state)
+        checkpoint.save_last(
+            ckpt_dir, step, model.state_dict(), run.cfg.model_dump(), run.world.world_size, state
+        )
 
 
 def restore(run: Run) -> int:
@@ -169,11 +190,20 @@ def write_summary(run: Run, step: int, wall: float, samples: int, final: dict[st
         return None
     cfg = run.cfg
     summary = {
-        "strategy": cfg.strategy, "workers": run.world.world_size, "steps": step, "model": cfg.model,
-        "data": cfg.data, "batch_size": cfg.batch_size, "lr": cfg.lr,
-        "final_test_accuracy": final["test_accuracy"], "final_test_loss": final["test_loss"],
-        "wall_time_s": wall, "samples_per_s": float(total) / max(wall, 1e-9), "lost_workers": [],
-        "launcher": run.world.launcher, "config": cfg.model_dump(),
+        "strategy": cfg.strategy,
+        "workers": run.world.world_size,
+        "steps": step,
+        "model": cfg.model,
+        "data": cfg.data,
+        "batch_size": cfg.batch_size,
+        "lr": cfg.lr,
+        "final_test_accuracy": final["test_accuracy"],
+        "final_test_loss": final["test_loss"],
+        "wall_time_s": wall,
+        "samples_per_s": float(total) / max(wall, 1e-9),
+        "lost_workers": [],
+        "launcher": run.world.launcher,
+        "config": cfg.model_dump(),
     }
     tmp = run.run_dir / ".summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2))

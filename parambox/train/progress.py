@@ -13,8 +13,12 @@ class Progress:
         self.bar = None
         if enabled and sys.stderr.isatty():
             self.bar = RichProgress(
-                TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]:.4f}"), TimeRemainingColumn(), transient=False,
+                TextColumn("[bold]training"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]:.4f}"),
+                TimeRemainingColumn(),
+                transient=False,
             )
             self.task = self.bar.add_task("train", total=total, completed=start, loss=float("nan"))
             self.bar.start()

@@ -1,0 +1,122 @@
+"""Tier (c): every error a user can cause is one line naming the problem, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from parambox.cli import main
+from tests.conftest import run_cli
+
+BAD = [
+    (["--strategy", "nope"], "unknown strategy 'nope'"),
+    (["--model", "nope"], "unknown model 'nope'"),
+    (["--data", "nope"], "unknown data set 'nope'"),
+    (["--lr", "-1"], "'lr'"),
+    (["--workers", "two"], "'workers'"),
+    (["--optimizer", "rmsprop"], "'optimizer'"),
+    (["--set", "nope=1"], "unknown key 'nope'"),
+    (["--set", "allreduce.bucket_mb=-3"], "bucket_mb"),
+    (["--set", "weight-avg.nope=3"], "nope"),
+    (["--set", "nostrategy.x=1"], "[nostrategy] names no strategy"),
+    (["--config", "/nonexistent.toml"], "/nonexistent.toml does not exist"),
+    (["--preset", "nope"], "unknown preset 'nope'"),
+    (["--resume"], "--resume needs --out"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD)
+def test_bad_input_is_one_line_exit_2(args, message, capsys, tmp_path):
+    code = main(["train", "--out", str(tmp_path / "r"), *args] if args != ["--resume"] else ["train", *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_toml(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("steps = [oops")
+    assert main(["train", "--config", str(cfg)]) == 2
+    assert "not valid TOML" in capsys.readouterr().err
+    cfg.write_text("stepz = 3")
+    assert main(["train", "--config", str(cfg)]) == 2
+    assert "unknown key 'stepz'" in capsys.readouterr().err
+
+
+def test_toml_tables_hold_strategy_options(tmp_path):
+    from parambox.cli import _Parser
+    from parambox.commands.train import config_from_args, configure
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('strategy = "weight-avg"\nsteps = 7\n[weight-avg]\nperiod = 5\n')
+    p = _Parser()
+    configure(p)
+    args = p.parse_args(["--config", str(cfg), "--set", "weight-avg.period=6", "--lr", "0.2"])
+    c = config_from_args(args)
+    assert (c.strategy, c.steps, c.lr, c.strategy_options().period) == ("weight-avg", 7, 0.2, 6)
+
+
+@pytest.mark.timeout(120)
+def test_existing_run_is_not_overwritten_and_bad_checkpoint_is_reported(tmp_path):
+    out = tmp_path / "r"
+    run_cli(
+        "train", "--strategy", "single", "--workers", "1", "--model", "mlp", "--steps", "5", "--out", str(out)
+    )
+    before = (out / "summary.json").read_text()
+    again = run_cli("train", "--strategy", "single", "--workers", "1", "--out", str(out), check=False)
+    assert again.returncode == 2 and "already holds a run" in again.stderr
+    assert (out / "summary.json").read_text() == before
+    (out / "checkpoints" / "last.pt").write_bytes(b"not a checkpoint")
+    bad = run_cli(
+        "train",
+        "--strategy",
+        "single",
+        "--workers",
+        "1",
+        "--model",
+        "mlp",
+        "--steps",
+        "9",
+        "--out",
+        str(out),
+        "--resume",
+        check=False,
+    )
+    assert bad.returncode == 2 and "unreadable" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.timeout(120)
+def test_missing_data_file_from_workers_is_one_line(tmp_path):
+    proc = run_cli(
+        "train",
+        "--data",
+        "mnist",
+        "--data-path",
+        str(tmp_path / "none"),
+        "--out",
+        str(tmp_path / "r"),
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert str(tmp_path / "none") in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_collective_timeout_names_phase_and_missing_rank(tmp_path):
+    proc = run_cli(
+        "train",
+        "--model",
+        "mlp",
+        "--steps",
+        "50",
+        "--timeout",
+        "4",
+        "--out",
+        str(tmp_path / "r"),
+        env={"PARAMBOX_FAULT": "1:10:hang"},
+        check=False,
+    )
+    assert proc.returncode == 1
+    assert "gradient allreduce at step 10 timed out: ranks not arrived: [1]" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,81 @@
+"""Tier (b): synchronous data parallelism over 2 workers at batch b equals one process at batch 2b."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import final_weights, max_abs_diff, run_cli
+
+COMMON = [
+    "--model",
+    "mlp",
+    "--data",
+    "digits",
+    "--steps",
+    "20",
+    "--optimizer",
+    "sgd",
+    "--momentum",
+    "0",
+    "--lr",
+    "0.1",
+    "--eval-every",
+    "0",
+    "--no-progress",
+    "--threads",
+    "1",
+]
+
+
+@pytest.fixture(scope="module")
+def single_2b(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "run"
+    run_cli(
+        "train", "--strategy", "single", "--workers", "1", "--batch-size", "32", "--out", str(out), *COMMON
+    )
+    return final_weights(out)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["allreduce", "ps-sync", "weight-avg"])
+def test_two_workers_match_single_at_double_batch(strategy, single_2b, tmp_path):
+    out = tmp_path / "run"
+    run_cli(
+        "train", "--strategy", strategy, "--workers", "2", "--batch-size", "16", "--out", str(out), *COMMON
+    )
+    assert max_abs_diff(final_weights(out), single_2b) <= 1e-5
+
+
+@pytest.mark.timeout(120)
+def test_allreduce_with_momentum_and_small_buckets_matches_single(tmp_path):
+    """Many buckets (one per parameter) and momentum: still the single-process trajectory."""
+    args = [*COMMON, "--momentum", "0.9"]  # the later flag wins
+    run_cli(
+        "train",
+        "--strategy",
+        "single",
+        "--workers",
+        "1",
+        "--batch-size",
+        "32",
+        "--out",
+        str(tmp_path / "a"),
+        *args,
+    )
+    run_cli(
+        "train",
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--batch-size",
+        "16",
+        "--out",
+        str(tmp_path / "b"),
+        "--set",
+        "allreduce.bucket_mb=0.001",
+        "--set",
+        "allreduce.first_bucket_mb=0.001",
+        *args,
+    )
+    assert max_abs_diff(final_weights(tmp_path / "a"), final_weights(tmp_path / "b")) <= 1e-5
