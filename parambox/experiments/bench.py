@@ -1,0 +1,79 @@
+"""``parambox bench sync | box | async | local``: benchmarks that print ratios measured side by side.
+
+Each prints a JSON object with ``--json`` (and nothing else on stdout), or a table otherwise.
+Run one benchmark at a time: they share the machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+
+from parambox.errors import UserError
+
+BENCHES = {  # name -> (module, function, help)
+    "sync": ("parambox.experiments.bench_sync", "run_bench_sync", "allreduce / box-sync vs torch DDP"),
+    "box": ("parambox.experiments.bench_box", "run_bench_box", "box pull/push bandwidth vs gloo and MPI"),
+    "async": (
+        "parambox.experiments.bench_async",
+        "run_bench_async",
+        "asynchronous strategies vs plain Hogwild",
+    ),
+    "local": (
+        "parambox.experiments.bench_local",
+        "run_bench_local",
+        "local parallelism study (Lerat et al.)",
+    ),
+}
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "which", choices=sorted(BENCHES), help="; ".join(f"{k}: {v[2]}" for k, v in BENCHES.items())
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--rounds", type=int, default=None, help="alternating rounds (sync, async)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per setup and round (sync, async)")
+    p.add_argument("--out", default=None, help="also write the JSON to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    module, fn, _ = BENCHES[args.which]
+    try:
+        bench = getattr(importlib.import_module(module), fn)
+    except (ImportError, AttributeError):
+        raise UserError(f"benchmark {args.which!r} is not available in this build") from None
+    kwargs = {k: v for k, v in (("rounds", args.rounds), ("steps", args.steps)) if v is not None}
+    if any(v < 1 for v in kwargs.values()):
+        raise UserError("--rounds and --steps must be at least 1")
+    result = bench(**kwargs)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        print(text)
+    else:
+        _print_table(args.which, result)
+    return 0
+
+
+def _print_table(name: str, result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"parambox bench {name}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in _flatten(result):
+        table.add_row(key, f"{value:,.3f}" if isinstance(value, float) else str(value))
+    Console().print(table)
+
+
+def _flatten(d: dict, prefix: str = ""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, f"{prefix}{k}.")
+        elif not isinstance(v, list):
+            yield f"{prefix}{k}", v

@@ -1,0 +1,190 @@
+"""``parambox bench sync``: parambox's synchronous strategies against torch DDP, side by side.
+
+Two worker processes x 1 thread train the ~1M-parameter benchmark CNN (batch 64 per worker, SGD
+momentum 0.9) on fixed random batches. Within each round every setup runs the same number of
+timed steps in the same two processes, one after the other, and the order rotates each round;
+the reported ratios are medians of the per-round paired ratios, which cancels most of the drift
+of a shared machine. The "ceiling" setup is two processes that never communicate: no 2-process
+scheme can beat it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+BATCH = 64
+SETUPS = ["ddp", "allreduce", "ceiling"]
+
+
+def _build(seed: int = 0):
+    from parambox.models import build_model
+
+    torch.manual_seed(seed)
+    model = build_model("cnn", (3, 32, 32), 10)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def _strategy_stepper(name: str, world, steps: int):
+    """A step function running parambox's own strategy class, as `parambox train` would."""
+    from parambox.strategies import Context, strategy_class
+
+    model, _ = _build()
+    ctx = Context(
+        world, model, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), F.cross_entropy, steps, 300.0
+    )
+    cls = strategy_class(name)
+    strategy = cls(ctx, cls.Options())
+    return (lambda x, y, i: strategy.step(x, y, i)), strategy.close
+
+
+def _ddp_stepper():
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, opt = _build()
+    ddp = DistributedDataParallel(model)
+
+    def step(x, y, i):
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+
+    return step, lambda: None
+
+
+def _plain_stepper():
+    model, opt = _build()
+
+    def step(x, y, i):
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return step, lambda: None
+
+
+def make_stepper(name: str, world, steps: int):
+    if name == "ddp":
+        return _ddp_stepper()
+    if name == "ceiling":
+        return _plain_stepper()
+    return _strategy_stepper(name, world, steps)
+
+
+def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -> None:
+    from parambox.runtime.world import World
+
+    torch.set_num_threads(1)
+    world = World.from_env()
+    dist.init_process_group("gloo", rank=world.rank, world_size=world.world_size)
+    try:
+        g = torch.Generator().manual_seed(world.rank)
+        batches = [
+            (torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
+            for _ in range(8)
+        ]
+        steppers = {name: make_stepper(name, world, warmup + rounds * steps) for name in setups}
+        for name, (step, _) in steppers.items():
+            for i in range(warmup):
+                step(*batches[i % 8], i)
+        results: dict[str, list[float]] = {name: [] for name in setups}
+        for r in range(rounds):
+            order = setups[r % len(setups) :] + setups[: r % len(setups)]
+            for name in order:
+                step = steppers[name][0]
+                dist.barrier()
+                t0 = time.perf_counter()
+                for i in range(steps):
+                    step(*batches[i % 8], warmup + r * steps + i)
+                dist.barrier()
+                results[name].append(world.world_size * BATCH * steps / (time.perf_counter() - t0))
+        for _, close in steppers.values():
+            close()
+        if world.rank == 0:
+            out.write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_bench_sync(
+    setups: list[str] | None = None, rounds: int = 5, steps: int = 30, warmup: int = 5, workers: int = 2
+) -> dict:
+    """Spawn the workers, collect per-round samples/s, and compute paired ratios."""
+    from parambox.runtime.dist import free_port
+    from parambox.strategies import STRATEGIES
+
+    setups = setups or [
+        s for s in ["ddp", "allreduce", "box-sync", "ceiling"] if s in STRATEGIES or s in SETUPS
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+            WORLD_SIZE=str(workers),
+            OMP_NUM_THREADS="1",
+            PARAMBOX_SHM_PREFIX=f"pb_bench_{os.getpid()}_",
+        )
+        args = [
+            sys.executable,
+            "-m",
+            "parambox.experiments.bench_sync",
+            "--worker",
+            ",".join(setups),
+            str(rounds),
+            str(steps),
+            str(warmup),
+            str(out),
+        ]
+        procs = [
+            subprocess.Popen(args, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(workers)
+        ]
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            raise RuntimeError(f"bench sync workers exited with {codes}")
+        per_round = json.loads(out.read_text())
+    return summarize(per_round, rounds, steps, workers)
+
+
+def summarize(per_round: dict[str, list[float]], rounds: int, steps: int, workers: int) -> dict:
+    result: dict = {
+        "workers": workers,
+        "threads_per_worker": 1,
+        "batch_per_worker": BATCH,
+        "model": "cnn",
+        "rounds": rounds,
+        "steps_per_round": steps,
+        "samples_per_s": {k: statistics.median(v) for k, v in per_round.items()},
+        "per_round_samples_per_s": per_round,
+    }
+
+    def paired(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(per_round[a], per_round[b]))
+
+    if "allreduce" in per_round:
+        result["ratio_vs_ddp"] = paired("allreduce", "ddp")
+    if "box-sync" in per_round:
+        result["ratio_box_sync_vs_ddp"] = paired("box-sync", "ddp")
+        if "ceiling" in per_round:
+            result["ratio_box_sync_vs_ceiling"] = paired("box-sync", "ceiling")
+    if "ceiling" in per_round and "ddp" in per_round:
+        result["ratio_ddp_vs_ceiling"] = paired("ddp", "ceiling")
+    return result
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--worker":
+        worker(
+            sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6])
+        )

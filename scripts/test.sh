@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set up (idempotent) and run the whole test suite: lint, format check, then the three test tiers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install -q torch==2.13.0            # the CPU wheel; an unpinned torch pulls a multi-GB CUDA build
+python -m pip install -q -e ".[dev]"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc="${OMPI_MCA_osc:-^ucx}"
+python -m ruff check parambox tests
+python -m ruff format --check parambox tests
+python -m pytest -q "$@"
