@@ -94,7 +94,7 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
             for _ in range(8)
         ]
         steppers = {name: make_stepper(name, world, warmup + rounds * steps) for name in setups}
-        for name, (step, _) in steppers.items():
+        for step, _ in steppers.values():
             for i in range(warmup):
                 step(*batches[i % 8], i)
         results: dict[str, list[float]] = {name: [] for name in setups}
