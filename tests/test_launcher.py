@@ -1,0 +1,74 @@
+"""Tier (c): the local launcher stops everything promptly on a failure or Ctrl-C, and leaves nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+LONG = [
+    "train",
+    "--model",
+    "mlp",
+    "--steps",
+    "1000000",
+    "--eval-every",
+    "0",
+    "--no-progress",
+    "--threads",
+    "1",
+]
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+@pytest.mark.timeout(90)
+def test_failed_worker_stops_the_others_and_is_named(tmp_path):
+    t0 = time.monotonic()
+    proc = run_cli(*LONG, "--out", str(tmp_path / "r"), env={"PARAMBOX_FAULT": "1:20:kill"}, check=False)
+    assert proc.returncode == 1
+    assert "worker rank 1 failed: killed by signal SIGKILL" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - t0 < 60  # a million steps would take far longer: the others were stopped
+
+
+@pytest.mark.timeout(90)
+def test_sigint_stops_every_worker(tmp_path):
+    out = tmp_path / "r"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "parambox", *LONG, "--out", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
+    )
+    deadline = time.monotonic() + 60
+    while not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").stat().st_size == 0:
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.2)
+    workers = _descendants(p.pid)
+    assert len(workers) >= 2
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 130 and "interrupted" in err
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive
+
+
+def test_python_dash_m_and_help():
+    proc = run_cli("--help")
+    assert "train" in proc.stdout and "bench" in proc.stdout
+    assert "--strategy" in run_cli("train", "--help").stdout

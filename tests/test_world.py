@@ -1,0 +1,105 @@
+"""Tier (a): World is read correctly from every launcher's environment."""
+
+from __future__ import annotations
+
+from parambox.runtime.world import World, first_host, under_external_launcher
+
+
+def test_no_launcher():
+    w = World.from_env({})
+    assert (w.rank, w.world_size, w.launcher) == (0, 1, "none")
+    assert not under_external_launcher({})
+
+
+def test_torchrun():
+    env = {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "n1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RUN_ID": "x",
+    }
+    w = World.from_env(env)
+    assert (w.rank, w.world_size, w.local_rank, w.local_world_size, w.node_rank, w.num_nodes) == (
+        5,
+        8,
+        1,
+        4,
+        1,
+        2,
+    )
+    assert (w.launcher, w.master_addr, w.master_port) == ("torchrun", "n1", 29500)
+    assert under_external_launcher(env)
+
+
+def test_slurm_step():
+    env = {
+        "SLURM_PROCID": "3",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_TASKS": "6",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "1",
+        "SLURM_STEP_TASKS_PER_NODE": "3(x2)",
+        "SLURM_STEP_NODELIST": "gpu[07-08]",
+        "SLURM_JOB_ID": "1234",
+    }
+    w = World.from_env(env)
+    assert (w.rank, w.world_size, w.local_rank, w.local_world_size, w.node_rank, w.num_nodes) == (
+        3,
+        6,
+        0,
+        3,
+        1,
+        2,
+    )
+    assert w.launcher == "slurm" and w.master_addr == "gpu07" and 20000 <= w.master_port < 40000
+
+
+def test_slurm_batch_script_is_not_a_worker():
+    # Inside the sbatch script itself (no srun step) parambox must launch, not act as one rank.
+    assert World.from_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "9"}).launcher == "none"
+
+
+def test_uneven_slurm_tasks_per_node():
+    env = {
+        "SLURM_PROCID": "4",
+        "SLURM_STEP_ID": "1",
+        "SLURM_STEP_NUM_TASKS": "5",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_TASKS_PER_NODE": "3,2",
+        "SLURM_JOB_NODELIST": "a,b",
+    }
+    assert World.from_env(env).local_world_size == 2
+
+
+def test_openmpi_and_pmi():
+    w = World.from_env(
+        {
+            "OMPI_COMM_WORLD_RANK": "3",
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        }
+    )
+    assert (w.rank, w.world_size, w.local_rank, w.node_rank, w.num_nodes, w.launcher) == (
+        3,
+        4,
+        1,
+        1,
+        2,
+        "mpi",
+    )
+    w = World.from_env({"PMI_RANK": "2", "PMI_SIZE": "3"})
+    assert (w.rank, w.world_size, w.launcher) == (2, 3, "mpi")
+
+
+def test_first_host():
+    assert first_host("node[03-05,07],gpu1") == "node03"
+    assert first_host("login1") == "login1"
+    assert first_host("a,b") == "a"
