@@ -1,0 +1,229 @@
+"""The ``ParameterBox`` API every backend implements, and ``open_box``, the one way to get a box."""
+
+from __future__ import annotations
+
+import re
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from parambox.errors import CommTimeout, UserError
+from parambox.runtime.world import World
+
+BACKENDS = ("shm", "rma")
+_OPTIONS = {"shm": {"stripe_bytes"}, "rma": {"num_shards", "box_ranks", "comm"}}
+VERSION_COUNTER = 0  # counter 0: the box's version (bumped by whoever publishes a new state)
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def step_counter(rank: int) -> int:
+    """The counter that holds worker ``rank``'s step count (counters 1..world_size)."""
+    return 1 + rank
+
+
+def default_num_counters(world_size: int) -> int:
+    """The version counter plus one step counter per worker."""
+    return 1 + world_size
+
+
+class Handle:
+    """What ``pull_async``/``push_async`` return; ``wait()`` blocks until the transfer is complete."""
+
+    def wait(self) -> None:
+        return None
+
+
+DONE = Handle()  # backends that finish the transfer inside the call return this
+
+
+class _StagedPull(Handle):
+    """A pull into a host staging buffer, copied into the caller's tensor (GPU, other dtype) on wait."""
+
+    def __init__(self, inner: Handle, stage: torch.Tensor, out: torch.Tensor):
+        self.inner, self.stage, self.out = inner, stage, out
+
+    def wait(self) -> None:
+        if self.stage is not None:
+            self.inner.wait()
+            self.out.copy_(self.stage.view_as(self.out))
+            self.stage = None
+
+
+class ParameterBox(ABC):
+    """A flat float32 buffer shared by a run's processes: read, write, accumulate, plus int64 counters.
+
+    ``start`` selects a sub-range ``[start, start + n)`` of the buffer for every transfer, so a
+    strategy can work on shards. ``push`` is atomic per element with respect to other pushers;
+    ``pull`` takes no lock (it may see another worker's push half applied, as asynchronous SGD
+    allows). Host float32 tensors are used in place; others (GPU, float64) are staged through the host.
+
+    >>> box = open_box("shm", World(), numel=4, num_counters=1, name="demo")  # doctest: +SKIP
+    >>> box.push(torch.ones(4), scale=0.5); box.pull(torch.empty(4))  # doctest: +SKIP
+    tensor([0.5000, 0.5000, 0.5000, 0.5000])
+    >>> box.add_counter(0, 1), box.read_counter(0)  # doctest: +SKIP
+    (0, 1)
+    """
+
+    backend: ClassVar[str]
+
+    def __init__(self, name: str, numel: int, num_counters: int, timeout: float):
+        self.name, self.numel, self.num_counters, self.timeout = name, numel, num_counters, timeout
+
+    # -- transfers ---------------------------------------------------------------------------------
+    def pull(self, out: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """``out[:] = box[start:start + out.numel()]``; returns ``out``."""
+        self.pull_async(out, start).wait()
+        return out
+
+    def push(self, delta: torch.Tensor, scale: float = 1.0, start: int = 0) -> None:
+        """``box[start:start + n] += scale * delta``, atomic per element with respect to other pushers."""
+        self.push_async(delta, scale, start).wait()
+
+    def pull_async(self, out: torch.Tensor, start: int = 0) -> Handle:
+        """Start a pull; ``out`` holds the values once the handle's ``wait()`` returns."""
+        self._span(out.numel(), start)
+        if _is_host_flat(out):
+            return self._pull_into(out.view(-1), start)
+        stage = torch.empty(out.numel(), dtype=torch.float32)
+        return _StagedPull(self._pull_into(stage, start), stage, out)
+
+    def push_async(self, delta: torch.Tensor, scale: float = 1.0, start: int = 0) -> Handle:
+        """Start a push; ``delta`` must stay unchanged until the handle's ``wait()`` returns."""
+        src = _host_flat(delta)
+        self._span(src.numel(), start)
+        return self._push_from(src, float(scale), start)
+
+    def write(self, src: torch.Tensor, start: int = 0) -> None:
+        """``box[start:start + n] = src`` (atomic per element with respect to pushers)."""
+        flat = _host_flat(src)
+        self._span(flat.numel(), start)
+        self._write_from(flat, start)
+
+    # -- counters ----------------------------------------------------------------------------------
+    @abstractmethod
+    def read_counter(self, i: int) -> int:
+        """The current value of counter ``i``."""
+
+    @abstractmethod
+    def add_counter(self, i: int, v: int) -> int:
+        """Atomically add ``v`` to counter ``i``; returns the value before the add."""
+
+    # -- collective helpers ------------------------------------------------------------------------
+    @abstractmethod
+    def barrier(self, timeout: float | None = None) -> None:
+        """Wait until every process of the box arrives; ``CommTimeout`` naming the box otherwise."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the box (idempotent). For ``rma`` it is collective; tensors from ``tensor()`` stay valid."""
+
+    def tensor(self) -> torch.Tensor:
+        """The shared buffer itself as a flat float32 tensor (``shm`` only): writes bypass the locks."""
+        raise UserError(f"the {self.backend} box has no process-local tensor; use pull/push/write")
+
+    # -- backend hooks -----------------------------------------------------------------------------
+    @abstractmethod
+    def _pull_into(self, out: torch.Tensor, start: int) -> Handle: ...
+
+    @abstractmethod
+    def _push_from(self, src: torch.Tensor, scale: float, start: int) -> Handle: ...
+
+    @abstractmethod
+    def _write_from(self, src: torch.Tensor, start: int) -> None: ...
+
+    def _span(self, n: int, start: int) -> tuple[int, int]:
+        if start < 0 or start + n > self.numel:
+            raise ValueError(f"box {self.name!r}: range [{start}, {start + n}) is outside [0, {self.numel})")
+        return start, start + n
+
+    def _counter_index(self, i: int) -> int:
+        if not 0 <= i < self.num_counters:
+            raise ValueError(f"box {self.name!r}: counter {i} is outside [0, {self.num_counters})")
+        return i
+
+    def __enter__(self) -> ParameterBox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(name={self.name!r}, numel={self.numel}, num_counters={self.num_counters})"
+        )
+
+
+def _is_host_flat(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+
+
+def _host_flat(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if not _is_host_flat(t):
+        t = t.to("cpu", torch.float32).contiguous()
+    return t.view(-1)
+
+
+def wait_until(ready: Callable[[], Any], timeout: float, what: Callable[[], str]) -> Any:
+    """Poll ``ready()`` until it returns something truthy; ``CommTimeout(what())`` after ``timeout`` s.
+
+    Spins briefly (a box barrier is usually met within microseconds), then sleeps with a growing
+    back-off so a waiting process does not steal the CPU from the ones it waits for.
+    """
+    deadline = time.monotonic() + timeout
+    pause, spins = 0.0, 0
+    while True:
+        value = ready()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise CommTimeout(what())
+        spins += 1
+        if spins < 200:
+            time.sleep(0)
+        else:
+            pause = min(1e-3, max(2e-5, pause * 1.5))
+            time.sleep(pause)
+
+
+def open_box(
+    backend: str,
+    world: World,
+    numel: int,
+    num_counters: int | None = None,
+    name: str = "params",
+    *,
+    layout_hash: int = 0,
+    timeout: float = 60.0,
+    **options: Any,
+) -> ParameterBox:
+    """Create or attach the box ``name`` (collective over the box's processes: call it on every rank).
+
+    ``num_counters`` defaults to ``1 + world.world_size`` (counter 0 the version, ``1 + rank`` each
+    worker's steps). ``layout_hash`` (``Layout.fingerprint()``) makes attaching with another model
+    an error. Backend options: shm ``stripe_bytes``; rma ``num_shards``, ``box_ranks``, ``comm``.
+    """
+    if backend not in BACKENDS:
+        raise UserError(f"box backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if not _NAME.fullmatch(name):
+        raise UserError(f"box name {name!r}: use 1-64 letters, digits, '_', '.' or '-'")
+    if numel < 1:
+        raise UserError(f"box {name!r}: numel must be positive, got {numel}")
+    unknown = sorted(set(options) - _OPTIONS[backend])
+    if unknown:
+        raise UserError(f"box {name!r}: the {backend} backend has no option {unknown[0]!r}")
+    num_counters = default_num_counters(world.world_size) if num_counters is None else num_counters
+    if num_counters < 0:
+        raise UserError(f"box {name!r}: num_counters must be >= 0, got {num_counters}")
+    if backend == "shm":
+        from parambox.box.shm import open_shm_box
+
+        return open_shm_box(
+            world, numel, num_counters, name, layout_hash=layout_hash, timeout=timeout, **options
+        )
+    from parambox.box.rma import open_rma_box
+
+    return open_rma_box(world, numel, num_counters, name, layout_hash=layout_hash, timeout=timeout, **options)

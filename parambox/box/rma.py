@@ -1,0 +1,211 @@
+"""The ``rma`` box: any number of nodes, MPI-3 one-sided windows through mpi4py.
+
+Where the box lives: on the workers themselves (no dedicated server ranks). The buffer is cut into
+``num_shards`` near-equal shards (``shard_range``); shard ``k`` is the window memory of box rank
+``box_ranks[k]``, by default ``k * size // num_shards``, and ``num_shards`` defaults to every rank,
+so under ``mpiexec -n N`` each worker holds ``1/N`` of the box, as DistBelief sharded its parameter
+server and no single rank's memory or link carries all the traffic. ``num_shards=1`` puts the whole
+box on rank 0 (a classic parameter server). The int64 counters live in a small window on
+``box_ranks[0]``.
+
+Every rank keeps a passive-target epoch open on both windows (``Lock_all``) for the box's life:
+a push is one ``Accumulate(SUM)`` per shard it touches (MPI makes concurrent accumulates with the
+same op atomic per element), a write an ``Accumulate(REPLACE)``, a pull a ``Get``, a counter add a
+``Fetch_and_op``; ``Flush`` completes them. Works on Open MPI's shared-memory one-sided component
+and on ``OMPI_MCA_osc=rdma OMPI_MCA_btl=self,tcp``.
+
+mpi4py is imported here only, because importing it initialises MPI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from parambox.box.base import Handle, ParameterBox, wait_until
+from parambox.box.layout import shard_range
+from parambox.errors import CommTimeout, UserError
+from parambox.runtime.world import World
+
+# MPI counts are C ints; stay well below 2**31 elements (and bytes) per call.
+MAX_CHUNK = 1 << 26
+_NAME_BYTES = 64
+
+
+class _Flush(Handle):
+    """Completes RMA operations at their targets when waited on."""
+
+    def __init__(self, win: MPI.Win, targets: list[int], keep: object = None):
+        self.win, self.targets, self.keep = win, targets, keep
+
+    def wait(self) -> None:
+        for t in self.targets:
+            self.win.Flush(t)
+        self.targets, self.keep = [], None
+
+
+class RmaBox(ParameterBox):
+    """A box sharded over MPI windows; build it with ``open_box("rma", world, ...)`` under mpiexec.
+
+    >>> box = open_box("rma", World.from_env(), numel=10**6, num_shards=2)  # doctest: +SKIP
+    >>> h = box.push_async(delta); ...; h.wait()  # doctest: +SKIP
+    """
+
+    backend = "rma"
+
+    def __init__(
+        self, comm: MPI.Comm, name: str, numel: int, num_counters: int, box_ranks: list[int], timeout: float
+    ):
+        super().__init__(name, numel, num_counters, timeout)
+        self.comm = comm.Dup()  # the box's own barriers never mix with the caller's messages
+        self.box_ranks = box_ranks
+        self.shards = [shard_range(numel, k, len(box_ranks)) for k in range(len(box_ranks))]
+        rank = self.comm.Get_rank()
+        mine = [k for k, r in enumerate(box_ranks) if r == rank]
+        local = 0 if not mine else self.shards[mine[0]][1] - self.shards[mine[0]][0]
+        self.win = MPI.Win.Allocate(local * 4, 4, comm=self.comm)
+        self.counter_rank = box_ranks[0]
+        ncount = num_counters if rank == self.counter_rank else 0
+        self.cwin = MPI.Win.Allocate(ncount * 8, 8, comm=self.comm)
+        # Window memory is not zeroed by MPI; zero it before anyone can reach it (barrier below).
+        if local:
+            np.frombuffer(self.win.tomemory(), dtype=np.float32)[:] = 0
+        if ncount:
+            np.frombuffer(self.cwin.tomemory(), dtype=np.int64)[:] = 0
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        self.cwin.Lock_all(MPI.MODE_NOCHECK)
+        self._scaled: torch.Tensor | None = None
+        self._closed = False
+        self.barrier()
+
+    def _pieces(self, start: int, stop: int):
+        """(target rank, target displacement, lo, hi) for each chunk of [start, stop) on each shard."""
+        for k, (s0, s1) in enumerate(self.shards):
+            lo, hi = max(start, s0), min(stop, s1)
+            for a in range(lo, hi, MAX_CHUNK):
+                yield self.box_ranks[k], a - s0, a, min(hi, a + MAX_CHUNK)
+
+    def _rma(self, call, buf: torch.Tensor, start: int, **kw) -> list[int]:
+        arr = buf.numpy()
+        targets: list[int] = []
+        for rank, disp, lo, hi in self._pieces(start, start + buf.numel()):
+            call([arr[lo - start : hi - start], MPI.FLOAT], rank, target=(disp, hi - lo, MPI.FLOAT), **kw)
+            if rank not in targets:
+                targets.append(rank)
+        return targets
+
+    # -- transfers --------------------------------------------------------------------------------
+    def _pull_into(self, out: torch.Tensor, start: int) -> Handle:
+        return _Flush(self.win, self._rma(self.win.Get, out, start))
+
+    def _push_from(self, src: torch.Tensor, scale: float, start: int) -> Handle:
+        if scale != 1.0:
+            src = torch.mul(src, scale)  # MPI cannot scale; the handle keeps this copy alive
+        return _Flush(self.win, self._rma(self.win.Accumulate, src, start, op=MPI.SUM), keep=src)
+
+    def _write_from(self, src: torch.Tensor, start: int) -> None:
+        # REPLACE through Accumulate, not Put: atomic per element with respect to concurrent pushes.
+        _Flush(self.win, self._rma(self.win.Accumulate, src, start, op=MPI.REPLACE)).wait()
+
+    # -- counters ---------------------------------------------------------------------------------
+    def _fetch_and_op(self, i: int, v: int, op: MPI.Op) -> int:
+        result = np.zeros(1, dtype=np.int64)
+        self.cwin.Fetch_and_op(np.array([v], dtype=np.int64), result, self.counter_rank, i, op)
+        self.cwin.Flush(self.counter_rank)
+        return int(result[0])
+
+    def read_counter(self, i: int) -> int:
+        return self._fetch_and_op(self._counter_index(i), 0, MPI.NO_OP)
+
+    def add_counter(self, i: int, v: int) -> int:
+        return self._fetch_and_op(self._counter_index(i), v, MPI.SUM)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        _wait_request(
+            self.comm.Ibarrier(), self.timeout if timeout is None else timeout, f"box {self.name!r} barrier"
+        )
+
+    def close(self) -> None:
+        """Collective. If a peer does not arrive within a few seconds the windows are left to MPI's exit."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.barrier(timeout=min(self.timeout, 10.0))
+        except CommTimeout:
+            warnings.warn(
+                f"box {self.name!r}: a peer did not close the box; leaving its windows", stacklevel=2
+            )
+            return
+        for win in (self.win, self.cwin):
+            win.Unlock_all()
+            win.Free()
+        self.comm.Free()
+
+
+def _wait_request(req: MPI.Request, timeout: float, what: str) -> None:
+    wait_until(req.Test, timeout, lambda: f"{what}: not every rank arrived within {timeout:.0f} s")
+
+
+def _box_ranks(size: int, num_shards: int | None, box_ranks: Sequence[int] | None) -> list[int]:
+    if box_ranks is not None:
+        ranks = [int(r) for r in box_ranks]
+        if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < size for r in ranks):
+            raise UserError(f"box_ranks {ranks}: need distinct ranks in [0, {size})")
+        return ranks
+    num_shards = size if num_shards is None else num_shards
+    if not 1 <= num_shards <= size:
+        raise UserError(f"num_shards={num_shards}: need 1 <= num_shards <= {size} (ranks of the run)")
+    return [k * size // num_shards for k in range(num_shards)]
+
+
+def _check_agreement(comm: MPI.Comm, name: str, fields: list[int], timeout: float) -> None:
+    """Every rank must open the same box: same name, size, counters, layout and shard placement."""
+    rec = np.zeros(_NAME_BYTES + 8 * len(fields), dtype=np.uint8)
+    rec[: len(name)] = np.frombuffer(name.encode(), dtype=np.uint8)
+    rec[_NAME_BYTES:] = np.array(fields, dtype=np.int64).view(np.uint8)
+    everyone = np.zeros((comm.Get_size(), rec.size), dtype=np.uint8)
+    _wait_request(comm.Iallgather([rec, MPI.BYTE], [everyone, MPI.BYTE]), timeout, f"opening box {name!r}")
+
+    def describe(row: np.ndarray) -> str:
+        other = bytes(row[:_NAME_BYTES]).rstrip(b"\0").decode(errors="replace")
+        numel, ncount, layout = row[_NAME_BYTES:].view(np.int64)[:3]
+        return f"box {other!r} (numel={numel}, num_counters={ncount}, layout={int(layout):#x})"
+
+    for r in range(comm.Get_size()):
+        if not np.array_equal(everyone[r], everyone[0]):
+            mine, theirs = describe(everyone[0]), describe(everyone[r])
+            if mine == theirs:
+                theirs += " with another shard placement (num_shards or box_ranks)"
+            raise UserError(f"ranks disagree on box {name!r}: rank 0 opened {mine}, rank {r} opened {theirs}")
+
+
+def open_rma_box(
+    world: World,
+    numel: int,
+    num_counters: int,
+    name: str,
+    *,
+    layout_hash: int = 0,
+    timeout: float = 60.0,
+    num_shards: int | None = None,
+    box_ranks: Sequence[int] | None = None,
+    comm: MPI.Comm | None = None,
+) -> RmaBox:
+    """Collective over ``comm`` (default: every rank of the run)."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    size = comm.Get_size()
+    if comm == MPI.COMM_WORLD and size != world.world_size:
+        raise UserError(
+            f"the rma box needs the run started by mpiexec or srun: MPI sees {size} rank(s), "
+            f"the run has {world.world_size}"
+        )
+    ranks = _box_ranks(size, num_shards, box_ranks)
+    placement = int.from_bytes(hashlib.blake2b(repr(ranks).encode(), digest_size=7).digest(), "little")
+    _check_agreement(comm, name, [numel, num_counters, layout_hash, placement], timeout)
+    return RmaBox(comm, name, numel, num_counters, ranks, timeout)

@@ -1,0 +1,378 @@
+"""The ``shm`` box: one node, a POSIX shared-memory segment in /dev/shm mapped by every local process.
+
+Segment: ``/dev/shm/<prefix><box name>``, mode 0600. The per-run prefix (``pb_<16 random hex>_``) comes
+from ``PARAMBOX_SHM_PREFIX`` (set by the local launcher, which also removes ``<prefix>*`` when the
+run ends) or, under torchrun/srun/mpiexec, is made by local rank 0 and handed out through the
+torch.distributed store. Local rank 0 creates the segment (``O_CREAT|O_EXCL``, space reserved up
+front so a full /dev/shm is an error now rather than a SIGBUS later); the others attach and check
+the header. As soon as every local process has it mapped, the name is unlinked: the memory lives
+on while mapped, and nothing is left in /dev/shm even if a process is SIGKILLed afterwards.
+
+Memory map: a 4 KiB header, the int64 counters (rounded to 4 KiB), then the float32 data.
+Pushes lock stripes of the data with ``fcntl`` byte-range locks on the segment's descriptor: the
+kernel drops them when a process dies, so a killed worker never leaves a stripe locked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import secrets
+import threading
+from pathlib import Path
+
+import torch
+
+from parambox.box.base import DONE, Handle, ParameterBox, wait_until
+from parambox.errors import CommTimeout, UserError
+from parambox.runtime.world import World
+
+PREFIX_ENV = "PARAMBOX_SHM_PREFIX"
+SHM_DIR = "/dev/shm"
+# Small enough that two pushers rarely wait for each other, big enough that the lock calls cost ~1 %.
+DEFAULT_STRIPE_BYTES = 2 << 20
+
+_PAGE = 4096
+_MAGIC = int.from_bytes(b"PBOXSHM1", "little")
+# int64 slots of the header
+_H_MAGIC, _H_NUMEL, _H_NCOUNT, _H_LAYOUT, _H_STRIPE, _H_EXPECTED = 0, 1, 2, 3, 4, 5
+_H_ATTACHED, _H_REJECTED, _H_STATE, _H_BAR_COUNT, _H_BAR_GEN = 6, 7, 8, 9, 10
+_READY, _OPEN, _FAILED = 1, 2, 3
+# byte offsets locked with fcntl (locks need not cover real bytes of the file)
+_LOCK_META, _LOCK_COUNTERS, _LOCK_STRIPE0 = 0, 1, 64
+
+
+def new_prefix() -> str:
+    """A fresh, unguessable per-run prefix for segment names."""
+    return f"pb_{secrets.token_hex(8)}_"
+
+
+def remove_segments(prefix: str, root: str = SHM_DIR) -> list[str]:
+    """Remove every segment whose name starts with ``prefix``; returns the names removed."""
+    if not prefix or "/" in prefix:
+        raise ValueError(f"refusing to remove segments with prefix {prefix!r}")
+    removed = []
+    for entry in Path(root).glob(f"{prefix}*"):
+        with contextlib.suppress(FileNotFoundError):
+            entry.unlink()
+            removed.append(entry.name)
+    return removed
+
+
+def _layout_sizes(numel: int, num_counters: int) -> tuple[int, int]:
+    """(byte offset of the data, total bytes of the segment)."""
+    data_off = _PAGE + -(-num_counters * 8 // _PAGE) * _PAGE
+    return data_off, data_off + numel * 4
+
+
+class ShmBox(ParameterBox):
+    """A box in one shared-memory segment; build it with ``open_box("shm", ...)``.
+
+    >>> box = open_box("shm", World(), numel=1000, num_counters=3, name="center")  # doctest: +SKIP
+    >>> Layout.from_model(model).bind_params_(model, box.tensor())  # Hogwild  # doctest: +SKIP
+    """
+
+    backend = "shm"
+
+    def __init__(self, name: str, path: str, fd: int, mm: mmap.mmap, local_rank: int, timeout: float):
+        hdr = memoryview(mm)[:_PAGE].cast("q")
+        numel, num_counters = hdr[_H_NUMEL], hdr[_H_NCOUNT]
+        super().__init__(name, numel, num_counters, timeout)
+        self.path, self._fd, self._mm, self._hdr = path, fd, mm, hdr
+        data_off, _ = _layout_sizes(numel, num_counters)
+        self._counters = memoryview(mm)[_PAGE : _PAGE + num_counters * 8].cast("q")
+        self._data = torch.frombuffer(mm, dtype=torch.float32, offset=data_off, count=numel)
+        self._stripe = hdr[_H_STRIPE]
+        self._expected = hdr[_H_EXPECTED]
+        self._local_rank = local_rank
+        self._thread_lock = threading.Lock()  # fcntl locks belong to the process, not the thread
+        self._closed = False
+
+    # -- locks ------------------------------------------------------------------------------------
+    def _locked(self, offset: int):
+        return _lock(self._fd, offset)
+
+    def _stripes(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """(stripe, lo, hi) pieces of [start, stop), each process starting at its own stripe."""
+        first, last = start // self._stripe, (stop - 1) // self._stripe
+        pieces = [
+            (s, max(start, s * self._stripe), min(stop, (s + 1) * self._stripe))
+            for s in range(first, last + 1)
+        ]
+        # Two pushers that walk the stripes in the same order queue behind each other; starting at
+        # different stripes they mostly work on different ones.
+        k = self._local_rank * len(pieces) // max(1, self._expected)
+        return pieces[k:] + pieces[:k]
+
+    def _apply(self, src: torch.Tensor, start: int, op) -> None:
+        with self._thread_lock:
+            for s, lo, hi in self._stripes(start, start + src.numel()):
+                with self._locked(_LOCK_STRIPE0 + s):
+                    op(self._data[lo:hi], src[lo - start : hi - start])
+
+    # -- transfers --------------------------------------------------------------------------------
+    def _pull_into(self, out: torch.Tensor, start: int) -> Handle:
+        out.copy_(self._data[start : start + out.numel()])
+        return DONE
+
+    def _push_from(self, src: torch.Tensor, scale: float, start: int) -> Handle:
+        if scale == 1.0:
+            self._apply(src, start, lambda dst, s: dst.add_(s))
+        else:
+            self._apply(src, start, lambda dst, s: dst.add_(s, alpha=scale))
+        return DONE
+
+    def _write_from(self, src: torch.Tensor, start: int) -> None:
+        self._apply(src, start, lambda dst, s: dst.copy_(s))
+
+    def tensor(self) -> torch.Tensor:
+        return self._data
+
+    # -- counters ---------------------------------------------------------------------------------
+    def read_counter(self, i: int) -> int:
+        # An aligned 8-byte load is atomic on the CPUs torch runs on: no lock needed to read.
+        return self._counters[self._counter_index(i)]
+
+    def add_counter(self, i: int, v: int) -> int:
+        i = self._counter_index(i)
+        with self._thread_lock, self._locked(_LOCK_COUNTERS):
+            old = self._counters[i]
+            self._counters[i] = old + v
+        return old
+
+    def barrier(self, timeout: float | None = None) -> None:
+        hdr = self._hdr
+        with self._thread_lock, self._locked(_LOCK_META):
+            gen = hdr[_H_BAR_GEN]
+            hdr[_H_BAR_COUNT] += 1
+            if hdr[_H_BAR_COUNT] == self._expected:
+                hdr[_H_BAR_COUNT] = 0
+                hdr[_H_BAR_GEN] = gen + 1
+                return
+        wait_until(
+            lambda: hdr[_H_BAR_GEN] != gen,
+            self.timeout if timeout is None else timeout,
+            lambda: (
+                f"box {self.name!r} barrier: {hdr[_H_BAR_COUNT]} of {self._expected} local processes "
+                f"arrived (a worker died or stalled?)"
+            ),
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._data = None
+        for view in (self._hdr, self._counters):
+            view.release()
+        # Never mm.close(): torch.frombuffer keeps the mmap object alive but does not pin it, so
+        # closing it would unmap memory under tensors a strategy still holds (Hogwild's parameters).
+        # Dropping our references unmaps it once the last such tensor is gone.
+        self._mm = None
+        os.close(self._fd)
+
+
+# -- create / attach --------------------------------------------------------------------------------
+
+
+def open_shm_box(
+    world: World,
+    numel: int,
+    num_counters: int,
+    name: str,
+    *,
+    layout_hash: int = 0,
+    timeout: float = 60.0,
+    stripe_bytes: int = DEFAULT_STRIPE_BYTES,
+) -> ShmBox:
+    """Local rank 0 creates the segment, the other local ranks attach; collective over the node."""
+    if world.num_nodes > 1:
+        raise UserError(f"the shm box spans one node, this run has {world.num_nodes}; use --box rma")
+    if not Path(SHM_DIR).is_dir():
+        raise UserError(f"the shm box needs {SHM_DIR} (POSIX shared memory); use --box rma")
+    path = f"{SHM_DIR}/{_run_prefix(world, timeout)}{name}"
+    want = (numel, num_counters, layout_hash)
+    if world.local_rank == 0:
+        fd, mm = _create(name, path, want, max(1, stripe_bytes // 4), world.local_world_size)
+        box = ShmBox(name, path, fd, mm, 0, timeout)
+        _finish_rendezvous(box, path, timeout)
+        return box
+    fd, mm = _attach(name, path, want, timeout)
+    box = ShmBox(name, path, fd, mm, world.local_rank, timeout)
+    hdr = box._hdr
+    try:
+        state = wait_until(
+            lambda: hdr[_H_STATE] if hdr[_H_STATE] in (_OPEN, _FAILED) else 0,
+            timeout + 2.0,  # local rank 0 times out first and says why
+            lambda: f"box {name!r}: local rank 0 did not finish the rendezvous on {path} (did it die?)",
+        )
+    except BaseException:
+        _unlink_quietly(path)  # the creator may be dead: nobody else would remove the name
+        box.close()
+        raise
+    if state == _FAILED:
+        if hdr[_H_REJECTED]:
+            error = UserError(
+                f"box {name!r} ({_describe(hdr)}): another local process asked for a different one"
+            )
+        else:
+            error = CommTimeout(f"box {name!r}: local rank 0 gave up waiting for the other local processes")
+        box.close()
+        raise error
+    return box
+
+
+def _run_prefix(world: World, timeout: float) -> str:
+    prefix = os.environ.get(PREFIX_ENV)
+    if prefix:
+        return prefix
+    if world.local_world_size == 1:
+        prefix = new_prefix()
+    else:
+        prefix = _exchange_prefix(world, timeout)
+    os.environ[PREFIX_ENV] = prefix  # later boxes of this run reuse it
+    return prefix
+
+
+def _exchange_prefix(world: World, timeout: float) -> str:
+    """Local rank 0 makes the prefix and posts it in the torch.distributed store for its node."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise UserError(
+            f"the shm box under {world.launcher} needs {PREFIX_ENV} set or torch.distributed initialised first"
+        )
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store, key = _get_default_store(), f"parambox/shm_prefix/node{world.node_rank}"
+    if world.local_rank == 0:
+        store.set(key, new_prefix())
+    store.wait([key], datetime.timedelta(seconds=timeout))
+    return store.get(key).decode()
+
+
+def _create(
+    name: str, path: str, want: tuple[int, int, int], stripe: int, expected: int
+) -> tuple[int, mmap.mmap]:
+    numel, num_counters, layout_hash = want
+    _, size = _layout_sizes(numel, num_counters)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise UserError(f"box {name!r}: {path} already exists (a box of that name is open?)") from None
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask: owner only
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            raise UserError(f"no room in {SHM_DIR} for box {name!r} ({size >> 20} MiB): {e}") from None
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        hdr = memoryview(mm)[:_PAGE].cast("q")
+        hdr[_H_NUMEL], hdr[_H_NCOUNT], hdr[_H_LAYOUT] = numel, num_counters, layout_hash
+        hdr[_H_STRIPE], hdr[_H_EXPECTED], hdr[_H_STATE] = stripe, expected, _READY
+        hdr[_H_MAGIC] = _MAGIC  # last: attachers wait for it
+        hdr.release()
+        return fd, mm
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)
+        raise
+
+
+def _finish_rendezvous(box: ShmBox, path: str, timeout: float) -> None:
+    """Creator: wait for every local process to attach, then unlink the name (the mapping stays)."""
+    hdr = box._hdr
+
+    def settled():
+        return hdr[_H_REJECTED] or hdr[_H_ATTACHED] >= hdr[_H_EXPECTED] - 1
+
+    try:
+        wait_until(
+            settled,
+            timeout,
+            lambda: (
+                f"box {box.name!r}: only {1 + hdr[_H_ATTACHED]} of {hdr[_H_EXPECTED]} local processes "
+                f"attached to {path} within {timeout:.0f} s"
+            ),
+        )
+    except BaseException:
+        hdr[_H_STATE] = _FAILED
+        _unlink_quietly(path)
+        box.close()
+        raise
+    _unlink_quietly(path)
+    if hdr[_H_REJECTED]:
+        hdr[_H_STATE] = _FAILED
+        error = UserError(f"box {box.name!r} ({_describe(hdr)}): a local process asked for a different one")
+        box.close()
+        raise error
+    hdr[_H_STATE] = _OPEN
+
+
+def _describe(hdr: memoryview) -> str:
+    return f"numel={hdr[_H_NUMEL]}, num_counters={hdr[_H_NCOUNT]}, layout={hdr[_H_LAYOUT]:#x}"
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _attach(name: str, path: str, want: tuple[int, int, int], timeout: float) -> tuple[int, mmap.mmap]:
+
+    def try_open():
+        try:
+            return os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+
+    fd = wait_until(
+        try_open,
+        timeout,
+        lambda: (
+            f"box {name!r}: {path} does not exist (local rank 0 did not create it within "
+            f"{timeout:.0f} s, or every process had already attached)"
+        ),
+    )
+    try:
+        wait_until(
+            lambda: os.fstat(fd).st_size >= _PAGE, timeout, lambda: f"box {name!r}: {path} stayed empty"
+        )
+        head = mmap.mmap(fd, _PAGE, flags=mmap.MAP_SHARED)
+        hdr = memoryview(head).cast("q")
+        wait_until(
+            lambda: hdr[_H_MAGIC] == _MAGIC, timeout, lambda: f"box {name!r}: {path} has no box header"
+        )
+        have = (hdr[_H_NUMEL], hdr[_H_NCOUNT], hdr[_H_LAYOUT])
+        if have != want:
+            with _lock(fd, _LOCK_META):
+                hdr[_H_REJECTED] += 1
+        else:
+            with _lock(fd, _LOCK_META):
+                hdr[_H_ATTACHED] += 1
+        hdr.release()
+        head.close()
+        if have != want:
+            raise UserError(
+                f"box {name!r} holds numel={have[0]}, num_counters={have[1]}, layout={have[2]:#x}; "
+                f"this process asked for numel={want[0]}, num_counters={want[1]}, layout={want[2]:#x}"
+            )
+        _, size = _layout_sizes(want[0], want[1])
+        return fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+@contextlib.contextmanager
+def _lock(fd: int, offset: int):
+    fcntl.lockf(fd, fcntl.LOCK_EX, 1, offset)
+    try:
+        yield
+    finally:
+        fcntl.lockf(fd, fcntl.LOCK_UN, 1, offset)

@@ -1,0 +1,332 @@
+"""``parambox bench box``: how fast the box moves bytes, next to gloo, MPI and the memory itself.
+
+For S = 1, 25, 100 MiB of float32 (medians of ``repeats`` timed runs after one warm-up):
+
+- ``numpy_add`` / ``numpy_copy``: one process, ``a += b`` and ``np.copyto(a, b)``: the physical limit.
+- ``shm_push`` / ``shm_pull``: one process pushes (``box[:n] += delta``, striped locks included) or
+  pulls S bytes of a shm box while a second process has the box attached. Timed in the same
+  process as the numpy figures, alternating with them, on one torch thread, as numpy uses one.
+- ``rma_push`` / ``rma_pull``: under ``mpiexec -n 2``, rank 0 accumulates into (``Accumulate`` +
+  ``Flush``) or gets from the window of rank 1 (``box_ranks=[1]``) while rank 1 waits in the box's
+  barrier; once on Open MPI's shared-memory one-sided component and once (``rma_tcp_*``) on the
+  network path (``OMPI_MCA_osc=rdma OMPI_MCA_btl=self,tcp``).
+- ``mpi_allreduce`` (and ``mpi_allreduce_tcp``): ``MPI_Allreduce`` of S bytes over the same 2 ranks.
+- ``gloo_allreduce``: ``torch.distributed.all_reduce`` of S bytes, 2 processes on loopback.
+
+``gbps`` is payload bytes (S) per second, not memory traffic. Ratios at 100 MiB: ``shm_push_vs_add``
+= numpy add time / shm push time (median of the paired ratios; 1.0 means memory speed),
+``shm_push_vs_gloo`` = gloo allreduce / shm push, ``rma_push_vs_gloo`` = gloo allreduce / rma push.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import numpy as np
+import torch
+
+MIB = 1 << 20
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_osc": "^ucx"}
+MPI_TCP_ENV = MPI_ENV | {"OMPI_MCA_osc": "rdma", "OMPI_MCA_btl": "self,tcp"}
+_MARK = "BENCH_BOX_JSON "
+_MODULE = "parambox.experiments.bench_box"  # children run it with -m (``__name__`` is "__main__" there)
+
+
+def _time(fn: Callable[[], object], repeats: int) -> list[float]:
+    fn()  # warm-up: first touch of pages, lazy set-up
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _figure(seconds: Sequence[float], size_mb: int) -> dict[str, float]:
+    t = statistics.median(seconds)
+    return {"ms": round(t * 1e3, 3), "gbps": round(size_mb * MIB / t / 1e9, 2)}
+
+
+def _numel(size_mb: int) -> int:
+    return size_mb * MIB // 4
+
+
+# -- one process + shm ---------------------------------------------------------------------------------
+
+
+def bench_local_and_shm(sizes_mb: Sequence[int], repeats: int) -> tuple[dict, dict]:
+    """numpy add/copy and shm push/pull, alternating in this process; returns (ops, paired ratios)."""
+    from parambox.box import PREFIX_ENV, new_prefix, open_box, remove_segments
+    from parambox.runtime.world import World
+
+    prefix = new_prefix()
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{PREFIX_ENV: prefix})
+    numel = _numel(max(sizes_mb))
+    peer = subprocess.Popen(
+        [sys.executable, "-m", _MODULE, "--role", "shm-peer", "--numel", str(numel)], env=env
+    )
+    old_prefix, threads = os.environ.get(PREFIX_ENV), torch.get_num_threads()
+    os.environ[PREFIX_ENV] = prefix
+    torch.set_num_threads(1)
+    ops: dict[str, dict] = {k: {} for k in ("numpy_add", "numpy_copy", "shm_push", "shm_pull")}
+    ratios: dict[str, dict] = {"push_vs_add": {}, "pull_vs_copy": {}}
+    try:
+        box = open_box("shm", World(0, 2, 0, 2, launcher="local"), numel, 1, "bench", timeout=60)
+        for mb in sizes_mb:
+            n = _numel(mb)
+            pairs = _local_ops(box, n)
+            times = {k: [] for k in pairs}
+            for _ in range(repeats):  # alternate, so drift of the shared machine hits both alike
+                for k, fn in pairs.items():
+                    times[k] += _time(fn, 1)
+            for k, ts in times.items():
+                ops[k][str(mb)] = _figure(ts, mb)
+            ratios["push_vs_add"][str(mb)] = _paired(times["numpy_add"], times["shm_push"])
+            ratios["pull_vs_copy"][str(mb)] = _paired(times["numpy_copy"], times["shm_pull"])
+        box.barrier(timeout=60)  # lets the peer go
+        box.close()
+        peer.wait(60)
+    finally:
+        peer.kill()
+        peer.wait()
+        remove_segments(prefix)
+        torch.set_num_threads(threads)
+        if old_prefix is None:
+            os.environ.pop(PREFIX_ENV, None)
+        else:
+            os.environ[PREFIX_ENV] = old_prefix
+    return ops, ratios
+
+
+def _local_ops(box, n: int) -> dict[str, Callable[[], object]]:
+    a, b = np.ones(n, np.float32), np.ones(n, np.float32)
+    delta, out = torch.ones(n), torch.empty(n)
+    return {
+        "numpy_add": lambda: np.add(a, b, out=a),
+        "shm_push": lambda: box.push(delta),
+        "numpy_copy": lambda: np.copyto(a, b),
+        "shm_pull": lambda: box.pull(out),
+    }
+
+
+def _paired(base: list[float], other: list[float]) -> float:
+    return round(statistics.median(b / o for b, o in zip(base, other)), 3)
+
+
+def _shm_peer(numel: int) -> None:
+    from parambox.box import open_box
+    from parambox.runtime.world import World
+
+    box = open_box("shm", World(1, 2, 1, 2, launcher="local"), numel, 1, "bench", timeout=120)
+    box.barrier(timeout=600)  # attached, idle, until the timing process is done
+    box.close()
+
+
+# -- MPI and gloo, in child processes -------------------------------------------------------------------
+
+
+def _child(cmd: list[str], env: dict[str, str], timeout: float) -> dict:
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    for line in done.stdout.splitlines():
+        if line.startswith(_MARK):
+            return json.loads(line[len(_MARK) :])
+    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+    return {"error": f"exit code {done.returncode}: {' | '.join(tail)}"}
+
+
+def _role_args(sizes_mb: Sequence[int], repeats: int) -> list[str]:
+    return ["--sizes", ",".join(map(str, sizes_mb)), "--repeats", str(repeats)]
+
+
+def _timed_collective(barrier: Callable[[], object], op: Callable[[], object]) -> float:
+    """Seconds of one collective, started together after a barrier."""
+    barrier()
+    t0 = time.perf_counter()
+    op()
+    return time.perf_counter() - t0
+
+
+def bench_mpi(sizes_mb: Sequence[int], repeats: int, env_extra: dict[str, str]) -> dict:
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        return {"error": "no mpiexec on PATH"}
+    cmd = [mpiexec, "-n", "2", "--oversubscribe", sys.executable, "-m", _MODULE, "--role", "mpi"]
+    env = dict(os.environ, OMP_NUM_THREADS="1") | env_extra
+    return _child(cmd + _role_args(sizes_mb, repeats), env, timeout=300)
+
+
+def _mpi_worker(sizes_mb: Sequence[int], repeats: int) -> None:
+    from mpi4py import MPI
+
+    from parambox.box import open_box
+    from parambox.runtime.world import World
+
+    world, comm = World.from_env(), MPI.COMM_WORLD
+    box = open_box("rma", world, _numel(max(sizes_mb)), 1, "bench", box_ranks=[1], timeout=120)
+    ops: dict[str, dict] = {"rma_push": {}, "rma_pull": {}, "mpi_allreduce": {}}
+    for mb in sizes_mb:
+        n = _numel(mb)
+        if world.rank == 0:
+            delta, out = torch.ones(n), torch.empty(n)
+            ops["rma_push"][str(mb)] = _figure(_time(partial(box.push, delta), repeats), mb)
+            ops["rma_pull"][str(mb)] = _figure(_time(partial(box.pull, out), repeats), mb)
+        box.barrier(timeout=300)  # rank 1 waits here (progressing MPI) while rank 0 times
+        allreduce = partial(
+            _timed_collective, comm.Barrier, partial(comm.Allreduce, MPI.IN_PLACE, np.ones(n, np.float32))
+        )
+        allreduce()
+        ops["mpi_allreduce"][str(mb)] = _figure([allreduce() for _ in range(repeats)], mb)
+    box.close()
+    if world.rank == 0:
+        print(_MARK + json.dumps(ops), flush=True)
+
+
+def bench_gloo(sizes_mb: Sequence[int], repeats: int) -> dict:
+    from parambox.runtime.dist import free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    cmd = [sys.executable, "-m", _MODULE, "--role", "gloo", *_role_args(sizes_mb, repeats)]
+    procs = [
+        subprocess.Popen([*cmd, "--rank", str(r)], env=env, stdout=subprocess.PIPE, text=True) for r in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for line in outs[0].splitlines():
+        if line.startswith(_MARK):
+            return json.loads(line[len(_MARK) :])
+    return {"error": f"gloo workers exited with {[p.returncode for p in procs]}"}
+
+
+def _gloo_worker(rank: int, sizes_mb: Sequence[int], repeats: int) -> None:
+    import torch.distributed as dist
+
+    addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=2)
+    ops: dict[str, dict] = {"gloo_allreduce": {}}
+    for mb in sizes_mb:
+        allreduce = partial(_timed_collective, dist.barrier, partial(dist.all_reduce, torch.ones(_numel(mb))))
+        allreduce()
+        ops["gloo_allreduce"][str(mb)] = _figure([allreduce() for _ in range(repeats)], mb)
+    dist.destroy_process_group()
+    if rank == 0:
+        print(_MARK + json.dumps(ops), flush=True)
+
+
+# -- the whole benchmark --------------------------------------------------------------------------------
+
+
+def run_bench_box(
+    json_out: bool = False,
+    sizes_mb: Sequence[int] = (1, 25, 100),
+    repeats: int = 7,
+    rounds: int | None = None,
+    steps: int | None = None,  # accepted for the bench CLI's common flags; unused here
+) -> dict:
+    """Run every measurement once, one after the other; returns the figures and the ratios."""
+    repeats = rounds or repeats
+    sizes_mb = sorted(set(int(s) for s in sizes_mb))
+    say = (lambda msg: None) if json_out else (lambda msg: print(f"bench box: {msg}", file=sys.stderr))
+    t0 = time.perf_counter()
+    say("numpy and shm")
+    ops, paired = bench_local_and_shm(sizes_mb, repeats)
+    errors: dict[str, str] = {}
+    for label, runner in (
+        ("gloo", lambda: bench_gloo(sizes_mb, repeats)),
+        ("rma", lambda: bench_mpi(sizes_mb, repeats, MPI_ENV)),
+        ("rma_tcp", lambda: bench_mpi(sizes_mb, repeats, MPI_TCP_ENV)),
+    ):
+        say(label)
+        got = runner()
+        if "error" in got:
+            errors[label] = got["error"]
+            continue
+        tcp_names = {
+            "rma_push": "rma_tcp_push",
+            "rma_pull": "rma_tcp_pull",
+            "mpi_allreduce": "mpi_allreduce_tcp",
+        }
+        for op, figures in got.items():
+            ops[tcp_names.get(op, op) if label == "rma_tcp" else op] = figures
+    return _summary(sizes_mb, repeats, ops, paired, errors, time.perf_counter() - t0)
+
+
+def _summary(sizes_mb, repeats, ops, paired, errors, seconds) -> dict:
+    top = str(max(sizes_mb))
+
+    def ratio(base: str, op: str) -> float | None:
+        if top not in ops.get(base, {}) or top not in ops.get(op, {}):
+            return None
+        return round(ops[base][top]["ms"] / ops[op][top]["ms"], 2)
+
+    result = {
+        "sizes_mb": sizes_mb,
+        "repeats": repeats,
+        "ops": ops,
+        "shm_push_vs_add": paired["push_vs_add"][top],
+        "shm_pull_vs_copy": paired["pull_vs_copy"][top],
+        "shm_push_vs_gloo": ratio("gloo_allreduce", "shm_push"),
+        "rma_push_vs_gloo": ratio("gloo_allreduce", "rma_push"),
+        "rma_tcp_push_vs_gloo": ratio("gloo_allreduce", "rma_tcp_push"),
+        "rma_push_vs_mpi_allreduce": ratio("mpi_allreduce", "rma_push"),
+        "paired": paired,
+        "seconds": round(seconds, 1),
+    }
+    if errors:
+        result["errors"] = errors
+    return result
+
+
+def _table(result: dict) -> str:
+    sizes = [str(s) for s in result["sizes_mb"]]
+    lines = [f"{'op':<20}" + "".join(f"{s + ' MiB: ms, GB/s':>26}" for s in sizes)]
+    for op, figures in result["ops"].items():
+        cells = [
+            f"{figures[s]['ms']:>12.2f} {figures[s]['gbps']:>12.2f}" if s in figures else f"{'-':>26}"
+            for s in sizes
+        ]
+        lines.append(f"{op:<20}" + " ".join(cells))
+    ratios = [k for k in result if k.endswith(("_vs_add", "_vs_copy", "_vs_gloo", "_vs_mpi_allreduce"))]
+    lines += [f"{k}: {result[k]}" for k in ratios]
+    lines += [f"error {k}: {v}" for k, v in result.get("errors", {}).items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m parambox.experiments.bench_box", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
+    p.add_argument("--sizes", default="1,25,100", help="comma-separated sizes in MiB")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--role", default=None, help=argparse.SUPPRESS)  # the child processes
+    p.add_argument("--numel", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    if args.role == "shm-peer":
+        _shm_peer(args.numel)
+    elif args.role == "mpi":
+        _mpi_worker(sizes, args.repeats)
+    elif args.role == "gloo":
+        _gloo_worker(args.rank, sizes, args.repeats)
+    else:
+        result = run_bench_box(json_out=args.json, sizes_mb=sizes, repeats=args.repeats)
+        print(json.dumps(result, indent=2) if args.json else _table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""One contract, both box backends: the same checks run by 3 processes over shm, rma (shared-memory
+osc) and rma over the network path (osc rdma, btl tcp).
+
+Run as a script this file is the worker (``python tests/test_box_contract.py shm RANK SIZE``, or
+``rma`` under mpiexec): it runs every check in order and prints one JSON line per check. pytest
+starts the workers once per backend and asserts on those lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+SIZE = 3
+CHECK_TIMEOUT = 2.0  # seconds a failed open may wait before it must report an error
+NUMEL = 100_003  # not a multiple of the stripe or shard size
+HOT_PUSHES = 300
+HOT_NUMEL = 1 << 18  # 1 MB: within one default stripe, so every pusher hits the same lock
+COUNTER_ADDS = 5000
+CHECKS = ["push_sum", "push_hot", "pull_after_push", "counters", "shard_bounds", "mismatch", "missing"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# worker side
+# ---------------------------------------------------------------------------------------------------
+
+
+class Worker:
+    def __init__(self, backend: str, world):
+        self.backend, self.world, self.rank = backend, world, world.rank
+        self.keep = None
+
+    def open(self, numel: int, name: str, num_counters: int = 0, **kw):
+        from parambox.box import open_box
+
+        if self.backend == "shm":
+            kw.setdefault("stripe_bytes", 4096)  # many stripes, so stripe edges are exercised
+            kw.pop("num_shards", None)
+        else:
+            kw.pop("stripe_bytes", None)
+        kw.setdefault("timeout", 20.0)  # a failing check ends in an error, not a long hang
+        return open_box(self.backend, self.world, numel, num_counters, name, **kw)
+
+    def check_push_sum(self):
+        import torch
+
+        box = self.open(NUMEL, "sum")
+        v = torch.arange(NUMEL, dtype=torch.float32) % 13
+        for i in range(30):
+            if i % 2:
+                box.push(v, scale=self.rank + 1)
+            else:
+                box.push_async(v * (self.rank + 1)).wait()
+        box.barrier()
+        got = box.pull(torch.empty(NUMEL))
+        want = v * 30 * sum(range(1, SIZE + 1))
+        box.close()
+        return bool(torch.equal(got, want)), f"max error {float((got - want).abs().max())}"
+
+    def check_push_hot(self):
+        """Pushes to the same elements at the same time: a lost update would show."""
+        import torch
+
+        box = self.open(HOT_NUMEL, "hot", stripe_bytes=2 << 20)
+        ones = torch.ones(HOT_NUMEL)
+        box.barrier()
+        for _ in range(HOT_PUSHES):
+            box.push(ones)
+        box.barrier()
+        got = box.pull(torch.empty(HOT_NUMEL))
+        box.close()
+        return bool(got.eq(HOT_PUSHES * SIZE).all()), f"min {float(got.min())} max {float(got.max())}"
+
+    def check_pull_after_push(self):
+        import torch
+
+        box = self.open(1000, "seen")
+        if self.rank == 0:
+            box.push(torch.full((990,), 5.0), start=10)
+        box.barrier()
+        first = box.pull(torch.empty(1000))
+        box.barrier()
+        if self.rank == 1:
+            box.write(torch.full((2,), -1.0), start=998)
+        box.barrier()
+        second = torch.empty(2, 2)
+        box.pull_async(second, start=996).wait()
+        box.close()
+        ok_first = first[:10].eq(0).all() and first[10:].eq(5).all()
+        ok_second = second.flatten().tolist() == [5.0, 5.0, -1.0, -1.0]
+        return bool(ok_first and ok_second), f"first[8:12]={first[8:12].tolist()} second={second.tolist()}"
+
+    def check_counters(self):
+        box = self.open(8, "count", num_counters=1 + SIZE)
+        box.barrier()
+        olds = [box.add_counter(0, 1) for _ in range(COUNTER_ADDS)]
+        for _ in range(50):
+            box.add_counter(1 + self.rank, 2)
+        box.barrier()
+        total, steps = box.read_counter(0), [box.read_counter(1 + r) for r in range(SIZE)]
+        box.close()
+        ok = total == COUNTER_ADDS * SIZE and steps == [100] * SIZE and olds == sorted(set(olds))
+        return ok, f"total={total} steps={steps}", sum(olds)
+
+    def check_shard_bounds(self):
+        import torch
+
+        from parambox.box import shard_range
+
+        n = 1001
+        box = self.open(n, "shards", num_shards=SIZE)
+        ramp = torch.arange(n, dtype=torch.float32)
+        if self.rank == 0:
+            box.write(ramp)
+        box.barrier()
+        bounds = [shard_range(n, k, SIZE) for k in range(SIZE)]
+        ok = (
+            bounds[0][0] == 0 and bounds[-1][1] == n and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        )
+        for _, stop in bounds[:-1]:  # windows that straddle each shard edge
+            got = box.pull(torch.empty(4), start=stop - 2)
+            ok = ok and got.tolist() == ramp[stop - 2 : stop + 2].tolist()
+        box.barrier()  # every rank has checked the edges before anyone pushes
+        lo, hi = bounds[self.rank]
+        box.push(torch.ones(hi - lo), scale=self.rank + 1, start=lo)
+        box.barrier()
+        got = box.pull(torch.empty(n))
+        want = ramp + torch.cat([torch.full((b - a,), k + 1.0) for k, (a, b) in enumerate(bounds)])
+        box.close()
+        return bool(ok and torch.equal(got, want)), f"bounds={bounds}"
+
+    def _expect_error(self, name: str, **kw) -> tuple[bool, str]:
+        from parambox.errors import CommTimeout, UserError
+
+        try:
+            box = self.open(timeout=CHECK_TIMEOUT, name=name, **kw)
+        except (UserError, CommTimeout) as e:
+            return True, f"{type(e).__name__}: {e}"
+        box.close()
+        return False, f"opening {name!r} did not fail"
+
+    def check_mismatch(self):
+        import torch
+
+        wrong_size = self._expect_error("mm", numel=500 + (self.rank == 2))
+        wrong_layout = self._expect_error("ml", numel=500, layout_hash=7 if self.rank == 2 else 8)
+        intact = torch.equal(self.keep.pull(torch.empty(64)), torch.arange(64.0))
+        ok = wrong_size[0] and wrong_layout[0] and intact and "500" in wrong_size[1]
+        return ok, f"{wrong_size[1]} | {wrong_layout[1]} | keep intact={intact}"
+
+    def check_missing(self):
+        import torch
+
+        name = "ghost" if self.rank == 2 else "real"
+        ok, detail = self._expect_error(name, numel=100)
+        ok = ok and ("ghost" in detail or "real" in detail)
+        intact = torch.equal(self.keep.pull(torch.empty(64)), torch.arange(64.0))
+        return ok and intact, f"{detail} | keep intact={intact}"
+
+    def run(self) -> None:
+        import torch
+
+        self.keep = self.open(64, "keep")
+        if self.rank == 0:
+            self.keep.write(torch.arange(64.0))
+        self.keep.barrier()
+        for check in CHECKS:
+            try:
+                ok, detail, *value = getattr(self, f"check_{check}")()
+            except Exception as e:  # report, and let the other checks run
+                ok, detail, value = False, f"{type(e).__name__}: {e}", []
+            line = {"rank": self.rank, "check": check, "ok": bool(ok), "detail": detail}
+            print(json.dumps(line | ({"value": value[0]} if value else {})), flush=True)
+            self.keep.barrier()
+        self.keep.close()
+
+
+def worker_main(argv: list[str]) -> None:
+    from parambox.runtime.world import World
+
+    backend = argv[0]
+    if backend == "shm":
+        rank, size = int(argv[1]), int(argv[2])
+        world = World(rank, size, rank, size, launcher="local")
+    else:
+        world = World.from_env()
+    Worker(backend, world).run()
+
+
+# ---------------------------------------------------------------------------------------------------
+# pytest side
+# ---------------------------------------------------------------------------------------------------
+
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_osc": "^ucx"}
+VARIANTS = {
+    "shm": {},
+    "rma-sm": MPI_ENV,
+    "rma-tcp": MPI_ENV | {"OMPI_MCA_osc": "rdma", "OMPI_MCA_btl": "self,tcp"},
+}
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PARAMBOX_SHM_PREFIX"}
+    return env | {"OMP_NUM_THREADS": "1"} | extra
+
+
+@cache
+def contract_run(variant: str) -> tuple[dict[str, list[dict]], str, str]:
+    """Run the workers once per variant: ({check: [line per rank]}, combined output, shm prefix)."""
+    me = str(Path(__file__).resolve())
+    prefix = f"pb_test_{secrets.token_hex(6)}_"
+    if variant == "shm":
+        env = _env({"PARAMBOX_SHM_PREFIX": prefix})
+        procs = [
+            subprocess.Popen(
+                [sys.executable, me, "shm", str(r), str(SIZE)], env=env, stdout=subprocess.PIPE, text=True
+            )
+            for r in range(SIZE)
+        ]
+        try:
+            outs = [p.communicate(timeout=90)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+    else:
+        cmd = [
+            shutil.which("mpiexec") or "mpiexec",
+            "-n",
+            str(SIZE),
+            "--oversubscribe",
+            sys.executable,
+            me,
+            "rma",
+        ]
+        done = subprocess.run(cmd, env=_env(VARIANTS[variant]), capture_output=True, text=True, timeout=90)
+        outs = [done.stdout, done.stderr[-3000:]]
+    results: dict[str, list[dict]] = {}
+    for raw in "\n".join(outs).splitlines():
+        if raw.startswith("{"):
+            line = json.loads(raw)
+            results.setdefault(line["check"], []).append(line)
+    return results, "\n".join(outs)[-4000:], prefix
+
+
+def _skip_without_mpi(variant: str) -> None:
+    if variant.startswith("rma") and shutil.which("mpiexec") is None:
+        pytest.skip("no mpiexec on PATH")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_box_contract(variant: str, check: str) -> None:
+    _skip_without_mpi(variant)
+    results, output, _ = contract_run(variant)
+    lines = results.get(check, [])
+    assert sorted(line["rank"] for line in lines) == list(range(SIZE)), (
+        f"missing ranks for {check}:\n{output}"
+    )
+    bad = [line for line in lines if not line["ok"]]
+    assert not bad, f"{variant} {check}: {bad}"
+    if check == "counters":  # fetch-and-add handed out every old value exactly once
+        n = COUNTER_ADDS * SIZE
+        assert sum(line["value"] for line in lines) == n * (n - 1) // 2
+
+
+@pytest.mark.timeout(120)
+def test_shm_contract_leaves_no_segments() -> None:
+    _, _, prefix = contract_run("shm")
+    assert not list(Path("/dev/shm").glob(f"{prefix}*"))
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1:])
