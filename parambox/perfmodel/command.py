@@ -1,0 +1,227 @@
+"""``parambox predict``: speedup, efficiency and n_peak per topology, as a table, JSON and a plot.
+
+Defaults: global batch 1024 (so every n up to 1024 gets at least one sample: the strong-scaling curve is
+defined on the whole grid), 10 Gbit/s links with 10 us latency, 4 servers / box shards, overlap 0, T_comp
+measured here with 1 thread (the fastest of 5 passes) over the local batch sizes the grid needs (powers of two up to 256, linear above).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from parambox.errors import UserError
+from parambox.perfmodel import measure
+from parambox.perfmodel.compute import (
+    ComputeProfile,
+    batch_sizes_to_measure,
+    parse_comp_table,
+)
+from parambox.perfmodel.output import plot_speedup, print_report
+from parambox.perfmodel.scaling import DEFAULT_WORKER_COUNTS, ScalingCurve, local_batches, predict_curve
+from parambox.perfmodel.topology import Network, parse_topologies
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a(
+        "--model",
+        default="alexnet",
+        help="model from the zoo whose size and step time to use (default alexnet)",
+    )
+    a("--input-shape", default="3,32,32", help="C,H,W of one sample (default 3,32,32: cifar10)")
+    a("--num-classes", type=int, default=10)
+    a("--parameters", type=int, help="override the parameter count (S = 4 bytes x this)")
+    a("--topology", default="all", help="ring, tree, ps, ps-sharded, box: one, a comma list or all")
+    a("--bandwidth-gbps", type=float, help="link bandwidth in Gbit/s (default 10)")
+    a("--latency-us", type=float, help="per-message latency in microseconds (default 10)")
+    a("--measure-bandwidth", action="store_true", help="measure bandwidth and latency: gloo on loopback")
+    a("--servers", type=int, default=4, help="k servers for ps-sharded, k box shards (default 4)")
+    a("--box-bandwidth-gbps", type=float, help="the box's aggregate bandwidth (default servers x bandwidth)")
+    a("--overlap", type=float, default=0.0, help="fraction of T_comm hidden behind compute, 0..1 (default 0)")
+    a("--global-batch", type=int, default=1024, help="global batch for strong scaling (default 1024)")
+    a("--scaling", choices=["strong", "weak", "both"], default="strong")
+    a("--local-batch", type=int, default=64, help="per-worker batch for weak scaling (default 64)")
+    a("--comp-ms", type=float, help="give T_comp: milliseconds per sample (linear, no small-batch penalty)")
+    a("--comp-table", help="give T_comp: BATCH:MS per step, e.g. 1:2.5,16:9,64:30 (log-log interpolated)")
+    a("--threads", type=int, default=1, help="torch threads when measuring T_comp (default 1)")
+    a("--repeats", type=int, default=5, help="timed passes over the batch sizes (fastest counts; default 5)")
+    a("--max-measure-batch", type=int, default=256, help="largest batch to time; linear above (default 256)")
+    a("--max-workers", type=int, default=1024, help="largest n of the grid 1, 2, 4, ... (default 1024)")
+    a("--validate", action="store_true", help="measure 1 and 2 workers here and compare with ring")
+    a("--validate-batch", type=int, help="global batch of the validation (default min(global batch, 64))")
+    a("--json", action="store_true", help="print one JSON object on stdout and nothing else")
+    a("--out", type=Path, help="write predict.json and predict.png into this directory")
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.comp_ms is not None and args.comp_table:
+        raise UserError("give either --comp-ms or --comp-table, not both")
+    if args.measure_bandwidth and (args.bandwidth_gbps is not None or args.latency_us is not None):
+        raise UserError(
+            "--measure-bandwidth measures bandwidth and latency: drop --bandwidth-gbps/--latency-us"
+        )
+    if not 0.0 <= args.overlap <= 1.0:
+        raise UserError(f"--overlap must be within 0..1, got {args.overlap}")
+    for name in ("global_batch", "local_batch", "threads", "repeats", "max_measure_batch", "max_workers"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UserError(f"--input-shape {text!r}: expected integers like 3,32,32") from None
+    if not shape or min(shape) < 1:
+        raise UserError(f"--input-shape {text!r}: every dimension must be >= 1")
+    return shape
+
+
+def _builder(args: argparse.Namespace, shape: tuple[int, ...]):
+    from parambox.models import build_model
+
+    def build():
+        try:
+            return build_model(args.model, shape, args.num_classes)
+        except ValueError as e:
+            raise UserError(f"--model {args.model}: {e}") from None
+
+    return build
+
+
+def _network(args: argparse.Namespace, size_bytes: float) -> tuple[Network, str]:
+    if args.measure_bandwidth:
+        _say(args, "measuring loopback bandwidth and latency (gloo allreduce, 2 processes)")
+        bw, lat = measure.measure_loopback(size_bytes, threads=args.threads)
+        return Network(bw, lat, args.servers, _box(args)), "measured (gloo allreduce, 2 processes, loopback)"
+    gbps = 10.0 if args.bandwidth_gbps is None else args.bandwidth_gbps
+    lat = 10.0 if args.latency_us is None else args.latency_us
+    return Network.from_gbps(gbps, lat, args.servers, args.box_bandwidth_gbps), "given"
+
+
+def _box(args: argparse.Namespace) -> float | None:
+    return None if args.box_bandwidth_gbps is None else args.box_bandwidth_gbps * 1e9 / 8
+
+
+def _compute(args, build, shape, batches: dict[str, int], validate_batch: int | None) -> ComputeProfile:
+    if args.comp_ms is not None:
+        return ComputeProfile.per_sample(args.comp_ms)
+    if args.comp_table:
+        return parse_comp_table(args.comp_table)
+    needed = [
+        b for scaling, batch in batches.items() for b in local_batches(batch, scaling == "weak", _grid(args))
+    ]
+    if validate_batch:
+        needed += [validate_batch, validate_batch / 2]
+    sizes = batch_sizes_to_measure(needed, args.max_measure_batch)
+    _say(args, f"measuring T_comp of {args.model} at batch sizes {sizes} ({args.threads} thread(s))")
+    if args.parameters:  # the model was not built for its size: fail here, not inside the worker
+        build()
+    return measure.measure_compute(args.model, shape, args.num_classes, sizes, args.threads, args.repeats)
+
+
+def _grid(args: argparse.Namespace) -> list[int]:
+    return [n for n in DEFAULT_WORKER_COUNTS if n <= args.max_workers] or [1]
+
+
+def _say(args: argparse.Namespace, text: str) -> None:
+    print(f"parambox predict: {text}", file=sys.stderr if args.json else sys.stdout, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    shape = parse_shape(args.input_shape)
+    topologies = parse_topologies(args.topology)
+    build = _builder(args, shape)
+    parameters = args.parameters or sum(p.numel() for p in build().parameters())
+    if parameters < 1:
+        raise UserError(f"--parameters must be >= 1, got {parameters}")
+    size_bytes = 4.0 * parameters
+    batches = {"strong": args.global_batch, "weak": args.local_batch}
+    batches = {k: v for k, v in batches.items() if args.scaling in (k, "both")}
+    validate_batch = (args.validate_batch or min(args.global_batch, 64)) if args.validate else None
+    if validate_batch is not None and validate_batch < 2:
+        raise UserError(f"--validate-batch must be >= 2 (two workers), got {validate_batch}")
+    net, source = _network(args, size_bytes)
+    compute = _compute(args, build, shape, batches, validate_batch)
+    curves = {
+        scaling: [
+            predict_curve(t, compute, size_bytes, net, batch, scaling == "weak", args.overlap, _grid(args))
+            for t in topologies
+        ]
+        for scaling, batch in batches.items()
+    }
+    result = result_json(args, parameters, net, source, compute, curves, batches)
+    if validate_batch is not None:
+        _say(args, f"validating: 1 and 2 processes x {args.threads} thread(s), global batch {validate_batch}")
+        v = measure.validate(
+            args.model,
+            shape,
+            args.num_classes,
+            validate_batch,
+            compute,
+            size_bytes,
+            args.overlap,
+            args.threads,
+        )
+        result["validation"] = v.as_json()
+        result["validation_max_rel_error"] = v.max_rel_error
+        result["validation_bandwidth_gbps"] = v.bandwidth * 8 / 1e9
+    _emit(args, result, curves)
+    return 0
+
+
+def result_json(args, parameters, net: Network, source, compute, curves, batches) -> dict:
+    """The JSON object ``--json`` prints: inputs, per-scaling per-topology curves, n_peak per topology."""
+    result = {
+        "model": args.model,
+        "input_shape": list(parse_shape(args.input_shape)),
+        "num_classes": args.num_classes,
+        "parameters": parameters,
+        "message_bytes": 4 * parameters,
+        "network": {
+            "bandwidth_gbps": net.bandwidth * 8 / 1e9,
+            "latency_us": net.latency * 1e6,
+            "servers": net.servers,
+            "box_bandwidth_gbps": net.box_bw * 8 / 1e9,
+            "source": source,
+        },
+        "overlap": args.overlap,
+        "compute": compute.as_json(),
+        "n": _grid(args),
+    }
+    for scaling, cs in curves.items():
+        result[scaling] = {"batch": batches[scaling], "topologies": {c.topology: c.as_json() for c in cs}}
+    main = curves["strong" if "strong" in curves else "weak"]
+    result["n_peak"] = {c.topology: c.n_peak for c in main}
+    result["still_growing"] = {c.topology: c.still_growing for c in main}
+    result["n_efficient"] = {c.topology: c.n_efficient for c in main}
+    return result
+
+
+def _emit(args, result: dict, curves: dict[str, list[ScalingCurve]]) -> None:
+    text = json.dumps(result, indent=2, allow_nan=False)
+    if args.out:
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "predict.json").write_text(text + "\n")
+        except OSError as e:
+            raise UserError(f"--out {args.out}: cannot write ({e.strerror})") from None
+        title = f"{args.model}: S = {result['message_bytes'] / 1e6:.1f} MB, {_net_label(result)}"
+        batches = {scaling: result[scaling]["batch"] for scaling in curves}
+        plot_speedup(curves, batches, title, args.out / "predict.png")
+    if args.json:
+        print(text)
+    else:
+        print_report(result, curves)
+        if args.out:
+            print(f"wrote {args.out / 'predict.json'} and {args.out / 'predict.png'}")
+
+
+def _net_label(result: dict) -> str:
+    net = result["network"]
+    lat = net["latency_us"]
+    return f"{net['bandwidth_gbps']:.3g} Gbit/s, {lat:.3g} us latency"
