@@ -30,9 +30,9 @@ class RunConfig(BaseModel):
     model: str = "lenet"
     data: str = "digits"
     data_path: str | None = None
-    steps: int = Field(300, ge=1, description="optimizer steps per worker")
+    steps: int = Field(600, ge=1, description="optimizer steps per worker")
     batch_size: int = Field(32, ge=1, description="per-worker batch size")
-    lr: float = Field(0.05, gt=0)
+    lr: float = Field(0.03, gt=0)
     optimizer: Literal["sgd", "adam", "adagrad"] = "sgd"
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)

@@ -27,8 +27,8 @@ def preset(name: str) -> dict[str, Any]:
 @register
 def digits_allreduce() -> dict[str, Any]:
     """The default run: LeNet on digits, 2 workers, synchronous gradient averaging."""
-    return {"strategy": "allreduce", "workers": 2, "model": "lenet", "data": "digits", "steps": 300,
-            "batch_size": 32, "lr": 0.05, "momentum": 0.9}
+    return {"strategy": "allreduce", "workers": 2, "model": "lenet", "data": "digits", "steps": 600,
+            "batch_size": 32, "lr": 0.03, "momentum": 0.9}
 
 
 @register
