@@ -14,6 +14,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import time
 from functools import cache
 from pathlib import Path
 
@@ -173,11 +174,13 @@ class Worker:
             self.keep.write(torch.arange(64.0))
         self.keep.barrier()
         for check in CHECKS:
+            t0 = time.perf_counter()
             try:
                 ok, detail, *value = getattr(self, f"check_{check}")()
             except Exception as e:  # report, and let the other checks run
                 ok, detail, value = False, f"{type(e).__name__}: {e}", []
             line = {"rank": self.rank, "check": check, "ok": bool(ok), "detail": detail}
+            line["seconds"] = round(time.perf_counter() - t0, 2)
             print(json.dumps(line | ({"value": value[0]} if value else {})), flush=True)
             self.keep.barrier()
         self.keep.close()

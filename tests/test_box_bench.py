@@ -1,0 +1,25 @@
+"""``parambox bench box`` end to end on tiny sizes: every figure present, ratios computed."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from parambox.experiments.bench_box import run_bench_box
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_box_reports_every_figure() -> None:
+    result = run_bench_box(json_out=True, sizes_mb=(1, 2), repeats=2)
+    ops = result["ops"]
+    expected = ["numpy_add", "numpy_copy", "shm_push", "shm_pull", "gloo_allreduce"]
+    if shutil.which("mpiexec"):
+        expected += ["rma_push", "rma_pull", "mpi_allreduce", "rma_tcp_push", "rma_tcp_pull"]
+        assert result["rma_push_vs_gloo"] > 0
+    assert "errors" not in result, result.get("errors")
+    for op in expected:
+        assert set(ops[op]) == {"1", "2"}, op
+        assert all(f["ms"] > 0 and f["gbps"] > 0 for f in ops[op].values()), op
+    assert result["shm_push_vs_add"] > 0 and result["shm_push_vs_gloo"] > 0
