@@ -105,6 +105,8 @@ def test_single_process_box(prefix: str) -> None:
         with pytest.raises(ValueError, match="counter 2"):
             box.read_counter(2)
     box.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        box.push(torch.ones(1))
 
 
 def test_open_box_rejects_bad_arguments(prefix: str) -> None:

@@ -71,6 +71,7 @@ class ParameterBox(ABC):
 
     def __init__(self, name: str, numel: int, num_counters: int, timeout: float):
         self.name, self.numel, self.num_counters, self.timeout = name, numel, num_counters, timeout
+        self._closed = False
 
     # -- transfers ---------------------------------------------------------------------------------
     def pull(self, out: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -134,12 +135,18 @@ class ParameterBox(ABC):
     @abstractmethod
     def _write_from(self, src: torch.Tensor, start: int) -> None: ...
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"box {self.name!r} is closed")
+
     def _span(self, n: int, start: int) -> tuple[int, int]:
+        self._check_open()
         if start < 0 or start + n > self.numel:
             raise ValueError(f"box {self.name!r}: range [{start}, {start + n}) is outside [0, {self.numel})")
         return start, start + n
 
     def _counter_index(self, i: int) -> int:
+        self._check_open()
         if not 0 <= i < self.num_counters:
             raise ValueError(f"box {self.name!r}: counter {i} is outside [0, {self.num_counters})")
         return i

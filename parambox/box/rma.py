@@ -79,8 +79,6 @@ class RmaBox(ParameterBox):
             np.frombuffer(self.cwin.tomemory(), dtype=np.int64)[:] = 0
         self.win.Lock_all(MPI.MODE_NOCHECK)
         self.cwin.Lock_all(MPI.MODE_NOCHECK)
-        self._scaled: torch.Tensor | None = None
-        self._closed = False
         self.barrier()
 
     def _pieces(self, start: int, stop: int):
@@ -126,6 +124,7 @@ class RmaBox(ParameterBox):
         return self._fetch_and_op(self._counter_index(i), v, MPI.SUM)
 
     def barrier(self, timeout: float | None = None) -> None:
+        self._check_open()
         _wait_request(
             self.comm.Ibarrier(), self.timeout if timeout is None else timeout, f"box {self.name!r} barrier"
         )
@@ -134,7 +133,6 @@ class RmaBox(ParameterBox):
         """Collective. If a peer does not arrive within a few seconds the windows are left to MPI's exit."""
         if self._closed:
             return
-        self._closed = True
         try:
             self.barrier(timeout=min(self.timeout, 10.0))
         except CommTimeout:
@@ -142,6 +140,8 @@ class RmaBox(ParameterBox):
                 f"box {self.name!r}: a peer did not close the box; leaving its windows", stacklevel=2
             )
             return
+        finally:
+            self._closed = True
         for win in (self.win, self.cwin):
             win.Unlock_all()
             win.Free()

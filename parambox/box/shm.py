@@ -90,7 +90,6 @@ class ShmBox(ParameterBox):
         self._expected = hdr[_H_EXPECTED]
         self._local_rank = local_rank
         self._thread_lock = threading.Lock()  # fcntl locks belong to the process, not the thread
-        self._closed = False
 
     # -- locks ------------------------------------------------------------------------------------
     def _locked(self, offset: int):
@@ -146,6 +145,7 @@ class ShmBox(ParameterBox):
         return old
 
     def barrier(self, timeout: float | None = None) -> None:
+        self._check_open()
         hdr = self._hdr
         with self._thread_lock, self._locked(_LOCK_META):
             gen = hdr[_H_BAR_GEN]
