@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import final_weights, max_abs_diff, run_cli
+from tests.conftest import MPI_ENV, final_weights, max_abs_diff, run_cli
 
 COMMON = [
     "--model",
@@ -79,3 +79,27 @@ def test_allreduce_with_momentum_and_small_buckets_matches_single(tmp_path):
         *args,
     )
     assert max_abs_diff(final_weights(tmp_path / "a"), final_weights(tmp_path / "b")) <= 1e-5
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("box,zero_copy", [("shm", "true"), ("shm", "false"), ("rma", "false")])
+def test_box_sync_matches_single_at_double_batch(box, zero_copy, single_2b, tmp_path):
+    out = tmp_path / "run"
+    run_cli(
+        "train",
+        "--strategy",
+        "box-sync",
+        "--box",
+        box,
+        "--workers",
+        "2",
+        "--batch-size",
+        "16",
+        "--out",
+        str(out),
+        "--set",
+        f"box-sync.zero_copy={zero_copy}",
+        *COMMON,
+        env=MPI_ENV,
+    )
+    assert max_abs_diff(final_weights(out), single_2b) <= 1e-5

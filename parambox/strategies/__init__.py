@@ -17,6 +17,7 @@ STRATEGIES: dict[str, str] = {
     "allreduce": "parambox.strategies.allreduce:AllReduce",
     "ps-sync": "parambox.strategies.ps_sync:ParameterServerSync",
     "weight-avg": "parambox.strategies.weight_avg:WeightAveraging",
+    "box-sync": "parambox.strategies.box_sync:BoxSync",
 }
 
 
