@@ -107,6 +107,10 @@ class Strategy:
         """Restore the whole model's weights on this rank (resume)."""
         self.model.load_state_dict(model_state)
 
+    def summary_extra(self) -> dict[str, Any]:
+        """Rank 0: fields this strategy adds to summary.json (e.g. ``nonfinite_workers``)."""
+        return {}
+
     def close(self) -> None:
         """Release process groups, shared memory and threads. Must not raise."""
 

@@ -205,6 +205,7 @@ def write_summary(run: Run, step: int, wall: float, samples: int, final: dict[st
         "launcher": run.world.launcher,
         "config": cfg.model_dump(),
     }
+    summary.update(run.strategy.summary_extra())
     tmp = run.run_dir / ".summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2))
     tmp.replace(run.run_dir / "summary.json")

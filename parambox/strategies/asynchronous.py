@@ -1,0 +1,395 @@
+"""What every asynchronous strategy shares: the center weights in the box, and a worker's life around them.
+
+Notation of the papers: ``x`` a worker's replica, ``c`` the center (global) weights in the box.
+
+API (kept stable; the asynchronous strategies build on it)
+-----------------------------------------------------------
+:class:`AsyncOptions`
+    ``termination`` (``all`` | ``fastest`` | ``average``, ShmCaffe's termination alignment) and
+    ``lost_after_s``. A strategy's options subclass it.
+:class:`CounterMap`
+    Where the box's int64 counters are: ``version`` (pushes so far), ``steps(r)`` (worker ``r``'s
+    steps, also its heartbeat), ``status(r)`` (bits ``DONE``, ``NONFINITE``, ``FINAL``), ``ident(r)``
+    (host hash and pid, for liveness), ``total`` (everyone's steps), ``reached`` (workers at the
+    target), then ``extra(k)`` for a strategy's own counters.
+:class:`CenterClient`
+    One worker's handle on ``c = box[start:start + numel]``: ``pull(out)``, ``push(delta, scale,
+    damped=False)`` (refuses non-finite updates; ``damped`` scales by ``1/(s + 1)``), the fused
+    elastic exchange ``elastic_(x, alpha)`` and ``staleness`` (pushes the box received between this
+    worker's last pull and its last push). Times phases ``pull``/``push`` into ``timers``.
+:class:`AsyncStrategy`
+    A :class:`Strategy` whose replica is one flat buffer ``self.x`` (the parameters are views into
+    it) with gradients in ``self.g`` (the ``.grad`` are views), so every exchange is one flat op.
+    It opens the box (``c`` first, then ``extra_numel`` elements of the strategy's own at
+    ``self.extra_start``), writes the initial weights into ``c``, and gives subclasses
+    ``forward_backward(x, y)``, ``guard(loss, step)`` (halts a worker whose loss is non-finite),
+    ``halt(what, step)`` and ``step_result(loss, samples)`` (counts the step, reports comm times,
+    ``staleness`` and ``nonfinite``). It implements termination alignment (``should_stop``), the
+    wait for the others at the end with lost-worker detection (``finish``; override ``flush`` to push
+    what is left), the result model (the center, on rank 0), resume state and
+    ``summary_extra`` (``lost_workers``, ``nonfinite_workers``, ``worker_steps``).
+
+A subclass implements ``step``; e.g. the asynchronous EASGD step::
+
+    loss = self.forward_backward(x, y)
+    if self.guard(loss, step):
+        self.optimizer.step()
+        if (step + 1) % tau == 0 and not self.client.elastic_(self.x, alpha):
+            self.halt("elastic update", step)
+    return self.step_result(loss, len(y))
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import sys
+import time
+import zlib
+from typing import Any, ClassVar, Literal
+
+import psutil
+import torch
+from pydantic import Field
+from torch import nn
+
+from parambox.box import VERSION_COUNTER, Layout, ParameterBox, open_box
+from parambox.errors import CommTimeout
+from parambox.strategies.base import Context, Options, PhaseTimers, StepResult, Strategy, forward_backward
+
+DONE, NONFINITE, FINAL = 1, 2, 4  # status bits; each is set once, by its worker, with add_counter
+_POLL_S = 0.01
+
+
+class AsyncOptions(Options):
+    termination: Literal["all", "fastest", "average"] = Field(
+        "all", description="stop when every worker / the fastest / the average worker has done its steps"
+    )
+    lost_after_s: float | None = Field(
+        None,
+        gt=0,
+        description="a worker whose step count stops moving this long is lost (default: --timeout)",
+    )
+
+
+class CounterMap:
+    """Indices of the box counters an asynchronous run uses (``world_size`` workers, ``extra`` more).
+
+    >>> m = CounterMap(2, extra=1)
+    >>> m.version, m.steps(1), m.status(1), m.ident(1), m.total, m.reached, m.extra(0), m.num_counters
+    (0, 2, 4, 6, 7, 8, 9, 10)
+    """
+
+    version = VERSION_COUNTER
+
+    def __init__(self, world_size: int, extra: int = 0):
+        self.world_size, self.num_extra = world_size, extra
+        self.total, self.reached = 1 + 3 * world_size, 2 + 3 * world_size
+        self.num_counters = 3 + 3 * world_size + extra
+
+    def steps(self, r: int) -> int:
+        return 1 + r  # the box's step_counter(r)
+
+    def status(self, r: int) -> int:
+        return 1 + self.world_size + r
+
+    def ident(self, r: int) -> int:
+        return 1 + 2 * self.world_size + r
+
+    def extra(self, k: int) -> int:
+        assert 0 <= k < self.num_extra
+        return 3 + 3 * self.world_size + k
+
+
+def is_finite(t: torch.Tensor) -> bool:
+    """One reduction: the sum of a tensor is non-finite when any element is (NaN and Inf propagate)."""
+    return bool(torch.isfinite(t.sum()))
+
+
+class CenterClient:
+    """A worker's handle on the center weights ``c = box[start:start + numel]``.
+
+    >>> client = CenterClient(box, numel=layout.numel)  # doctest: +SKIP
+    >>> client.pull(x)                     # x <- c
+    >>> client.push(a)                     # c <- c + a (refused, returning False, if a is not finite)
+    >>> client.elastic_(x, alpha=0.1)      # d = alpha (x - c); x -= d; c += d, in one pass
+    """
+
+    def __init__(
+        self, box: ParameterBox, numel: int, start: int = 0, timers: PhaseTimers | None = None, block: int = 0
+    ):
+        self.box, self.numel, self.start = box, numel, start
+        self.timers = timers if timers is not None else PhaseTimers()
+        # The elastic exchange walks the buffer in blocks that stay in cache (shm), or in one piece
+        # where every transfer pays a network round trip (rma).
+        self.block = block or (1 << 16 if box.backend == "shm" else numel)
+        self.pulled_version = 0
+        self.staleness = 0
+        self._c = self._d = None
+
+    def pull(self, out: torch.Tensor) -> torch.Tensor:
+        """``out <- c``; remembers the version for staleness."""
+        with self.timers.phase("pull"):
+            self.pulled_version = self.box.read_counter(VERSION_COUNTER)
+            self.box.pull(out, self.start)
+        return out
+
+    def push(self, delta: torch.Tensor, scale: float = 1.0, damped: bool = False) -> bool:
+        """``c <- c + scale * delta`` (times ``1/(s + 1)`` if ``damped``); False, pushing nothing, if not finite."""
+        if not is_finite(delta):
+            return False
+        with self.timers.phase("push"):
+            self.staleness = self.box.add_counter(VERSION_COUNTER, 1) - self.pulled_version
+            if damped:
+                scale /= self.staleness + 1
+            self.box.push(delta, scale, self.start)
+        return True
+
+    def elastic_(self, x: torch.Tensor, alpha: float) -> bool:
+        """Asynchronous EASGD exchange: ``d = alpha (x - c); x <- x - d; c <- c + d``, block by block.
+
+        Each block is pulled, updated and pushed while it is in cache, so the whole exchange costs
+        about one pass over memory. A block whose ``d`` is not finite stops it: nothing non-finite
+        reaches the box (the blocks before it were finite) and False is returned.
+        """
+        n, block = self.numel, min(self.block, self.numel)
+        if self._c is None or self._c.numel() != block or self._c.device != x.device:
+            self._c = torch.empty(block, device=x.device)
+            self._d = torch.empty(block, device=x.device)
+        t_pull = t_push = 0.0
+        self.pulled_version = self.box.read_counter(VERSION_COUNTER)
+        for lo in range(0, n, block):
+            hi = min(n, lo + block)
+            c, d, xb = self._c[: hi - lo], self._d[: hi - lo], x[lo:hi]
+            t0 = time.perf_counter()
+            self.box.pull(c, self.start + lo)
+            t1 = time.perf_counter()
+            torch.sub(xb, c, out=d).mul_(alpha)
+            if not is_finite(d):
+                return False
+            xb.sub_(d)
+            t2 = time.perf_counter()
+            self.box.push(d, 1.0, self.start + lo)
+            t_pull, t_push = t_pull + t1 - t0, t_push + time.perf_counter() - t2
+        t0 = time.perf_counter()
+        self.staleness = self.box.add_counter(VERSION_COUNTER, 1) - self.pulled_version
+        t_push += time.perf_counter() - t0
+        for phase, seconds in (("pull", t_pull), ("push", t_push)):
+            self.timers.seconds[phase] = self.timers.seconds.get(phase, 0.0) + seconds
+        return True
+
+
+def _identity() -> int:
+    """Host hash and pid packed in one int64: how rank 0 tells a dead local worker from a slow one."""
+    host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+    return (host << 32) | os.getpid()
+
+
+def _pid_gone(ident: int) -> bool | None:
+    """True if the worker ``ident`` names runs on this host and has exited; None if it is elsewhere."""
+    if ident == 0 or (ident >> 32) != (_identity() >> 32):
+        return None
+    try:
+        return psutil.Process(ident & 0xFFFFFFFF).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def warn(text: str) -> None:
+    print(f"parambox: warning: {text}", file=sys.stderr, flush=True)
+
+
+class AsyncStrategy(Strategy):
+    """Base of the asynchronous strategies: flat replica, center in the box, alignment, fault handling.
+
+    >>> class Plain(AsyncStrategy):  # push every local update, pull before every step  # doctest: +SKIP
+    ...     def step(self, x, y, step):
+    ...         self.client.pull(self.x)
+    ...         before = self.x.clone()
+    ...         loss = self.forward_backward(x, y)
+    ...         if self.guard(loss, step):
+    ...             self.optimizer.step()
+    ...             if not self.client.push(self.x - before):
+    ...                 self.halt("update", step)
+    ...         return self.step_result(loss, len(y))
+    """
+
+    Options = AsyncOptions
+    tolerates_worker_loss = True
+    box_name: ClassVar[str] = "center"
+
+    def __init__(self, ctx: Context, options: AsyncOptions, *, extra_numel: int = 0, extra_counters: int = 0):
+        super().__init__(ctx, options)
+        rank, n = self.world.rank, self.world.world_size
+        self.layout = Layout.from_model(self.model)
+        self.numel = self.layout.numel
+        self.params = list(self.model.parameters())
+        self.result: nn.Module | None = None  # rank 0: a model bound to its own copy of the center
+        if rank == 0:
+            self.result = copy.deepcopy(self.model)
+            self.result_x = torch.empty(self.numel, device=ctx.world.device)
+            self.layout.bind_params_(self.result, self.result_x)
+        self.x = torch.empty(self.numel, device=ctx.world.device)
+        self.layout.bind_params_(self.model, self.x, copy_values=True)
+        self.g = torch.zeros_like(self.x)
+        for p, view in zip(self.params, self.layout.views(self.g).values()):
+            p.grad = view  # backward accumulates straight into the flat gradient
+        self.counters = CounterMap(n, extra_counters)
+        self.extra_start = self.numel
+        self.box = open_box(
+            ctx.box_backend,
+            self.world,
+            self.numel + extra_numel,
+            self.counters.num_counters,
+            name=self.box_name,
+            layout_hash=self.layout.fingerprint(),
+            timeout=ctx.timeout_s,
+        )
+        self.client = CenterClient(self.box, self.numel, timers=self.timers)
+        if rank == 0:
+            self.box.write(self.x)  # every rank starts from the same weights (same seed)
+        self.box.add_counter(self.counters.ident(rank), _identity())
+        self.box.barrier()
+        self.lost_after_s = options.lost_after_s or ctx.timeout_s
+        self.halted = False
+        self.lost: set[int] = set()
+        self._final = False
+        self._reached = False
+
+    # -- the step ------------------------------------------------------------------------------------
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward on the replica; the gradient lands in ``self.g``. Returns the loss."""
+        self.g.zero_()
+        return forward_backward(self.model, self.ctx.loss_fn, x, y)
+
+    def guard(self, loss: torch.Tensor, step: int) -> bool:
+        """False (and the worker halts) when the loss is not finite: nothing of this step is pushed."""
+        if bool(torch.isfinite(loss)):
+            return True
+        self.halt("loss", step)
+        return False
+
+    def halt(self, what: str, step: int) -> None:
+        """This worker's loss or update became non-finite: it stops pushing and leaves the run."""
+        if self.halted:
+            return
+        self.halted = True
+        self.box.add_counter(self.counters.status(self.world.rank), NONFINITE)
+        warn(f"rank {self.world.rank}: non-finite {what} at step {step}; it stops pushing and leaves the run")
+
+    def step_result(self, loss: torch.Tensor, samples: int) -> StepResult:
+        """Count the step in the box (heartbeat, termination) and report comm times and staleness."""
+        m, rank = self.counters, self.world.rank
+        done = self.box.add_counter(m.steps(rank), 1) + 1
+        self.box.add_counter(m.total, 1)
+        if done >= self.ctx.steps and not self._reached:
+            self._reached = True
+            self.box.add_counter(m.reached, 1)
+        extra = {"staleness": float(self.client.staleness)}
+        if self.halted:
+            extra["nonfinite"] = 1.0
+        return StepResult(float(loss), samples, self.timers.pop(), extra)
+
+    def flush(self) -> None:
+        """Called once after the last step, before the worker says it is done: push what is left."""
+
+    # -- termination alignment -------------------------------------------------------------------------
+    def should_stop(self, step: int) -> bool:
+        if self.halted:
+            return True
+        target, mode = self.ctx.steps, self.options.termination
+        if mode == "all" or self.world.world_size == 1:
+            return step >= target
+        if mode == "fastest":
+            return step >= target or self.box.read_counter(self.counters.reached) > 0
+        return self.box.read_counter(self.counters.total) >= target * self.world.world_size
+
+    def finish(self) -> None:
+        """Push what is left, say DONE; rank 0 waits for the others (or finds them lost) and takes the center."""
+        if not self.halted:
+            self.flush()
+        rank = self.world.rank
+        self.box.add_counter(self.counters.status(rank), DONE)
+        if rank == 0:
+            self._await_peers()
+            self.box.pull(self.result_x)
+            self._final = True
+            self.box.add_counter(self.counters.status(0), FINAL)
+        elif self.box.backend != "shm":
+            self._await_final()  # the box's shards live on the workers: keep ours until rank 0 has read c
+        self.timers.pop()
+
+    def _await_peers(self) -> None:
+        pending = set(range(1, self.world.world_size))
+        seen = {r: (-1, 0.0) for r in pending}
+        while pending:
+            for r in sorted(pending):
+                if self.box.read_counter(self.counters.status(r)) & DONE:
+                    pending.discard(r)
+                elif self._is_lost(r, seen):
+                    pending.discard(r)
+                    self.lost.add(r)
+                    warn(f"worker rank {r} is lost (it died or stalled); finishing without it")
+            if pending:
+                time.sleep(_POLL_S)
+
+    def _is_lost(self, r: int, seen: dict[int, tuple[int, float]]) -> bool:
+        """A local worker whose process is gone, or any worker whose step count stood still too long."""
+        if _pid_gone(self.box.read_counter(self.counters.ident(r))):
+            return True
+        count, now = self.box.read_counter(self.counters.steps(r)), time.monotonic()
+        if count != seen[r][0]:
+            seen[r] = (count, now)
+            return False
+        return now - seen[r][1] > self.lost_after_s
+
+    def _await_final(self) -> None:
+        deadline = time.monotonic() + self.lost_after_s
+        while not self.box.read_counter(self.counters.status(0)) & FINAL:
+            if _pid_gone(self.box.read_counter(self.counters.ident(0))) or time.monotonic() > deadline:
+                raise CommTimeout("asynchronous finish: rank 0 did not take the final center weights")
+            time.sleep(_POLL_S)
+
+    # -- results, checkpoints, summary ------------------------------------------------------------------
+    def eval_model(self) -> nn.Module | None:
+        """Rank 0: a model holding the center weights (the run's result); None elsewhere."""
+        if self.result is None:
+            return None
+        if not self._final:
+            self.box.pull(self.result_x)
+        with torch.no_grad():  # buffers (batch-norm statistics) are not in the box: rank 0's own
+            for dst, src in zip(self.result.buffers(), self.model.buffers()):
+                dst.copy_(src)
+        return self.result
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["steps_done"] = self.box.read_counter(self.counters.steps(self.world.rank))
+        if self.world.rank == 0:
+            state["center"] = self.box.pull(torch.empty(self.numel)).clone()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume (every rank): counters carry on and rank 0 puts the saved center back in the box."""
+        super().load_state_dict(state)
+        m, rank = self.counters, self.world.rank
+        self.box.add_counter(m.steps(rank), int(state.get("steps_done", 0)))
+        self.box.add_counter(m.total, int(state.get("steps_done", 0)))
+        if rank == 0 and "center" in state:
+            self.box.write(state["center"])
+        self.box.barrier()  # nobody pulls before the center is back
+
+    def summary_extra(self) -> dict[str, Any]:
+        """Rank 0: the workers lost or halted on non-finite values, and every worker's step count."""
+        m, n = self.counters, self.world.world_size
+        return {
+            "lost_workers": sorted(self.lost),
+            "nonfinite_workers": [r for r in range(n) if self.box.read_counter(m.status(r)) & NONFINITE],
+            "worker_steps": [self.box.read_counter(m.steps(r)) for r in range(n)],
+        }
+
+    def close(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.box.close()
