@@ -11,7 +11,7 @@ from parambox.cli import main
 from parambox.errors import UserError
 from parambox.perfmodel import ComputeProfile, Network, comm_time_s, parse_topologies, predict_curve
 from parambox.perfmodel.compute import batch_sizes_to_measure, clamp_noise, parse_comp_table
-from parambox.perfmodel.measure import network_from_probe
+from parambox.perfmodel.measure import Validation, network_from_probe
 from parambox.perfmodel.scaling import iteration_time_s
 
 S = 1e9  # bytes
@@ -117,6 +117,27 @@ def test_weak_scaling_and_overlap():
 def test_network_from_probe():
     bw, lat = network_from_probe({"tiny_s": 2e-5, "probe_s": 1e-3 + 2e-5, "probe_bytes": 10**6})
     assert bw == pytest.approx(1e9) and lat == pytest.approx(1e-5)
+
+
+def test_validation_errors_and_json():
+    probe = {"tiny_s": 1e-4, "probe_s": 0.05, "probe_bytes": 10**8}
+    v = Validation(
+        64,
+        {1: 0.100, 2: 0.080},
+        {1: 0.110, 2: 0.060},
+        2e9,
+        5e-5,
+        {1: 0.11, 2: 0.05},
+        {1: 0.11, 2: 0.045},
+        probe,
+        1.5,
+    )
+    assert v.rel_error == pytest.approx({1: 0.1, 2: 0.25}) and v.max_rel_error == pytest.approx(0.25)
+    j = v.as_json()
+    assert j["validation_bandwidth_gbps"] == pytest.approx(16.0) and j["measured_step_ms"][
+        "2"
+    ] == pytest.approx(80)
+    assert j["allreduce_probe"]["bytes"] == 10**8 and j["load_average_1m"] == 1.5
 
 
 MLP = ["--model", "mlp", "--input-shape", "1,8,8"]  # 64-64-64-10: 8,970 parameters
