@@ -70,7 +70,7 @@ class Worker:
         """Pushes to the same elements at the same time: a lost update would show."""
         import torch
 
-        box = self.open(HOT_NUMEL, "hot", stripe_bytes=2 << 20)
+        box = self.open(HOT_NUMEL, "hot", stripe_bytes=4 << 20)
         ones = torch.ones(HOT_NUMEL)
         box.barrier()
         for _ in range(HOT_PUSHES):

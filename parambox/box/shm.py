@@ -32,8 +32,9 @@ from parambox.runtime.world import World
 
 PREFIX_ENV = "PARAMBOX_SHM_PREFIX"
 SHM_DIR = "/dev/shm"
-# Small enough that two pushers rarely wait for each other, big enough that the lock calls cost ~1 %.
-DEFAULT_STRIPE_BYTES = 2 << 20
+# Small enough that two pushers rarely wait for each other; big enough that the per-stripe cost
+# (lock calls, restarting the add loop) stays ~3 % of a 100 MB push (1 MB stripes cost ~15 % here).
+DEFAULT_STRIPE_BYTES = 4 << 20
 
 _PAGE = 4096
 _MAGIC = int.from_bytes(b"PBOXSHM1", "little")

@@ -3,25 +3,31 @@
 For S = 1, 25, 100 MiB of float32 (medians of ``repeats`` timed runs after one warm-up):
 
 - ``numpy_add`` / ``numpy_copy``: one process, ``a += b`` and ``np.copyto(a, b)``: the physical limit.
+  numpy asks the kernel for huge pages; shared memory cannot have them on a host whose
+  ``transparent_hugepage/shmem_enabled`` is ``never`` (this one), so ``numpy_add_4k`` /
+  ``numpy_copy_4k`` repeat them with the destination in 4 KiB pages, the limit for any shm buffer.
 - ``shm_push`` / ``shm_pull``: one process pushes (``box[:n] += delta``, striped locks included) or
   pulls S bytes of a shm box while a second process has the box attached. Timed in the same
   process as the numpy figures, alternating with them, on one torch thread, as numpy uses one.
 - ``rma_push`` / ``rma_pull``: under ``mpiexec -n 2``, rank 0 accumulates into (``Accumulate`` +
-  ``Flush``) or gets from the window of rank 1 (``box_ranks=[1]``) while rank 1 waits in the box's
-  barrier; once on Open MPI's shared-memory one-sided component and once (``rma_tcp_*``) on the
+  ``Flush``) or gets from the window of rank 1 (``box_ranks=[1]``) while rank 1 sleeps in a
+  barrier (polled every 5 ms); once on Open MPI's shared-memory one-sided component and once (``rma_tcp_*``) on the
   network path (``OMPI_MCA_osc=rdma OMPI_MCA_btl=self,tcp``).
 - ``mpi_allreduce`` (and ``mpi_allreduce_tcp``): ``MPI_Allreduce`` of S bytes over the same 2 ranks.
 - ``gloo_allreduce``: ``torch.distributed.all_reduce`` of S bytes, 2 processes on loopback.
 
 ``gbps`` is payload bytes (S) per second, not memory traffic. Ratios at 100 MiB: ``shm_push_vs_add``
 = numpy add time / shm push time (median of the paired ratios; 1.0 means memory speed),
-``shm_push_vs_gloo`` = gloo allreduce / shm push, ``rma_push_vs_gloo`` = gloo allreduce / rma push.
+``shm_push_vs_add_4k`` the same against ``numpy_add_4k``, ``shm_push_vs_gloo`` = gloo allreduce /
+shm push, ``rma_push_vs_gloo`` = gloo allreduce / rma push. ``host`` records the huge-page settings
+and the load average, which move these figures on a shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -30,6 +36,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -77,13 +84,20 @@ def bench_local_and_shm(sizes_mb: Sequence[int], repeats: int) -> tuple[dict, di
     env = dict(os.environ, OMP_NUM_THREADS="1", **{PREFIX_ENV: prefix})
     numel = _numel(max(sizes_mb))
     peer = subprocess.Popen(
-        [sys.executable, "-m", _MODULE, "--role", "shm-peer", "--numel", str(numel)], env=env
+        [sys.executable, "-m", _MODULE, "--role", "shm-peer", "--numel", str(numel)],
+        env=env,
+        stdin=subprocess.PIPE,
     )
     old_prefix, threads = os.environ.get(PREFIX_ENV), torch.get_num_threads()
     os.environ[PREFIX_ENV] = prefix
     torch.set_num_threads(1)
-    ops: dict[str, dict] = {k: {} for k in ("numpy_add", "numpy_copy", "shm_push", "shm_pull")}
-    ratios: dict[str, dict] = {"push_vs_add": {}, "pull_vs_copy": {}}
+    ops: dict[str, dict] = {}
+    ratios: dict[str, dict] = {
+        "push_vs_add": {},
+        "pull_vs_copy": {},
+        "push_vs_add_4k": {},
+        "pull_vs_copy_4k": {},
+    }
     try:
         box = open_box("shm", World(0, 2, 0, 2, launcher="local"), numel, 1, "bench", timeout=60)
         for mb in sizes_mb:
@@ -94,10 +108,15 @@ def bench_local_and_shm(sizes_mb: Sequence[int], repeats: int) -> tuple[dict, di
                 for k, fn in pairs.items():
                     times[k] += _time(fn, 1)
             for k, ts in times.items():
-                ops[k][str(mb)] = _figure(ts, mb)
-            ratios["push_vs_add"][str(mb)] = _paired(times["numpy_add"], times["shm_push"])
-            ratios["pull_vs_copy"][str(mb)] = _paired(times["numpy_copy"], times["shm_pull"])
-        box.barrier(timeout=60)  # lets the peer go
+                ops.setdefault(k, {})[str(mb)] = _figure(ts, mb)
+            for suffix in ("", "_4k"):
+                ratios[f"push_vs_add{suffix}"][str(mb)] = _paired(
+                    times[f"numpy_add{suffix}"], times["shm_push"]
+                )
+                ratios[f"pull_vs_copy{suffix}"][str(mb)] = _paired(
+                    times[f"numpy_copy{suffix}"], times["shm_pull"]
+                )
+        peer.stdin.close()  # lets the peer go
         box.close()
         peer.wait(60)
     finally:
@@ -117,12 +136,26 @@ def _local_ops(box, n: int) -> dict[str, Callable[[], object]]:
     # The worker's tensors are allocated as the numpy operands are (numpy asks for huge pages), so
     # the ratio compares the box's accumulate with memory speed, not two allocators' page sizes.
     delta, out = torch.from_numpy(np.ones(n, np.float32)), torch.from_numpy(np.empty(n, np.float32))
+    small = _small_pages(n)  # where the box lives: shared memory gets 4 KiB pages only
     return {
         "numpy_add": lambda: np.add(a, b, out=a),
+        "numpy_add_4k": lambda: np.add(small, b, out=small),
         "shm_push": lambda: box.push(delta),
         "numpy_copy": lambda: np.copyto(a, b),
+        "numpy_copy_4k": lambda: np.copyto(small, b),
         "shm_pull": lambda: box.pull(out),
     }
+
+
+def _small_pages(n: int) -> np.ndarray:
+    """n float32 in anonymous memory without the huge-page advice numpy gives its own arrays.
+
+    Shared memory (tmpfs) gets transparent huge pages only where the host allows it
+    (/sys/kernel/mm/transparent_hugepage/shmem_enabled); a 4 KiB-page array shows the limit for it.
+    """
+    arr = np.frombuffer(mmap.mmap(-1, n * 4), dtype=np.float32)
+    arr[:] = 1.0
+    return arr
 
 
 def _paired(base: list[float], other: list[float]) -> float:
@@ -134,7 +167,7 @@ def _shm_peer(numel: int) -> None:
     from parambox.runtime.world import World
 
     box = open_box("shm", World(1, 2, 1, 2, launcher="local"), numel, 1, "bench", timeout=120)
-    box.barrier(timeout=600)  # attached, idle, until the timing process is done
+    sys.stdin.read()  # attached and asleep (not polling a barrier) until the timing process is done
     box.close()
 
 
@@ -152,6 +185,15 @@ def _child(cmd: list[str], env: dict[str, str], timeout: float) -> dict:
 
 def _role_args(sizes_mb: Sequence[int], repeats: int) -> list[str]:
     return ["--sizes", ",".join(map(str, sizes_mb)), "--repeats", str(repeats)]
+
+
+def _idle_barrier(comm, pause: float = 0.005, timeout: float = 300.0) -> None:
+    """A barrier that sleeps between polls, so the waiting rank leaves the CPU to the timed one."""
+    req, deadline = comm.Ibarrier(), time.monotonic() + timeout
+    while not req.Test():
+        if time.monotonic() > deadline:
+            raise TimeoutError("bench box: the other MPI rank never reached the barrier")
+        time.sleep(pause)
 
 
 def _timed_collective(barrier: Callable[[], object], op: Callable[[], object]) -> float:
@@ -186,7 +228,7 @@ def _mpi_worker(sizes_mb: Sequence[int], repeats: int) -> None:
             delta, out = torch.ones(n), torch.empty(n)
             ops["rma_push"][str(mb)] = _figure(_time(partial(box.push, delta), _reps(repeats, mb)), mb)
             ops["rma_pull"][str(mb)] = _figure(_time(partial(box.pull, out), _reps(repeats, mb)), mb)
-        box.barrier(timeout=300)  # rank 1 waits here (progressing MPI) while rank 0 times
+        _idle_barrier(comm)  # rank 1 sleeps here while rank 0 times: its window needs no help from it
         allreduce = partial(
             _timed_collective, comm.Barrier, partial(comm.Allreduce, MPI.IN_PLACE, np.ones(n, np.float32))
         )
@@ -284,6 +326,8 @@ def _summary(sizes_mb, repeats, ops, paired, errors, seconds) -> dict:
         "ops": ops,
         "shm_push_vs_add": paired["push_vs_add"][top],
         "shm_pull_vs_copy": paired["pull_vs_copy"][top],
+        "shm_push_vs_add_4k": paired["push_vs_add_4k"][top],
+        "shm_pull_vs_copy_4k": paired["pull_vs_copy_4k"][top],
         "shm_push_vs_gloo": ratio("gloo_allreduce", "shm_push"),
         "rma_push_vs_gloo": ratio("gloo_allreduce", "rma_push"),
         "rma_tcp_push_vs_gloo": ratio("gloo_allreduce", "rma_tcp_push"),
@@ -291,9 +335,25 @@ def _summary(sizes_mb, repeats, ops, paired, errors, seconds) -> dict:
         "paired": paired,
         "seconds": round(seconds, 1),
     }
+    result["host"] = _host()
     if errors:
         result["errors"] = errors
     return result
+
+
+def _host() -> dict[str, object]:
+    def setting(name: str) -> str | None:
+        try:
+            text = Path(f"/sys/kernel/mm/transparent_hugepage/{name}").read_text()
+        except OSError:
+            return None
+        return text.split("[")[1].split("]")[0] if "[" in text else text.strip()
+
+    return {
+        "thp": setting("enabled"),
+        "shmem_thp": setting("shmem_enabled"),
+        "load_average_1m": os.getloadavg()[0],
+    }
 
 
 def _table(result: dict) -> str:
