@@ -154,7 +154,10 @@ class Worker:
         wrong_size = self._expect_error("mm", numel=500 + (self.rank == 2))
         wrong_layout = self._expect_error("ml", numel=500, layout_hash=7 if self.rank == 2 else 8)
         intact = torch.equal(self.keep.pull(torch.empty(64)), torch.arange(64.0))
-        ok = wrong_size[0] and wrong_layout[0] and intact and "500" in wrong_size[1]
+        # Every rank gets an error naming the box; the one that asked for another size is told both.
+        named = "'mm'" in wrong_size[1] and "'ml'" in wrong_layout[1]
+        sizes = "500" in wrong_size[1] and "501" in wrong_size[1] if self.rank == 2 else True
+        ok = wrong_size[0] and wrong_layout[0] and intact and named and sizes
         return ok, f"{wrong_size[1]} | {wrong_layout[1]} | keep intact={intact}"
 
     def check_missing(self):
