@@ -40,6 +40,9 @@ def helper_main(mode: str, rank: int, size: int) -> None:
     if mode == "create":  # local rank 0 of a box nobody else attaches to: waits inside open_box
         open_box("shm", _world(0, size), 1000, 1, "lonely", timeout=60)
         return
+    if mode == "store":  # no PARAMBOX_SHM_PREFIX: local rank 0 hands one out through the store
+        _store_worker(rank, size)
+        return
     box = open_box("shm", _world(rank, size), CRASH_NUMEL, 1 + size, "crash", timeout=30)
     print("open", flush=True)
     if rank == size - 1:  # the victim: pushes until it is killed
@@ -59,6 +62,19 @@ def helper_main(mode: str, rank: int, size: int) -> None:
     # the same number of them, or one more.
     print(f"result {float(got.min())} {float(got.max())}", flush=True)
     box.close()
+
+
+def _store_worker(rank: int, size: int) -> None:
+    import torch.distributed as dist
+
+    addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size)
+    box = open_box("shm", World(rank, size, rank, size, launcher="torchrun"), 8, 1, "viastore", timeout=30)
+    box.push(torch.ones(8))
+    box.barrier()
+    print(f"{box.path} {float(box.pull(torch.empty(8)).sum())}", flush=True)
+    box.close()
+    dist.destroy_process_group()
 
 
 def _spawn(mode: str, rank: int, size: int, env: dict[str, str]) -> subprocess.Popen:
@@ -209,6 +225,25 @@ def test_sigint_inside_open_unlinks(prefix: str) -> None:
     finally:
         creator.kill()
         creator.wait()
+
+
+@pytest.mark.timeout(60)
+def test_prefix_through_the_store_under_an_external_launcher() -> None:
+    from parambox.runtime.dist import free_port
+
+    env = {k: v for k, v in os.environ.items() if k != PREFIX_ENV}
+    env |= {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [_spawn("store", r, 2, env) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=50) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    (path0, total0), (path1, total1) = (out.split() for out, _ in outs)
+    assert path0 == path1 and Path(path0).name.startswith("pb_") and not Path(path0).exists()
+    assert float(total0) == float(total1) == 16.0
 
 
 def test_remove_segments(tmp_path: Path) -> None:
