@@ -19,7 +19,6 @@ import contextlib
 import fcntl
 import mmap
 import os
-import secrets
 import threading
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch
 
 from parambox.box.base import DONE, Handle, ParameterBox, wait_until
 from parambox.errors import CommTimeout, UserError
+from parambox.runtime.launcher import new_prefix, remove_segments  # noqa: F401  (re-exported)
 from parambox.runtime.world import World
 
 PREFIX_ENV = "PARAMBOX_SHM_PREFIX"
@@ -44,23 +44,6 @@ _H_ATTACHED, _H_REJECTED, _H_STATE, _H_BAR_COUNT, _H_BAR_GEN = 6, 7, 8, 9, 10
 _READY, _OPEN, _FAILED = 1, 2, 3
 # byte offsets locked with fcntl (locks need not cover real bytes of the file)
 _LOCK_META, _LOCK_COUNTERS, _LOCK_STRIPE0 = 0, 1, 64
-
-
-def new_prefix() -> str:
-    """A fresh, unguessable per-run prefix for segment names."""
-    return f"pb_{secrets.token_hex(8)}_"
-
-
-def remove_segments(prefix: str, root: str = SHM_DIR) -> list[str]:
-    """Remove every segment whose name starts with ``prefix``; returns the names removed."""
-    if not prefix or "/" in prefix:
-        raise ValueError(f"refusing to remove segments with prefix {prefix!r}")
-    removed = []
-    for entry in Path(root).glob(f"{prefix}*"):
-        with contextlib.suppress(FileNotFoundError):
-            entry.unlink()
-            removed.append(entry.name)
-    return removed
 
 
 def _layout_sizes(numel: int, num_counters: int) -> tuple[int, int]:

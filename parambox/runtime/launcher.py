@@ -47,7 +47,7 @@ def launch_local(
 ) -> LaunchResult:
     """Run ``python -m parambox <argv>`` as ``num_workers`` ranks and supervise them."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    prefix = f"pb_{secrets.token_hex(8)}_"
+    prefix = new_prefix()
     env = dict(os.environ)
     n_threads = threads_per_worker(num_workers, threads)
     env.update(
@@ -64,7 +64,7 @@ def launch_local(
         return _supervise(procs, log_dir, tolerate_loss)
     finally:
         _stop(procs)
-        remove_shm(prefix)
+        remove_segments(prefix)
 
 
 def _spawn(cmd: list[str], n: int, env: dict[str, str]) -> list[subprocess.Popen]:
@@ -167,15 +167,20 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
         os.killpg(p.pid, sig)
 
 
-def remove_shm(prefix: str, root: str = "/dev/shm") -> list[str]:
-    """Remove every shared-memory segment whose name starts with the run's prefix."""
+def new_prefix() -> str:
+    """A fresh, unguessable per-run prefix for shared-memory segment names."""
+    return f"pb_{secrets.token_hex(8)}_"
+
+
+def remove_segments(prefix: str, root: str = "/dev/shm") -> list[str]:
+    """Remove every segment whose name starts with ``prefix``; returns the names removed."""
+    if not prefix or "/" in prefix:
+        raise ValueError(f"refusing to remove segments with prefix {prefix!r}")
     removed = []
-    base = Path(root)
-    if base.is_dir():
-        for entry in base.glob(f"{prefix}*"):
-            try:
-                entry.unlink()
-                removed.append(entry.name)
-            except FileNotFoundError:
-                pass
+    for entry in Path(root).glob(f"{prefix}*"):
+        try:
+            entry.unlink()
+            removed.append(entry.name)
+        except FileNotFoundError:
+            pass
     return removed
