@@ -48,3 +48,56 @@ def cifar_cnn_allreduce() -> dict[str, Any]:
     """The ~1M-parameter benchmark CNN on CIFAR-10 (give --data-path)."""
     return {"strategy": "allreduce", "workers": 2, "model": "cnn", "data": "cifar10", "steps": 2000,
             "batch_size": 64, "lr": 0.05, "momentum": 0.9, "eval_every": 500}
+
+
+@register
+def digits_sweep() -> dict[str, Any]:
+    """Base run of `parambox sweep`: LeNet on digits, plain SGD, one thread per worker, final eval only."""
+    return {
+        "strategy": "allreduce",
+        "workers": 1,
+        "model": "lenet",
+        "data": "digits",
+        "steps": 300,
+        "batch_size": 32,
+        "lr": 0.1,
+        "momentum": 0.0,
+        "eval_every": 0,
+        "threads": 1,
+    }
+
+
+@register
+def neuron_study() -> dict[str, Any]:
+    """SHM-Learn-Dist §3: one sigmoid neuron learns the step function; lr 0.5, 10,000 steps, one sample
+    per worker per step, plain SGD. `parambox sweep --study neuron` simulates 2-16 workers from it."""
+    return {
+        "strategy": "allreduce",
+        "workers": 2,
+        "model": "neuron",
+        "data": "step",
+        "steps": 10_000,
+        "batch_size": 1,
+        "lr": 0.5,
+        "momentum": 0.0,
+        "eval_every": 1000,
+        "threads": 1,
+    }
+
+
+@register
+def scaling_study() -> dict[str, Any]:
+    """SHM-Learn-Dist §6: the parameter server (gather, average, broadcast) on LeNet/digits, for
+    `parambox sweep --study scaling`."""
+    return {
+        "strategy": "ps-sync",
+        "workers": 1,
+        "model": "lenet",
+        "data": "digits",
+        "steps": 600,
+        "batch_size": 32,
+        "lr": 0.1,
+        "momentum": 0.0,
+        "eval_every": 50,
+        "threads": 1,
+    }

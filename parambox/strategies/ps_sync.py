@@ -38,7 +38,10 @@ class ParameterServerSync(Strategy):
         )
         server = self.world.rank == 0
         with self.timers.phase("gather"), collective("gradient gather"):
-            dist.gather(grad, self.inbox if server else None, dst=0)
+            if self.world.world_size > 1:
+                dist.gather(grad, self.inbox if server else None, dst=0)
+            else:  # one worker (a scaling study's baseline): no process group, the server is the worker
+                self.inbox[0] = grad
         if server:
             with self.timers.phase("average"):
                 mean = torch.stack(self.inbox).mean(dim=0)
@@ -49,7 +52,8 @@ class ParameterServerSync(Strategy):
             self.optimizer.step()
             self.flat = parameters_to_vector(self.params).detach()
         with self.timers.phase("broadcast"), collective("weight broadcast"):
-            dist.broadcast(self.flat, src=0)
+            if self.world.world_size > 1:
+                dist.broadcast(self.flat, src=0)
         if not server:
             vector_to_parameters(self.flat, self.params)
         return StepResult(loss.item(), len(y), self.timers.pop())

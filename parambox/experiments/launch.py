@@ -1,0 +1,232 @@
+"""What sweeps and studies share: launching ``parambox train`` runs (resumably) and reading loss curves.
+
+Each run is a plain ``python -m parambox train ... --out DIR`` subprocess, exactly what a user would
+type, so a sweep measures the same thing as a hand-made run, start-up excluded (run times come from
+the run's own ``metrics.jsonl``). A directory holding ``summary.json`` is a finished run and is never
+run again; any other directory is an unfinished one and is cleared and run from the start, so every
+loss-vs-time curve of a sweep comes from one uninterrupted process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from parambox.config import RunConfig, build_config, merge, parse_set
+from parambox.errors import UserError
+
+# Fields a sweep sets on every run; a finished run directory must agree on them to be reused.
+CHECKED_FIELDS = ("strategy", "workers", "model", "data", "batch_size", "lr", "steps", "seed", "momentum")
+
+
+@dataclass
+class PlannedRun:
+    """One training run of a sweep: its directory name and its full config (a dict RunConfig accepts)."""
+
+    name: str
+    config: dict[str, Any]
+
+
+@dataclass
+class Outcome:
+    name: str
+    run_dir: Path
+    launched: bool  # False: a finished run from an earlier invocation was reused
+    error: str | None = None  # last line of stderr when the run failed
+
+
+def validate(config: dict[str, Any]) -> RunConfig:
+    """A planned run's config as RunConfig, so bad values fail before anything is launched."""
+    return build_config(config)
+
+
+def train_args(config: dict[str, Any], run_dir: Path) -> list[str]:
+    """``train`` arguments reproducing ``config``: every field as ``--set key=value`` (TOML values)."""
+    args = ["train", "--out", str(run_dir), "--no-progress"]
+    for key, value in config.items():
+        if key in ("out", "progress") or value is None:
+            continue
+        if key == "options":
+            for table, opts in value.items():
+                args += [f"--set={table}.{k}={_toml(v)}" for k, v in opts.items()]
+        else:
+            args.append(f"--set={key}={_toml(value)}")
+    return args
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
+
+
+def is_finished(run_dir: Path) -> bool:
+    return (run_dir / "summary.json").exists()
+
+
+def check_reusable(run_dir: Path, config: dict[str, Any]) -> None:
+    """A finished run may stand for a planned one only if it was made with the same settings."""
+    done = json.loads((run_dir / "summary.json").read_text()).get("config", {})
+    for key in CHECKED_FIELDS:
+        if key in config and key in done and done[key] != config[key]:
+            raise UserError(
+                f"{run_dir} holds a finished run with {key}={done[key]!r}, this sweep wants "
+                f"{config[key]!r}; use another --out"
+            )
+
+
+def ensure_runs(
+    planned: list[PlannedRun], runs_dir: Path, timeout_s: float, echo: bool = True
+) -> list[Outcome]:
+    """Run every planned run that is not finished yet, one after the other (the machine is shared)."""
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    todo = [p for p in planned if not is_finished(runs_dir / p.name)]
+    for p in planned:
+        if p not in todo:
+            check_reusable(runs_dir / p.name, p.config)
+    if echo and len(todo) < len(planned):
+        print(f"resuming: {len(planned) - len(todo)} finished run(s) reused, {len(todo)} to run")
+    outcomes = []
+    with _terminate_as_interrupt():
+        for p in planned:
+            outcomes.append(_ensure_one(p, runs_dir, todo, timeout_s, echo))
+    return outcomes
+
+
+def _ensure_one(
+    p: PlannedRun, runs_dir: Path, todo: list[PlannedRun], timeout_s: float, echo: bool
+) -> Outcome:
+    run_dir = runs_dir / p.name
+    if p not in todo:
+        return Outcome(p.name, run_dir, launched=False)
+    if echo:
+        print(f"[{todo.index(p) + 1}/{len(todo)}] {p.name}", flush=True)
+    outcome = launch_run(p, run_dir, timeout_s)
+    if echo and outcome.error:
+        print(f"  failed: {outcome.error}", flush=True)
+    return outcome
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a batch system's time limit, ``kill``) stops the running training too, as Ctrl-C does."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def launch_run(p: PlannedRun, run_dir: Path, timeout_s: float) -> Outcome:
+    """One ``parambox train`` subprocess; its output goes to ``run_dir/train.log``."""
+    if run_dir.exists():  # unfinished: start over, so the loss curve's clock is one process's
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "parambox", *train_args(p.config, run_dir)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(run_dir / "train.log", "w") as log:
+        # A session of its own, so a timeout or Ctrl-C stops the run's workers too, not just the launcher.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except BaseException as e:
+            _stop(proc)
+            if isinstance(e, subprocess.TimeoutExpired):
+                return Outcome(p.name, run_dir, True, f"ran past --run-timeout {timeout_s:.0f} s")
+            raise
+    if code == 0 and is_finished(run_dir):
+        return Outcome(p.name, run_dir, True)
+    return Outcome(p.name, run_dir, True, _last_error(run_dir / "train.log", code))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        if proc.poll() is not None:
+            return
+
+
+def _last_error(log: Path, code: int) -> str:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or [f"exit code {code}"])[-1].strip()[:300]
+
+
+# -- command-line helpers shared by the studies -------------------------------------------------------
+
+
+def parse_list(text: str, kind: type, flag: str) -> list:
+    """``"16,32"`` -> ``[16, 32]``; positive numbers only, no repeats; UserError naming the flag."""
+    try:
+        values = [kind(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: expected a comma-separated list of {kind.__name__}") from None
+    if not values:
+        raise UserError(f"{flag}: empty list")
+    if kind is not str and any(not (math.isfinite(v) and v > 0) for v in values):
+        raise UserError(f"{flag} {text!r}: every value must be positive")
+    if len(set(values)) != len(values):
+        raise UserError(f"{flag} {text!r}: a value is repeated")
+    return values
+
+
+def base_config(args: argparse.Namespace, default_preset: str) -> dict[str, Any]:
+    """The preset (``--preset`` or the study's own) with ``--model --data ...`` and ``--set`` applied."""
+    from parambox.experiments.presets import preset
+
+    flags = {k: getattr(args, k) for k in ("model", "data", "data_path", "seed", "momentum")}
+    return merge(
+        merge(preset(args.preset or default_preset), {k: v for k, v in flags.items() if v is not None}),
+        parse_set(args.set),
+    )
+
+
+# -- loss curves -----------------------------------------------------------------------------------
+
+
+def moving_mean(ys: list[float], window: int) -> list[float]:
+    """Mean of the last ``window`` values at each point (fewer at the start); NaN stays NaN."""
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= window:
+            acc -= ys[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def area_under(xs: list[float], ys: list[float]) -> float:
+    """Trapezoidal area under ``ys(xs)``, from the first point to the last."""
+    return sum((x1 - x0) * (y0 + y1) / 2 for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:]))
+
+
+def all_finite(ys: list[float]) -> bool:
+    return all(isinstance(y, int | float) and math.isfinite(y) for y in ys)
