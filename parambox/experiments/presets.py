@@ -101,3 +101,42 @@ def scaling_study() -> dict[str, Any]:
         "eval_every": 50,
         "threads": 1,
     }
+
+
+@register
+def digits_downpour() -> dict[str, Any]:
+    """Downpour on the default run: each worker pulls before and pushes after every step; the default
+    learning rate stands (its pushes are its own steps, not a second momentum on shared weights)."""
+    return {
+        **digits_allreduce(),
+        "strategy": "downpour",
+        "options": {"downpour": {"n_fetch": 1, "n_push": 1}},
+    }
+
+
+@register
+def digits_easgd() -> dict[str, Any]:
+    """Asynchronous EASGD on the default run: an elastic exchange with the box every 4 steps, alpha 0.1."""
+    return {**digits_allreduce(), "strategy": "easgd", "options": {"easgd": {"tau": 4, "alpha": 0.1}}}
+
+
+@register
+def digits_easgd_sync() -> dict[str, Any]:
+    """Synchronous EASGD over allreduce (no box) on the default run, tau 4, alpha 0.1."""
+    return {
+        **digits_allreduce(),
+        "strategy": "easgd",
+        "options": {"easgd": {"tau": 4, "alpha": 0.1, "sync": True}},
+    }
+
+
+@register
+def digits_eamsgd() -> dict[str, Any]:
+    """EAMSGD on the default run: local Nesterov momentum (delta = --momentum 0.9), exchange every 4 steps."""
+    return {**digits_allreduce(), "strategy": "eamsgd", "options": {"eamsgd": {"tau": 4, "alpha": 0.1}}}
+
+
+@register
+def digits_dynsgd() -> dict[str, Any]:
+    """DynSGD on the default run: pull, one step, push damped by 1/(staleness + 1)."""
+    return {**digits_allreduce(), "strategy": "dynsgd", "options": {"dynsgd": {"window": 1}}}

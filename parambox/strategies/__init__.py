@@ -18,6 +18,10 @@ STRATEGIES: dict[str, str] = {
     "ps-sync": "parambox.strategies.ps_sync:ParameterServerSync",
     "weight-avg": "parambox.strategies.weight_avg:WeightAveraging",
     "box-sync": "parambox.strategies.box_sync:BoxSync",
+    "downpour": "parambox.strategies.downpour:Downpour",
+    "easgd": "parambox.strategies.easgd:ElasticAveraging",
+    "eamsgd": "parambox.strategies.easgd:ElasticMomentumAveraging",
+    "dynsgd": "parambox.strategies.dynsgd:DynSGD",
 }
 
 

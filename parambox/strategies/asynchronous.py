@@ -17,6 +17,9 @@ API (kept stable; the asynchronous strategies build on it)
     damped=False)`` (refuses non-finite updates; ``damped`` scales by ``1/(s + 1)``), the fused
     elastic exchange ``elastic_(x, alpha)`` and ``staleness`` (pushes the box received between this
     worker's last pull and its last push). Times phases ``pull``/``push`` into ``timers``.
+:func:`bind_flat_replica`
+    ``x, g = bind_flat_replica(model, layout, device)``: parameters become views into the flat
+    ``x``, their ``.grad`` views into ``g`` (also for strategies without a box, e.g. sync EASGD).
 :class:`AsyncStrategy`
     A :class:`Strategy` whose replica is one flat buffer ``self.x`` (the parameters are views into
     it) with gradients in ``self.g`` (the ``.grad`` are views), so every exchange is one flat op.
@@ -113,7 +116,7 @@ class CenterClient:
     >>> client = CenterClient(box, numel=layout.numel)  # doctest: +SKIP
     >>> client.pull(x)                     # x <- c
     >>> client.push(a)                     # c <- c + a (refused, returning False, if a is not finite)
-    >>> client.elastic_(x, alpha=0.1)      # d = alpha (x - c); x -= d; c += d, in one pass
+    >>> client.elastic_(x, alpha=0.1)      # d = alpha (x - c); x -= d; c += d, in three flat ops
     """
 
     def __init__(
@@ -121,9 +124,8 @@ class CenterClient:
     ):
         self.box, self.numel, self.start = box, numel, start
         self.timers = timers if timers is not None else PhaseTimers()
-        # The elastic exchange walks the buffer in blocks that stay in cache (shm), or in one piece
-        # where every transfer pays a network round trip (rma).
-        self.block = block or (1 << 16 if box.backend == "shm" else numel)
+        # 0: the elastic exchange works on the whole buffer at once (fewest operations: fastest here).
+        self.block = block
         self.pulled_version = 0
         self.staleness = 0
         self._c = self._d = None
@@ -147,37 +149,45 @@ class CenterClient:
         return True
 
     def elastic_(self, x: torch.Tensor, alpha: float) -> bool:
-        """Asynchronous EASGD exchange: ``d = alpha (x - c); x <- x - d; c <- c + d``, block by block.
+        """Asynchronous EASGD exchange: ``d = alpha (x - c); x <- x - d; c <- c + d``.
 
-        Each block is pulled, updated and pushed while it is in cache, so the whole exchange costs
-        about one pass over memory. A block whose ``d`` is not finite stops it: nothing non-finite
-        reaches the box (the blocks before it were finite) and False is returned.
+        Three flat operations: ``e = x - c`` (on the ``shm`` box read straight from shared memory,
+        no pull copy), ``x -= alpha e``, and the push ``c += alpha e``: on 1M parameters here
+        0.8-1.4 ms (warm/cold caches) against 1.5-1.9 ms for pull, subtract, scale, update, push. With
+        ``block`` it walks the buffer in pieces of that many elements. A non-finite ``e`` stops it
+        before its piece is pushed (nothing non-finite reaches the box) and returns False.
         """
-        n, block = self.numel, min(self.block, self.numel)
-        if self._c is None or self._c.numel() != block or self._c.device != x.device:
-            self._c = torch.empty(block, device=x.device)
+        n = self.numel
+        block = min(self.block or n, n)
+        if self._d is None or self._d.numel() != block or self._d.device != x.device:
             self._d = torch.empty(block, device=x.device)
-        t_pull = t_push = 0.0
+            self._c = None if self._shared(x) is not None else torch.empty(block, device=x.device)
         self.pulled_version = self.box.read_counter(VERSION_COUNTER)
+        shared = self._shared(x)
         for lo in range(0, n, block):
             hi = min(n, lo + block)
-            c, d, xb = self._c[: hi - lo], self._d[: hi - lo], x[lo:hi]
-            t0 = time.perf_counter()
-            self.box.pull(c, self.start + lo)
-            t1 = time.perf_counter()
-            torch.sub(xb, c, out=d).mul_(alpha)
-            if not is_finite(d):
+            e = self._d[: hi - lo]
+            with self.timers.phase("pull"):  # on shm the read of c is the subtraction itself
+                c = (
+                    shared[lo:hi]
+                    if shared is not None
+                    else self.box.pull(self._c[: hi - lo], self.start + lo)
+                )
+                torch.sub(x[lo:hi], c, out=e)
+            if not is_finite(e):
                 return False
-            xb.sub_(d)
-            t2 = time.perf_counter()
-            self.box.push(d, 1.0, self.start + lo)
-            t_pull, t_push = t_pull + t1 - t0, t_push + time.perf_counter() - t2
-        t0 = time.perf_counter()
-        self.staleness = self.box.add_counter(VERSION_COUNTER, 1) - self.pulled_version
-        t_push += time.perf_counter() - t0
-        for phase, seconds in (("pull", t_pull), ("push", t_push)):
-            self.timers.seconds[phase] = self.timers.seconds.get(phase, 0.0) + seconds
+            x[lo:hi].sub_(e, alpha=alpha)
+            with self.timers.phase("push"):
+                self.box.push(e, alpha, self.start + lo)
+        with self.timers.phase("push"):
+            self.staleness = self.box.add_counter(VERSION_COUNTER, 1) - self.pulled_version
         return True
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The center itself in shared memory (``shm`` box, host replica), else None."""
+        if self.box.backend != "shm" or x.device.type != "cpu":
+            return None
+        return self.box.tensor()[self.start : self.start + self.numel]
 
 
 def _identity() -> int:
@@ -194,6 +204,22 @@ def _pid_gone(ident: int) -> bool | None:
         return psutil.Process(ident & 0xFFFFFFFF).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def bind_flat_replica(
+    model: nn.Module, layout: Layout, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Make the parameters views into one flat buffer ``x`` and their ``.grad`` views into ``g``.
+
+    Pulls, pushes and elastic updates are then single flat operations; backward accumulates
+    straight into ``g`` (zero it, not the optimizer's ``zero_grad``, which would drop the views).
+    """
+    x = torch.empty(layout.numel, device=device)
+    layout.bind_params_(model, x, copy_values=True)
+    g = torch.zeros_like(x)
+    for p, view in zip(model.parameters(), layout.views(g).values()):
+        p.grad = view
+    return x, g
 
 
 def warn(text: str) -> None:
@@ -230,11 +256,7 @@ class AsyncStrategy(Strategy):
             self.result = copy.deepcopy(self.model)
             self.result_x = torch.empty(self.numel, device=ctx.world.device)
             self.layout.bind_params_(self.result, self.result_x)
-        self.x = torch.empty(self.numel, device=ctx.world.device)
-        self.layout.bind_params_(self.model, self.x, copy_values=True)
-        self.g = torch.zeros_like(self.x)
-        for p, view in zip(self.params, self.layout.views(self.g).values()):
-            p.grad = view  # backward accumulates straight into the flat gradient
+        self.x, self.g = bind_flat_replica(self.model, self.layout, ctx.world.device)
         self.counters = CounterMap(n, extra_counters)
         self.extra_start = self.numel
         self.box = open_box(

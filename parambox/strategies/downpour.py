@@ -1,0 +1,179 @@
+"""``downpour``: asynchronous SGD against the center weights in the box (DistBelief's Downpour SGD).
+
+Every ``n_fetch`` steps a worker pulls ``x <- c``; each step it applies its local optimizer
+(``x <- x - eta g`` with plain SGD) and accumulates the update ``a <- a - eta g``; every ``n_push``
+steps it pushes ``c <- c + a`` and resets ``a``. The accumulated update is measured as the
+replica's change since the last exchange, so any local optimizer (momentum included) works and
+one flat subtraction yields ``a``.
+
+``adagrad``: DistBelief's per-parameter rate ``eta_j = gamma / sqrt(sum of g_j^2)``, the sums of
+squared gradients of every worker kept in the box next to ``c`` (the box only accumulates them;
+each worker computes its rate from the sums it pulled plus its own unpushed squares).
+``warmup_steps``: rank 0 trains alone for that many steps before the others start (warm start).
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from parambox.box.base import wait_until
+from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy, CenterClient, warn
+from parambox.strategies.base import Context, StepResult
+
+ADAGRAD_EPS = 1e-10
+
+
+class DownpourOptions(AsyncOptions):
+    n_fetch: int = Field(1, ge=1, description="pull the center weights every n_fetch steps")
+    n_push: int = Field(1, ge=1, description="push the accumulated update every n_push steps")
+    adagrad: bool = Field(False, description="per-parameter Adagrad rates from squared sums kept in the box")
+    warmup_steps: int = Field(0, ge=0, description="rank 0 trains alone this many steps first")
+
+
+class DownpourWorker:
+    """Downpour's bookkeeping on flat tensors: fetch every ``n_fetch``, push the accumulation every ``n_push``.
+
+    >>> w = DownpourWorker(client, x, n_fetch=1, n_push=2)  # doctest: +SKIP
+    >>> w.before_step(0); x -= lr * g; ok = w.after_step(0)  # ... ok is False if a was not finite
+    """
+
+    def __init__(
+        self, client: CenterClient, x: torch.Tensor, n_fetch: int, n_push: int, damped: bool = False
+    ):
+        self.client, self.x, self.n_fetch, self.n_push, self.damped = client, x, n_fetch, n_push, damped
+        self.acc = torch.zeros_like(x)  # a: the local update not yet pushed
+        self.snap = x.clone()  # x right after the last exchange; a = acc + (x - snap)
+        self.acc_live = False  # acc holds something (a pull came between two pushes)
+
+    def before_step(self, step: int) -> None:
+        if step % self.n_fetch == 0:
+            self.fetch()
+
+    def after_step(self, step: int) -> bool:
+        return self.push() if (step + 1) % self.n_push == 0 else True
+
+    def fetch(self) -> None:
+        """``x <- c``, keeping the local update made since the last push in ``acc``."""
+        if self.n_fetch < self.n_push or self.acc_live:
+            self.acc.add_(self.x).sub_(self.snap)
+            self.acc_live = True
+        self.client.pull(self.x)
+        self.snap.copy_(self.x)
+
+    def push(self) -> bool:
+        """``c <- c + a`` (scaled by ``1/(s+1)`` when damped); False, pushing nothing, if ``a`` is not finite."""
+        if self.acc_live:
+            self.acc.add_(self.x).sub_(self.snap)
+        else:
+            torch.sub(self.x, self.snap, out=self.acc)
+        ok = self.client.push(self.acc, damped=self.damped)
+        self.acc.zero_()
+        self.acc_live = False
+        self.snap.copy_(self.x)
+        return ok
+
+
+class AdagradRates:
+    """``x <- x - gamma g / sqrt(G)`` with ``G`` the squared gradient sums of all workers, kept in the box."""
+
+    def __init__(self, client: CenterClient, numel: int, gamma: float, device: torch.device):
+        self.client, self.gamma = client, gamma  # client: the squared-sums region of the box
+        self.pulled = torch.zeros(numel, device=device)  # G as last pulled
+        self.local = torch.zeros(numel, device=device)  # this worker's squares not yet pushed
+        self.denom = torch.empty(numel, device=device)
+
+    def step_(self, x: torch.Tensor, g: torch.Tensor) -> None:
+        self.local.addcmul_(g, g)
+        torch.add(self.pulled, self.local, out=self.denom).sqrt_().add_(ADAGRAD_EPS)
+        x.addcdiv_(g, self.denom, value=-self.gamma)
+
+    def fetch(self) -> None:
+        self.client.pull(self.pulled)
+
+    def push(self) -> bool:
+        ok = self.client.push(self.local)
+        self.pulled.add_(self.local)  # until the next fetch, our own squares count at once
+        self.local.zero_()
+        return ok
+
+
+class Downpour(AsyncStrategy):
+    """Downpour SGD. ``parambox train --strategy downpour --set downpour.n_push=4``"""
+
+    name = "downpour"
+    Options = DownpourOptions
+
+    def __init__(self, ctx: Context, options: DownpourOptions, damped: bool = False):
+        numel = sum(p.numel() for p in ctx.model.parameters())
+        super().__init__(ctx, options, extra_numel=numel if getattr(options, "adagrad", False) else 0)
+        self.optimizer = ctx.make_optimizer(self.params)
+        n_fetch, n_push = self.exchange_periods()
+        self.worker = DownpourWorker(self.client, self.x, n_fetch, n_push, damped)
+        self.adagrad = None
+        if getattr(options, "adagrad", False):
+            group = self.optimizer.param_groups[0]
+            if self.world.rank == 0 and (
+                type(self.optimizer) is not torch.optim.SGD or group.get("momentum")
+            ):
+                warn("downpour.adagrad replaces the local optimizer: --optimizer and --momentum are ignored")
+            sums = CenterClient(self.box, self.numel, start=self.extra_start, timers=self.timers)
+            self.adagrad = AdagradRates(sums, self.numel, group["lr"], self.x.device)
+        self.warm = self.world.rank == 0 or getattr(options, "warmup_steps", 0) == 0
+
+    def exchange_periods(self) -> tuple[int, int]:
+        return self.options.n_fetch, self.options.n_push
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
+        if not self.warm:
+            self._await_warmup()
+        if step % self.worker.n_fetch == 0:
+            self.worker.fetch()
+            if self.adagrad is not None:
+                self.adagrad.fetch()
+        loss = self.forward_backward(x, y)
+        if self.guard(loss, step):
+            if self.adagrad is not None:
+                self.adagrad.step_(self.x, self.g)
+            else:
+                self.optimizer.step()
+            if (step + 1) % self.worker.n_push == 0 and not self._push():
+                self.halt("update", step)
+        return self.step_result(loss, len(y))
+
+    def _push(self) -> bool:
+        if not self.worker.push():
+            return False
+        return self.adagrad is None or self.adagrad.push()
+
+    def _await_warmup(self) -> None:
+        """The paper's warm start: wait until rank 0 has trained ``warmup_steps`` steps alone."""
+        m, k = self.counters, self.options.warmup_steps
+        with self.timers.phase("warmup"):
+            wait_until(
+                lambda: self.box.read_counter(m.steps(0)) >= k or self.box.read_counter(m.status(0)),
+                self.lost_after_s,
+                lambda: f"downpour warm-up: rank 0 did not reach step {k} within {self.lost_after_s:.0f} s",
+            )
+        self.warm = True
+
+    def flush(self) -> None:
+        # The last steps' update when the run does not end on a push.
+        if self.worker.acc_live or not torch.equal(self.x, self.worker.snap):
+            self._push()
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["downpour"] = {
+            "acc": self.worker.acc,
+            "snap": self.worker.snap,
+            "acc_live": self.worker.acc_live,
+        }
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if "downpour" in state:
+            self.worker.acc.copy_(state["downpour"]["acc"])
+            self.worker.snap.copy_(state["downpour"]["snap"])
+            self.worker.acc_live = bool(state["downpour"]["acc_live"])

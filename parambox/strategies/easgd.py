@@ -1,0 +1,252 @@
+"""``easgd`` and ``eamsgd``: elastic averaging SGD (Zhang, Choromanska and LeCun 2015).
+
+Asynchronous form, over the box (``shm`` or ``rma``): every ``tau`` local steps a worker pulls the
+center ``c``, computes ``d = alpha (x - c)``, moves ``x <- x - d`` and pushes ``c <- c + d``;
+between exchanges it takes local steps ``x <- x - eta g`` (its own optimizer). The exchange runs
+block by block over the flat replica (``CenterClient.elastic_``): about one pass over memory.
+
+Synchronous form (``sync: true``), over collectives, no box: every ``tau`` steps
+``c <- c + alpha sum_i (x_i - c)`` (one allreduce of ``x_i - c``) and ``x_i <- x_i - alpha (x_i - c)``;
+every worker keeps its own identical copy of ``c``.
+
+``alpha`` is set directly (default 0.1) or through ``rho`` (``alpha = eta rho``). ``eamsgd`` replaces
+the local optimizer by the paper's Nesterov momentum step ``v <- delta v - eta g(x + delta v);
+x <- x + v`` (``eta`` = ``--lr``, ``delta`` = ``--momentum``). The result is the center weights.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from pydantic import Field, model_validator
+from torch import nn
+
+from parambox.box import Layout
+from parambox.errors import UserError
+from parambox.runtime.dist import collective
+from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy, bind_flat_replica, is_finite, warn
+from parambox.strategies.base import Context, StepResult, Strategy, forward_backward
+
+DEFAULT_ALPHA = 0.1
+
+
+class EasgdOptions(AsyncOptions):
+    tau: int = Field(4, ge=1, description="local steps between two elastic exchanges")
+    alpha: float | None = Field(None, gt=0, lt=1, description="elastic moving rate (default 0.1)")
+    rho: float | None = Field(None, gt=0, description="elasticity; sets alpha = lr * rho")
+    sync: bool = Field(False, description="synchronous form over collectives instead of the box")
+
+    @model_validator(mode="after")
+    def _alpha_or_rho(self) -> EasgdOptions:
+        if self.alpha is not None and self.rho is not None:
+            raise ValueError("give alpha or rho (alpha = lr * rho), not both")
+        return self
+
+    def moving_rate(self, lr: float) -> float:
+        """``alpha``: set directly, or ``lr * rho``, or 0.1."""
+        if self.rho is None:
+            return DEFAULT_ALPHA if self.alpha is None else self.alpha
+        alpha = lr * self.rho
+        if not 0 < alpha < 1:
+            raise UserError(f"easgd: alpha = lr * rho = {lr} * {self.rho} = {alpha:g} must be in (0, 1)")
+        return alpha
+
+
+class NesterovStep:
+    """EAMSGD's local step on flat tensors: ``v <- delta v - eta g(x + delta v); x <- x + v``.
+
+    ``lookahead_`` moves ``x`` to ``x + delta v`` before forward/backward; ``step_(g)`` then needs
+    only the gradient there: ``v <- delta v - eta g`` and ``x <- (x + delta v) - eta g = x_old + v``.
+
+    >>> x = torch.zeros(2); s = NesterovStep(x, lr=0.1, delta=0.5)
+    >>> s.lookahead_(); s.step_(torch.ones(2)); s.lookahead_(); s.step_(torch.ones(2)); x.tolist()
+    [-0.25, -0.25]
+    """
+
+    def __init__(self, x: torch.Tensor, lr: float, delta: float):
+        self.x, self.lr, self.delta = x, lr, delta
+        self.v = torch.zeros_like(x)
+
+    def lookahead_(self) -> None:
+        self.x.add_(self.v, alpha=self.delta)
+
+    def step_(self, g: torch.Tensor) -> None:
+        self.v.mul_(self.delta).add_(g, alpha=-self.lr)
+        self.x.add_(g, alpha=-self.lr)
+
+
+def make_local_step(strategy: Strategy, nesterov: bool) -> tuple[NesterovStep | None, float]:
+    """(local step, lr). EASGD: the run's optimizer (``strategy.optimizer``) and None; EAMSGD: the
+    Nesterov step from the run's SGD settings, and no torch optimizer."""
+    optimizer = strategy.ctx.make_optimizer(strategy.params)
+    group = optimizer.param_groups[0]
+    if not nesterov:
+        strategy.optimizer = optimizer
+        return None, group["lr"]
+    if type(optimizer) is not torch.optim.SGD:
+        raise UserError("eamsgd: its momentum step is SGD's; use --optimizer sgd (--momentum sets delta)")
+    strategy.optimizer = None
+    return NesterovStep(strategy.x, group["lr"], group["momentum"]), group["lr"]
+
+
+def sync_elastic_(
+    x: torch.Tensor,
+    c: torch.Tensor,
+    buf: torch.Tensor,
+    alpha: float,
+    allreduce: Callable[[torch.Tensor], None],
+    contribute: bool = True,
+    flag: torch.Tensor | None = None,
+) -> bool:
+    """Synchronous EASGD exchange: ``c <- c + alpha sum_i (x_i - c)``, ``x <- x - alpha (x - c)``.
+
+    ``buf[:n]`` carries ``x - c`` through ``allreduce`` (a sum over the workers; ``buf`` may hold
+    more, e.g. flags). A worker that does not contribute, or whose ``x - c`` is not finite, sends
+    zeros and sets ``flag`` to 1; returns whether it contributed.
+    """
+    d = buf[: x.numel()]
+    torch.sub(x, c, out=d)
+    contribute = contribute and is_finite(d)
+    if contribute:
+        x.sub_(d, alpha=alpha)
+    else:
+        d.zero_()
+        if flag is not None:
+            flag.fill_(1)
+    allreduce(buf)
+    c.add_(d, alpha=alpha)  # d is now sum_i (x_i - c)
+    return contribute
+
+
+class ElasticAveraging(AsyncStrategy):
+    """Asynchronous EASGD over the box. ``parambox train --strategy easgd --set easgd.tau=4``"""
+
+    name = "easgd"
+    Options = EasgdOptions
+    nesterov: ClassVar[bool] = False
+
+    def __new__(cls, ctx: Context, options: EasgdOptions):
+        # ``sync: true`` is another strategy (collectives, no box): build that one instead.
+        if options.sync:
+            return SyncElasticAveraging(ctx, options, cls.nesterov)
+        return super().__new__(cls)
+
+    def __init__(self, ctx: Context, options: EasgdOptions):
+        super().__init__(ctx, options)
+        self.local, lr = make_local_step(self, self.nesterov)
+        self.alpha = options.moving_rate(lr)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
+        if self.local is not None:
+            self.local.lookahead_()
+        loss = self.forward_backward(x, y)
+        if self.guard(loss, step):
+            if self.local is not None:
+                self.local.step_(self.g)
+            else:
+                self.optimizer.step()
+            if (step + 1) % self.options.tau == 0 and not self.client.elastic_(self.x, self.alpha):
+                self.halt("elastic update", step)
+        return self.step_result(loss, len(y))
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.local is not None:
+            state["velocity"] = self.local.v
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.local is not None and "velocity" in state:
+            self.local.v.copy_(state["velocity"])
+
+
+class ElasticMomentumAveraging(ElasticAveraging):
+    """EAMSGD: elastic averaging with a local Nesterov momentum step. ``--strategy eamsgd``"""
+
+    name = "eamsgd"
+    nesterov = True
+
+
+class SyncElasticAveraging(Strategy):
+    """Synchronous EASGD/EAMSGD over collectives (``--set easgd.sync=true``); every worker holds ``c``.
+
+    A worker whose replica turns non-finite contributes zeros from then on (a flag per rank rides
+    along in the allreduce), so ``c`` stays finite and rank 0 can name it in the summary.
+    """
+
+    name = "easgd"
+    Options = EasgdOptions
+    tolerates_worker_loss = False  # an allreduce needs every worker
+
+    def __init__(self, ctx: Context, options: EasgdOptions, nesterov: bool = False):
+        super().__init__(ctx, options)
+        self.name = "eamsgd" if nesterov else "easgd"
+        self.layout = Layout.from_model(self.model)
+        self.params = list(self.model.parameters())
+        self.numel, n = self.layout.numel, self.world.world_size
+        self.x, self.g = bind_flat_replica(self.model, self.layout, ctx.world.device)
+        self.c = self.x.clone()
+        self.buf = torch.zeros(self.numel + n, device=self.x.device)  # x - c, then one flag per rank
+        self.local, lr = make_local_step(self, nesterov)
+        self.alpha = options.moving_rate(lr)
+        self.halted, self.nonfinite = False, set()
+        self.result: nn.Module | None = None
+        if self.world.rank == 0:
+            self.result = copy.deepcopy(self.model)
+            self.layout.bind_params_(self.result, self.c)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
+        if self.local is not None:
+            self.local.lookahead_()
+        self.g.zero_()
+        loss = forward_backward(self.model, self.ctx.loss_fn, x, y)
+        if not (self.halted or bool(torch.isfinite(loss))):
+            self._halt("loss", step)
+        if not self.halted:
+            if self.local is not None:
+                self.local.step_(self.g)
+            else:
+                self.optimizer.step()
+        if (step + 1) % self.options.tau == 0:
+            self._exchange(step)
+        extra = {"nonfinite": 1.0} if self.halted else {}
+        return StepResult(float(loss), len(y), self.timers.pop(), extra)
+
+    def _exchange(self, step: int) -> None:
+        flags = self.buf[self.numel :]
+        flags.zero_()
+        with self.timers.phase("allreduce"):
+            ok = sync_elastic_(
+                self.x, self.c, self.buf, self.alpha, self._allreduce, not self.halted, flags[self.world.rank]
+            )
+        if not ok and not self.halted:
+            self._halt("elastic update", step)
+        self.nonfinite.update(int(r) for r in flags.nonzero().flatten())
+
+    def _allreduce(self, t: torch.Tensor) -> None:
+        if self.world.world_size > 1:
+            with collective("easgd elastic averaging"):
+                dist.all_reduce(t)
+
+    def _halt(self, what: str, step: int) -> None:
+        self.halted = True
+        warn(f"rank {self.world.rank}: non-finite {what} at step {step}; it contributes nothing from now on")
+
+    def eval_model(self) -> nn.Module | None:
+        if self.result is not None:
+            with torch.no_grad():
+                for dst, src in zip(self.result.buffers(), self.model.buffers()):
+                    dst.copy_(src)
+        return self.result
+
+    def summary_extra(self) -> dict[str, Any]:
+        return {"nonfinite_workers": sorted(self.nonfinite)}
+
+    def close(self) -> None:
+        for p in self.params:
+            p.grad = None

@@ -1,0 +1,174 @@
+"""Tier (a): each asynchronous update rule against its formula, two workers, hand-computed values.
+
+The two workers are two clients of one real ``shm`` box in this process, interleaved by hand.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import uuid
+
+import pytest
+import torch
+
+from parambox.box import open_box
+from parambox.runtime.world import World
+from parambox.strategies.asynchronous import CenterClient, CounterMap
+from parambox.strategies.downpour import AdagradRates, DownpourWorker
+from parambox.strategies.easgd import NesterovStep, sync_elastic_
+
+N = 5  # parameters per replica
+
+
+@pytest.fixture
+def box():
+    b = open_box("shm", World(), 2 * N, CounterMap(2).num_counters, name=f"rules-{uuid.uuid4().hex[:8]}")
+    yield b
+    b.close()
+
+
+def center(box, start: int = 0) -> torch.Tensor:
+    return box.pull(torch.empty(N), start)
+
+
+def full(v: float) -> torch.Tensor:
+    return torch.full((N,), float(v))
+
+
+def test_easgd_async_exchange(box):
+    """d = alpha (x - c); x <- x - d; c <- c + d, worker A then worker B."""
+    a, b = CenterClient(box, N), CenterClient(box, N, block=2)  # B walks the buffer in blocks of 2
+    xa, xb = full(1.0), full(2.0)
+    assert a.elastic_(xa, 0.5)  # d = 0.5 (1 - 0) = 0.5
+    assert torch.equal(xa, full(0.5)) and torch.equal(center(box), full(0.5))
+    assert b.elastic_(xb, 0.5)  # d = 0.5 (2 - 0.5) = 0.75
+    assert torch.equal(xb, full(1.25)) and torch.equal(center(box), full(1.25))
+    assert (a.staleness, b.staleness) == (0, 0)
+    assert box.read_counter(0) == 2
+
+
+def test_easgd_sync_exchange():
+    """c <- c + alpha sum_i (x_i - c); x_i <- x_i - alpha (x_i - c); every worker keeps its own c."""
+    xs, cs = [full(1.0), full(3.0)], [full(0.0), full(0.0)]
+    bufs = [torch.zeros(N), torch.zeros(N)]
+    barrier = threading.Barrier(2)
+
+    def allreduce(t: torch.Tensor) -> None:  # the two "workers" are threads here
+        barrier.wait()
+        total = bufs[0] + bufs[1]
+        barrier.wait()
+        t.copy_(total)
+
+    threads = [
+        threading.Thread(target=sync_elastic_, args=(xs[i], cs[i], bufs[i], 0.25, allreduce))
+        for i in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert torch.equal(cs[0], full(1.0)) and torch.equal(cs[1], full(1.0))  # 0 + 0.25 (1 + 3)
+    assert torch.equal(xs[0], full(0.75)) and torch.equal(xs[1], full(2.25))
+
+
+def test_eamsgd_nesterov_step():
+    """v <- delta v - eta g(x + delta v); x <- x + v, on f(x) = x^2 / 2 (g(x) = x)."""
+    x = full(1.0)
+    s = NesterovStep(x, lr=0.1, delta=0.5)
+    for _ in range(2):
+        s.lookahead_()
+        s.step_(x.clone())  # the gradient at the look-ahead point
+    # step 1: g(1) = 1, v = -0.1, x = 0.9; step 2: g(0.9 - 0.05) = 0.85, v = -0.05 - 0.085, x = 0.765
+    assert torch.allclose(s.v, full(-0.135)) and torch.allclose(x, full(0.765))
+
+
+def sgd(worker: DownpourWorker, g: float, lr: float = 0.1) -> None:
+    worker.x.sub_(lr * g)
+
+
+def test_downpour_fetch_every_2_push_every_step(box):
+    a = DownpourWorker(CenterClient(box, N), full(7.0), n_fetch=2, n_push=1)
+    b = DownpourWorker(CenterClient(box, N), full(7.0), n_fetch=2, n_push=1)
+    expected_c = [-0.1, -0.3, -0.4, -0.6]  # A: -0.1 per step, B: -0.2 per step, each pushed at once
+    expected_x = [-0.1, -0.3, -0.2, -0.5]  # B fetched c = -0.1 at step 0; nobody fetches at step 1
+    k = 0
+    for step in range(2):
+        for w, g in ((a, 1.0), (b, 2.0)):
+            w.before_step(step)
+            sgd(w, g)
+            assert w.after_step(step)
+            assert torch.allclose(center(box), full(expected_c[k])), k
+            assert torch.allclose(w.x, full(expected_x[k])), k
+            k += 1
+
+
+def test_downpour_fetch_every_step_push_every_2_keeps_the_update(box):
+    """A fetch between two pushes replaces x but not the update accumulated before it."""
+    a = DownpourWorker(CenterClient(box, N), full(0.0), n_fetch=1, n_push=2)
+    b = DownpourWorker(CenterClient(box, N), full(0.0), n_fetch=1, n_push=2)
+    for step in range(2):
+        for w, g in ((a, 1.0), (b, 2.0)):
+            w.before_step(step)
+            sgd(w, g)
+            w.after_step(step)
+    # A pushed -0.1 - 0.1, then B pushed -0.2 - 0.2: every local update reached c exactly once.
+    assert torch.allclose(center(box), full(-0.6))
+    assert torch.allclose(b.x, full(-0.4))  # B fetched c = -0.2 at step 1, then stepped -0.2
+
+
+def test_downpour_adagrad_rates_from_squared_sums_in_the_box(box):
+    """eta_j = gamma / sqrt(sum of g_j^2 over every worker's pushes), the sums kept in the box."""
+    workers = []
+    for _ in range(2):
+        x = full(0.0)
+        w = DownpourWorker(CenterClient(box, N), x, 1, 1)
+        workers.append((w, AdagradRates(CenterClient(box, N, start=N), N, gamma=0.1, device=x.device)))
+
+    def step(i: int, g: float) -> None:
+        w, rates = workers[i]
+        w.fetch()
+        rates.fetch()
+        rates.step_(w.x, full(g))
+        assert w.push() and rates.push()
+
+    step(0, 1.0)  # G = 1: x_A = -0.1
+    c1 = -0.1
+    assert torch.allclose(center(box), full(c1)) and torch.allclose(center(box, N), full(1.0))
+    step(1, 2.0)  # G = 1 + 4: B moves by -0.1 * 2 / sqrt(5)
+    c2 = c1 - 0.2 / math.sqrt(5)
+    assert torch.allclose(center(box), full(c2)) and torch.allclose(center(box, N), full(5.0))
+    step(0, 1.0)  # G = 5 + 1
+    assert torch.allclose(center(box), full(c2 - 0.1 / math.sqrt(6)))
+
+
+def test_dynsgd_push_scaled_by_staleness(box):
+    """Both pull c = 0; A pushes first (s = 0, scale 1); B's push saw one push since its pull (scale 1/2)."""
+    a = DownpourWorker(CenterClient(box, N), full(0.0), 1, 1, damped=True)
+    b = DownpourWorker(CenterClient(box, N), full(0.0), 1, 1, damped=True)
+    a.before_step(0)
+    b.before_step(0)
+    sgd(a, 1.0)
+    assert a.after_step(0)
+    sgd(b, 2.0)
+    assert b.after_step(0)
+    assert (a.client.staleness, b.client.staleness) == (0, 1)
+    assert torch.allclose(center(box), full(-0.1 - 0.2 / 2))
+
+
+def test_non_finite_updates_are_never_pushed(box):
+    client = CenterClient(box, N, block=2)
+    box.write(full(1.0), 0)
+    assert not client.push(torch.tensor([0.0, 1.0, float("nan"), 0.0, 0.0]))
+    assert not client.push(full(float("inf")))
+    x = torch.tensor([1.0, 1.0, 1.0, float("inf"), 1.0])  # the block holding the Inf is refused
+    assert not client.elastic_(x, 0.5)
+    assert torch.isfinite(center(box)).all()
+    assert box.read_counter(0) == 0  # the version counts only accepted pushes
+
+
+def test_counter_map_is_disjoint():
+    m = CounterMap(3, extra=2)
+    idx = [m.version, m.total, m.reached, *(f(r) for f in (m.steps, m.status, m.ident) for r in range(3))]
+    idx += [m.extra(k) for k in range(2)]
+    assert sorted(idx) == list(range(m.num_counters))
