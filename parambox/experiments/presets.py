@@ -104,6 +104,32 @@ def scaling_study() -> dict[str, Any]:
 
 
 @register
+def digits_hogwild() -> dict[str, Any]:
+    """Hogwild on the default run, at half its learning rate: two workers each applying their own momentum
+    step to the shared weights roughly double the effective step."""
+    return {**digits_allreduce(), "strategy": "hogwild", "lr": 0.015}
+
+
+@register
+def digits_dogwild() -> dict[str, Any]:
+    """Dogwild on the default run: rank 0 holds the weights and applies every gradient with one optimizer,
+    so the default learning rate stands."""
+    return {**digits_allreduce(), "strategy": "dogwild"}
+
+
+@register
+def digits_hybrid() -> dict[str, Any]:
+    """ShmCaffe-H on digits: 4 workers in 2 synchronous groups, EASGD between the groups every 4 steps
+    (add --box rma to make the groups talk through MPI windows, as separate nodes would)."""
+    return {
+        **digits_allreduce(),
+        "strategy": "hybrid",
+        "workers": 4,
+        "options": {"hybrid": {"group_size": 2, "tau": 4, "alpha": 0.1}},
+    }
+
+
+@register
 def digits_downpour() -> dict[str, Any]:
     """Downpour on the default run: each worker pulls before and pushes after every step; the default
     learning rate stands (its pushes are its own steps, not a second momentum on shared weights)."""

@@ -22,6 +22,9 @@ STRATEGIES: dict[str, str] = {
     "easgd": "parambox.strategies.easgd:ElasticAveraging",
     "eamsgd": "parambox.strategies.easgd:ElasticMomentumAveraging",
     "dynsgd": "parambox.strategies.dynsgd:DynSGD",
+    "hogwild": "parambox.strategies.hogwild:Hogwild",
+    "dogwild": "parambox.strategies.dogwild:Dogwild",
+    "hybrid": "parambox.strategies.hybrid:Hybrid",
 }
 
 

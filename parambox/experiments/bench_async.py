@@ -1,0 +1,228 @@
+"""``parambox bench async``: parambox's asynchronous strategies against a plain PyTorch Hogwild loop.
+
+Two worker processes x 1 thread train the ~1M-parameter benchmark CNN of ``bench sync`` (3x32x32
+input, 10 classes, batch 64 per worker, SGD lr 0.01 momentum 0.9) on fixed random batches. The
+setups:
+
+- ``plain``: Hogwild written the way pytorch/examples ``mnist_hogwild`` writes it: the model's
+  ``share_memory()``, and each process steps its own optimizer on the shared parameters
+  (``zero_grad``, forward, ``backward``, ``step``). The example forks its processes and hands them
+  the model; these are started with ``subprocess`` (no pickle between processes), so rank 0 calls
+  ``model.share_memory()`` exactly as the example does and rank 1 maps the very same storages:
+  ``share_memory()`` leaves each storage in a POSIX shared-memory file held open by rank 0, whose
+  descriptor rank 1 opens through ``/proc/<pid>/fd/<fd>`` (``UntypedStorage.from_file(shared=True)``).
+- ``hogwild``, ``easgd-tau1``, ``easgd-tau4``, ``downpour`` (``n_push`` 1): parambox's own strategy
+  classes, built through ``strategy_class(name)(ctx, options)`` as ``parambox train`` builds them,
+  over the ``shm`` box. A strategy that is not in this build is left out.
+
+Every setup runs in the same two processes; within a round each runs the same number of timed
+steps between two barriers, one after the other, the order rotating each round. The ratios are
+medians of the per-round paired ratios, which cancels most of the drift of a shared machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+BATCH = 64
+LR, MOMENTUM = 0.01, 0.9
+STRATEGY_SETUPS = {  # setup -> (strategy, options)
+    "hogwild": ("hogwild", {}),
+    "easgd-tau1": ("easgd", {"tau": 1}),
+    "easgd-tau4": ("easgd", {"tau": 4}),
+    "downpour": ("downpour", {"n_push": 1, "n_fetch": 1}),
+}
+RATIOS = {  # key -> (numerator, denominator, target or None)
+    "ratio_hogwild_vs_plain": ("hogwild", "plain", 1.0),
+    "ratio_easgd_tau4_vs_hogwild": ("easgd-tau4", "hogwild", 0.95),
+    "ratio_easgd_tau1_vs_hogwild": ("easgd-tau1", "hogwild", 0.95),
+    "ratio_downpour_vs_hogwild": ("downpour", "hogwild", None),
+}
+PLAIN_SHARING = (
+    "rank 0: model.share_memory(); rank 1 maps the same storages through /proc/<pid>/fd/<fd> "
+    "(subprocess workers, no fork, no pickle)"
+)
+
+
+def _make_optimizer(params):
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def _build():
+    from parambox.models import build_model
+
+    torch.manual_seed(0)
+    return build_model("cnn", (3, 32, 32), 10)
+
+
+def _plain_stepper(world, tmp: Path):
+    """The pytorch/examples mnist_hogwild loop on a model shared as ``model.share_memory()`` shares it."""
+    model = _build()
+    handles = tmp / "plain_storages.json"
+    if world.rank == 0:
+        model.share_memory()
+        fds = [p.untyped_storage()._share_fd_cpu_() for p in model.parameters()]
+        handles.write_text(json.dumps([[os.getpid(), fd, size] for fd, size in fds]))
+    dist.barrier()
+    if world.rank != 0:
+        for p, (pid, fd, size) in zip(model.parameters(), json.loads(handles.read_text())):
+            storage = torch.UntypedStorage.from_file(f"/proc/{pid}/fd/{fd}", shared=True, nbytes=size)
+            p.data = torch.empty(0).set_(storage, p.storage_offset(), p.shape, p.stride())
+    dist.barrier()  # rank 0 keeps its descriptors open; both now step the same memory
+    optimizer = _make_optimizer(model.parameters())
+
+    def step(x, y, i):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return float(loss)
+
+    return step, lambda: None, model
+
+
+def _strategy_stepper(setup: str, world, steps: int):
+    from parambox.strategies import Context, strategy_class
+
+    name, options = STRATEGY_SETUPS[setup]
+    ctx = Context(world, _build(), _make_optimizer, F.cross_entropy, steps, 300.0)
+    cls = strategy_class(name)
+    strategy = cls(ctx, cls.Options(**options))
+    return (lambda x, y, i: strategy.step(x, y, i).loss), strategy.close, None
+
+
+def available_setups() -> list[str]:
+    from parambox.strategies import STRATEGIES
+
+    return ["plain", *(s for s, (name, _) in STRATEGY_SETUPS.items() if name in STRATEGIES)]
+
+
+def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -> None:
+    from parambox.runtime.world import World
+
+    torch.set_num_threads(1)
+    world = World.from_env()
+    dist.init_process_group("gloo", rank=world.rank, world_size=world.world_size)
+    try:
+        g = torch.Generator().manual_seed(world.rank)
+        batches = [
+            (torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
+            for _ in range(8)
+        ]
+        total = warmup + rounds * steps
+        steppers = {
+            s: _plain_stepper(world, out.parent) if s == "plain" else _strategy_stepper(s, world, total)
+            for s in setups
+        }
+        losses: dict[str, list[float]] = {s: [] for s in setups}
+        for s, (step, _, _) in steppers.items():
+            losses[s] += [step(*batches[i % 8], i) for i in range(warmup)]
+        results: dict[str, list[float]] = {s: [] for s in setups}
+        for r in range(rounds):
+            for s in setups[r % len(setups) :] + setups[: r % len(setups)]:
+                step = steppers[s][0]
+                dist.barrier()
+                t0 = time.perf_counter()
+                for i in range(steps):
+                    losses[s].append(step(*batches[i % 8], warmup + r * steps + i))
+                dist.barrier()
+                results[s].append(world.world_size * BATCH * steps / (time.perf_counter() - t0))
+        shared = {s: _same_on_both_ranks(steppers[s][2]) for s in setups if steppers[s][2] is not None}
+        for _, close, _ in steppers.values():
+            close()
+        nonfinite = [s for s, v in losses.items() if not all(map(_finite, v))]
+        if world.rank == 0:
+            out.write_text(json.dumps({"per_round": results, "nonfinite": nonfinite, "shared": shared}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _same_on_both_ranks(model) -> bool:
+    """After both processes stepped it, a shared model holds the same weights in both."""
+    mine = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    both = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(both, mine)
+    return all(torch.equal(both[0], t) for t in both)
+
+
+def _finite(v: float) -> bool:
+    return v == v and abs(v) != float("inf")
+
+
+def run_bench_async(
+    rounds: int = 7, steps: int = 30, warmup: int = 5, setups: list[str] | None = None
+) -> dict:
+    """Spawn the two workers, collect per-round samples/s, and compute paired ratios."""
+    from parambox.box import PREFIX_ENV, new_prefix, remove_segments
+    from parambox.runtime.dist import free_port
+
+    setups = setups or available_setups()
+    prefix = new_prefix()  # unguessable segment names, removed at the end whatever happens
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+            WORLD_SIZE="2",
+            OMP_NUM_THREADS="1",
+            **{PREFIX_ENV: prefix},
+        )
+        args = [sys.executable, "-m", "parambox.experiments.bench_async", "--worker", ",".join(setups)]
+        args += [str(rounds), str(steps), str(warmup), str(out)]
+        procs = [subprocess.Popen(args, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
+        try:
+            codes = [p.wait() for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            remove_segments(prefix)
+        if any(codes):
+            raise RuntimeError(f"bench async workers exited with {codes}")
+        data = json.loads(out.read_text())
+    result = summarize(data["per_round"], data["nonfinite"], rounds, steps)
+    result["plain_weights_shared"] = data["shared"].get("plain")
+    return result
+
+
+def summarize(per_round: dict[str, list[float]], nonfinite: list[str], rounds: int, steps: int) -> dict:
+    result: dict = {
+        "workers": 2,
+        "threads_per_worker": 1,
+        "batch_per_worker": BATCH,
+        "model": "cnn",
+        "optimizer": f"sgd lr {LR} momentum {MOMENTUM}",
+        "rounds": rounds,
+        "steps_per_round": steps,
+        "plain_hogwild_sharing": PLAIN_SHARING,
+        "samples_per_s": {k: statistics.median(v) for k, v in per_round.items()},
+        "nonfinite_setups": nonfinite,
+    }
+    targets = {}
+    for key, (a, b, target) in RATIOS.items():
+        if a in per_round and b in per_round:
+            result[key] = statistics.median(x / y for x, y in zip(per_round[a], per_round[b]))
+            if target is not None:
+                targets[key] = {"target": target, "met": result[key] >= target}
+    result["targets"] = targets
+    result["per_round_samples_per_s"] = per_round
+    return result
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--worker":
+        worker(
+            sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6])
+        )

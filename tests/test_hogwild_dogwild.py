@@ -1,0 +1,233 @@
+"""Hogwild and Dogwild: their update rules in closed form on forked workers, faults, and the digits run.
+
+The rule tests use a model whose gradient does not depend on the weights (a bias-free linear layer
+under ``loss = sum(output)``: the gradient is the column sums of the batch), so the final weights
+have a closed form however the workers interleave.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from parambox.box import PREFIX_ENV, new_prefix
+from parambox.errors import UserError
+from parambox.runtime import dist as pbdist
+from parambox.runtime.dist import free_port
+from parambox.runtime.world import World
+from parambox.strategies.base import Context
+from parambox.strategies.dogwild import Dogwild, DogwildOptions
+from parambox.strategies.hogwild import Hogwild, HogwildOptions
+from tests.conftest import final_weights, run_cli, summary
+
+LR, STEPS = 0.125, 3
+W0 = torch.tensor([[1.0, 2.0, -1.0, 0.5]])
+
+
+def batch(rank: int) -> torch.Tensor:
+    """Rank r's fixed batch; its gradient under sum(output) is its column sums: small integers."""
+    return torch.tensor([[1.0, 0.0, 2.0, -1.0], [0.0, 1.0, 1.0, 1.0]]) * (1 + rank)
+
+
+def momentum_sum(m: float, n: int) -> float:
+    """sum_{t=1..n} of torch SGD's momentum buffer after t equal gradients, in units of the gradient."""
+    return sum((1 - m**t) / (1 - m) for t in range(1, n + 1))
+
+
+def _worker(rank: int, n: int, make, port: int, out_dir: str, faults: dict) -> None:
+    torch.set_num_threads(1)  # forked: stay out of the parent's OpenMP pool
+    world = World(rank, n, rank, n, launcher="local", master_addr="127.0.0.1", master_port=port)
+    pbdist.init_distributed(world, 20.0)
+    model = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(W0)
+    ctx = Context(
+        world,
+        model,
+        lambda p: torch.optim.SGD(p, lr=LR, momentum=make.momentum),
+        lambda out, y: out.sum(),
+        STEPS,
+        20.0,
+    )
+    strategy = make(ctx)
+    x = batch(0 if make.same_data else rank)
+    kind, at = faults.get(rank, ("", 1 << 30))
+    if make.ordered and rank == 1:  # Hogwild made deterministic: rank 1 starts when rank 0 is done
+        while strategy.box.read_counter(strategy.counters.steps(0)) < STEPS:
+            time.sleep(0.001)
+    step = 0
+    while not strategy.should_stop(step):
+        if kind == "kill" and step == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        bad = kind == "nan" and step >= at
+        strategy.step(torch.full_like(x, float("nan")) if bad else x, torch.zeros(2), step)
+        step += 1
+    strategy.finish()
+    result_model = strategy.eval_model()
+    out = {"rank": rank, "steps": step, **strategy.summary_extra()}
+    if result_model is not None:
+        out["weights"] = result_model.weight.detach().flatten().tolist()
+    strategy.close()
+    pbdist.destroy_distributed()
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(out))
+
+
+def run_forked(make, out_dir: Path, n: int = 2, faults: dict | None = None) -> dict[int, dict]:
+    """Run ``make(ctx)``'s strategy on ``n`` forked workers; the results of those not killed."""
+    ctx = mp.get_context("fork")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    os.environ[PREFIX_ENV] = new_prefix()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, n, make, port, str(out_dir), faults or {})) for r in range(n)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(40)
+        return {int(f.stem): json.loads(f.read_text()) for f in out_dir.glob("*.json")}
+    finally:
+        os.environ.pop(PREFIX_ENV)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def maker(cls, options, momentum: float = 0.0, ordered: bool = False, same_data: bool = False):
+    def make(ctx):
+        return cls(ctx, options)
+
+    make.momentum, make.ordered, make.same_data = momentum, ordered, same_data
+    return make
+
+
+# Lazy imports (torch.optim pulls in torch._dynamo, ~1.5 s) happen once here, not in every child.
+torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+
+
+# -- Hogwild ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_hogwild_rule_each_worker_steps_the_shared_weights_with_its_own_momentum(tmp_path):
+    """x <- x - lr v_i in place, v_i each worker's own momentum: w = w0 - lr S(m, K) (g_0 + g_1)."""
+    res = run_forked(maker(Hogwild, HogwildOptions(), momentum=0.5, ordered=True), tmp_path)
+    g0, g1 = batch(0).sum(0), batch(1).sum(0)
+    expected = W0.flatten() - LR * momentum_sum(0.5, STEPS) * (g0 + g1)
+    assert torch.equal(torch.tensor(res[0]["weights"]), expected)
+    assert res[0]["worker_steps"] == [STEPS, STEPS] and res[0]["lost_workers"] == []
+
+
+@pytest.mark.timeout(60)
+def test_hogwild_nan_worker_never_writes(tmp_path):
+    """Rank 1 sees NaN inputs from its step 1: it halts; the shared weights hold only finite updates."""
+    res = run_forked(maker(Hogwild, HogwildOptions(), ordered=True), tmp_path, faults={1: ("nan", 1)})
+    expected = W0.flatten() - LR * (STEPS * batch(0).sum(0) + batch(1).sum(0))
+    assert torch.equal(torch.tensor(res[0]["weights"]), expected)
+    assert res[0]["nonfinite_workers"] == [1] and res[1]["steps"] == 2
+
+
+@pytest.mark.timeout(60)
+def test_hogwild_killed_worker_is_found_lost(tmp_path):
+    """Rank 1 dies at its step 1: rank 0 sees its process gone and finishes with the shared weights."""
+    res = run_forked(maker(Hogwild, HogwildOptions(), ordered=True), tmp_path, faults={1: ("kill", 1)})
+    assert set(res) == {0} and res[0]["lost_workers"] == [1]
+    expected = W0.flatten() - LR * (STEPS * batch(0).sum(0) + batch(1).sum(0))
+    assert torch.equal(torch.tensor(res[0]["weights"]), expected)
+
+
+def test_hogwild_refuses_rma_and_several_nodes():
+    model = nn.Linear(2, 1)
+    for world, box in ((World(), "rma"), (World(0, 4, 0, 2, 0, 2), "shm")):
+        ctx = Context(world, model, lambda p: torch.optim.SGD(p, lr=0.1), None, 1, 5.0, box_backend=box)
+        with pytest.raises(UserError, match="hogwild"):
+            Hogwild(ctx, HogwildOptions())
+
+
+# -- Dogwild ---------------------------------------------------------------------------------------
+
+
+def grad(rank: int) -> torch.Tensor:
+    return batch(rank).sum(0)
+
+
+@pytest.mark.timeout(60)
+def test_dogwild_rule_plain_sgd_applies_every_gradient(tmp_path):
+    """Momentum 0: the master applies its own K gradients and the worker's K, in whatever order:
+    w = w0 - lr K (g_0 + g_1)."""
+    res = run_forked(maker(Dogwild, DogwildOptions()), tmp_path)
+    assert torch.equal(torch.tensor(res[0]["weights"]), W0.flatten() - LR * STEPS * (grad(0) + grad(1)))
+    assert res[0]["worker_steps"] == [STEPS, STEPS] and res[1]["steps"] == STEPS
+
+
+@pytest.mark.timeout(60)
+def test_dogwild_rule_one_momentum_buffer_on_the_master(tmp_path):
+    """Equal gradients from both ranks: the master's one momentum buffer sees 2K in a row,
+    w = w0 - lr S(m, 2K) g (Hogwild's two buffers would give 2 S(m, K) g)."""
+    res = run_forked(maker(Dogwild, DogwildOptions(), momentum=0.5, same_data=True), tmp_path)
+    expected = W0.flatten() - LR * momentum_sum(0.5, 2 * STEPS) * grad(0)
+    assert torch.allclose(torch.tensor(res[0]["weights"]), expected, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_dogwild_nan_worker_is_reported_and_its_gradient_never_applied(tmp_path):
+    res = run_forked(maker(Dogwild, DogwildOptions()), tmp_path, faults={1: ("nan", 1)})
+    assert torch.equal(torch.tensor(res[0]["weights"]), W0.flatten() - LR * (STEPS * grad(0) + grad(1)))
+    assert res[0]["nonfinite_workers"] == [1] and res[0]["worker_steps"] == [STEPS, 1]
+
+
+@pytest.mark.timeout(60)
+def test_dogwild_killed_worker_is_found_lost(tmp_path):
+    """Rank 1 dies at its step 1, after its step 0 was applied: rank 0 sees its process gone and
+    finishes without it."""
+    res = run_forked(maker(Dogwild, DogwildOptions()), tmp_path, faults={1: ("kill", 1)})
+    assert set(res) == {0} and res[0]["lost_workers"] == [1]
+    assert torch.equal(torch.tensor(res[0]["weights"]), W0.flatten() - LR * (STEPS * grad(0) + grad(1)))
+    assert res[0]["worker_steps"] == [STEPS, 1]
+
+
+# -- the CLI, as a user runs it ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("args", [["--preset", "digits-hogwild"], ["--strategy", "dogwild"]])
+def test_default_digits_run_reaches_093(args, tmp_path):
+    out = tmp_path / "run"
+    run_cli("train", *args, "--out", str(out), "--no-progress")
+    s = summary(out)
+    assert s["final_test_accuracy"] >= 0.93, s["final_test_accuracy"]
+    assert (s["worker_steps"], s["lost_workers"], s["nonfinite_workers"]) == ([600, 600], [], [])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(170)
+def test_dogwild_sigkilled_worker_run_ends_with_code_0(tmp_path):
+    out = tmp_path / "run"
+    args = [
+        "--strategy",
+        "dogwild",
+        "--model",
+        "mlp",
+        "--steps",
+        "200",
+        "--eval-every",
+        "0",
+        "--threads",
+        "1",
+    ]
+    proc = run_cli("train", *args, "--out", str(out), "--no-progress", env={"PARAMBOX_FAULT": "1:30:kill"})
+    s = summary(out)
+    assert s["lost_workers"] == [1] and s["worker_steps"][0] == 200
+    assert "lost" in proc.stderr
+    assert all(torch.isfinite(w).all() for w in final_weights(out).values())
