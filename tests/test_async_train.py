@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,9 +22,11 @@ from torch import nn
 
 from parambox.box import PREFIX_ENV, new_prefix
 from parambox.runtime import dist as pbdist
+from parambox.runtime import launcher
 from parambox.runtime.dist import free_port
 from parambox.runtime.world import World
 from parambox.strategies.base import Context
+from parambox.strategies.downpour import Downpour, DownpourOptions
 from parambox.strategies.dynsgd import DynSGD, DynSGDOptions
 from parambox.strategies.easgd import EasgdOptions, ElasticAveraging
 from tests.conftest import MPI_ENV, final_weights, run_cli, summary
@@ -68,6 +72,7 @@ def test_easgd_over_the_rma_box_on_the_network_path(tmp_path):
     assert s["final_test_accuracy"] >= 0.93 and s["worker_steps"] == [600, 600]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_killed_worker_the_other_finishes(tmp_path):
     out = tmp_path / "run"
@@ -80,6 +85,7 @@ def test_killed_worker_the_other_finishes(tmp_path):
     assert_finite_result(out)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_nan_worker_never_pushes(tmp_path):
     out = tmp_path / "run"
@@ -92,6 +98,20 @@ def test_nan_worker_never_pushes(tmp_path):
     assert_finite_result(out)
     rank1 = records(out, 1)
     assert len(rank1) == 21 and rank1[20]["nonfinite"] == 1.0 and "nonfinite" not in rank1[19]
+
+
+@pytest.mark.timeout(30)
+def test_launcher_stops_a_worker_still_running_after_rank0_finished(tmp_path, monkeypatch):
+    """A hung worker must not keep an asynchronous run from ending once rank 0 has written the result."""
+    monkeypatch.setattr(launcher, "STRAGGLER_GRACE_S", 0.5)
+    cmds = [[sys.executable, "-c", "pass"], ["sleep", "60"]]
+    procs = [subprocess.Popen(c, start_new_session=True) for c in cmds]
+    try:
+        result = launcher._supervise(procs, tmp_path, tolerate_loss=True)
+    finally:
+        launcher._stop(procs)
+    assert (result.returncode, result.lost) == (0, [1])
+    assert procs[1].poll() is not None
 
 
 # -- tier (b): forked workers driving the strategies directly (no CLI start-up cost) ----------------
@@ -120,6 +140,7 @@ def _worker(rank: int, n: int, make, queue, port: int, slow: dict, faults: dict)
     strategy.finish()
     center = strategy.eval_model()
     out = {"rank": rank, "steps": step, **(strategy.summary_extra() if rank == 0 else {})}
+    out["probe"] = getattr(strategy, "probe", None)
     if center is not None:
         out["finite"] = all(bool(torch.isfinite(p).all()) for p in center.parameters())
     strategy.close()
@@ -200,3 +221,24 @@ def test_stalled_worker_is_lost_after_lost_after_s():
     res = run_forked(stalling, faults={1: ("hang", 5)})
     assert res[0]["lost_workers"] == [1] and res[0]["finite"] and res[0]["worker_steps"] == [40, 5]
     assert time.monotonic() - t0 < 10
+
+
+class ProbedDownpour(Downpour):
+    """Records, after its first step, how many steps rank 0 had done."""
+
+    def step(self, x, y, step):
+        result = super().step(x, y, step)
+        if step == 0:
+            self.probe = self.box.read_counter(self.counters.steps(0))
+        return result
+
+
+def warm_adagrad(ctx):
+    return ProbedDownpour(ctx, DownpourOptions(warmup_steps=30, adagrad=True, n_push=2))
+
+
+@pytest.mark.timeout(60)
+def test_downpour_warm_start_and_adagrad():
+    """Rank 1 starts only once rank 0 has trained 30 steps alone; Adagrad sums in the box keep c finite."""
+    res = run_forked(warm_adagrad, slow={0: 0.01})
+    assert res[1]["probe"] >= 30 and res[0]["worker_steps"] == [40, 40] and res[0]["finite"]

@@ -24,6 +24,9 @@ from parambox.runtime.dist import free_port
 from parambox.runtime.world import LOCAL_LAUNCHER_ENV
 
 STOP_GRACE_S = 3.0
+# Asynchronous runs: rank 0 exits only once every other worker is done or found lost, so a worker
+# still running this long after rank 0 succeeded is hung; it is stopped and counted as lost.
+STRAGGLER_GRACE_S = 30.0
 
 
 @dataclass
@@ -116,10 +119,16 @@ def _pump(stream, sink, rank: int) -> None:
 def _supervise(procs: list[subprocess.Popen], log_dir: Path, tolerate_loss: bool) -> LaunchResult:
     result = LaunchResult(0)
     interrupted = []
+    rank0_done_at = None
     old = signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
     try:
         while True:
             codes = [p.poll() for p in procs]
+            if tolerate_loss and len(procs) > 1 and codes[0] == 0:
+                rank0_done_at = rank0_done_at or time.monotonic()
+                if time.monotonic() - rank0_done_at > STRAGGLER_GRACE_S:
+                    result.lost += [r for r, c in enumerate(codes) if c is None and r not in result.lost]
+                    return result
             if interrupted:
                 result.returncode = 130
                 return result

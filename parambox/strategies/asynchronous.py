@@ -32,6 +32,10 @@ API (kept stable; the asynchronous strategies build on it)
     what is left), the result model (the center, on rank 0), resume state and
     ``summary_extra`` (``lost_workers``, ``nonfinite_workers``, ``worker_steps``).
 
+Lost workers: rank 0 waits at the end for every worker's ``DONE``; a worker on its host whose
+process is gone is lost at once, any other once its step count stood still ``lost_after_s``. On the
+``rma`` box a dead worker takes its shard of the box with it (and mpiexec ends the job).
+
 A subclass implements ``step``; e.g. the asynchronous EASGD step::
 
     loss = self.forward_backward(x, y)
@@ -227,18 +231,9 @@ def warn(text: str) -> None:
 
 
 class AsyncStrategy(Strategy):
-    """Base of the asynchronous strategies: flat replica, center in the box, alignment, fault handling.
+    """Base of the asynchronous strategies (see the module docstring for its API and an example step).
 
-    >>> class Plain(AsyncStrategy):  # push every local update, pull before every step  # doctest: +SKIP
-    ...     def step(self, x, y, step):
-    ...         self.client.pull(self.x)
-    ...         before = self.x.clone()
-    ...         loss = self.forward_backward(x, y)
-    ...         if self.guard(loss, step):
-    ...             self.optimizer.step()
-    ...             if not self.client.push(self.x - before):
-    ...                 self.halt("update", step)
-    ...         return self.step_result(loss, len(y))
+    >>> Downpour(ctx, DownpourOptions(n_push=4)).step(x, y, step=0)  # doctest: +SKIP
     """
 
     Options = AsyncOptions
