@@ -57,7 +57,8 @@ def test_default_digits_run_reaches_093(strategy, tmp_path):
         rec = records(out, rank)
         assert len(rec) == 600 and all("staleness" in r for r in rec)
         assert {"pull", "push"} <= {k for r in rec for k in r["comm"]}
-    assert max(r["staleness"] for r in records(out, 1)) >= 1  # the other worker pushed in between
+    if strategy in ("downpour", "dynsgd"):  # a whole step between pull and push: the other pushes in between
+        assert max(r["staleness"] for r in records(out, 1)) >= 1
 
 
 @pytest.mark.slow
