@@ -61,6 +61,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--augment", dest="augment", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--tensorboard", action="store_true", default=None, help="also write TensorBoard events")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    p.add_argument(
+        "--slow-worker",
+        default=None,
+        metavar="RANK:FACTOR",
+        help="sandblaster test/demo: that rank takes FACTOR times as long per portion "
+        "(same as --set sandblaster.slow_worker=RANK:FACTOR)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -70,8 +77,14 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if args.config:
         layers.append(load_toml(args.config))
     layers.append({f: getattr(args, f) for f in [*FLAGS.values(), "augment", "tensorboard", "progress"]})
+    slow = getattr(args, "slow_worker", None)
+    if slow is not None:
+        layers.append({"options": {"sandblaster": {"slow_worker": slow}}})
     layers.append(parse_set(args.set))
-    return build_config(*layers)
+    cfg = build_config(*layers)
+    if slow is not None and cfg.strategy != "sandblaster":
+        raise UserError("--slow-worker applies to --strategy sandblaster")
+    return cfg
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,6 +22,9 @@ SYNTHETIC_CLASSES = 10
 # Norm of each class mean against unit per-pixel noise: it sets how often the Bayes-optimal
 # (nearest-mean) classifier is right, ~97 % here, so the task is learnable but not trivial.
 SYNTHETIC_MEAN_NORM = 4.0
+# The same task at CIFAR's size, for benchmarks of the image models where no CIFAR files are at hand.
+SYNTHETIC32_TRAIN, SYNTHETIC32_TEST = 4096, 1024
+SYNTHETIC32_SHAPE = (3, 32, 32)
 
 # §3 trains for 10,000 steps per worker; 10,000 samples make that one epoch at batch 1.
 STEP_TRAIN, STEP_TEST = 10_000, 1_000
@@ -32,11 +35,11 @@ def _ignored_path(name: str, data_path: Path | None) -> None:
         warnings.warn(f"data set {name!r} is generated; ignoring data path {data_path}", stacklevel=3)
 
 
-def _class_means(g: torch.Generator) -> torch.Tensor:
+def _class_means(g: torch.Generator, shape: tuple[int, int, int] = SYNTHETIC_SHAPE) -> torch.Tensor:
     # Smooth blobs (4x4 noise upsampled to 8x8), so neighbouring pixels correlate as in images
     # and convolutions have something to find; scaled to a fixed norm so every pair of classes
     # is about equally hard.
-    c, h, w = SYNTHETIC_SHAPE
+    c, h, w = shape
     coarse = torch.randn(SYNTHETIC_CLASSES, c, h // 2, w // 2, generator=g)
     means = F.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)
     flat = means.flatten(1)
@@ -55,13 +58,24 @@ def _draw(means: torch.Tensor, n: int, g: torch.Generator) -> tuple[torch.Tensor
 def load_synthetic(data_path: Path | None, seed: int) -> Dataset:
     """Ten Gaussian classes around smooth 8x8 mean images, unit noise; (N, 1, 8, 8), normalised."""
     _ignored_path("synthetic", data_path)
+    return _synthetic("synthetic", SYNTHETIC_SHAPE, SYNTHETIC_TRAIN, SYNTHETIC_TEST, seed)
+
+
+@register("synthetic32")
+def load_synthetic32(data_path: Path | None, seed: int) -> Dataset:
+    """``synthetic`` at CIFAR's size: (N, 3, 32, 32), 4,096 training and 1,024 test images."""
+    _ignored_path("synthetic32", data_path)
+    return _synthetic("synthetic32", SYNTHETIC32_SHAPE, SYNTHETIC32_TRAIN, SYNTHETIC32_TEST, seed)
+
+
+def _synthetic(name: str, shape: tuple[int, int, int], n_train: int, n_test: int, seed: int) -> Dataset:
     g = torch.Generator().manual_seed(seed)
-    means = _class_means(g)
-    train_x, train_y = _draw(means, SYNTHETIC_TRAIN, g)
-    test_x, test_y = _draw(means, SYNTHETIC_TEST, g)
+    means = _class_means(g, shape)
+    train_x, train_y = _draw(means, n_train, g)
+    test_x, test_y = _draw(means, n_test, g)
     mean, std = channel_stats(train_x, per_channel=False)
     return Dataset(
-        name="synthetic",
+        name=name,
         train_x=normalise_(train_x, mean, std),
         train_y=train_y,
         test_x=normalise_(test_x, mean, std),

@@ -104,6 +104,53 @@ def scaling_study() -> dict[str, Any]:
 
 
 @register
+def digits_pipeline() -> dict[str, Any]:
+    """The default run as a pipeline: LeNet cut in 2 stages by parameter count, 1F1B over 4 micro-batches
+    (batch 32 is the pipeline's); ends where `single` at batch 32 does."""
+    return {
+        "strategy": "pipeline",
+        "workers": 2,
+        "model": "lenet",
+        "data": "digits",
+        "steps": 600,
+        "batch_size": 32,
+        "lr": 0.03,
+        "momentum": 0.9,
+        "options": {"pipeline": {"num_microbatches": 4, "schedule": "1f1b"}},
+    }
+
+
+@register
+def digits_pipeline_dp() -> dict[str, Any]:
+    """Lerat et al.: 2 pipelines of 2 stages, data parallel between them; batch 16 per pipeline, so the
+    same global batch as digits-pipeline."""
+    return {
+        **digits_pipeline(),
+        "strategy": "pipeline-dp",
+        "workers": 4,
+        "batch_size": 16,
+        "options": {"pipeline-dp": {"num_stages": 2, "num_microbatches": 4, "schedule": "1f1b"}},
+    }
+
+
+@register
+def digits_sandblaster() -> dict[str, Any]:
+    """DistBelief's Sandblaster: full-batch L-BFGS on logistic regression (all 1,438 training digits per
+    batch, 16 portions, L2 1e-3 so the optimum is unique)."""
+    return {
+        "strategy": "sandblaster",
+        "workers": 2,
+        "model": "logreg",
+        "data": "digits",
+        "steps": 60,
+        "batch_size": 1438,
+        "weight_decay": 1e-3,
+        "eval_every": 20,
+        "options": {"sandblaster": {"num_portions": 16, "line_search": "armijo"}},
+    }
+
+
+@register
 def digits_hogwild() -> dict[str, Any]:
     """Hogwild on the default run, at half its learning rate: two workers each applying their own momentum
     step to the shared weights roughly double the effective step."""

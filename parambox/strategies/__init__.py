@@ -25,6 +25,9 @@ STRATEGIES: dict[str, str] = {
     "hogwild": "parambox.strategies.hogwild:Hogwild",
     "dogwild": "parambox.strategies.dogwild:Dogwild",
     "hybrid": "parambox.strategies.hybrid:Hybrid",
+    "pipeline": "parambox.strategies.pipeline:Pipeline",
+    "pipeline-dp": "parambox.strategies.pipeline_dp:PipelineDataParallel",
+    "sandblaster": "parambox.strategies.sandblaster:Sandblaster",
 }
 
 

@@ -1,0 +1,227 @@
+"""Sandblaster's coordinator machinery: farming one evaluation's portions out to workers.
+
+Workers are the other ranks (gloo point-to-point) and, when the coordinator computes too, a thread
+of its own with a replica of the model. Both answer into one queue, so the coordinator waits for
+"any result" in one place; gloo's receives cannot be polled, so a thread receives from any rank
+into that queue. The coordinator's main thread never computes: it hands out the next portion the
+moment a worker is free.
+
+Messages: a task ``[kind, evaluation, portion, flag]`` to a worker, followed by the weights when its
+copy is older than the evaluation (flag 1); back ``[evaluation, portion, loss sum, samples,
+seconds, gradient sum...]``. A result of an evaluation that is over, or of a portion a copy has
+already returned, is dropped: the first result wins.
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils import vector_to_parameters
+
+from parambox.errors import CommTimeout
+from parambox.strategies.portions import PortionScheduler, compute_portion
+
+TASK, WEIGHTS, RESULT = 11, 12, 13  # message tags
+COMPUTE, END_STEP = 0.0, 1.0  # task kinds
+HEADER = 2  # evaluation, portion; compute_portion's output follows
+BYE = -1.0  # a result's evaluation field when a worker leaves
+EVAL_IDS = 2**24  # evaluation numbers travel as float32: exact below this
+
+
+@dataclass
+class Evaluation:
+    """Sums over one pass of the batch, and how the pass went."""
+
+    loss_sum: float
+    samples: int
+    grad_sum: torch.Tensor  # float64
+    seconds: float
+    backups: int
+    backup_wins: int
+
+
+class LocalWorker:
+    """The coordinator's own compute: a thread with a replica of the model, fed through a queue."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, results: queue.Queue, slow_factor: float = 1.0):
+        self.model = copy.deepcopy(model)  # the main thread's model may change while this computes
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.loss_fn, self.results, self.slow_factor = loss_fn, results, slow_factor
+        self.tasks: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="sandblaster-local", daemon=True)
+        self.thread.start()
+
+    def submit(self, eval_id: int, portion: int, weights: torch.Tensor | None, batch: tuple) -> None:
+        self.tasks.put((eval_id, portion, weights, batch))
+
+    def _run(self) -> None:
+        while (task := self.tasks.get()) is not None:
+            eval_id, portion, weights, (x, y, bounds) = task
+            try:
+                if weights is not None:
+                    vector_to_parameters(weights.to(self.params[0].device), self.params)
+                out = compute_portion(self.model, self.loss_fn, x, y, bounds[portion], self.slow_factor)
+                self.results.put((0, torch.cat([torch.tensor([float(eval_id), float(portion)]), out])))
+            except Exception as e:  # the main thread raises it
+                self.results.put((-1, e))
+                return
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self.tasks.put(None)
+        self.thread.join(timeout_s)
+
+
+class PortionFarm:
+    """Runs evaluations over ``remote`` ranks and an optional ``LocalWorker``; rank 0 only."""
+
+    def __init__(
+        self,
+        remote: list[int],
+        numel: int,
+        timeout_s: float,
+        backup: bool = True,
+        group: dist.ProcessGroup | None = None,
+    ):
+        self.remote, self.numel, self.timeout_s, self.backup = remote, numel, timeout_s, backup
+        self.group = group  # a gloo group (None: the default group, gloo on CPU)
+        self.results: queue.Queue = queue.Queue()
+        self.local: LocalWorker | None = None
+        self.eval_id = 0
+        self.busy: set[int] = set()  # workers computing a portion (maybe of an evaluation that is over)
+        self.version: dict[int, int] = {}  # worker -> evaluation whose weights it holds
+        # Sends per rank, kept alive until delivered: gloo's sends cannot be polled either, but a
+        # result from a rank proves it has received everything sent to it before.
+        self.sends: dict[int, list[tuple[dist.Work, torch.Tensor]]] = {r: [] for r in remote}
+        self.portion_time: dict[int, list[float]] = {}  # rank -> [seconds, portions] after its first
+        self.receiver: threading.Thread | None = None
+        if remote:
+            self.receiver = threading.Thread(target=self._receive, name="sandblaster-rx", daemon=True)
+            self.receiver.start()
+
+    def add_local(self, model: nn.Module, loss_fn: Callable, slow_factor: float = 1.0) -> None:
+        self.local = LocalWorker(model, loss_fn, self.results, slow_factor)
+
+    @property
+    def workers(self) -> list[int]:
+        return ([0] if self.local is not None else []) + self.remote
+
+    def _receive(self) -> None:
+        """Results from any rank into the queue, until every rank has said bye."""
+        left = len(self.remote)
+        try:
+            while left:
+                buf = torch.empty(HEADER + 3 + self.numel)
+                src = dist.recv(buf, tag=RESULT, group=self.group)
+                if buf[0] == BYE:
+                    left -= 1
+                else:
+                    self.results.put((src, buf))
+        except Exception as e:  # the main thread turns this into a clear error
+            self.results.put((-1, e))
+
+    # -- one evaluation -------------------------------------------------------------------------
+    def evaluate(self, weights: torch.Tensor, batch: tuple) -> Evaluation:
+        """One pass over ``batch = (x, y, bounds)`` at ``weights`` (which must not change afterwards)."""
+        t0 = time.perf_counter()
+        self.eval_id = (self.eval_id + 1) % EVAL_IDS
+        sched = PortionScheduler(len(batch[2]), backup=self.backup)
+        total = torch.zeros(2 + self.numel, dtype=torch.float64)  # loss sum, samples, gradient sum
+        free = [r for r in self.workers if r not in self.busy]
+        while not sched.done:
+            self._dispatch(sched, free, weights, batch)
+            self._collect(sched, total, free)
+        return Evaluation(
+            float(total[0]),
+            int(total[1]),
+            total[2:],
+            time.perf_counter() - t0,
+            sched.backups,
+            sched.backup_wins,
+        )
+
+    def _dispatch(
+        self, sched: PortionScheduler, free: list[int], weights: torch.Tensor, batch: tuple
+    ) -> None:
+        while free:
+            portion = sched.next_for(free[0])
+            if portion is None:
+                return
+            r = free.pop(0)
+            fresh = self.version.get(r) != self.eval_id
+            self.version[r] = self.eval_id
+            self.busy.add(r)
+            if r == 0:
+                self.local.submit(self.eval_id, portion, weights if fresh else None, batch)
+                continue
+            self._send(
+                torch.tensor([COMPUTE, self.eval_id, portion, float(fresh)], dtype=torch.float64), r, TASK
+            )
+            if fresh:
+                self._send(weights, r, WEIGHTS)
+
+    def _collect(self, sched: PortionScheduler, total: torch.Tensor, free: list[int]) -> None:
+        """Wait for one result, then take every other that has arrived."""
+        block = True
+        while True:
+            try:
+                src, buf = self.results.get(timeout=self.timeout_s) if block else self.results.get_nowait()
+            except queue.Empty:
+                if block:
+                    raise CommTimeout(
+                        f"sandblaster: no result from workers {sorted(self.busy)} in {self.timeout_s:.0f} s"
+                    ) from None
+                return
+            if src < 0:
+                raise CommTimeout(f"sandblaster: a worker's result was lost: {str(buf).splitlines()[0]}")
+            block = False
+            self._delivered(src)
+            self.busy.discard(src)
+            free.append(src)
+            self._record(sched, total, src, int(buf[0]), int(buf[1]), buf[HEADER:])
+
+    def _record(self, sched, total: torch.Tensor, rank: int, eval_id: int, portion: int, out: torch.Tensor):
+        seconds = self.portion_time.setdefault(rank, [0.0, -1])  # the first portion pays set-up costs
+        if seconds[1] >= 0:
+            seconds[0] += float(out[2])
+        seconds[1] += 1
+        if eval_id == self.eval_id and sched.complete(rank, portion):
+            total[:2] += out[:2].double()
+            total[2:] += out[3:].double()
+
+    # -- messages -------------------------------------------------------------------------------
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        self.sends[dst].append((dist.isend(tensor, dst, tag=tag, group=self.group), tensor))
+
+    def _delivered(self, r: int) -> None:
+        for work, _ in self.sends.get(r, []):
+            work.wait()
+        self.sends[r] = []
+
+    def end_step(self, loss: float) -> None:
+        """Tell every rank the step is over (a busy one reads it after its current portion)."""
+        for r in self.remote:
+            self._send(torch.tensor([END_STEP, 0.0, 0.0, loss], dtype=torch.float64), r, TASK)
+
+    def mean_portion_seconds(self) -> dict[int, float]:
+        return {r: s / n for r, (s, n) in sorted(self.portion_time.items()) if n > 0}
+
+    def close(self) -> None:
+        """After the last step, once every rank has sent its bye (collective with the workers)."""
+        for r in self.remote:
+            self._delivered(r)
+        if self.receiver is not None:
+            self.receiver.join(self.timeout_s)
+            if self.receiver.is_alive():
+                raise CommTimeout(f"sandblaster shutdown: ranks {self.remote} never said bye")
+            self.receiver = None
+        if self.local is not None:
+            self.local.close()
+            self.local = None

@@ -1,0 +1,281 @@
+"""``pipeline``: the model cut into stages over ranks, the batch into micro-batches (GPipe, 1F1B).
+
+Rank ``s`` holds stage ``s``: a contiguous run of the model's top-level children, cut by parameter
+count (default), by measured forward + backward time, or at explicit ``split_points``. Each step
+runs one schedule of ``torch.distributed.pipelining`` over the micro-batches: GPipe (all forwards,
+then all backwards) or 1F1B (one forward, one backward in the steady state, fewer activations
+alive). Each micro-batch's mean loss is weighted by its share of the batch, so the gradients are
+exactly the full batch's mean gradient and the run follows ``single`` at the same batch size.
+
+Per step, every rank records its stage's forward and backward compute time and the rest of the
+step, the bubble (waiting for neighbours, sending, receiving); rank 0's metrics hold all stages'.
+``eval_model`` gathers the stages onto rank 0's whole model, so checkpoints hold one state_dict with
+the usual names whatever the number of stages.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import Field
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from parambox.errors import UserError
+from parambox.runtime.dist import collective
+from parambox.strategies import stages
+from parambox.strategies.base import Context, Options, StepResult, Strategy
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class PipelineOptions(Options):
+    num_microbatches: int = Field(4, ge=1, description="micro-batches per batch (must divide the batch)")
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    balance: Literal["params", "time"] = Field(
+        "params", description="cut by parameter count, or by forward+backward time measured on rank 0"
+    )
+    split_points: list[int] | None = Field(
+        None, description="child index each stage after the first starts at; overrides balance"
+    )
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Which stage of which pipeline this rank runs; ranks of one pipeline are consecutive."""
+
+    num_stages: int
+    stage: int
+    group: int = 0
+    num_groups: int = 1
+
+    def rank_of(self, group: int, stage: int) -> int:
+        return group * self.num_stages + stage
+
+
+class TimedStage(PipelineStage):
+    """A ``PipelineStage`` that adds up its forward and backward compute time."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.forward_s = self.backward_s = 0.0
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any):
+        t0 = time.perf_counter()
+        try:
+            return super().forward_one_chunk(*args, **kwargs)
+        finally:
+            self.forward_s += time.perf_counter() - t0
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any):
+        t0 = time.perf_counter()
+        try:
+            return super().backward_one_chunk(*args, **kwargs)
+        finally:
+            self.backward_s += time.perf_counter() - t0
+
+
+class Pipeline(Strategy):
+    """GPipe / 1F1B over all ranks, one stage each.
+
+    >>> # parambox train --strategy pipeline --workers 2 --model lenet \\
+    >>> #     --set pipeline.num_microbatches=4 --set pipeline.schedule=gpipe
+    """
+
+    name = "pipeline"
+    Options = PipelineOptions
+
+    def __init__(self, ctx: Context, options: PipelineOptions):
+        super().__init__(ctx, options)
+        if not isinstance(self.model, nn.Sequential):
+            raise UserError(
+                f"strategy {self.name!r} cuts an nn.Sequential into stages; got {type(self.model)}"
+            )
+        if self.world.world_size == 1 or not dist.is_initialized():
+            raise UserError(f"strategy {self.name!r} cuts the model over ranks: it needs at least 2 workers")
+        self.layout = self.make_layout()
+        if self.layout.num_stages > len(self.model):
+            raise UserError(
+                f"{self.layout.num_stages} pipeline stages but the model has only {len(self.model)} layers"
+            )
+        if options.schedule == "1f1b" and options.num_microbatches < self.layout.num_stages:
+            raise UserError(
+                f"{self.name}.num_microbatches={options.num_microbatches}: schedule 1f1b needs at least "
+                f"one micro-batch per stage ({self.layout.num_stages})"
+            )
+        self.pp_group: dist.ProcessGroup | None = None  # None: the default group
+        self.make_groups()
+        self.split_points: list[int] | None = None
+        self.schedule = None
+        self._pending_optimizer: dict | None = None
+        self._batch_size = 0
+        n, num_stages = len(self.model), self.layout.num_stages
+        if options.split_points is not None:
+            self.build(stages.check_split(options.split_points, n, num_stages))
+        elif options.balance == "params":
+            self.build(stages.balanced_split(stages.parameter_costs(self.model), num_stages))
+        # balance == "time": cut at the first step, when there is an input to time the layers on
+
+    # -- hooks for pipeline-dp ------------------------------------------------------------------
+    def make_layout(self) -> PipelineLayout:
+        return PipelineLayout(self.world.world_size, self.world.rank)
+
+    def make_groups(self) -> None:
+        """Process groups beyond the default one (pipeline-dp)."""
+
+    def average_gradients(self) -> None:
+        """Average this stage's gradients (and the loss riding with them) across pipelines."""
+
+    def data_partition(self) -> tuple[int, int]:
+        return self.layout.group, self.layout.num_groups
+
+    # -- building the stage ---------------------------------------------------------------------
+    def build(self, split_points: list[int]) -> None:
+        layout, opts = self.layout, self.options
+        self.split_points = list(split_points)
+        self.bounds = stages.stage_bounds(self.split_points, len(self.model))
+        self.stage_mod = stages.stage_module(self.model, self.bounds[layout.stage])
+        self.params = [p for p in self.stage_mod.parameters() if p.requires_grad]
+        # One flat buffer holds the gradients (the .grad are views into it) and, last, the loss, so
+        # pipeline-dp averages both in one allreduce.
+        self.grad_buffer = torch.zeros(sum(p.numel() for p in self.params) + 1, device=self.world.device)
+        offset = 0
+        for p in self.params:
+            p.grad = self.grad_buffer[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.stage = TimedStage(
+            self.stage_mod, layout.stage, layout.num_stages, self.world.device, group=self.pp_group
+        )
+        self.schedule = SCHEDULES[opts.schedule](
+            self.stage, opts.num_microbatches, loss_fn=self._microbatch_loss, scale_grads=False
+        )
+        self.optimizer = self.ctx.make_optimizer(self.params) if self.params else None
+        if self._pending_optimizer is not None and self.optimizer is not None:
+            self.optimizer.load_state_dict(self._pending_optimizer)
+        self._pending_optimizer = None
+
+    def _timed_split(self, x: torch.Tensor) -> list[int]:
+        """Rank 0 times each layer on one micro-batch and cuts; every rank gets its cut."""
+        num_stages = self.layout.num_stages
+        points = torch.zeros(num_stages - 1, dtype=torch.long, device=self.world.device)
+        if self.world.rank == 0:
+            probe = x[: max(1, len(x) // self.options.num_microbatches)]
+            cut = stages.balanced_split(stages.measured_costs(self.model, probe), num_stages)
+            points = torch.tensor(cut, device=self.world.device)
+        if self.world.world_size > 1:
+            with collective("pipeline balance"):
+                dist.broadcast(points, src=0)
+        return [int(p) for p in points]
+
+    def _microbatch_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # Weighted by the micro-batch's share of the batch: the sum over micro-batches is the
+        # batch's mean loss, and its gradient the batch's mean gradient.
+        return self.ctx.loss_fn(out, y) * (len(y) / self._batch_size)
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
+        if self.schedule is None:
+            self.build(self._timed_split(x))
+        self._check_batch(len(y))
+        layout, stage = self.layout, self.stage
+        self._batch_size = len(y)
+        self.grad_buffer.zero_()  # in place: the .grad stay views into it
+        stage.forward_s = stage.backward_s = 0.0
+        losses: list[torch.Tensor] = []
+        t0 = time.perf_counter()
+        with collective("pipeline schedule"):
+            self.schedule.step(
+                *((x,) if stage.is_first else ()),
+                target=y if stage.is_last else None,
+                losses=losses if stage.is_last else None,
+                return_outputs=False,
+            )
+        bubble = time.perf_counter() - t0 - stage.forward_s - stage.backward_s
+        if stage.is_last:
+            self.grad_buffer[-1] = sum(float(v.detach()) for v in losses)
+        self.average_gradients()
+        stats = self._share_stats(bubble)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        comm = {"bubble": bubble, **self.timers.pop()}
+        samples = len(y) if layout.stage == 0 else 0  # the batch enters the pipeline once, at stage 0
+        return StepResult(stats.pop("loss"), samples, comm, {"stage": float(layout.stage), **stats})
+
+    def _check_batch(self, batch_size: int) -> None:
+        m = self.options.num_microbatches
+        if batch_size % m:
+            raise UserError(
+                f"{self.name}.num_microbatches={m} must divide the batch size {batch_size} "
+                "(--batch-size is the pipeline's batch)"
+            )
+
+    def _share_stats(self, bubble: float) -> dict[str, float]:
+        """One small allreduce in the pipeline: every stage's times and the last stage's loss."""
+        num_stages, s = self.layout.num_stages, self.layout.stage
+        stats = torch.zeros(3 * num_stages + 1, device=self.world.device)
+        stats[3 * s : 3 * s + 3] = torch.tensor([self.stage.forward_s, self.stage.backward_s, bubble])
+        if self.stage.is_last:
+            stats[-1] = self.grad_buffer[-1]
+        if num_stages > 1:
+            with self.timers.phase("stats_allreduce"), collective("pipeline stats"):
+                dist.all_reduce(stats, group=self.pp_group)
+        values = stats.tolist()
+        out = {"loss": values[-1]}
+        for j in range(num_stages):
+            for i, name in enumerate(("forward_s", "backward_s", "bubble_s")):
+                out[f"stage{j}_{name}"] = values[3 * j + i]
+        return out
+
+    # -- results and checkpoints ----------------------------------------------------------------
+    def eval_model(self) -> nn.Module | None:
+        """Pipeline 0's stages send their weights into rank 0's whole model. Collective in pipeline 0."""
+        layout = self.layout
+        if self.schedule is None or layout.group != 0:
+            return self.model if self.world.rank == 0 else None
+        state = self.model.state_dict()  # detached views: receiving into them updates the model
+        with collective("gather stages to rank 0"):
+            for s in range(1, layout.num_stages):
+                keys = stages.stage_state_keys(self.model, self.bounds[s])
+                for key in keys:
+                    if self.world.rank == 0:
+                        dist.recv(state[key], src=layout.rank_of(0, s))
+                    elif layout.stage == s:
+                        dist.send(state[key].contiguous(), dst=0)
+        return self.model if self.world.rank == 0 else None
+
+    def summary_extra(self) -> dict[str, Any]:
+        opts = self.options
+        return {
+            "pipeline": {
+                "num_stages": self.layout.num_stages,
+                "num_pipelines": self.layout.num_groups,
+                "split_points": self.split_points,
+                "schedule": opts.schedule,
+                "num_microbatches": opts.num_microbatches,
+            }
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"split_points": self.split_points}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # This rank's replica holds its own stage's weights; the cut must be the one they came from.
+        points = state.get("split_points")
+        self._pending_optimizer = state.get("optimizer")
+        if self.schedule is None and points is not None:
+            self.build(points)
+        elif points is not None and points != self.split_points:
+            raise UserError(
+                f"the checkpoint's pipeline was cut at {points}, this run cuts at {self.split_points}; "
+                "resume with the same split_points / balance"
+            )
+        elif self.optimizer is not None and self._pending_optimizer is not None:
+            self.optimizer.load_state_dict(self._pending_optimizer)
+            self._pending_optimizer = None

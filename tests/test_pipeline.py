@@ -1,0 +1,188 @@
+"""``pipeline`` and ``pipeline-dp``: balanced cuts (tier a), numerics against ``single``, resume and
+accuracy from the CLI (tier c)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from parambox.errors import UserError
+from parambox.models import build_model
+from parambox.strategies import stages
+from tests.conftest import final_weights, max_abs_diff, run_cli, summary
+
+COMMON = [
+    "--model", "mlp", "--data", "digits", "--steps", "20", "--optimizer", "sgd", "--momentum", "0",
+    "--lr", "0.1", "--eval-every", "0", "--no-progress", "--threads", "1",
+]  # fmt: skip
+
+
+# -- tier (a): cutting a Sequential ------------------------------------------------------------
+def _brute_force(costs: list[float], k: int) -> float:
+    n = len(costs)
+    best = float("inf")
+    for points in itertools.combinations(range(1, n), k - 1):
+        edges = [0, *points, n]
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(edges[:-1], edges[1:])))
+    return best
+
+
+def test_balanced_split_is_optimal_against_brute_force():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        n = int(torch.randint(2, 9, (1,), generator=g))
+        k = int(torch.randint(1, n + 1, (1,), generator=g))
+        costs = [float(c) for c in torch.rand(n, generator=g)]
+        points = stages.balanced_split(costs, k)
+        assert len(points) == k - 1 and points == sorted(set(points))
+        worst = max(sum(costs[a:b]) for a, b in stages.stage_bounds(points, n))
+        assert worst == pytest.approx(_brute_force(costs, k), abs=1e-12)
+
+
+def test_lenet_cut_by_parameters_and_stage_keys_cover_the_model_once():
+    model = build_model("lenet", (1, 8, 8), 10)
+    points = stages.balanced_split(stages.parameter_costs(model), 2)
+    assert points == [9]  # conv+conv+fc1 (10,372 params) | fc2+fc3 (11,014): the smallest maximum
+    keys = [k for b in stages.stage_bounds(points, len(model)) for k in stages.stage_state_keys(model, b)]
+    assert keys == list(model.state_dict())
+    part = stages.stage_module(model, (9, 12))
+    assert part[0].weight is model[9].weight  # shared, not copied
+
+
+def test_explicit_split_points_are_checked():
+    assert stages.check_split([3], 6, 2) == [3]
+    for bad in ([0], [6], [3, 2], [2, 2]):
+        with pytest.raises(UserError, match="split_points"):
+            stages.check_split(bad, 6, len(bad) + 1)
+    with pytest.raises(UserError, match="need 2 split points"):
+        stages.check_split([3], 6, 3)
+
+
+def test_measured_costs_leave_the_model_unchanged():
+    model = build_model("resnet18", (3, 8, 8), 10)  # batch norm: timing must not move its statistics
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    costs = stages.measured_costs(model, torch.randn(4, 3, 8, 8), repeats=1)
+    assert len(costs) == len(model) and all(c > 0 for c in costs)
+    assert max_abs_diff(before, model.state_dict()) == 0.0
+    assert all(p.grad is None for p in model.parameters())
+
+
+# -- tier (c): numerics against single ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def single_32(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "run"
+    run_cli(
+        "train", "--strategy", "single", "--workers", "1", "--batch-size", "32", "--out", str(out), *COMMON
+    )
+    return final_weights(out)
+
+
+@pytest.mark.timeout(150)
+def test_pipeline_gpipe_two_stages_four_microbatches_matches_single(single_32, tmp_path):
+    out = tmp_path / "run"
+    run_cli(
+        "train", "--strategy", "pipeline", "--workers", "2", "--batch-size", "32", "--out", str(out),
+        "--set", "pipeline.num_microbatches=4", "--set", "pipeline.schedule=gpipe", *COMMON,
+    )  # fmt: skip
+    assert max_abs_diff(final_weights(out), single_32) <= 1e-5
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in steps if r["kind"] == "step"][-1]
+    for s in (0, 1):  # rank 0's metrics hold every stage's compute and bubble time
+        assert last[f"stage{s}_forward_s"] > 0 and last[f"stage{s}_backward_s"] > 0
+        assert last[f"stage{s}_bubble_s"] >= 0
+    assert summary(out)["samples_per_s"] > 0
+
+
+@pytest.mark.timeout(150)
+def test_pipeline_dp_two_stages_two_groups_matches_single_at_double_batch(single_32, tmp_path):
+    """1F1B, an explicit cut, 2 pipelines at batch 16 each: single at batch 32."""
+    out = tmp_path / "run"
+    run_cli(
+        "train", "--strategy", "pipeline-dp", "--workers", "4", "--batch-size", "16", "--out", str(out),
+        "--set", "pipeline-dp.num_stages=2", "--set", "pipeline-dp.split_points=[2]",
+        "--set", "pipeline-dp.schedule=1f1b", *COMMON,
+    )  # fmt: skip
+    assert max_abs_diff(final_weights(out), single_32) <= 1e-5
+
+
+# -- tier (c): resume and accuracy --------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_pipeline_1f1b_killed_and_resumed_still_matches_single(tmp_path):
+    """1F1B with a cut by measured time, SGD with momentum: killed after the checkpoint at step 10,
+    resumed, it ends where one process does; lost momentum or a different cut would show."""
+    args = [*COMMON, "--momentum", "0.9", "--batch-size", "32"]
+    run_cli("train", "--strategy", "single", "--workers", "1", "--out", str(tmp_path / "single"), *args)
+    args += ["--strategy", "pipeline", "--workers", "2", "--checkpoint-every", "10"]
+    args += ["--set", "pipeline.balance=time", "--set", "pipeline.schedule=1f1b"]
+    cut = run_cli(
+        "train", "--out", str(tmp_path / "cut"), *args, env={"PARAMBOX_FAULT": "1:15:kill"}, check=False
+    )
+    assert cut.returncode != 0 and "killed by signal SIGKILL" in cut.stderr
+    run_cli("train", "--out", str(tmp_path / "cut"), "--resume", *args)
+    assert summary(tmp_path / "cut")["steps"] == 20
+    assert max_abs_diff(final_weights(tmp_path / "cut"), final_weights(tmp_path / "single")) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_pipeline_lenet_reaches_95_percent_on_digits(tmp_path):
+    """The issue's command, with the default steps, batch and learning rate."""
+    out = tmp_path / "run"
+    run_cli(
+        "train", "--strategy", "pipeline", "--workers", "2", "--model", "lenet",
+        "--eval-every", "0", "--no-progress", "--out", str(out),
+    )  # fmt: skip
+    s = summary(out)
+    assert (s["strategy"], s["workers"], s["model"], s["data"]) == ("pipeline", 2, "lenet", "digits")
+    assert s["pipeline"]["split_points"] == [9] and s["pipeline"]["schedule"] == "1f1b"
+    assert s["final_test_accuracy"] >= 0.95
+
+
+def test_bad_pipeline_settings_are_user_errors():
+    from parambox.runtime.world import World
+    from parambox.strategies import Context
+    from parambox.strategies.pipeline import Pipeline
+
+    ctx = Context(
+        World(), build_model("mlp", (4,), 2), torch.optim.SGD, torch.nn.functional.cross_entropy, 1, 5.0
+    )
+    with pytest.raises(UserError, match="needs at least 2 workers"):
+        Pipeline(ctx, Pipeline.Options())
+    fake = SimpleNamespace(name="pipeline", options=Pipeline.Options())  # the check needs no process group
+    with pytest.raises(UserError, match="num_microbatches=4 must divide the batch size 30"):
+        Pipeline._check_batch(fake, 30)
+
+
+# -- bench local ---------------------------------------------------------------------------------
+def test_bench_local_speedups_are_baseline_over_setup_time():
+    from parambox.experiments.bench_local import setup_table, summarize
+
+    table = setup_table(cores=2)
+    names = ["sequential", "allreduce", "pipeline-dp"]
+    times = {"sequential": [10.0, 12.0], "allreduce": [5.0, 6.0, 7.0], "pipeline-dp": []}
+    results = {"pipeline-dp": {"error": "boom"}}
+    out = summarize(table, names, times, results, {"box-sync": "not built"}, "cnn", "synthetic32", 10, 2, 2)
+    assert out["samples"] == 1280 and out["speedups"] == {"sequential": 1.0, "allreduce": 11.0 / 6.0}
+    assert out["setups"]["allreduce"]["samples_per_s"] == pytest.approx(1280 / 6.0)
+    assert out["setups"]["pipeline-dp"]["oversubscribed"] and "time_s" not in out["setups"]["pipeline-dp"]
+    assert not out["setups"]["allreduce"]["oversubscribed"] and out["skipped"] == {"box-sync": "not built"}
+    with pytest.raises(UserError, match="unknown setups"):
+        from parambox.experiments.bench_local import run_bench_local
+
+        run_bench_local(setups=["gpu"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_bench_local_runs_the_setups_it_is_given():
+    from parambox.experiments.bench_local import run_bench_local
+
+    out = run_bench_local(steps=2, model="lenet", setups=["sequential", "pipeline"])
+    assert set(out["setups"]) == {"sequential", "pipeline"}, out
+    assert out["speedups"]["sequential"] == 1.0 and out["speedups"]["pipeline"] > 0
+    assert set(out["setups"]["pipeline"]["bubble_fraction"]) == {"stage0", "stage1"}
