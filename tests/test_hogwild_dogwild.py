@@ -162,12 +162,14 @@ def grad(rank: int) -> torch.Tensor:
 
 
 @pytest.mark.timeout(60)
-def test_dogwild_rule_plain_sgd_applies_every_gradient(tmp_path):
-    """Momentum 0: the master applies its own K gradients and the worker's K, in whatever order:
-    w = w0 - lr K (g_0 + g_1)."""
-    res = run_forked(maker(Dogwild, DogwildOptions()), tmp_path)
-    assert torch.equal(torch.tensor(res[0]["weights"]), W0.flatten() - LR * STEPS * (grad(0) + grad(1)))
-    assert res[0]["worker_steps"] == [STEPS, STEPS] and res[1]["steps"] == STEPS
+@pytest.mark.parametrize("n", [2, 3])
+def test_dogwild_rule_plain_sgd_applies_every_gradient(n, tmp_path):
+    """Momentum 0: rank 0 applies its own K gradients and each worker's K, in whatever order they
+    arrive: w = w0 - lr K sum_r g_r."""
+    res = run_forked(maker(Dogwild, DogwildOptions()), tmp_path, n=n)
+    expected = W0.flatten() - LR * STEPS * sum(grad(r) for r in range(n))
+    assert torch.equal(torch.tensor(res[0]["weights"]), expected)
+    assert res[0]["worker_steps"] == [STEPS] * n and all(res[r]["steps"] == STEPS for r in range(n))
 
 
 @pytest.mark.timeout(60)

@@ -87,7 +87,7 @@ def _plain_stepper(world, tmp: Path):
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
-        return float(loss)
+        return loss.item()
 
     return step, lambda: None, model
 

@@ -22,8 +22,10 @@ rank 0 waits until each worker has sent it, has halted, or is lost: silent for `
 (default ``--timeout``), or its process gone (same host). A worker whose loss or gradient is not
 finite sends ``HALT`` instead of the gradient and leaves the run; rank 0 checks every gradient
 again before applying it, so ``w`` stays finite.
-Messages (float32): ``[gradient | kind, version used, loss, samples]``; replies
-``[weights | version, staleness]``.
+Messages (float32, host memory): ``[gradient | kind, version used, loss, samples]``; replies
+``[weights | version, staleness]``. They travel over gloo also when the run's backend is nccl (a
+gloo group of their own: NCCL has no receive-from-any); GPU gradients and weights are staged
+through the host buffers.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ class Dogwild(Strategy):
         self.lost_after_s = options.lost_after_s or ctx.timeout_s
         self.halted = False
         self.staleness = 0.0
-        idents = _identities(self.world.world_size)
+        self.pg = _message_group(self.world.world_size)
+        idents = _identities(self.world.world_size, self.pg)
         if self.world.rank == 0:
             self.master = _Master(self, idents)
         else:
@@ -149,14 +152,22 @@ class Dogwild(Strategy):
             p.grad = None
 
 
-def _identities(world_size: int) -> list[int]:
+def _message_group(world_size: int) -> dist.ProcessGroup | None:
+    """The default group where it is gloo; a gloo group over every rank otherwise (nccl)."""
+    if world_size == 1 or dist.get_backend() == "gloo":
+        return None
+    with collective("dogwild start-up"):
+        return dist.new_group(backend="gloo")
+
+
+def _identities(world_size: int, group: dist.ProcessGroup | None) -> list[int]:
     """Every rank's host hash and pid, so that rank 0 can tell a dead local worker from a slow one."""
     if world_size == 1:
         return [_identity()]
     mine = torch.tensor([_identity()], dtype=torch.int64)
     out = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
     with collective("dogwild start-up"):
-        dist.all_gather(out, mine)
+        dist.all_gather(out, mine, group=group)
     return [int(t) for t in out]
 
 
@@ -181,6 +192,7 @@ class _Master:
         self.lost: set[int] = set()
         self.heard = {r: time.monotonic() for r in self.workers}
         self.inbox = torch.empty(numel + HEADER)
+        self.staged = None if self.w.device.type == "cpu" else torch.empty_like(self.w)
         self.replies = {r: torch.empty(numel + REPLY_HEADER) for r in self.workers}
         self.sends: dict[int, dist.Work] = {}
         self.used_version = 0  # the version rank 0's own replica holds
@@ -213,7 +225,7 @@ class _Master:
     def _serve(self) -> None:
         try:
             while self.workers - self.done - self.lost:
-                work = dist.irecv(self.inbox, src=None)
+                work = dist.irecv(self.inbox, src=None, group=self.owner.pg)
                 # One wait per receive: a gloo receive that timed out cannot be posted again safely.
                 work.wait(timeout=timedelta(seconds=self.owner.lost_after_s))
                 self._handle(work._source_rank())
@@ -234,6 +246,8 @@ class _Master:
         with self.lock:
             staleness = self.version - used
             if is_finite(grad):  # workers check before sending; this keeps w finite regardless
+                if self.staged is not None:
+                    grad = self.staged.copy_(grad)  # GPU weights: the gradient goes over first
                 self._apply_(list(self.owner.layout.views(grad).values()))
                 self.applied[src] += 1
             else:
@@ -241,7 +255,7 @@ class _Master:
             reply[:numel].copy_(self.w)
             reply[numel], reply[numel + 1] = float(self.version), float(staleness)
         try:
-            self.sends[src] = dist.isend(reply, dst=src)
+            self.sends[src] = dist.isend(reply, dst=src, group=self.owner.pg)
         except RuntimeError:  # gloo refuses at once when the worker's connection is gone
             self._mark_lost(src)
 
@@ -288,19 +302,26 @@ class _Peer:
         self.owner = owner
         numel = owner.layout.numel
         self.msg = torch.zeros(numel + HEADER)
-        for p, view in zip(owner.params, owner.layout.views(self.msg[:numel]).values()):
-            p.grad = view  # backward accumulates straight into the message
+        self.on_host = owner.x.device.type == "cpu"
+        if self.on_host:
+            for p, view in zip(owner.params, owner.layout.views(self.msg[:numel]).values()):
+                p.grad = view  # backward accumulates straight into the message
         self.reply = torch.empty(numel + REPLY_HEADER)
         self.version = 0
 
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
         owner, numel = self.owner, self.owner.layout.numel
-        self.msg.zero_()
+        if self.on_host:
+            self.msg.zero_()
+        else:
+            owner.model.zero_grad(set_to_none=True)
         loss = forward_backward(owner.model, owner.ctx.loss_fn, x, y)
+        if not self.on_host:
+            owner.layout.gather_grads(owner.model, self.msg[:numel])
         if not owner.finite(loss, [self.msg[:numel]], step):
             self._send(HALT, loss, 0)
             return loss
-        pending = dist.irecv(self.reply, src=0)  # posted first: the weights land straight in place
+        pending = dist.irecv(self.reply, src=0, group=owner.pg)  # posted first: no unexpected message
         self._send(GRAD, loss, len(y))
         with owner.timers.phase("recv"):
             self._wait(pending, "waiting for fresh weights from rank 0")
@@ -312,7 +333,7 @@ class _Peer:
         numel = self.owner.layout.numel
         self.msg[numel:] = torch.tensor([kind, float(self.version), float(loss), float(samples)])
         with self.owner.timers.phase("send"):
-            self._wait(dist.isend(self.msg, dst=0), "sending a gradient")
+            self._wait(dist.isend(self.msg, dst=0, group=self.owner.pg), "sending a gradient")
 
     def _wait(self, work: dist.Work, phase: str) -> None:
         with collective(f"dogwild {phase}"):

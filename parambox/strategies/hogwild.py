@@ -8,7 +8,8 @@ memory, so ``--box rma`` or a run over several nodes is an error.
 Optimizer state (momentum, Adam moments) is each worker's own, in its private memory. With N
 workers each applying its own momentum step to the same weights the effective step is about N
 times larger, so Hogwild wants a smaller learning rate: the ``digits-hogwild`` preset halves the
-default (``--lr 0.015``); the default run's ``--lr 0.03`` also trains, less smoothly.
+default (``--lr 0.015``: final test accuracy 0.967-0.975 over seeds 0-2 here, 2 workers); the default
+run's ``--lr 0.03`` gave 0.969, 0.975 and 0.928.
 
 Metrics: ``staleness`` is the number of other workers' steps that landed in the shared weights
 while this worker computed its gradient; ``comm.update`` the time of its in-place optimizer step.
@@ -48,6 +49,8 @@ class Hogwild(AsyncStrategy):
             raise UserError(
                 f"hogwild shares weights in local memory: use --box shm, not --box {ctx.box_backend}"
             )
+        if ctx.world.device.type != "cpu":
+            raise UserError("hogwild keeps the model in host shared memory: it runs on CPU only")
         if ctx.world.num_nodes > 1:
             raise UserError(
                 f"hogwild runs on one node, this run has {ctx.world.num_nodes}; try easgd or downpour"

@@ -85,7 +85,7 @@ class Hybrid(AsyncStrategy):
             self.group = made[self.groups.index(self.members)]
         self.local, lr = make_local_step(self, nesterov=False)  # the run's own optimizer
         self.alpha = options.moving_rate(lr)
-        self.flag = torch.zeros(1)
+        self.flag = torch.zeros(1, device=self.x.device)  # nccl broadcasts device tensors
 
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
         loss = self.forward_backward(x, y)
