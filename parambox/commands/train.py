@@ -184,10 +184,23 @@ def run_worker(cfg: RunConfig, world: World, run_dir: Path, resume: bool) -> int
     try:
         summary = train(cfg, world, run_dir, resume)
     except BaseException as e:
-        return report_failure(e, world, run_dir)
-    if summary is not None:
-        print_summary(summary, run_dir)
-    return 0
+        code = report_failure(e, world, run_dir)
+    else:
+        if summary is not None:
+            print_summary(summary, run_dir)
+        code = 0
+    if world.world_size > 1:
+        exit_now(code)
+    return code
+
+
+def exit_now(code: int) -> None:
+    """End a worker without running C++ static destructors: gloo's helper threads sometimes abort
+    there ("terminate called without an active exception") even after destroy_process_group().
+    Everything worth keeping is already on disk (checkpoints fsynced, metrics closed)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def report_failure(e: BaseException, world: World, run_dir: Path) -> int:
