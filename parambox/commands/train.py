@@ -198,6 +198,9 @@ def exit_now(code: int) -> None:
     """End a worker without running C++ static destructors: gloo's helper threads sometimes abort
     there ("terminate called without an active exception") even after destroy_process_group().
     Everything worth keeping is already on disk (checkpoints fsynced, metrics closed)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()  # mpiexec counts a rank that exits without it as failed
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
