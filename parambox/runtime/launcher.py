@@ -134,11 +134,14 @@ def _supervise(procs: list[subprocess.Popen], log_dir: Path, tolerate_loss: bool
                 return result
             for rank, code in enumerate(codes):
                 if code not in (None, 0) and rank not in result.failed and rank not in result.lost:
-                    reason = worker_error(log_dir, rank, code)
                     if tolerate_loss and rank != 0:
                         result.lost.append(rank)
                     else:
-                        result.failed[rank] = (code, reason)
+                        rank = _root_cause(procs, log_dir, rank)
+                        result.failed[rank] = (
+                            procs[rank].returncode,
+                            worker_error(log_dir, rank, procs[rank].returncode),
+                        )
                         result.returncode = 1
                         return result
             if all(c is not None for c in codes):
@@ -146,6 +149,27 @@ def _supervise(procs: list[subprocess.Popen], log_dir: Path, tolerate_loss: bool
             time.sleep(0.05)
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+# Errors a rank reports when a *peer* failed: they are symptoms, not the cause.
+_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "timed out", "ranks not arrived")
+
+
+def _root_cause(procs: list[subprocess.Popen], log_dir: Path, first: int) -> int:
+    """The rank that failed first in cause, not in time: when one worker dies, its peers fail a
+    moment later with "connection closed" and may be seen first. Wait briefly for the others, then
+    prefer a rank killed by a signal, then one whose error is not such a symptom."""
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+    for r in failed:
+        if procs[r].returncode < 0:
+            return r
+    for r in failed:
+        if not any(s in worker_error(log_dir, r, procs[r].returncode) for s in _SYMPTOMS):
+            return r
+    return first
 
 
 def worker_error(log_dir: Path, rank: int, code: int) -> str:
