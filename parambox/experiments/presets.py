@@ -27,8 +27,16 @@ def preset(name: str) -> dict[str, Any]:
 @register
 def digits_allreduce() -> dict[str, Any]:
     """The default run: LeNet on digits, 2 workers, synchronous gradient averaging."""
-    return {"strategy": "allreduce", "workers": 2, "model": "lenet", "data": "digits", "steps": 600,
-            "batch_size": 32, "lr": 0.03, "momentum": 0.9}
+    return {
+        "strategy": "allreduce",
+        "workers": 2,
+        "model": "lenet",
+        "data": "digits",
+        "steps": 600,
+        "batch_size": 32,
+        "lr": 0.03,
+        "momentum": 0.9,
+    }
 
 
 @register
@@ -46,8 +54,17 @@ def digits_weight_avg() -> dict[str, Any]:
 @register
 def cifar_cnn_allreduce() -> dict[str, Any]:
     """The ~1M-parameter benchmark CNN on CIFAR-10 (give --data-path)."""
-    return {"strategy": "allreduce", "workers": 2, "model": "cnn", "data": "cifar10", "steps": 2000,
-            "batch_size": 64, "lr": 0.05, "momentum": 0.9, "eval_every": 500}
+    return {
+        "strategy": "allreduce",
+        "workers": 2,
+        "model": "cnn",
+        "data": "cifar10",
+        "steps": 2000,
+        "batch_size": 64,
+        "lr": 0.05,
+        "momentum": 0.9,
+        "eval_every": 500,
+    }
 
 
 @register

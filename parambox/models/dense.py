@@ -21,7 +21,9 @@ class TwoClassSigmoid(nn.Module):
 @register("neuron")
 def neuron(input_shape: tuple[int, ...], num_classes: int) -> nn.Sequential:
     if num_classes != 2:
-        raise ValueError(f"model 'neuron' is one sigmoid unit: it needs 2 classes, the data has {num_classes}")
+        raise ValueError(
+            f"model 'neuron' is one sigmoid unit: it needs 2 classes, the data has {num_classes}"
+        )
     return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), 1), TwoClassSigmoid())
 
 
