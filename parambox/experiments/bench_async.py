@@ -25,9 +25,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-BATCH = 64
+from parambox.experiments.bench_workers import BATCH, random_batches, spawn_workers
+
 LR, MOMENTUM = 0.01, 0.9
 STRATEGY_SETUPS = {  # setup -> (strategy, options)
     "hogwild": ("hogwild", {}),
@@ -115,11 +114,7 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
     world = World.from_env()
     dist.init_process_group("gloo", rank=world.rank, world_size=world.world_size)
     try:
-        g = torch.Generator().manual_seed(world.rank)
-        batches = [
-            (torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
-            for _ in range(8)
-        ]
+        batches = random_batches(world.rank)
         total = warmup + rounds * steps
         steppers = {
             s: _plain_stepper(world, out.parent) if s == "plain" else _strategy_stepper(s, world, total)
@@ -164,34 +159,9 @@ def run_bench_async(
     rounds: int = 7, steps: int = 30, warmup: int = 5, setups: list[str] | None = None
 ) -> dict:
     """Spawn the two workers, collect per-round samples/s, and compute paired ratios."""
-    from parambox.box import PREFIX_ENV, new_prefix, remove_segments
-    from parambox.runtime.dist import free_port
-
     setups = setups or available_setups()
-    prefix = new_prefix()  # unguessable segment names, removed at the end whatever happens
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-            WORLD_SIZE="2",
-            OMP_NUM_THREADS="1",
-            **{PREFIX_ENV: prefix},
-        )
-        args = [sys.executable, "-m", "parambox.experiments.bench_async", "--worker", ",".join(setups)]
-        args += [str(rounds), str(steps), str(warmup), str(out)]
-        procs = [subprocess.Popen(args, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
-        try:
-            codes = [p.wait() for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            remove_segments(prefix)
-        if any(codes):
-            raise RuntimeError(f"bench async workers exited with {codes}")
-        data = json.loads(out.read_text())
+    args = [",".join(setups), str(rounds), str(steps), str(warmup)]
+    data = spawn_workers("parambox.experiments.bench_async", args, workers=2)
     result = summarize(data["per_round"], data["nonfinite"], rounds, steps)
     result["plain_weights_shared"] = data["shared"].get("plain")
     return result

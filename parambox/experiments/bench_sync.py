@@ -11,11 +11,8 @@ scheme can beat it.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-BATCH = 64
+from parambox.experiments.bench_workers import BATCH, random_batches, spawn_workers
+
 SETUPS = ["ddp", "allreduce", "ceiling"]
 
 
@@ -88,11 +86,7 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
     world = World.from_env()
     dist.init_process_group("gloo", rank=world.rank, world_size=world.world_size)
     try:
-        g = torch.Generator().manual_seed(world.rank)
-        batches = [
-            (torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
-            for _ in range(8)
-        ]
+        batches = random_batches(world.rank)
         steppers = {name: make_stepper(name, world, warmup + rounds * steps) for name in setups}
         for step, _ in steppers.values():
             for i in range(warmup):
@@ -120,40 +114,13 @@ def run_bench_sync(
     setups: list[str] | None = None, rounds: int = 5, steps: int = 30, warmup: int = 5, workers: int = 2
 ) -> dict:
     """Spawn the workers, collect per-round samples/s, and compute paired ratios."""
-    from parambox.runtime.dist import free_port
     from parambox.strategies import STRATEGIES
 
     setups = setups or [
         s for s in ["ddp", "allreduce", "box-sync", "ceiling"] if s in STRATEGIES or s in SETUPS
     ]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-            WORLD_SIZE=str(workers),
-            OMP_NUM_THREADS="1",
-            PARAMBOX_SHM_PREFIX=f"pb_bench_{os.getpid()}_",
-        )
-        args = [
-            sys.executable,
-            "-m",
-            "parambox.experiments.bench_sync",
-            "--worker",
-            ",".join(setups),
-            str(rounds),
-            str(steps),
-            str(warmup),
-            str(out),
-        ]
-        procs = [
-            subprocess.Popen(args, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(workers)
-        ]
-        codes = [p.wait() for p in procs]
-        if any(codes):
-            raise RuntimeError(f"bench sync workers exited with {codes}")
-        per_round = json.loads(out.read_text())
+    args = [",".join(setups), str(rounds), str(steps), str(warmup)]
+    per_round = spawn_workers("parambox.experiments.bench_sync", args, workers)
     return summarize(per_round, rounds, steps, workers)
 
 
