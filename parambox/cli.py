@@ -15,10 +15,10 @@ from parambox.errors import UserError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("parambox.commands.train", "train a model with any strategy"),
-    "sweep": ("parambox.experiments.sweep", "grid over workers x batch size x learning rate"),
-    "bench": ("parambox.experiments.bench", "benchmarks measured side by side (sync, box, async, local)"),
-    "report": ("parambox.report", "plots and tables from run directories"),
-    "predict": ("parambox.perfmodel", "analytic scalability model: speedup and n_peak per topology"),
+    "sweep": ("parambox.commands.sweep", "grid over workers x batch size x learning rate"),
+    "bench": ("parambox.commands.bench", "benchmarks measured side by side (sync, box, async, local)"),
+    "report": ("parambox.commands.report", "plots and tables from run directories"),
+    "predict": ("parambox.commands.predict", "analytic scalability model: speedup and n_peak per topology"),
     "slurm": ("parambox.commands.slurm", "write (or submit) a SLURM batch script for a training run"),
     "info": (
         "parambox.commands.info",

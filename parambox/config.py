@@ -84,12 +84,17 @@ class RunConfig(BaseModel):
     def global_batch_size(self) -> int:
         return self.batch_size * self.workers
 
-    def strategy_options(self):
-        """This run's strategy options, validated by the strategy's ``Options`` model."""
+    def strategy_options(self, name: str | None = None):
+        """The options of strategy ``name`` (default: this run's), validated by its ``Options`` model:
+        the ``[name]`` table with every default filled in.
+
+        >>> RunConfig(options={"weight-avg": {"period": 4}}).strategy_options("weight-avg").period
+        4
+        """
         from parambox.strategies import strategy_class
 
-        cls = strategy_class(self.strategy)
-        return cls.Options(**self.options.get(self.strategy, {}))
+        name = name or self.strategy
+        return strategy_class(name).Options(**self.options.get(name, {}))
 
     def validate_options(self) -> None:
         from parambox.strategies import STRATEGIES, strategy_class

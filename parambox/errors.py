@@ -1,4 +1,9 @@
-"""Errors a user can cause: the CLI prints them as one line and exits with code 2."""
+"""How parambox tells a user about problems: errors they caused (the CLI prints them as one line and
+exits with code 2), timeouts that name the peer or phase, and one-line warnings."""
+
+from __future__ import annotations
+
+import sys
 
 
 class UserError(Exception):
@@ -7,3 +12,8 @@ class UserError(Exception):
 
 class CommTimeout(RuntimeError):
     """A blocking wait ran past its timeout; the message names the phase and the missing peers."""
+
+
+def warn(text: str) -> None:
+    """A problem the run carries on with: one line on stderr, ``parambox: warning: ...``."""
+    print(f"parambox: warning: {text}", file=sys.stderr, flush=True)

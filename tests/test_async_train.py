@@ -22,7 +22,7 @@ from torch import nn
 
 from parambox.box import PREFIX_ENV, new_prefix
 from parambox.runtime import dist as pbdist
-from parambox.runtime import launcher
+from parambox.runtime import launcher, spawn
 from parambox.runtime.dist import free_port
 from parambox.runtime.world import World
 from parambox.strategies.base import Context
@@ -110,7 +110,7 @@ def test_launcher_stops_a_worker_still_running_after_rank0_finished(tmp_path, mo
     try:
         result = launcher._supervise(procs, tmp_path, tolerate_loss=True)
     finally:
-        launcher._stop(procs)
+        spawn.stop(procs)
     assert (result.returncode, result.lost) == (0, [1])
     assert procs[1].poll() is not None
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from parambox.experiments.bench_async import RATIOS, summarize
+from parambox.bench.asynchronous import RATIOS, summarize
 from tests.conftest import run_cli
 
 

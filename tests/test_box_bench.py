@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from parambox.experiments.bench_box import run_bench_box
+from parambox.bench.box import run_bench_box
 
 
 @pytest.mark.slow

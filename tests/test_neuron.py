@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 from parambox.cli import main
 from parambox.data import BatchSource
-from parambox.experiments.neuron import (
+from parambox.models import build_model
+from parambox.presets import preset
+from parambox.studies.neuron import (
     SCHEMES,
     TOLERANCE,
     cross_check,
@@ -20,8 +22,6 @@ from parambox.experiments.neuron import (
     roughness,
     simulate,
 )
-from parambox.experiments.presets import preset
-from parambox.models import build_model
 
 
 def emulate_with_the_real_model(workers: int, lr: float, steps: int, seed: int = 0) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from parambox.errors import UserError
 from parambox.models import build_model
-from parambox.strategies import stages
+from parambox.strategies.pipeline import stages
 from tests.conftest import final_weights, max_abs_diff, run_cli, summary
 
 COMMON = [
@@ -160,7 +160,7 @@ def test_bad_pipeline_settings_are_user_errors():
 
 # -- bench local ---------------------------------------------------------------------------------
 def test_bench_local_speedups_are_baseline_over_setup_time():
-    from parambox.experiments.bench_local import setup_table, summarize
+    from parambox.bench.local import setup_table, summarize
 
     table = setup_table(cores=2)
     names = ["sequential", "allreduce", "pipeline-dp"]
@@ -172,7 +172,7 @@ def test_bench_local_speedups_are_baseline_over_setup_time():
     assert out["setups"]["pipeline-dp"]["oversubscribed"] and "time_s" not in out["setups"]["pipeline-dp"]
     assert not out["setups"]["allreduce"]["oversubscribed"] and out["skipped"] == {"box-sync": "not built"}
     with pytest.raises(UserError, match="unknown setups"):
-        from parambox.experiments.bench_local import run_bench_local
+        from parambox.bench.local import run_bench_local
 
         run_bench_local(setups=["gpu"])
 
@@ -180,7 +180,7 @@ def test_bench_local_speedups_are_baseline_over_setup_time():
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_bench_local_runs_the_setups_it_is_given():
-    from parambox.experiments.bench_local import run_bench_local
+    from parambox.bench.local import run_bench_local
 
     out = run_bench_local(steps=2, model="lenet", setups=["sequential", "pipeline"])
     assert set(out["setups"]) == {"sequential", "pipeline"}, out

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from parambox.data import load_dataset
 from parambox.models import build_model
-from parambox.strategies.lbfgs import LBFGSHistory, LineSearch, lbfgs_iteration
-from parambox.strategies.portions import PortionScheduler
+from parambox.strategies.sandblaster.lbfgs import LBFGSHistory, LineSearch, lbfgs_iteration
+from parambox.strategies.sandblaster.portions import PortionScheduler
 from tests.conftest import final_weights, run_cli, summary
 
 

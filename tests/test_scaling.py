@@ -9,8 +9,8 @@ from conftest import run_cli
 
 from parambox.cli import main
 from parambox.errors import UserError
-from parambox.experiments.presets import preset
-from parambox.experiments.scaling import plan_runs
+from parambox.presets import preset
+from parambox.studies.scaling import plan_runs
 
 
 def test_plan_gives_every_run_the_same_samples():

@@ -10,11 +10,13 @@ import pytest
 from conftest import run_cli
 
 from parambox.cli import main
+from parambox.commands.sweep import parse_list
 from parambox.config import build_config, parse_set
 from parambox.errors import UserError
-from parambox.experiments.launch import area_under, moving_mean, parse_list, train_args
-from parambox.experiments.presets import preset
-from parambox.experiments.sweep import judge_curve, pick_winners, plan_grid
+from parambox.presets import preset
+from parambox.studies.curves import area_under, moving_mean
+from parambox.studies.grid import judge_curve, pick_winners, plan_grid
+from parambox.studies.runs import train_args
 
 # -- the metric, on plain lists ----------------------------------------------------------------------
 

@@ -27,10 +27,9 @@ import torch
 
 from parambox.box.base import DONE, Handle, ParameterBox, wait_until
 from parambox.errors import CommTimeout, UserError
-from parambox.runtime.launcher import new_prefix, remove_segments  # noqa: F401  (re-exported)
+from parambox.runtime.spawn import PREFIX_ENV, new_prefix, remove_segments  # noqa: F401  (re-exported)
 from parambox.runtime.world import World
 
-PREFIX_ENV = "PARAMBOX_SHM_PREFIX"
 SHM_DIR = "/dev/shm"
 # Small enough that two pushers rarely wait for each other; big enough that the per-stripe cost
 # (lock calls, restarting the add loop) stays ~3 % of a 100 MB push (1 MB stripes cost ~15 % here).

@@ -16,8 +16,8 @@ def collect() -> dict:
     import torch
 
     from parambox.data.registry import DATASETS, _import_loaders
-    from parambox.experiments.presets import PRESETS
     from parambox.models.registry import MODELS, import_builders
+    from parambox.presets import PRESETS
     from parambox.runtime.world import World
     from parambox.strategies import STRATEGIES
 

@@ -71,7 +71,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    from parambox.experiments.presets import preset
+    from parambox.presets import preset
 
     layers = [preset(args.preset) if args.preset else {}]
     if args.config:

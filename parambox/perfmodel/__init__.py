@@ -5,7 +5,6 @@ T_comm from alpha-beta models of ring and tree allreduce, one or k parameter ser
 See :mod:`parambox.perfmodel.topology` for the formulas and :mod:`parambox.perfmodel.scaling` for the curves.
 """
 
-from parambox.perfmodel.command import configure, run
 from parambox.perfmodel.compute import ComputeProfile, measure_profile, parse_comp_table
 from parambox.perfmodel.scaling import DEFAULT_WORKER_COUNTS, ScalingCurve, iteration_time_s, predict_curve
 from parambox.perfmodel.topology import TOPOLOGIES, Network, comm_time_s, parse_topologies
@@ -17,11 +16,9 @@ __all__ = [
     "Network",
     "ScalingCurve",
     "comm_time_s",
-    "configure",
     "iteration_time_s",
     "measure_profile",
     "parse_comp_table",
     "parse_topologies",
     "predict_curve",
-    "run",
 ]

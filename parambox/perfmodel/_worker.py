@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parambox.bench.rounds import time_calls
+
 RESULT_MARKER = "PARAMBOX_RESULT "
 
 
@@ -87,15 +89,6 @@ def make_steps(spec: dict, batch: int, world_size: int):
     return compute_step, ddp_step
 
 
-def timed(fn, count: int) -> list[float]:
-    out = []
-    for _ in range(count):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def fastest(xs: list[float]) -> float:
     # The minimum, as in compute.best_times_s: foreign load on a shared machine only adds time.
     return min(xs)
@@ -107,16 +100,16 @@ def validate(spec: dict, rank: int, world_size: int) -> dict:
     rounds = spec["rounds"]
     if world_size == 1:
         compute_step()  # warm-up
-        return {"step_s": fastest(timed(compute_step, rounds)), "local_batch": batch}
+        return {"step_s": fastest(time_calls(compute_step, rounds)), "local_batch": batch}
     compute_step(), ddp_step()  # warm-up: allocator, gloo pairs
     comp, step = [], []
     for _ in range(rounds):
         # One of each per round, both ranks released together: the compute-only and the real step see the
         # same foreign load, and a round's compute times on the two ranks are concurrent.
         dist.barrier()
-        comp += timed(compute_step, 1)
+        comp += time_calls(compute_step, 1)
         dist.barrier()
-        step += timed(ddp_step, 1)
+        step += time_calls(ddp_step, 1)
     net = probe_network(spec["probe_bytes"], spec["repeats"])
     per_rank = _gather(comp + step, world_size)
     comp_all = [max(r[i] for r in per_rank) for i in range(rounds)]  # a sync step waits for the slowest

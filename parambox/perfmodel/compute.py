@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from parambox.errors import UserError
+from parambox.numerics import is_finite
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class ComputeProfile:
         if not self.seconds_by_batch:
             raise UserError("compute profile needs at least one batch size")
         for b, t in self.seconds_by_batch.items():
-            if b < 1 or not t > 0 or not math.isfinite(t):
+            if b < 1 or not t > 0 or not is_finite(t):
                 raise UserError(f"compute time for batch {b} must be a positive number of ms, got {t * 1e3}")
 
     @classmethod

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from parambox.perfmodel._worker import RESULT_MARKER
 from parambox.perfmodel.compute import ComputeProfile, profile_from_times
 from parambox.perfmodel.scaling import iteration_time_s
 from parambox.perfmodel.topology import Network, ring_allreduce_s
+from parambox.runtime import spawn
 
 
 def probe_size(size_bytes: float) -> int:
@@ -28,19 +28,16 @@ def probe_size(size_bytes: float) -> int:
     return int(min(max(size_bytes, 2**20), 2**29))
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_workers(spec: dict, world_size: int, timeout_s: float = 180.0) -> dict:
     """Start ``world_size`` worker processes on loopback and return rank 0's JSON result."""
-    port = free_port()
+    env = spawn.loopback_env(threads=spec["threads"])
+    if os.path.exists("/sys/class/net/lo"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    cmd = [sys.executable, "-m", "parambox.perfmodel._worker", json.dumps(spec)]
     with contextlib.ExitStack() as stack:
         # Output to files, not pipes: a chatty worker cannot block on a full pipe while we wait on another.
         logs = [stack.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(world_size)]
-        procs = [_spawn(spec, rank, world_size, port, log) for rank, log in enumerate(logs)]
+        procs = spawn.start_ranks(cmd, world_size, env, stdout=logs, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + timeout_s
         try:
             for p in procs:
@@ -50,24 +47,12 @@ def run_workers(spec: dict, world_size: int, timeout_s: float = 180.0) -> dict:
                 f"{spec['mode']} measurement: workers still running after {timeout_s:.0f} s"
             ) from None
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            spawn.stop(procs)
         texts = []
         for log in logs:
             log.seek(0)
             texts.append(log.read())
     return _result(spec["mode"], procs, texts)
-
-
-def _spawn(spec: dict, rank: int, world_size: int, port: int, log) -> subprocess.Popen:
-    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")
-    env.update(MASTER_PORT=str(port), OMP_NUM_THREADS=str(spec["threads"]))
-    if os.path.exists("/sys/class/net/lo"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    cmd = [sys.executable, "-m", "parambox.perfmodel._worker", json.dumps(spec)]
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
 def _result(mode: str, procs: list[subprocess.Popen], texts: list[str]) -> dict:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import html
-import math
 import re
 from pathlib import Path
 
 from parambox.errors import UserError
+from parambox.numerics import is_finite
 from parambox.report import plots
 from parambox.report.runs import Run
 
@@ -28,7 +28,7 @@ COLUMNS = [
 def _num(x, spec: str) -> str:
     if x is None:
         return "-"
-    if isinstance(x, float) and not math.isfinite(x):
+    if isinstance(x, float) and not is_finite(x):
         return str(x)  # a diverged run: nan / inf, shown as such
     return format(x, spec)
 

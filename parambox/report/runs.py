@@ -7,12 +7,12 @@ last line of metrics.jsonl (a run killed mid-write) is skipped with a warning, n
 from __future__ import annotations
 
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from parambox.errors import UserError
+from parambox.numerics import is_finite
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -83,13 +83,9 @@ class Run:
             times = [r["time"] for r in self.steps + self.evals]
             return max(times) if times else None
         if key == "samples_per_s":
-            rates = [r["samples_per_s"] for r in self.steps if _finite(r.get("samples_per_s"))]
+            rates = [r["samples_per_s"] for r in self.steps if is_finite(r.get("samples_per_s"))]
             return sum(rates) / len(rates) if rates else None
         return None
-
-
-def _finite(x) -> bool:
-    return isinstance(x, int | float) and math.isfinite(x)
 
 
 def load_run(path: str | Path) -> Run:
@@ -172,5 +168,5 @@ def _parse_line(file: Path, lineno: int, line: str, last: bool) -> dict | None:
 
 def _require(file: Path, lineno: int, record: dict, keys: tuple[str, ...]) -> None:
     for k in keys:
-        if not _finite(record.get(k)):
+        if not is_finite(record.get(k)):
             raise UserError(f"{file}:{lineno}: {record['kind']} record needs a number {k!r}")

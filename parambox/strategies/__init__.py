@@ -1,7 +1,7 @@
 """Update rules, one module each, registered by the name the CLI spells.
 
 Adding a strategy: write its module (a ``Strategy`` subclass with an ``Options`` model), add one line
-below, one preset in ``parambox.experiments.presets`` and one multi-process test.
+below, one preset in ``parambox.presets`` and one multi-process test.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ STRATEGIES: dict[str, str] = {
     "dogwild": "parambox.strategies.dogwild:Dogwild",
     "hybrid": "parambox.strategies.hybrid:Hybrid",
     "pipeline": "parambox.strategies.pipeline:Pipeline",
-    "pipeline-dp": "parambox.strategies.pipeline_dp:PipelineDataParallel",
+    "pipeline-dp": "parambox.strategies.pipeline:PipelineDataParallel",
     "sandblaster": "parambox.strategies.sandblaster:Sandblaster",
 }
 

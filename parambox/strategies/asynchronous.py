@@ -7,17 +7,11 @@ API (kept stable; the asynchronous strategies build on it)
 :class:`AsyncOptions`
     ``termination`` (``all`` | ``fastest`` | ``average``, ShmCaffe's termination alignment) and
     ``lost_after_s``. A strategy's options subclass it.
-:class:`CounterMap`
-    Where the box's int64 counters are: ``version`` (pushes so far), ``steps(r)`` (worker ``r``'s
-    steps, also its heartbeat), ``status(r)`` (bits ``DONE``, ``NONFINITE``, ``FINAL``), ``ident(r)``
-    (host hash and pid, for liveness), ``total`` (everyone's steps), ``reached`` (workers at the
-    target), then ``extra(k)`` for a strategy's own counters.
-:class:`CenterClient`
-    One worker's handle on ``c = box[start:start + numel]``: ``pull(out)``, ``push(delta, scale,
-    damped=False)`` (refuses non-finite updates; ``damped`` scales by ``1/(s + 1)``), the fused
-    elastic exchange ``elastic_(x, alpha)`` and ``staleness`` (pushes the box received between this
-    worker's last pull and its last push). Times phases ``pull``/``push`` into ``timers``.
-:func:`bind_flat_replica`
+:class:`~parambox.strategies.center.CounterMap`, :class:`~parambox.strategies.center.CenterClient`
+    (``strategies/center.py``): where the box's counters are, and one worker's handle on the center
+    ``c = box[start:start + numel]`` (``pull``, ``push`` refusing non-finite updates, the fused elastic
+    exchange ``elastic_``, ``staleness``).
+:func:`~parambox.strategies.base.bind_flat_replica`
     ``x, g = bind_flat_replica(model, layout, device)``: parameters become views into the flat
     ``x``, their ``.grad`` views into ``g`` (also for strategies without a box, e.g. sync EASGD).
 :class:`AsyncStrategy`
@@ -49,23 +43,27 @@ A subclass implements ``step``; e.g. the asynchronous EASGD step::
 from __future__ import annotations
 
 import copy
-import os
-import socket
-import sys
 import time
-import zlib
 from typing import Any, ClassVar, Literal
 
-import psutil
 import torch
 from pydantic import Field
 from torch import nn
 
-from parambox.box import VERSION_COUNTER, Layout, ParameterBox, open_box
-from parambox.errors import CommTimeout
-from parambox.strategies.base import Context, Options, PhaseTimers, StepResult, Strategy, forward_backward
+from parambox.box import Layout, open_box
+from parambox.errors import CommTimeout, warn
+from parambox.numerics import is_finite
+from parambox.runtime.spawn import identity_gone, process_identity
+from parambox.strategies.base import (
+    Context,
+    Options,
+    StepResult,
+    Strategy,
+    bind_flat_replica,
+    forward_backward,
+)
+from parambox.strategies.center import DONE, FINAL, NONFINITE, CenterClient, CounterMap
 
-DONE, NONFINITE, FINAL = 1, 2, 4  # status bits; each is set once, by its worker, with add_counter
 _POLL_S = 0.01
 
 
@@ -78,156 +76,6 @@ class AsyncOptions(Options):
         gt=0,
         description="a worker whose step count stops moving this long is lost (default: --timeout)",
     )
-
-
-class CounterMap:
-    """Indices of the box counters an asynchronous run uses (``world_size`` workers, ``extra`` more).
-
-    >>> m = CounterMap(2, extra=1)
-    >>> m.version, m.steps(1), m.status(1), m.ident(1), m.total, m.reached, m.extra(0), m.num_counters
-    (0, 2, 4, 6, 7, 8, 9, 10)
-    """
-
-    version = VERSION_COUNTER
-
-    def __init__(self, world_size: int, extra: int = 0):
-        self.world_size, self.num_extra = world_size, extra
-        self.total, self.reached = 1 + 3 * world_size, 2 + 3 * world_size
-        self.num_counters = 3 + 3 * world_size + extra
-
-    def steps(self, r: int) -> int:
-        return 1 + r  # the box's step_counter(r)
-
-    def status(self, r: int) -> int:
-        return 1 + self.world_size + r
-
-    def ident(self, r: int) -> int:
-        return 1 + 2 * self.world_size + r
-
-    def extra(self, k: int) -> int:
-        assert 0 <= k < self.num_extra
-        return 3 + 3 * self.world_size + k
-
-
-def is_finite(t: torch.Tensor) -> bool:
-    """One reduction: the sum of a tensor is non-finite when any element is (NaN and Inf propagate)."""
-    return bool(torch.isfinite(t.sum()))
-
-
-class CenterClient:
-    """A worker's handle on the center weights ``c = box[start:start + numel]``.
-
-    >>> client = CenterClient(box, numel=layout.numel)  # doctest: +SKIP
-    >>> client.pull(x)                     # x <- c
-    >>> client.push(a)                     # c <- c + a (refused, returning False, if a is not finite)
-    >>> client.elastic_(x, alpha=0.1)      # d = alpha (x - c); x -= d; c += d, in three flat ops
-    """
-
-    def __init__(
-        self, box: ParameterBox, numel: int, start: int = 0, timers: PhaseTimers | None = None, block: int = 0
-    ):
-        self.box, self.numel, self.start = box, numel, start
-        self.timers = timers if timers is not None else PhaseTimers()
-        # 0: the elastic exchange works on the whole buffer at once (fewest operations: fastest here).
-        self.block = block
-        self.pulled_version = 0
-        self.staleness = 0
-        self._c = self._d = None
-
-    def pull(self, out: torch.Tensor) -> torch.Tensor:
-        """``out <- c``; remembers the version for staleness."""
-        with self.timers.phase("pull"):
-            self.pulled_version = self.box.read_counter(VERSION_COUNTER)
-            self.box.pull(out, self.start)
-        return out
-
-    def push(self, delta: torch.Tensor, scale: float = 1.0, damped: bool = False) -> bool:
-        """``c <- c + scale * delta`` (times ``1/(s + 1)`` if ``damped``); False, pushing nothing, if not finite."""
-        if not is_finite(delta):
-            return False
-        with self.timers.phase("push"):
-            self.staleness = self.box.add_counter(VERSION_COUNTER, 1) - self.pulled_version
-            if damped:
-                scale /= self.staleness + 1
-            self.box.push(delta, scale, self.start)
-        return True
-
-    def elastic_(self, x: torch.Tensor, alpha: float) -> bool:
-        """Asynchronous EASGD exchange: ``d = alpha (x - c); x <- x - d; c <- c + d``.
-
-        Three flat operations: ``e = x - c`` (on the ``shm`` box read straight from shared memory,
-        no pull copy), ``x -= alpha e``, and the push ``c += alpha e``: on 1M parameters here
-        0.8-1.4 ms (warm/cold caches) against 1.5-1.9 ms for pull, subtract, scale, update, push. With
-        ``block`` it walks the buffer in pieces of that many elements. A non-finite ``e`` stops it
-        before its piece is pushed (nothing non-finite reaches the box) and returns False.
-        """
-        n = self.numel
-        block = min(self.block or n, n)
-        if self._d is None or self._d.numel() != block or self._d.device != x.device:
-            self._d = torch.empty(block, device=x.device)
-            self._c = None if self._shared(x) is not None else torch.empty(block, device=x.device)
-        self.pulled_version = self.box.read_counter(VERSION_COUNTER)
-        shared = self._shared(x)
-        for lo in range(0, n, block):
-            hi = min(n, lo + block)
-            e = self._d[: hi - lo]
-            with self.timers.phase("pull"):  # on shm the read of c is the subtraction itself
-                c = (
-                    shared[lo:hi]
-                    if shared is not None
-                    else self.box.pull(self._c[: hi - lo], self.start + lo)
-                )
-                torch.sub(x[lo:hi], c, out=e)
-            if not is_finite(e):
-                return False
-            x[lo:hi].sub_(e, alpha=alpha)
-            with self.timers.phase("push"):
-                self.box.push(e, alpha, self.start + lo)
-        with self.timers.phase("push"):
-            self.staleness = self.box.add_counter(VERSION_COUNTER, 1) - self.pulled_version
-        return True
-
-    def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The center itself in shared memory (``shm`` box, host replica), else None."""
-        if self.box.backend != "shm" or x.device.type != "cpu":
-            return None
-        return self.box.tensor()[self.start : self.start + self.numel]
-
-
-def _identity() -> int:
-    """Host hash and pid packed in one int64: how rank 0 tells a dead local worker from a slow one."""
-    host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
-    return (host << 32) | os.getpid()
-
-
-def _pid_gone(ident: int) -> bool | None:
-    """True if the worker ``ident`` names runs on this host and has exited; None if it is elsewhere."""
-    if ident == 0 or (ident >> 32) != (_identity() >> 32):
-        return None
-    try:
-        return psutil.Process(ident & 0xFFFFFFFF).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def bind_flat_replica(
-    model: nn.Module, layout: Layout, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Make the parameters views into one flat buffer ``x`` and their ``.grad`` views into ``g``.
-
-    Pulls, pushes and elastic updates are then single flat operations; backward accumulates
-    straight into ``g`` (zero it, not the optimizer's ``zero_grad``, which would drop the views).
-    """
-    x = torch.empty(layout.numel, device=device)
-    layout.bind_params_(model, x, copy_values=True)
-    g = torch.zeros_like(x)
-    for p, view in zip(model.parameters(), layout.views(g).values()):
-        p.grad = view
-    return x, g
-
-
-def warn(text: str) -> None:
-    print(f"parambox: warning: {text}", file=sys.stderr, flush=True)
 
 
 class AsyncStrategy(Strategy):
@@ -266,7 +114,7 @@ class AsyncStrategy(Strategy):
         self.client = CenterClient(self.box, self.numel, timers=self.timers)
         if rank == 0:
             self.box.write(self.x)  # every rank starts from the same weights (same seed)
-        self.box.add_counter(self.counters.ident(rank), _identity())
+        self.box.add_counter(self.counters.ident(rank), process_identity())
         self.box.barrier()
         self.lost_after_s = options.lost_after_s or ctx.timeout_s
         self.halted = False
@@ -282,7 +130,7 @@ class AsyncStrategy(Strategy):
 
     def guard(self, loss: torch.Tensor, step: int) -> bool:
         """False (and the worker halts) when the loss is not finite: nothing of this step is pushed."""
-        if bool(torch.isfinite(loss)):
+        if is_finite(loss):
             return True
         self.halt("loss", step)
         return False
@@ -353,7 +201,7 @@ class AsyncStrategy(Strategy):
 
     def _is_lost(self, r: int, seen: dict[int, tuple[int, float]]) -> bool:
         """A local worker whose process is gone, or any worker whose step count stood still too long."""
-        if _pid_gone(self.box.read_counter(self.counters.ident(r))):
+        if identity_gone(self.box.read_counter(self.counters.ident(r))):
             return True
         count, now = self.box.read_counter(self.counters.steps(r)), time.monotonic()
         if count != seen[r][0]:
@@ -364,7 +212,7 @@ class AsyncStrategy(Strategy):
     def _await_final(self) -> None:
         deadline = time.monotonic() + self.lost_after_s
         while not self.box.read_counter(self.counters.status(0)) & FINAL:
-            if _pid_gone(self.box.read_counter(self.counters.ident(0))) or time.monotonic() > deadline:
+            if identity_gone(self.box.read_counter(self.counters.ident(0))) or time.monotonic() > deadline:
                 raise CommTimeout("asynchronous finish: rank 0 did not take the final center weights")
             time.sleep(_POLL_S)
 

@@ -16,6 +16,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from parambox.box import Layout
 from parambox.runtime.world import World
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -141,9 +142,17 @@ def forward_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     return loss.detach()
 
 
-def flat_params(model: nn.Module) -> torch.Tensor:
-    return torch.nn.utils.parameters_to_vector(model.parameters())
+def bind_flat_replica(
+    model: nn.Module, layout: Layout, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Make the parameters views into one flat buffer ``x`` and their ``.grad`` views into ``g``.
 
-
-def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    Pulls, pushes and elastic updates are then single flat operations; backward accumulates
+    straight into ``g`` (zero it, not the optimizer's ``zero_grad``, which would drop the views).
+    """
+    x = torch.empty(layout.numel, device=device)
+    layout.bind_params_(model, x, copy_values=True)
+    g = torch.zeros_like(x)
+    for p, view in zip(model.parameters(), layout.views(g).values()):
+        p.grad = view
+    return x, g

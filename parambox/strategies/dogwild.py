@@ -43,8 +43,10 @@ from pydantic import Field
 from torch import nn
 
 from parambox.box import Layout
+from parambox.errors import warn
+from parambox.numerics import is_finite
 from parambox.runtime.dist import collective
-from parambox.strategies.asynchronous import _identity, _pid_gone, is_finite, warn
+from parambox.runtime.spawn import identity_gone, process_identity
 from parambox.strategies.base import Context, Options, StepResult, Strategy, forward_backward
 
 GRAD, FINAL, HALT = 0.0, 1.0, 2.0  # message kinds (the first element after the gradient)
@@ -103,7 +105,7 @@ class Dogwild(Strategy):
 
     def finite(self, loss: torch.Tensor, grads: list[torch.Tensor], step: int) -> bool:
         """False, halting this process's training, when its loss or gradient is not finite."""
-        if bool(torch.isfinite(loss)) and all(is_finite(g) for g in grads):
+        if is_finite(loss) and all(is_finite(g) for g in grads):
             return True
         self.halted = True
         warn(f"rank {self.world.rank}: non-finite loss or gradient at step {step}; it stops sending updates")
@@ -163,8 +165,8 @@ def _message_group(world_size: int) -> dist.ProcessGroup | None:
 def _identities(world_size: int, group: dist.ProcessGroup | None) -> list[int]:
     """Every rank's host hash and pid, so that rank 0 can tell a dead local worker from a slow one."""
     if world_size == 1:
-        return [_identity()]
-    mine = torch.tensor([_identity()], dtype=torch.int64)
+        return [process_identity()]
+    mine = torch.tensor([process_identity()], dtype=torch.int64)
     out = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
     with collective("dogwild start-up"):
         dist.all_gather(out, mine, group=group)
@@ -280,7 +282,7 @@ class _Master:
             self.thread.join(_POLL_S)
             now, gave_up = time.monotonic(), not self.thread.is_alive()
             for r in sorted(self.workers - self.done - self.lost):
-                if gave_up or _pid_gone(self.idents[r]) or now - self.heard[r] > self.owner.lost_after_s:
+                if gave_up or identity_gone(self.idents[r]) or now - self.heard[r] > self.owner.lost_after_s:
                     self._mark_lost(r)
         if not self.thread.is_alive():
             for dst in list(self.sends):

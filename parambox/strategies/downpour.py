@@ -23,8 +23,10 @@ import torch
 from pydantic import Field
 
 from parambox.box.base import wait_until
-from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy, CenterClient, warn
+from parambox.errors import warn
+from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
 from parambox.strategies.base import Context, StepResult
+from parambox.strategies.center import CenterClient
 
 ADAGRAD_EPS = 1e-10
 

@@ -26,10 +26,11 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from parambox.box import Layout
-from parambox.errors import UserError
+from parambox.errors import UserError, warn
+from parambox.numerics import is_finite
 from parambox.runtime.dist import collective
-from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy, bind_flat_replica, is_finite, warn
-from parambox.strategies.base import Context, StepResult, Strategy, forward_backward
+from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
+from parambox.strategies.base import Context, StepResult, Strategy, bind_flat_replica, forward_backward
 
 DEFAULT_ALPHA = 0.1
 
@@ -205,7 +206,7 @@ class SyncElasticAveraging(Strategy):
             self.local.lookahead_()
         self.g.zero_()
         loss = forward_backward(self.model, self.ctx.loss_fn, x, y)
-        if not (self.halted or bool(torch.isfinite(loss))):
+        if not (self.halted or is_finite(loss)):
             self._halt("loss", step)
         if not self.halted:
             if self.local is not None:

@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from parambox.errors import UserError
-from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy, is_finite
+from parambox.numerics import is_finite
+from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
 from parambox.strategies.base import Context, StepResult, forward_backward
 
 

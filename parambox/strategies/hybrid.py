@@ -29,8 +29,9 @@ import torch.distributed as dist
 from pydantic import Field, model_validator
 
 from parambox.errors import UserError
+from parambox.numerics import is_finite
 from parambox.runtime.dist import collective
-from parambox.strategies.asynchronous import AsyncStrategy, is_finite
+from parambox.strategies.asynchronous import AsyncStrategy
 from parambox.strategies.base import Context, StepResult
 from parambox.strategies.easgd import EasgdOptions, make_local_step
 

@@ -29,7 +29,6 @@ import argparse
 import json
 import mmap
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -41,21 +40,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from parambox.bench.rounds import paired_ratio, time_calls
+from parambox.runtime import spawn
+
 MIB = 1 << 20
-MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_osc": "^ucx"}
-MPI_TCP_ENV = MPI_ENV | {"OMPI_MCA_osc": "rdma", "OMPI_MCA_btl": "self,tcp"}
+MPI_ENV = {"OMPI_MCA_osc": "^ucx"}  # Open MPI's shared-memory one-sided path
+MPI_TCP_ENV = {"OMPI_MCA_osc": "rdma", "OMPI_MCA_btl": "self,tcp"}  # its network path
 _MARK = "BENCH_BOX_JSON "
-_MODULE = "parambox.experiments.bench_box"  # children run it with -m (``__name__`` is "__main__" there)
+_MODULE = "parambox.bench.box"  # children run it with -m (``__name__`` is "__main__" there)
 
 
 def _time(fn: Callable[[], object], repeats: int) -> list[float]:
-    fn()  # warm-up: first touch of pages, lazy set-up
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
+    return time_calls(fn, repeats, warmup=1)  # warm-up: first touch of pages, lazy set-up
 
 
 def _figure(seconds: Sequence[float], size_mb: int) -> dict[str, float]:
@@ -77,17 +73,14 @@ def _numel(size_mb: int) -> int:
 
 def bench_local_and_shm(sizes_mb: Sequence[int], repeats: int) -> tuple[dict, dict]:
     """numpy add/copy and shm push/pull, alternating in this process; returns (ops, paired ratios)."""
-    from parambox.box import PREFIX_ENV, new_prefix, open_box, remove_segments
+    from parambox.box import PREFIX_ENV, open_box
     from parambox.runtime.world import World
 
-    prefix = new_prefix()
+    prefix = spawn.new_prefix()
     env = dict(os.environ, OMP_NUM_THREADS="1", **{PREFIX_ENV: prefix})
     numel = _numel(max(sizes_mb))
-    peer = subprocess.Popen(
-        [sys.executable, "-m", _MODULE, "--role", "shm-peer", "--numel", str(numel)],
-        env=env,
-        stdin=subprocess.PIPE,
-    )
+    cmd = [sys.executable, "-m", _MODULE, "--role", "shm-peer", "--numel", str(numel)]
+    peer = spawn.start(cmd, env, stdin=subprocess.PIPE)
     old_prefix, threads = os.environ.get(PREFIX_ENV), torch.get_num_threads()
     os.environ[PREFIX_ENV] = prefix
     torch.set_num_threads(1)
@@ -120,9 +113,8 @@ def bench_local_and_shm(sizes_mb: Sequence[int], repeats: int) -> tuple[dict, di
         box.close()
         peer.wait(60)
     finally:
-        peer.kill()
-        peer.wait()
-        remove_segments(prefix)
+        spawn.stop([peer])
+        spawn.remove_segments(prefix)
         torch.set_num_threads(threads)
         if old_prefix is None:
             os.environ.pop(PREFIX_ENV, None)
@@ -159,7 +151,7 @@ def _small_pages(n: int) -> np.ndarray:
 
 
 def _paired(base: list[float], other: list[float]) -> float:
-    return round(statistics.median(b / o for b, o in zip(base, other)), 3)
+    return round(paired_ratio(base, other), 3)
 
 
 def _shm_peer(numel: int) -> None:
@@ -174,13 +166,12 @@ def _shm_peer(numel: int) -> None:
 # -- MPI and gloo, in child processes -------------------------------------------------------------------
 
 
-def _child(cmd: list[str], env: dict[str, str], timeout: float) -> dict:
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    for line in done.stdout.splitlines():
+def _marked(text: str) -> dict | None:
+    """The JSON a child printed after ``_MARK``, if any."""
+    for line in text.splitlines():
         if line.startswith(_MARK):
             return json.loads(line[len(_MARK) :])
-    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-    return {"error": f"exit code {done.returncode}: {' | '.join(tail)}"}
+    return None
 
 
 def _role_args(sizes_mb: Sequence[int], repeats: int) -> list[str]:
@@ -205,12 +196,19 @@ def _timed_collective(barrier: Callable[[], object], op: Callable[[], object]) -
 
 
 def bench_mpi(sizes_mb: Sequence[int], repeats: int, env_extra: dict[str, str]) -> dict:
-    mpiexec = shutil.which("mpiexec")
-    if mpiexec is None:
-        return {"error": "no mpiexec on PATH"}
-    cmd = [mpiexec, "-n", "2", "--oversubscribe", sys.executable, "-m", _MODULE, "--role", "mpi"]
+    if spawn.find_mpiexec() is None:
+        return {"error": "no mpiexec found"}
+    cmd = [sys.executable, "-m", _MODULE, "--role", "mpi", *_role_args(sizes_mb, repeats)]
     env = dict(os.environ, OMP_NUM_THREADS="1") | env_extra
-    return _child(cmd + _role_args(sizes_mb, repeats), env, timeout=300)
+    proc = spawn.start_mpi(cmd, 2, env, bind=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        return {"error": "mpi ranks still running after 300 s"}
+    finally:
+        spawn.stop([proc])
+    tail = (err or out).strip().splitlines()[-3:]
+    return _marked(out) or {"error": f"exit code {proc.returncode}: {' | '.join(tail)}"}
 
 
 def _mpi_worker(sizes_mb: Sequence[int], repeats: int) -> None:
@@ -240,28 +238,21 @@ def _mpi_worker(sizes_mb: Sequence[int], repeats: int) -> None:
 
 
 def bench_gloo(sizes_mb: Sequence[int], repeats: int) -> dict:
-    from parambox.runtime.dist import free_port
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cmd = [sys.executable, "-m", _MODULE, "--role", "gloo", *_role_args(sizes_mb, repeats)]
-    procs = [
-        subprocess.Popen([*cmd, "--rank", str(r)], env=env, stdout=subprocess.PIPE, text=True) for r in (0, 1)
-    ]
+    procs = spawn.start_ranks(cmd, 2, spawn.loopback_env(threads=1), stdout=subprocess.PIPE, text=True)
     try:
         outs = [p.communicate(timeout=300)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        outs = [""]
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    for line in outs[0].splitlines():
-        if line.startswith(_MARK):
-            return json.loads(line[len(_MARK) :])
-    return {"error": f"gloo workers exited with {[p.returncode for p in procs]}"}
+        spawn.stop(procs)
+    return _marked(outs[0]) or {"error": f"gloo workers exited with {[p.returncode for p in procs]}"}
 
 
-def _gloo_worker(rank: int, sizes_mb: Sequence[int], repeats: int) -> None:
+def _gloo_worker(sizes_mb: Sequence[int], repeats: int) -> None:
     import torch.distributed as dist
 
+    rank = int(os.environ["RANK"])
     addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=2)
     ops: dict[str, dict] = {"gloo_allreduce": {}}
@@ -372,15 +363,12 @@ def _table(result: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m parambox.experiments.bench_box", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="python -m parambox.bench.box", description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
     p.add_argument("--sizes", default="1,25,100", help="comma-separated sizes in MiB")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--role", default=None, help=argparse.SUPPRESS)  # the child processes
     p.add_argument("--numel", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     if args.role == "shm-peer":
@@ -388,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.role == "mpi":
         _mpi_worker(sizes, args.repeats)
     elif args.role == "gloo":
-        _gloo_worker(args.rank, sizes, args.repeats)
+        _gloo_worker(sizes, args.repeats)
     else:
         result = run_bench_box(json_out=args.json, sizes_mb=sizes, repeats=args.repeats)
         print(json.dumps(result, indent=2) if args.json else _table(result))

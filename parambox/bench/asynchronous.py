@@ -26,14 +26,15 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parambox.experiments.bench_workers import BATCH, random_batches, spawn_workers
+from parambox.bench.rounds import paired_ratio, timed_rounds
+from parambox.bench.workers import BATCH, random_batches, spawn_workers
+from parambox.numerics import is_finite
 
 LR, MOMENTUM = 0.01, 0.9
 STRATEGY_SETUPS = {  # setup -> (strategy, options)
@@ -81,7 +82,8 @@ def _plain_stepper(world, tmp: Path):
     dist.barrier()  # rank 0 keeps its descriptors open; both now step the same memory
     optimizer = _make_optimizer(model.parameters())
 
-    def step(x, y, i):
+    def step(batch, i):
+        x, y = batch
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
@@ -98,7 +100,7 @@ def _strategy_stepper(setup: str, world, steps: int):
     ctx = Context(world, _build(), _make_optimizer, F.cross_entropy, steps, 300.0)
     cls = strategy_class(name)
     strategy = cls(ctx, cls.Options(**options))
-    return (lambda x, y, i: strategy.step(x, y, i).loss), strategy.close, None
+    return (lambda batch, i: strategy.step(*batch, i).loss), strategy.close, None
 
 
 def available_setups() -> list[str]:
@@ -114,31 +116,26 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
     world = World.from_env()
     dist.init_process_group("gloo", rank=world.rank, world_size=world.world_size)
     try:
-        batches = random_batches(world.rank)
         total = warmup + rounds * steps
         steppers = {
             s: _plain_stepper(world, out.parent) if s == "plain" else _strategy_stepper(s, world, total)
             for s in setups
         }
-        losses: dict[str, list[float]] = {s: [] for s in setups}
-        for s, (step, _, _) in steppers.items():
-            losses[s] += [step(*batches[i % 8], i) for i in range(warmup)]
-        results: dict[str, list[float]] = {s: [] for s in setups}
-        for r in range(rounds):
-            for s in setups[r % len(setups) :] + setups[: r % len(setups)]:
-                step = steppers[s][0]
-                dist.barrier()
-                t0 = time.perf_counter()
-                for i in range(steps):
-                    losses[s].append(step(*batches[i % 8], warmup + r * steps + i))
-                dist.barrier()
-                results[s].append(world.world_size * BATCH * steps / (time.perf_counter() - t0))
+        per_round, losses = timed_rounds(
+            {s: step for s, (step, _, _) in steppers.items()},
+            random_batches(world.rank),
+            rounds,
+            steps,
+            warmup,
+            world.world_size * BATCH,
+            dist.barrier,
+        )
         shared = {s: _same_on_both_ranks(steppers[s][2]) for s in setups if steppers[s][2] is not None}
         for _, close, _ in steppers.values():
             close()
-        nonfinite = [s for s, v in losses.items() if not all(map(_finite, v))]
+        nonfinite = [s for s, v in losses.items() if not is_finite(v)]
         if world.rank == 0:
-            out.write_text(json.dumps({"per_round": results, "nonfinite": nonfinite, "shared": shared}))
+            out.write_text(json.dumps({"per_round": per_round, "nonfinite": nonfinite, "shared": shared}))
     finally:
         dist.destroy_process_group()
 
@@ -151,17 +148,13 @@ def _same_on_both_ranks(model) -> bool:
     return all(torch.equal(both[0], t) for t in both)
 
 
-def _finite(v: float) -> bool:
-    return v == v and abs(v) != float("inf")
-
-
 def run_bench_async(
     rounds: int = 7, steps: int = 30, warmup: int = 5, setups: list[str] | None = None
 ) -> dict:
     """Spawn the two workers, collect per-round samples/s, and compute paired ratios."""
     setups = setups or available_setups()
     args = [",".join(setups), str(rounds), str(steps), str(warmup)]
-    data = spawn_workers("parambox.experiments.bench_async", args, workers=2)
+    data = spawn_workers("parambox.bench.asynchronous", args, workers=2)
     result = summarize(data["per_round"], data["nonfinite"], rounds, steps)
     result["plain_weights_shared"] = data["shared"].get("plain")
     return result
@@ -183,7 +176,7 @@ def summarize(per_round: dict[str, list[float]], nonfinite: list[str], rounds: i
     targets = {}
     for key, (a, b, target) in RATIOS.items():
         if a in per_round and b in per_round:
-            result[key] = statistics.median(x / y for x, y in zip(per_round[a], per_round[b]))
+            result[key] = paired_ratio(per_round[a], per_round[b])
             if target is not None:
                 targets[key] = {"target": target, "met": result[key] >= target}
     result["targets"] = targets

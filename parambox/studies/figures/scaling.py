@@ -12,9 +12,8 @@ from parambox.report.plots import plt, save_figure
 LOSS_SMOOTHING = 0.9  # EMA weight of the past: per-step losses of small batches are noisy
 
 
-def write_all(results: dict[str, Any], out: Path) -> list[Path]:
-    from parambox.experiments.scaling import phases_of
-
+def write_all(results: dict[str, Any], out: Path, phases: list[str]) -> list[Path]:
+    """Every figure of the study; ``phases``: the communication phases to plot, in order."""
     paths = []
     for strategy in results["strategies"]:
         runs = []
@@ -42,7 +41,6 @@ def write_all(results: dict[str, Any], out: Path) -> list[Path]:
                     out / f"accuracy_{strategy}.png",
                 )
             )
-    phases = phases_of(results)
     if phases:
         paths.append(comm_panels(results, phases, out / "comm_phases.png"))
     paths.append(time_to_accuracy(results, out / "time_to_accuracy.png"))

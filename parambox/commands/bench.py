@@ -7,25 +7,10 @@ Run one benchmark at a time: they share the machine's cores.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 
+from parambox.bench import BENCHES, benchmark
 from parambox.errors import UserError
-
-BENCHES = {  # name -> (module, function, help)
-    "sync": ("parambox.experiments.bench_sync", "run_bench_sync", "allreduce / box-sync vs torch DDP"),
-    "box": ("parambox.experiments.bench_box", "run_bench_box", "box pull/push bandwidth vs gloo and MPI"),
-    "async": (
-        "parambox.experiments.bench_async",
-        "run_bench_async",
-        "asynchronous strategies vs plain Hogwild",
-    ),
-    "local": (
-        "parambox.experiments.bench_local",
-        "run_bench_local",
-        "local parallelism study (Lerat et al.)",
-    ),
-}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -39,11 +24,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    module, fn, _ = BENCHES[args.which]
-    try:
-        bench = getattr(importlib.import_module(module), fn)
-    except (ImportError, AttributeError):
-        raise UserError(f"benchmark {args.which!r} is not available in this build") from None
+    bench = benchmark(args.which)
     kwargs = {k: v for k, v in (("rounds", args.rounds), ("steps", args.steps)) if v is not None}
     if any(v < 1 for v in kwargs.values()):
         raise UserError("--rounds and --steps must be at least 1")

@@ -13,14 +13,14 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parambox.experiments.bench_workers import BATCH, random_batches, spawn_workers
+from parambox.bench.rounds import paired_ratio, timed_rounds
+from parambox.bench.workers import BATCH, random_batches, spawn_workers
 
 SETUPS = ["ddp", "allreduce", "ceiling"]
 
@@ -43,7 +43,7 @@ def _strategy_stepper(name: str, world, steps: int):
     )
     cls = strategy_class(name)
     strategy = cls(ctx, cls.Options())
-    return (lambda x, y, i: strategy.step(x, y, i)), strategy.close
+    return (lambda batch, i: strategy.step(*batch, i)), strategy.close
 
 
 def _ddp_stepper():
@@ -52,7 +52,8 @@ def _ddp_stepper():
     model, opt = _build()
     ddp = DistributedDataParallel(model)
 
-    def step(x, y, i):
+    def step(batch, i):
+        x, y = batch
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(ddp(x), y).backward()
         opt.step()
@@ -63,7 +64,8 @@ def _ddp_stepper():
 def _plain_stepper():
     model, opt = _build()
 
-    def step(x, y, i):
+    def step(batch, i):
+        x, y = batch
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -86,26 +88,20 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
     world = World.from_env()
     dist.init_process_group("gloo", rank=world.rank, world_size=world.world_size)
     try:
-        batches = random_batches(world.rank)
         steppers = {name: make_stepper(name, world, warmup + rounds * steps) for name in setups}
-        for step, _ in steppers.values():
-            for i in range(warmup):
-                step(*batches[i % 8], i)
-        results: dict[str, list[float]] = {name: [] for name in setups}
-        for r in range(rounds):
-            order = setups[r % len(setups) :] + setups[: r % len(setups)]
-            for name in order:
-                step = steppers[name][0]
-                dist.barrier()
-                t0 = time.perf_counter()
-                for i in range(steps):
-                    step(*batches[i % 8], warmup + r * steps + i)
-                dist.barrier()
-                results[name].append(world.world_size * BATCH * steps / (time.perf_counter() - t0))
+        per_round, _ = timed_rounds(
+            {name: step for name, (step, _) in steppers.items()},
+            random_batches(world.rank),
+            rounds,
+            steps,
+            warmup,
+            world.world_size * BATCH,
+            dist.barrier,
+        )
         for _, close in steppers.values():
             close()
         if world.rank == 0:
-            out.write_text(json.dumps(results))
+            out.write_text(json.dumps(per_round))
     finally:
         dist.destroy_process_group()
 
@@ -120,7 +116,7 @@ def run_bench_sync(
         s for s in ["ddp", "allreduce", "box-sync", "ceiling"] if s in STRATEGIES or s in SETUPS
     ]
     args = [",".join(setups), str(rounds), str(steps), str(warmup)]
-    per_round = spawn_workers("parambox.experiments.bench_sync", args, workers)
+    per_round = spawn_workers("parambox.bench.sync", args, workers)
     return summarize(per_round, rounds, steps, workers)
 
 
@@ -137,7 +133,7 @@ def summarize(per_round: dict[str, list[float]], rounds: int, steps: int, worker
     }
 
     def paired(a: str, b: str) -> float:
-        return statistics.median(x / y for x, y in zip(per_round[a], per_round[b]))
+        return paired_ratio(per_round[a], per_round[b])
 
     if "allreduce" in per_round:
         result["ratio_vs_ddp"] = paired("allreduce", "ddp")

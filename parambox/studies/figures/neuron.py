@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from parambox.experiments.launch import moving_mean
 from parambox.report.plots import plt, save_figure
+from parambox.studies.curves import moving_mean
 
 
 def write_all(curves: dict[tuple[str, int], torch.Tensor], results: dict[str, Any], out: Path) -> list[Path]:

@@ -5,14 +5,14 @@ their figures back as JSON in a file: no pickle crosses the processes."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from parambox.runtime import spawn
 
 BATCH = 64
 
@@ -30,29 +30,16 @@ def spawn_workers(module: str, args: list[str], workers: int = 2) -> Any:
     """Run ``python -m module --worker ARGS... OUT`` as ``workers`` ranks with 1 thread each and
     return what rank 0 wrote to OUT. Shared-memory segments get an unguessable per-run prefix and
     are removed at the end, whatever happens."""
-    from parambox.runtime.dist import free_port
-    from parambox.runtime.launcher import new_prefix, remove_segments
-
-    prefix = new_prefix()
+    prefix = spawn.new_prefix()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-            WORLD_SIZE=str(workers),
-            OMP_NUM_THREADS="1",
-            PARAMBOX_SHM_PREFIX=prefix,
-        )
         cmd = [sys.executable, "-m", module, "--worker", *args, str(out)]
-        procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(workers)]
+        procs = spawn.start_ranks(cmd, workers, spawn.loopback_env(threads=1, prefix=prefix))
         try:
             codes = [p.wait() for p in procs]
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            remove_segments(prefix)
+            spawn.stop(procs)
+            spawn.remove_segments(prefix)
         if any(codes):
             raise RuntimeError(f"{module} workers exited with {codes}")
         return json.loads(out.read_text())

@@ -27,9 +27,9 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from parambox.errors import UserError
 from parambox.runtime.dist import collective
 from parambox.strategies.base import Context, Options, StepResult, Strategy
-from parambox.strategies.farm import BYE, END_STEP, HEADER, RESULT, TASK, WEIGHTS, PortionFarm
-from parambox.strategies.lbfgs import LBFGSHistory, LineSearch, lbfgs_iteration
-from parambox.strategies.portions import compute_portion, portion_bounds
+from parambox.strategies.sandblaster.farm import BYE, END_STEP, HEADER, RESULT, TASK, WEIGHTS, PortionFarm
+from parambox.strategies.sandblaster.lbfgs import LBFGSHistory, LineSearch, lbfgs_iteration
+from parambox.strategies.sandblaster.portions import compute_portion, portion_bounds
 
 
 def parse_slow_worker(spec: str) -> tuple[int, float]:

@@ -24,7 +24,6 @@ more workers give a smoother curve, is ``roughness`` decreasing with the worker 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -37,8 +36,8 @@ from parambox.config import merge
 from parambox.data import load_dataset
 from parambox.data.base import Dataset, GlobalBatchSampler
 from parambox.errors import UserError
-from parambox.experiments.launch import PlannedRun, ensure_runs, validate
 from parambox.models import build_model
+from parambox.studies.runs import PlannedRun, ensure_runs, validate
 
 SCHEMES = {"gradient-averaged": "allreduce", "weight-averaged": "weight-avg"}
 PLAIN_SGD = {"optimizer": "sgd", "momentum": 0.0, "threads": 1}  # the real runs' defaults, unless base says
@@ -171,7 +170,7 @@ def cross_check(
         if o.error:
             raise UserError(f"cross-check run {o.run_dir} failed: {o.error}")
         n, scheme = cfg.workers, next(k for k, v in SCHEMES.items() if v == cfg.strategy)
-        period = cfg.options.get("weight-avg", {}).get("period", 1)
+        period = cfg.strategy_options("weight-avg").period
         sim, (w, b) = simulate(n, scheme, cfg.lr, steps, cfg.batch_size, cfg.seed, period)
         model = torch.load(o.run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
         report[p.name] = {
@@ -207,7 +206,7 @@ def run_neuron_study(
 
     >>> run_neuron_study("sweeps/neuron", steps=2000, cross_check_workers=())  # doctest: +SKIP
     """
-    from parambox.experiments import neuron_figures
+    from parambox.studies.figures import neuron as neuron_figures
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -264,39 +263,6 @@ def simulate_all(
             curves[(scheme, n)] = losses.mean(dim=1)
             figures.setdefault(scheme, {})[str(n)] = curve_figures(losses, final)
     return curves, figures
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    """``parambox sweep --study neuron``: the study from the ``neuron-study`` preset and the flags."""
-    from parambox.experiments.launch import base_config, parse_list
-
-    cfg = validate(base_config(args, "neuron-study"))
-    if cfg.momentum != 0 or cfg.optimizer != "sgd" or cfg.model != "neuron" or cfg.data != "step":
-        raise UserError("the neuron study simulates plain SGD (momentum 0) of model 'neuron' on data 'step'")
-    if args.strategy or args.samples or args.loss_threshold is not None or args.target_accuracy is not None:
-        raise UserError(
-            "--strategy, --samples, --loss-threshold and --target-accuracy do not apply to --study neuron"
-        )
-    lrs = parse_list(args.lr, float, "--lr") if args.lr else [cfg.lr]
-    batches = parse_list(args.batch_size, int, "--batch-size") if args.batch_size else [cfg.batch_size]
-    if len(lrs) > 1 or len(batches) > 1:
-        raise UserError("--study neuron takes one --lr and one --batch-size")
-    if args.cross_check_steps < 1:
-        raise UserError(f"--cross-check-steps must be at least 1, got {args.cross_check_steps}")
-    base = cfg.model_dump(exclude={"out", "strategy", "workers", "steps"})
-    results = run_neuron_study(
-        args.out,
-        workers=tuple(parse_list(args.workers or "2,4,8,16", int, "--workers")),
-        lr=lrs[0],
-        steps=args.steps or cfg.steps,
-        batch_size=batches[0],
-        seed=cfg.seed,
-        period=cfg.options.get("weight-avg", {}).get("period", 1),
-        cross_check_workers=(2, 4) if args.cross_check else (),
-        cross_check_steps=args.cross_check_steps,
-        base=base,
-    )
-    return print_results(results, Path(args.out))
 
 
 def print_results(results: dict[str, Any], out: Path) -> int:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.utils import vector_to_parameters
 
 from parambox.errors import CommTimeout
-from parambox.strategies.portions import PortionScheduler, compute_portion
+from parambox.strategies.sandblaster.portions import PortionScheduler, compute_portion
 
 TASK, WEIGHTS, RESULT = 11, 12, 13  # message tags
 COMPUTE, END_STEP = 0.0, 1.0  # task kinds

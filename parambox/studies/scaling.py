@@ -21,7 +21,6 @@ no longer show how the strategy scales; the study says so in its output.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -30,7 +29,7 @@ from typing import Any
 
 from parambox.config import merge
 from parambox.errors import UserError
-from parambox.experiments.launch import PlannedRun, ensure_runs, validate
+from parambox.studies.runs import DATASET_DEFAULTS, FALLBACK_DEFAULTS, PlannedRun, ensure_runs, validate
 
 # Default --target-accuracy per data set (a level every sensible run reaches, so the bars compare speed).
 TARGET_ACCURACY = {"digits": 0.9, "synthetic": 0.9, "step": 0.95, "mnist": 0.97, "cifar10": 0.6}
@@ -81,8 +80,7 @@ def run_scaling_study(
 
     >>> run_scaling_study("sweeps/scaling", preset("scaling-study"), ["ps-sync"], [1, 2, 4])  # doctest: +SKIP
     """
-    from parambox.experiments import scaling_figures
-    from parambox.experiments.sweep import DATASET_DEFAULTS, FALLBACK_DEFAULTS
+    from parambox.studies.figures import scaling as figures
 
     out = Path(out)
     data = base.get("data", "digits")
@@ -112,7 +110,7 @@ def run_scaling_study(
     }
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "table.md").write_text(table_markdown(results))
-    scaling_figures.write_all(results, out)
+    figures.write_all(results, out, phases_of(results))
     return results
 
 
@@ -202,38 +200,6 @@ def table_markdown(results: dict[str, Any]) -> str:
         f"{results['samples_per_run']:,} samples per run; comm columns: mean time per step.\n\n"
         f"{markdown_table(header, rows)}{note}\n"
     )
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    """``parambox sweep --study scaling``."""
-    from parambox.experiments.launch import base_config, parse_list
-
-    base = base_config(args, "scaling-study")
-    for flag, key, kind in (("--lr", "lr", float), ("--batch-size", "batch_size", int)):
-        text = getattr(args, key)
-        if text:
-            values = parse_list(text, kind, flag)
-            if len(values) > 1:
-                raise UserError(f"--study scaling takes one {flag} (a grid is --study grid)")
-            base[key] = values[0]
-    if args.loss_threshold is not None:
-        raise UserError("--loss-threshold applies to --study grid; the scaling study uses --target-accuracy")
-    if args.target_accuracy is not None and not 0 < args.target_accuracy <= 1:
-        raise UserError(f"--target-accuracy must be within (0, 1], got {args.target_accuracy}")
-    workers = parse_list(args.workers or "1,2", int, "--workers")
-    samples = args.steps * min(workers) * base.get("batch_size", 32) if args.steps else args.samples
-    results = run_scaling_study(
-        args.out,
-        base,
-        parse_list(args.strategy, str, "--strategy") if args.strategy else None,
-        workers,
-        samples,
-        args.target_accuracy,
-        args.run_timeout,
-    )
-    print_summary(results)
-    print(f"results in {Path(args.out) / 'results.json'}")
-    return 0 if all(r["status"] == "ok" for r in results["runs"]) else 1
 
 
 def print_summary(results: dict[str, Any]) -> None:

@@ -27,8 +27,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from parambox.errors import UserError
 from parambox.runtime.dist import collective
-from parambox.strategies import stages
 from parambox.strategies.base import Context, Options, StepResult, Strategy
+from parambox.strategies.pipeline import stages
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

@@ -217,9 +217,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m parambox.experiments.bench_local", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="python -m parambox.bench.local", description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--model", default="cnn", help="a model of the zoo taking 32x32x3 images (default: cnn)")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"steps at global batch {GLOBAL_BATCH}")

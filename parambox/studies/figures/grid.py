@@ -145,8 +145,8 @@ def area_bars(results: dict[str, Any], runs: list[dict], n: int, winner: str | N
 
 def loss_curves(runs: list[dict], n: int, path: Path) -> Path:
     """Training loss against time of every run with this worker count (moving mean over 1/20 of the run)."""
-    from parambox.experiments.launch import moving_mean
     from parambox.report import load_run
+    from parambox.studies.curves import moving_mean
 
     fig, ax = plt.subplots(figsize=(8, 4.8))
     for r in runs:

@@ -15,7 +15,7 @@ from pydantic import Field
 
 from parambox.errors import UserError
 from parambox.runtime.dist import collective
-from parambox.strategies.pipeline import Pipeline, PipelineLayout, PipelineOptions
+from parambox.strategies.pipeline.strategy import Pipeline, PipelineLayout, PipelineOptions
 
 
 class PipelineDPOptions(PipelineOptions):

