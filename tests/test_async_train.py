@@ -24,6 +24,7 @@ from parambox.box import PREFIX_ENV, new_prefix
 from parambox.runtime import dist as pbdist
 from parambox.runtime import launcher, spawn
 from parambox.runtime.dist import free_port
+from parambox.runtime.spawn import find_mpiexec
 from parambox.runtime.world import World
 from parambox.strategies.base import Context
 from parambox.strategies.downpour import Downpour, DownpourOptions
@@ -67,7 +68,7 @@ def test_easgd_over_the_rma_box_on_the_network_path(tmp_path):
     out = tmp_path / "run"
     env = {**MPI_ENV, "OMPI_MCA_osc": "rdma", "OMPI_MCA_btl": "self,tcp"}
     args = ["train", "--strategy", "easgd", "--box", "rma", "--out", str(out), "--no-progress"]
-    run_cli(*args, prefix=["mpiexec", "-n", "2"], env=env)
+    run_cli(*args, prefix=[find_mpiexec() or "mpiexec", "-n", "2"], env=env)
     s = summary(out)
     assert s["launcher"] == "mpi" and s["config"]["box"] == "rma"
     assert s["final_test_accuracy"] >= 0.93 and s["worker_steps"] == [600, 600]

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from parambox.bench.box import run_bench_box
+from parambox.runtime.spawn import find_mpiexec
 
 
 @pytest.mark.slow
@@ -15,7 +14,7 @@ def test_bench_box_reports_every_figure() -> None:
     result = run_bench_box(json_out=True, sizes_mb=(1, 2), repeats=2)
     ops = result["ops"]
     expected = ["numpy_add", "numpy_copy", "shm_push", "shm_pull", "gloo_allreduce"]
-    if shutil.which("mpiexec"):
+    if find_mpiexec():
         expected += ["rma_push", "rma_pull", "mpi_allreduce", "rma_tcp_push", "rma_tcp_pull"]
         assert result["rma_push_vs_gloo"] > 0
     assert "errors" not in result, result.get("errors")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+
+from parambox.runtime.spawn import find_mpiexec
 
 SIZE = 3
 CHECK_TIMEOUT = 2.0  # seconds a failed open may wait before it must report an error
@@ -239,7 +240,7 @@ def contract_run(variant: str) -> tuple[dict[str, list[dict]], str, str]:
                 p.wait()
     else:
         cmd = [
-            shutil.which("mpiexec") or "mpiexec",
+            find_mpiexec() or "mpiexec",
             "-n",
             str(SIZE),
             "--oversubscribe",
@@ -258,8 +259,8 @@ def contract_run(variant: str) -> tuple[dict[str, list[dict]], str, str]:
 
 
 def _skip_without_mpi(variant: str) -> None:
-    if variant.startswith("rma") and shutil.which("mpiexec") is None:
-        pytest.skip("no mpiexec on PATH")
+    if variant.startswith("rma") and find_mpiexec() is None:
+        pytest.skip("no mpiexec found")
 
 
 @pytest.mark.timeout(120)

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 
+from parambox.runtime.spawn import find_mpiexec
 from tests.conftest import MPI_ENV, final_weights, max_abs_diff, run_cli, summary
 
 ARGS = ["train", "--model", "mlp", "--steps", "30", "--no-progress", "--threads", "1", "--eval-every", "0"]
@@ -35,7 +36,7 @@ def test_torchrun(tmp_path, local_run):
 @pytest.mark.timeout(120)
 def test_mpiexec(tmp_path, local_run):
     out = tmp_path / "run"
-    run_cli(*ARGS, "--out", str(out), prefix=["mpiexec", "-n", "2"], env=MPI_ENV)
+    run_cli(*ARGS, "--out", str(out), prefix=[find_mpiexec() or "mpiexec", "-n", "2"], env=MPI_ENV)
     _same_run(out, local_run, "mpi")
 
 

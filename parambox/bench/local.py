@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from parambox.errors import UserError
+from parambox.runtime import spawn
 
 GLOBAL_BATCH = 128
 DEFAULT_STEPS = 100  # 12,800 samples: about 10 s for the baseline here
@@ -104,12 +105,15 @@ def run_setup(name: str, spec: dict, model: str, data: str, steps: int, tmp: Pat
     out = tmp / f"{name}-{len(list(tmp.iterdir()))}"
     cmd = _command(spec, model, data, steps, out)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = spawn.start(cmd, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f} s"}
+    finally:
+        spawn.stop([proc])
     if proc.returncode != 0:
-        lines = (proc.stderr or proc.stdout).strip().splitlines() or ["(no output)"]
+        lines = (stderr or stdout).strip().splitlines() or ["(no output)"]
         return {"error": lines[-1][:300]}
     summary = json.loads((out / "summary.json").read_text())
     result = {"time_s": summary["wall_time_s"], "samples_per_s": summary["samples_per_s"]}

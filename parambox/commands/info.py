@@ -18,6 +18,7 @@ def collect() -> dict:
     from parambox.data.registry import DATASETS, _import_loaders
     from parambox.models.registry import MODELS, import_builders
     from parambox.presets import PRESETS
+    from parambox.runtime.spawn import find_mpiexec
     from parambox.runtime.world import World
     from parambox.strategies import STRATEGIES
 
@@ -29,7 +30,7 @@ def collect() -> dict:
         "torch": torch.__version__,
         "cuda_devices": torch.cuda.device_count(),
         "cpu_cores": os.cpu_count(),
-        "mpiexec": shutil.which("mpiexec"),
+        "mpiexec": find_mpiexec(),
         "srun": shutil.which("srun"),
         "strategies": sorted(STRATEGIES),
         "models": sorted(MODELS),

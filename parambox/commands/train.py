@@ -11,8 +11,9 @@ import traceback
 from pathlib import Path
 
 from parambox.config import RunConfig, build_config, load_toml, parse_set
-from parambox.errors import CommTimeout, UserError
+from parambox.errors import CommTimeout, UserError, warn
 from parambox.runtime.world import World, under_external_launcher
+from parambox.train.checkpoint import atomic_write_json
 
 FLAGS = {  # flag -> config field; each flag's type and range come from RunConfig
     "--strategy": "strategy",
@@ -95,11 +96,7 @@ def run(args: argparse.Namespace) -> int:
     if under_external_launcher():
         cfg.out = cfg.out or external_run_dir(cfg)
         if "--workers" in args._argv and cfg.workers != world.world_size and world.rank == 0:
-            print(
-                f"parambox: warning: --workers {cfg.workers} ignored: the launcher started "
-                f"{world.world_size} processes",
-                file=sys.stderr,
-            )
+            warn(f"--workers {cfg.workers} ignored: the launcher started {world.world_size} processes")
     run_dir = prepare_run_dir(cfg, args.resume)
     if cfg.workers == 1 or under_external_launcher():
         return run_worker(cfg, world, run_dir, args.resume)
@@ -172,10 +169,8 @@ def mark_lost(run_dir: Path, lost: list[int]) -> None:
     if path.exists():
         summary = json.loads(path.read_text())
         summary["lost_workers"] = sorted(set(summary.get("lost_workers", [])) | set(lost))
-        tmp = run_dir / ".summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2))
-        tmp.replace(path)
-    print(f"parambox: warning: lost worker ranks {lost}; the others finished", file=sys.stderr)
+        atomic_write_json(path, summary)
+    warn(f"lost worker ranks {lost}; the others finished")
 
 
 def run_worker(cfg: RunConfig, world: World, run_dir: Path, resume: bool) -> int:

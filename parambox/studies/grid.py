@@ -11,12 +11,11 @@ and the files written).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from parambox.config import merge
-from parambox.errors import UserError
+from parambox.errors import UserError, warn
 from parambox.numerics import is_finite
 from parambox.studies.curves import area_under, moving_mean
 from parambox.studies.runs import DATASET_DEFAULTS, FALLBACK_DEFAULTS, PlannedRun, ensure_runs, validate
@@ -90,11 +89,7 @@ def plan_grid(
                 if steps < 1:
                     raise UserError(f"--samples {samples} is less than one global batch ({n} x {b})")
                 if steps * n * b != samples:
-                    print(
-                        f"parambox: warning: {n} x {b} does not divide --samples {samples}: its runs "
-                        f"see {steps * n * b}",
-                        file=sys.stderr,
-                    )
+                    warn(f"{n} x {b} does not divide --samples {samples}: its runs see {steps * n * b}")
                 for lr in lrs:
                     cfg = merge(
                         base, {"strategy": strategy, "workers": n, "batch_size": b, "lr": lr, "steps": steps}

@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 from parambox.config import RunConfig, build_config
 from parambox.errors import UserError
+from parambox.runtime import spawn
 
 # Fields a sweep sets on every run; a finished run directory must agree on them to be reused.
 CHECKED_FIELDS = ("strategy", "workers", "model", "data", "batch_size", "lr", "steps", "seed", "momentum")
@@ -146,30 +146,17 @@ def launch_run(p: PlannedRun, run_dir: Path, timeout_s: float) -> Outcome:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(run_dir / "train.log", "w") as log:
         # A session of its own, so a timeout or Ctrl-C stops the run's workers too, not just the launcher.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = spawn.start(cmd, env, stdout=log, stderr=subprocess.STDOUT)
         try:
             code = proc.wait(timeout=timeout_s)
         except BaseException as e:
-            _stop(proc)
+            spawn.stop([proc])
             if isinstance(e, subprocess.TimeoutExpired):
                 return Outcome(p.name, run_dir, True, f"ran past --run-timeout {timeout_s:.0f} s")
             raise
     if code == 0 and is_finished(run_dir):
         return Outcome(p.name, run_dir, True)
     return Outcome(p.name, run_dir, True, _last_error(run_dir / "train.log", code))
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        if proc.poll() is not None:
-            return
 
 
 def _last_error(log: Path, code: int) -> str:

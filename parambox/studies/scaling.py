@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 from parambox.config import merge
-from parambox.errors import UserError
+from parambox.errors import UserError, warn
 from parambox.studies.runs import DATASET_DEFAULTS, FALLBACK_DEFAULTS, PlannedRun, ensure_runs, validate
 
 # Default --target-accuracy per data set (a level every sensible run reaches, so the bars compare speed).
@@ -90,10 +89,9 @@ def run_scaling_study(
     planned = plan_runs(base, strategies, list(workers), samples)
     cores = os.cpu_count() or 1
     if max(workers) > cores:
-        print(
-            f"parambox: warning: {max(workers)} workers on {cores} cores: oversubscribed runs share cores, "
-            "so their times do not show how the strategy scales",
-            file=sys.stderr,
+        warn(
+            f"{max(workers)} workers on {cores} cores: oversubscribed runs share cores, "
+            "so their times do not show how the strategy scales"
         )
     outcomes = ensure_runs(planned, out / "runs", run_timeout_s)
     results = {

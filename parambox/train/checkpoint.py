@@ -9,23 +9,29 @@ Everything loads with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from parambox.errors import UserError
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """Write to a temporary file in the same folder, fsync, rename: a crash leaves old or new, never half."""
+def atomic_write(path: Path, write: Callable[[BinaryIO], object], mode: int | None = None) -> None:
+    """The one atomic writer: ``write(f)`` into a temporary file in the same folder, fsync, rename, fsync
+    the folder. A crash leaves the old file or the new one, never half of one. The file is the owner's
+    alone (0600) unless ``mode`` says otherwise."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -37,6 +43,19 @@ def atomic_save(obj: Any, path: Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save(obj)`` to ``path``, atomically."""
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """``obj`` as indented JSON in ``path``, atomically (``summary.json``), readable as any file the
+    user creates (the umask decides)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2).encode()), mode=0o666 & ~umask)
 
 
 def rank_state(replica: dict, strategy_state: dict) -> dict[str, Any]:

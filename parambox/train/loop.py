@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,7 +205,5 @@ def write_summary(run: Run, step: int, wall: float, samples: int, final: dict[st
         "config": cfg.model_dump(),
     }
     summary.update(run.strategy.summary_extra())
-    tmp = run.run_dir / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    tmp.replace(run.run_dir / "summary.json")
+    checkpoint.atomic_write_json(run.run_dir / "summary.json", summary)
     return summary

@@ -27,7 +27,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from parambox.errors import UserError
 from parambox.runtime.dist import collective
-from parambox.strategies.base import Context, Options, StepResult, Strategy
+from parambox.strategies.base import Context, Options, PhaseTimers, StepResult, Strategy
 from parambox.strategies.pipeline import stages
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -58,25 +58,19 @@ class PipelineLayout:
 
 
 class TimedStage(PipelineStage):
-    """A ``PipelineStage`` that adds up its forward and backward compute time."""
+    """A ``PipelineStage`` that adds up its compute time in the phases ``forward`` and ``backward``."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.forward_s = self.backward_s = 0.0
+        self.compute = PhaseTimers()
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any):
-        t0 = time.perf_counter()
-        try:
+        with self.compute.phase("forward"):
             return super().forward_one_chunk(*args, **kwargs)
-        finally:
-            self.forward_s += time.perf_counter() - t0
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any):
-        t0 = time.perf_counter()
-        try:
+        with self.compute.phase("backward"):
             return super().backward_one_chunk(*args, **kwargs)
-        finally:
-            self.backward_s += time.perf_counter() - t0
 
 
 class Pipeline(Strategy):
@@ -184,7 +178,7 @@ class Pipeline(Strategy):
         layout, stage = self.layout, self.stage
         self._batch_size = len(y)
         self.grad_buffer.zero_()  # in place: the .grad stay views into it
-        stage.forward_s = stage.backward_s = 0.0
+        stage.compute.pop()
         losses: list[torch.Tensor] = []
         t0 = time.perf_counter()
         with collective("pipeline schedule"):
@@ -194,11 +188,13 @@ class Pipeline(Strategy):
                 losses=losses if stage.is_last else None,
                 return_outputs=False,
             )
-        bubble = time.perf_counter() - t0 - stage.forward_s - stage.backward_s
+        compute = stage.compute.pop()
+        forward_s, backward_s = compute.get("forward", 0.0), compute.get("backward", 0.0)
+        bubble = time.perf_counter() - t0 - forward_s - backward_s
         if stage.is_last:
             self.grad_buffer[-1] = sum(float(v.detach()) for v in losses)
         self.average_gradients()
-        stats = self._share_stats(bubble)
+        stats = self._share_stats([forward_s, backward_s, bubble])
         if self.optimizer is not None:
             self.optimizer.step()
         comm = {"bubble": bubble, **self.timers.pop()}
@@ -213,11 +209,12 @@ class Pipeline(Strategy):
                 "(--batch-size is the pipeline's batch)"
             )
 
-    def _share_stats(self, bubble: float) -> dict[str, float]:
-        """One small allreduce in the pipeline: every stage's times and the last stage's loss."""
+    def _share_stats(self, times: list[float]) -> dict[str, float]:
+        """One small allreduce in the pipeline: every stage's (forward, backward, bubble) seconds and
+        the last stage's loss."""
         num_stages, s = self.layout.num_stages, self.layout.stage
         stats = torch.zeros(3 * num_stages + 1, device=self.world.device)
-        stats[3 * s : 3 * s + 3] = torch.tensor([self.stage.forward_s, self.stage.backward_s, bubble])
+        stats[3 * s : 3 * s + 3] = torch.tensor(times)
         if self.stage.is_last:
             stats[-1] = self.grad_buffer[-1]
         if num_stages > 1:
