@@ -52,6 +52,18 @@ def digits_weight_avg() -> dict[str, Any]:
 
 
 @register
+def digits_single() -> dict[str, Any]:
+    """The baseline: the default run in one process at the default run's global batch (64)."""
+    return {**digits_allreduce(), "strategy": "single", "workers": 1, "batch_size": 64}
+
+
+@register
+def digits_box_sync() -> dict[str, Any]:
+    """The default run with the gradients averaged through the shm box instead of allreduce."""
+    return {**digits_allreduce(), "strategy": "box-sync"}
+
+
+@register
 def cifar_cnn_allreduce() -> dict[str, Any]:
     """The ~1M-parameter benchmark CNN on CIFAR-10 (give --data-path)."""
     return {

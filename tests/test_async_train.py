@@ -26,10 +26,11 @@ from parambox.runtime import launcher, spawn
 from parambox.runtime.dist import free_port
 from parambox.runtime.spawn import find_mpiexec
 from parambox.runtime.world import World
+from parambox.strategies import build_strategy
 from parambox.strategies.base import Context
 from parambox.strategies.downpour import Downpour, DownpourOptions
 from parambox.strategies.dynsgd import DynSGD, DynSGDOptions
-from parambox.strategies.easgd import EasgdOptions, ElasticAveraging
+from parambox.strategies.easgd import EasgdOptions
 from tests.conftest import MPI_ENV, final_weights, run_cli, summary
 
 FAST = ["--model", "mlp", "--eval-every", "0", "--no-progress", "--threads", "1"]
@@ -202,7 +203,7 @@ def test_termination_alignment(mode):
 
 
 def sync_easgd(ctx):
-    return ElasticAveraging(ctx, EasgdOptions(sync=True, tau=1))
+    return build_strategy("easgd", ctx, EasgdOptions(sync=True, tau=1))
 
 
 @pytest.mark.timeout(60)

@@ -211,7 +211,7 @@ def test_a_worker_slowed_5x_does_not_hold_the_batch_up(tmp_path):
     out = tmp_path / "run"
     run_cli(
         "train", "--strategy", "sandblaster", "--workers", "2", "--model", "lenet", "--batch-size", "1438",
-        "--steps", "20", "--eval-every", "0", "--no-progress", "--threads", "1", "--slow-worker", "1:5",
+        "--steps", "20", "--eval-every", "0", "--no-progress", "--threads", "1", "--set", "sandblaster.slow_worker=1:5",
         "--out", str(out),
     )  # fmt: skip
     steps = _steps(out)

@@ -12,7 +12,7 @@ setups:
   ``share_memory()`` leaves each storage in a POSIX shared-memory file held open by rank 0, whose
   descriptor rank 1 opens through ``/proc/<pid>/fd/<fd>`` (``UntypedStorage.from_file(shared=True)``).
 - ``hogwild``, ``easgd-tau1``, ``easgd-tau4``, ``downpour`` (``n_push`` 1): parambox's own strategy
-  classes, built through ``strategy_class(name)(ctx, options)`` as ``parambox train`` builds them,
+  classes, built through ``build_strategy(name, ctx, options)`` as ``parambox train`` builds them,
   over the ``shm`` box. A strategy that is not in this build is left out.
 
 Every setup runs in the same two processes; within a round each runs the same number of timed
@@ -94,12 +94,11 @@ def _plain_stepper(world, tmp: Path):
 
 
 def _strategy_stepper(setup: str, world, steps: int):
-    from parambox.strategies import Context, strategy_class
+    from parambox.strategies import Context, build_strategy
 
     name, options = STRATEGY_SETUPS[setup]
     ctx = Context(world, _build(), _make_optimizer, F.cross_entropy, steps, 300.0)
-    cls = strategy_class(name)
-    strategy = cls(ctx, cls.Options(**options))
+    strategy = build_strategy(name, ctx, options)
     return (lambda batch, i: strategy.step(*batch, i).loss), strategy.close, None
 
 

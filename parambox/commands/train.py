@@ -62,13 +62,6 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--augment", dest="augment", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--tensorboard", action="store_true", default=None, help="also write TensorBoard events")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
-    p.add_argument(
-        "--slow-worker",
-        default=None,
-        metavar="RANK:FACTOR",
-        help="sandblaster test/demo: that rank takes FACTOR times as long per portion "
-        "(same as --set sandblaster.slow_worker=RANK:FACTOR)",
-    )
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -78,14 +71,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if args.config:
         layers.append(load_toml(args.config))
     layers.append({f: getattr(args, f) for f in [*FLAGS.values(), "augment", "tensorboard", "progress"]})
-    slow = getattr(args, "slow_worker", None)
-    if slow is not None:
-        layers.append({"options": {"sandblaster": {"slow_worker": slow}}})
     layers.append(parse_set(args.set))
-    cfg = build_config(*layers)
-    if slow is not None and cfg.strategy != "sandblaster":
-        raise UserError("--slow-worker applies to --strategy sandblaster")
-    return cfg
+    return build_config(*layers)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,7 +125,7 @@ def launch(cfg: RunConfig, args: argparse.Namespace, run_dir: Path) -> int:
     from parambox.runtime.launcher import launch_local
     from parambox.strategies import strategy_class
 
-    cls = strategy_class(cfg.strategy)
+    cls = strategy_class(cfg.strategy, cfg.strategy_options())  # the class that will really run
     argv = [*args._argv, "--out", str(run_dir)]
     result = launch_local(
         argv,

@@ -7,6 +7,7 @@ below, one preset in ``parambox.presets`` and one multi-process test.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from parambox.errors import UserError
 from parambox.strategies.base import Context, Options, StepResult, Strategy
@@ -31,11 +32,23 @@ STRATEGIES: dict[str, str] = {
 }
 
 
-def strategy_class(name: str) -> type[Strategy]:
+def strategy_class(name: str, options: Options | dict[str, Any] | None = None) -> type[Strategy]:
+    """The class registered as ``name``; given the run's ``options``, the class that really runs with
+    them (``Strategy.resolve``: e.g. ``easgd`` with ``sync: true`` is the synchronous form)."""
     if name not in STRATEGIES:
         raise UserError(f"unknown strategy {name!r}; choose from {', '.join(sorted(STRATEGIES))}")
-    module, cls = STRATEGIES[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    module, attr = STRATEGIES[name].split(":")
+    cls = getattr(importlib.import_module(module), attr)
+    if options is None:
+        return cls
+    return cls.resolve(cls.Options(**options) if isinstance(options, dict) else options)
 
 
-__all__ = ["Context", "Options", "STRATEGIES", "StepResult", "Strategy", "strategy_class"]
+def build_strategy(name: str, ctx: Context, options: Options | dict[str, Any] | None = None) -> Strategy:
+    """Strategy ``name`` for this context, with its options (an ``Options`` or the ``[name]`` table)."""
+    cls = strategy_class(name)
+    opts = options if isinstance(options, Options) else cls.Options(**(options or {}))
+    return cls.resolve(opts)(ctx, opts)
+
+
+__all__ = ["Context", "Options", "STRATEGIES", "StepResult", "Strategy", "build_strategy", "strategy_class"]

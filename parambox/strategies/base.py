@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from parambox.box import Layout
+from parambox.errors import UserError
 from parambox.runtime.world import World
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -66,8 +67,32 @@ class Strategy:
     tolerates_worker_loss: ClassVar[bool] = False
     # Strategies that need MPI (the rma box) are started through mpiexec by the local launcher.
     needs_mpi: ClassVar[bool] = False
+    # How many workers the strategy runs with (None: no upper limit); checked when it is built.
+    min_workers: ClassVar[int] = 1
+    max_workers: ClassVar[int | None] = None
+
+    @classmethod
+    def resolve(cls, options: Options) -> type[Strategy]:
+        """The class that really runs with these options (e.g. easgd's synchronous form); ``cls`` here."""
+        return cls
+
+    @classmethod
+    def accepts_workers(cls, n: int) -> bool:
+        return n >= cls.min_workers and (cls.max_workers is None or n <= cls.max_workers)
+
+    @classmethod
+    def check_workers(cls, n: int) -> None:
+        """A ``UserError`` naming the strategy when it cannot run with ``n`` workers."""
+        if cls.accepts_workers(n):
+            return
+        if cls.max_workers == 1:
+            raise UserError(f"strategy {cls.name!r} runs one process, but {n} were started")
+        if n < cls.min_workers:
+            raise UserError(f"strategy {cls.name!r} needs at least {cls.min_workers} workers, got {n}")
+        raise UserError(f"strategy {cls.name!r} runs at most {cls.max_workers} workers, got {n}")
 
     def __init__(self, ctx: Context, options: Options):
+        self.check_workers(ctx.world.world_size)
         self.ctx = ctx
         self.world = ctx.world
         self.model = ctx.model

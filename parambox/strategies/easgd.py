@@ -130,11 +130,12 @@ class ElasticAveraging(AsyncStrategy):
     Options = EasgdOptions
     nesterov: ClassVar[bool] = False
 
-    def __new__(cls, ctx: Context, options: EasgdOptions):
-        # ``sync: true`` is another strategy (collectives, no box): build that one instead.
-        if options.sync:
-            return SyncElasticAveraging(ctx, options, cls.nesterov)
-        return super().__new__(cls)
+    @classmethod
+    def resolve(cls, options: EasgdOptions) -> type[Strategy]:
+        # ``sync: true`` is another strategy (collectives, no box, no loss tolerance).
+        if not options.sync:
+            return cls
+        return SyncElasticMomentumAveraging if cls.nesterov else SyncElasticAveraging
 
     def __init__(self, ctx: Context, options: EasgdOptions):
         super().__init__(ctx, options)
@@ -183,10 +184,11 @@ class SyncElasticAveraging(Strategy):
     name = "easgd"
     Options = EasgdOptions
     tolerates_worker_loss = False  # an allreduce needs every worker
+    nesterov: ClassVar[bool] = False
 
-    def __init__(self, ctx: Context, options: EasgdOptions, nesterov: bool = False):
+    def __init__(self, ctx: Context, options: EasgdOptions):
         super().__init__(ctx, options)
-        self.name = "eamsgd" if nesterov else "easgd"
+        nesterov = self.nesterov
         self.layout = Layout.from_model(self.model)
         self.params = list(self.model.parameters())
         self.numel, n = self.layout.numel, self.world.world_size
@@ -251,3 +253,10 @@ class SyncElasticAveraging(Strategy):
     def close(self) -> None:
         for p in self.params:
             p.grad = None
+
+
+class SyncElasticMomentumAveraging(SyncElasticAveraging):
+    """Synchronous EAMSGD (``--strategy eamsgd --set eamsgd.sync=true``)."""
+
+    name = "eamsgd"
+    nesterov = True

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from parambox.errors import UserError
 from parambox.strategies.base import Context, Options, StepResult, Strategy, forward_backward
 
 
 class Single(Strategy):
     name = "single"
+    max_workers = 1
 
     def __init__(self, ctx: Context, options: Options):
         super().__init__(ctx, options)
-        if self.world.world_size != 1:
-            raise UserError(f"strategy 'single' runs one process, but {self.world.world_size} were started")
         self.optimizer = ctx.make_optimizer(self.model.parameters())
 
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:

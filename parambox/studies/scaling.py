@@ -39,11 +39,14 @@ PHASE_ORDER = ("average", "gather", "broadcast")  # the report's Figs. 6.4, 6.5,
 def plan_runs(
     base: dict[str, Any], strategies: list[str], workers: list[int], samples: int
 ) -> list[PlannedRun]:
-    """One run per (strategy, workers); ``single`` only at 1 worker. Validated before anything runs."""
+    """One run per (strategy, workers) the strategy accepts (``single``: 1 worker only). Validated
+    before anything runs."""
+    from parambox.strategies import strategy_class
+
     planned = []
     for strategy in strategies:
         for n in workers:
-            if strategy == "single" and n > 1:
+            if not strategy_class(strategy).accepts_workers(n):
                 continue
             steps = samples // (n * base["batch_size"])
             if steps < 1:
@@ -62,7 +65,7 @@ def plan_runs(
             validate(cfg)
             planned.append(PlannedRun(f"{strategy}-w{n}", cfg))
     if not planned:
-        raise UserError("no run to do: strategy 'single' runs only at 1 worker")
+        raise UserError(f"no run to do: strategies {strategies} accept none of the worker counts {workers}")
     return planned
 
 

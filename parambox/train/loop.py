@@ -17,7 +17,7 @@ from parambox.data import BatchSource, Dataset, load_dataset
 from parambox.models import build_model
 from parambox.runtime import dist as pbdist
 from parambox.runtime.world import World
-from parambox.strategies import Context, Strategy, strategy_class
+from parambox.strategies import Context, Strategy, build_strategy
 from parambox.train import checkpoint, faults
 from parambox.train.metrics import MetricsLogger
 from parambox.train.progress import Progress
@@ -103,7 +103,7 @@ def setup(cfg: RunConfig, world: World, run_dir: Path) -> Run:
         cfg.box,
         cfg.seed,
     )
-    strategy = strategy_class(cfg.strategy)(ctx, cfg.strategy_options())
+    strategy = build_strategy(cfg.strategy, ctx, cfg.strategy_options())
     torch.manual_seed(cfg.seed * 1000 + world.rank + 1)  # per-rank stream for dropout and the like
     dp_rank, dp_size = strategy.data_partition()
     augment = cfg.augment if cfg.augment is not None else ds.augment is not None

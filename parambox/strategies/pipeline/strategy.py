@@ -82,6 +82,7 @@ class Pipeline(Strategy):
 
     name = "pipeline"
     Options = PipelineOptions
+    min_workers = 2  # one stage per rank
 
     def __init__(self, ctx: Context, options: PipelineOptions):
         super().__init__(ctx, options)
@@ -89,8 +90,8 @@ class Pipeline(Strategy):
             raise UserError(
                 f"strategy {self.name!r} cuts an nn.Sequential into stages; got {type(self.model)}"
             )
-        if self.world.world_size == 1 or not dist.is_initialized():
-            raise UserError(f"strategy {self.name!r} cuts the model over ranks: it needs at least 2 workers")
+        if not dist.is_initialized():
+            raise UserError(f"strategy {self.name!r} cuts the model over ranks: it needs torch.distributed")
         self.layout = self.make_layout()
         if self.layout.num_stages > len(self.model):
             raise UserError(

@@ -11,8 +11,8 @@ Armijo line search or none); a line search may evaluate several points per step.
 coordinator also computes portions between dispatches: on a small machine every core counts.
 
 The dispatch policy is ``portions.py``, the coordinator's messaging ``farm.py``; this module holds
-the L-BFGS step and the workers' side. ``--slow-worker RANK:FACTOR`` makes one worker take FACTOR
-times as long per portion (it sleeps), to show the backups at work.
+the L-BFGS step and the workers' side. ``--set sandblaster.slow_worker=RANK:FACTOR`` makes one worker
+take FACTOR times as long per portion (it sleeps), to show the backups at work.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Sandblaster(Strategy):
     """Distributed batch L-BFGS; rank 0 coordinates.
 
     >>> # parambox train --strategy sandblaster --workers 2 --model logreg --batch-size 1438 \\
-    >>> #     --steps 60 --weight-decay 1e-3 --slow-worker 1:5
+    >>> #     --steps 60 --weight-decay 1e-3 --set sandblaster.slow_worker=1:5
     """
 
     name = "sandblaster"
