@@ -2,7 +2,8 @@
 
 Precedence: preset < TOML file (``--config``) < flags < ``--set``. Strategy options live in a table
 named after the strategy (``[easgd]`` in TOML, ``--set easgd.tau=4``) and are validated by that
-strategy's own ``Options`` model.
+strategy's own ``Options`` model; the box's in ``[box]`` (``--set box.num_shards=2``; ``--box rma``
+sets its backend alone), validated by ``BoxConfig``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from parambox.box.base import BoxConfig
 from parambox.errors import UserError
 
 
@@ -46,10 +48,15 @@ class RunConfig(BaseModel):
     augment: bool | None = Field(
         None, description="train-time augmentation; default: on where the data set has one"
     )
-    box: Literal["shm", "rma"] = "shm"
+    box: BoxConfig = Field(default_factory=BoxConfig, description="the box: backend and its options")
     tensorboard: bool = False
     progress: bool = True
     options: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-strategy options")
+
+    @field_validator("box", mode="before")
+    @classmethod
+    def _backend_alone(cls, v: Any) -> Any:
+        return {"backend": v} if isinstance(v, str) else v  # --box rma
 
     @field_validator("strategy")
     @classmethod
@@ -108,6 +115,7 @@ class RunConfig(BaseModel):
 
 
 def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """``update`` over ``base``; strategy tables and the box table merge key by key."""
     out = dict(base)
     for k, v in update.items():
         if k == "options":
@@ -115,13 +123,24 @@ def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
             for name, o in v.items():
                 opts.setdefault(name, {}).update(o)
             out["options"] = opts
+        elif k == "box":
+            out["box"] = {**_box_table(out.get("box")), **_box_table(v)}
         else:
             out[k] = v
     return out
 
 
+def _box_table(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, str):  # --box rma: the backend alone
+        return {"backend": value}
+    return dict(value.model_dump(exclude_defaults=True) if isinstance(value, BoxConfig) else value)
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """A TOML file -> config dict; tables named after strategies become strategy options."""
+    """A TOML file -> config dict; tables named after strategies become strategy options, ``[box]``
+    the box's."""
     p = Path(path)
     try:
         raw = tomllib.loads(p.read_text())
@@ -135,7 +154,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 def split_tables(raw: dict[str, Any], where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in raw.items():
-        if isinstance(v, dict):
+        if k == "box" and isinstance(v, dict):
+            out["box"] = v
+        elif isinstance(v, dict):
             out.setdefault("options", {})[k] = v
         elif k.replace("-", "_") not in RunConfig.model_fields:
             raise UserError(f"{where}: unknown key {k!r}")
@@ -145,7 +166,8 @@ def split_tables(raw: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
-    """``["lr=0.1", "easgd.tau=4"]`` -> ``{"lr": 0.1, "options": {"easgd": {"tau": 4}}}``."""
+    """``["lr=0.1", "easgd.tau=4", "box.num_shards=2"]`` -> ``{"lr": 0.1, "options": {"easgd": {"tau": 4}},
+    "box": {"num_shards": 2}}``."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
@@ -154,7 +176,10 @@ def parse_set(items: list[str]) -> dict[str, Any]:
         value = _parse_value(text)
         if "." in key:
             table, field = key.split(".", 1)
-            out.setdefault("options", {}).setdefault(table, {})[field] = value
+            if table == "box":
+                out.setdefault("box", {})[field] = value
+            else:
+                out.setdefault("options", {}).setdefault(table, {})[field] = value
         elif key.replace("-", "_") in RunConfig.model_fields:
             out[key.replace("-", "_")] = value
         else:

@@ -71,8 +71,24 @@ def test_easgd_over_the_rma_box_on_the_network_path(tmp_path):
     args = ["train", "--strategy", "easgd", "--box", "rma", "--out", str(out), "--no-progress"]
     run_cli(*args, prefix=[find_mpiexec() or "mpiexec", "-n", "2"], env=env)
     s = summary(out)
-    assert s["launcher"] == "mpi" and s["config"]["box"] == "rma"
+    assert s["launcher"] == "mpi" and s["config"]["box"]["backend"] == "rma"
     assert s["final_test_accuracy"] >= 0.93 and s["worker_steps"] == [600, 600]
+
+
+@pytest.mark.timeout(120)
+def test_the_sharded_rma_box_is_reachable_from_the_cli(tmp_path):
+    """``--set box.box_ranks=[1]``: the whole center lives on rank 1 (the local launcher uses mpiexec)."""
+    out = tmp_path / "run"
+    args = ["train", "--strategy", "easgd", "--box", "rma", "--set", "box.box_ranks=[1]", "--steps", "20"]
+    run_cli(*args, "--eval-every", "0", "--out", str(out), "--no-progress", env=MPI_ENV)
+    s = summary(out)
+    assert s["config"]["box"] == {
+        "backend": "rma",
+        "stripe_bytes": None,
+        "num_shards": None,
+        "box_ranks": [1],
+    }
+    assert s["launcher"] == "mpi" and s["worker_steps"] == [20, 20]
 
 
 @pytest.mark.slow

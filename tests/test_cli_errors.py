@@ -21,6 +21,9 @@ BAD = [
     (["--config", "/nonexistent.toml"], "/nonexistent.toml does not exist"),
     (["--preset", "nope"], "unknown preset 'nope'"),
     (["--resume"], "--resume needs --out"),
+    (["--box", "nvme"], "'box.backend'"),
+    (["--set", "box.num_shards=2"], "box.num_shards is not an option of the shm backend"),
+    (["--box", "rma", "--set", "box.num_shards=0"], "'box.num_shards'"),
 ]
 
 
@@ -54,6 +57,22 @@ def test_toml_tables_hold_strategy_options(tmp_path):
     args = p.parse_args(["--config", str(cfg), "--set", "weight-avg.period=6", "--lr", "0.2"])
     c = config_from_args(args)
     assert (c.strategy, c.steps, c.lr, c.strategy_options().period) == ("weight-avg", 7, 0.2, 6)
+
+
+def test_box_table_flag_and_set_merge(tmp_path):
+    """``[box]`` in TOML, ``--box`` (the backend alone) and ``--set box.KEY=V`` build one typed BoxConfig."""
+    from parambox.cli import _Parser
+    from parambox.commands.train import config_from_args, configure
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('strategy = "easgd"\n[box]\nbackend = "rma"\nnum_shards = 4\n')
+    p = _Parser()
+    configure(p)
+    c = config_from_args(p.parse_args(["--config", str(cfg), "--set", "box.num_shards=2"]))
+    assert (c.box.backend, c.box.options()) == ("rma", {"num_shards": 2})
+    c = config_from_args(p.parse_args(["--box", "rma", "--set", "box.box_ranks=[0]"]))
+    assert (c.box.backend, c.box.box_ranks, c.box.needs_mpi) == ("rma", [0], True)
+    assert config_from_args(p.parse_args([])).box.options() == {}
 
 
 @pytest.mark.timeout(120)

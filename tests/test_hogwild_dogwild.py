@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from parambox.box import PREFIX_ENV, new_prefix
+from parambox.box import PREFIX_ENV, BoxConfig, new_prefix
 from parambox.errors import UserError
 from parambox.runtime import dist as pbdist
 from parambox.runtime.dist import free_port
@@ -149,7 +149,9 @@ def test_hogwild_killed_worker_is_found_lost(tmp_path):
 def test_hogwild_refuses_rma_and_several_nodes():
     model = nn.Linear(2, 1)
     for world, box in ((World(), "rma"), (World(0, 4, 0, 2, 0, 2), "shm")):
-        ctx = Context(world, model, lambda p: torch.optim.SGD(p, lr=0.1), None, 1, 5.0, box_backend=box)
+        ctx = Context(
+            world, model, lambda p: torch.optim.SGD(p, lr=0.1), None, 1, 5.0, box=BoxConfig(backend=box)
+        )
         with pytest.raises(UserError, match="hogwild"):
             Hogwild(ctx, HogwildOptions())
 

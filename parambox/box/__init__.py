@@ -1,7 +1,8 @@
 """The box: a flat float32 parameter buffer that every worker can read, write and accumulate into.
 
 ``open_box(backend, world, numel, num_counters, name)`` is collective: every process of the box
-calls it with the same arguments and gets a :class:`ParameterBox` with ``pull``/``push``/``write``
+calls it with the same arguments (``backend``: a name, or the run's typed :class:`BoxConfig`, the
+``[box]`` table of a run config) and gets a :class:`ParameterBox` with ``pull``/``push``/``write``
 (and ``_async`` forms returning a handle to ``wait()`` on), small atomic int64 counters
 (``VERSION_COUNTER`` = 0, then ``step_counter(rank)`` = ``1 + rank`` per worker), ``barrier`` and
 ``close``. :class:`Layout` maps a model's parameters to offsets in the buffer (views, no copies).
@@ -18,7 +19,8 @@ Backends
     Any number of nodes, under mpiexec or srun. MPI-3 windows through mpi4py, passive target
     (``Accumulate``/``Get``/``Fetch_and_op`` + ``Flush``). The box ranks are the workers
     themselves: shard ``k`` of ``num_shards`` (default: one per rank) lives on rank
-    ``k * size // num_shards`` (or ``box_ranks[k]``), the counters on the first box rank.
+    ``k * size // num_shards`` (or ``box_ranks[k]``), the counters on the first box rank
+    (``--set box.num_shards=2``, ``--set box.box_ranks=[0]``).
 
 Clean-up guarantees (shm)
 -------------------------
@@ -33,6 +35,7 @@ killed inside ``open_box``. For ``rma``, MPI owns the window memory and frees it
 from parambox.box.base import (
     BACKENDS,
     VERSION_COUNTER,
+    BoxConfig,
     Handle,
     ParameterBox,
     default_num_counters,
@@ -44,6 +47,7 @@ from parambox.box.shm import PREFIX_ENV, new_prefix, remove_segments
 
 __all__ = [
     "BACKENDS",
+    "BoxConfig",
     "PREFIX_ENV",
     "VERSION_COUNTER",
     "Handle",

@@ -6,15 +6,60 @@ import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from parambox.errors import CommTimeout, UserError
 from parambox.runtime.world import World
 
 BACKENDS = ("shm", "rma")
 _OPTIONS = {"shm": {"stripe_bytes"}, "rma": {"num_shards", "box_ranks", "comm"}}
+
+
+class BoxConfig(BaseModel):
+    """The run's box: ``[box]`` in TOML, ``--set box.num_shards=2``, ``--box rma`` (the backend alone).
+
+    >>> BoxConfig(backend="rma", num_shards=2).options()
+    {'num_shards': 2}
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    backend: Literal["shm", "rma"] = "shm"
+    stripe_bytes: int | None = Field(
+        None, ge=4, description="shm: bytes per push lock stripe (default 4 MiB)"
+    )
+    num_shards: int | None = Field(
+        None, ge=1, description="rma: shards of the buffer, spread over the ranks (default: one per rank)"
+    )
+    box_ranks: list[int] | None = Field(
+        None, description="rma: the ranks that hold the shards, one shard each (overrides num_shards)"
+    )
+
+    @model_validator(mode="after")
+    def _options_of_its_backend(self) -> BoxConfig:
+        for field in ("stripe_bytes", "num_shards", "box_ranks"):
+            if getattr(self, field) is not None and field not in _OPTIONS[self.backend]:
+                raise ValueError(f"box.{field} is not an option of the {self.backend} backend")
+        return self
+
+    def options(self) -> dict[str, Any]:
+        """The backend options that are set, as ``open_box`` takes them."""
+        return {k: v for k, v in self.model_dump(exclude={"backend"}).items() if v is not None}
+
+    @property
+    def needs_mpi(self) -> bool:
+        """The box lives in MPI windows: the local launcher starts the workers under mpiexec."""
+        return self.backend == "rma"
+
+    @property
+    def has_local_view(self) -> bool:
+        """Boxes of this backend give each process the buffer itself (``ParameterBox.local_view``)."""
+        return self.backend == "shm"
+
+
 VERSION_COUNTER = 0  # counter 0: the box's version (bumped by whoever publishes a new state)
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -68,6 +113,9 @@ class ParameterBox(ABC):
     """
 
     backend: ClassVar[str]
+    # True where the buffer stays readable after a process of the box exits (shm: shared memory);
+    # False where each rank hosts a shard of it (rma), so a rank must stay until the others are done.
+    outlives_processes: ClassVar[bool] = False
 
     def __init__(self, name: str, numel: int, num_counters: int, timeout: float):
         self.name, self.numel, self.num_counters, self.timeout = name, numel, num_counters, timeout
@@ -123,7 +171,17 @@ class ParameterBox(ABC):
 
     def tensor(self) -> torch.Tensor:
         """The shared buffer itself as a flat float32 tensor (``shm`` only): writes bypass the locks."""
-        raise UserError(f"the {self.backend} box has no process-local tensor; use pull/push/write")
+        view = self.local_view()
+        if view is None:
+            raise UserError(f"the {self.backend} box has no process-local tensor; use pull/push/write")
+        return view
+
+    def local_view(self) -> torch.Tensor | None:
+        """The buffer itself, mapped in this process (``shm``), or None where it is remote (``rma``).
+
+        A strategy reads it in place where there is one (no pull copy) and falls back to ``pull``.
+        """
+        return None
 
     # -- backend hooks -----------------------------------------------------------------------------
     @abstractmethod
@@ -198,7 +256,7 @@ def wait_until(ready: Callable[[], Any], timeout: float, what: Callable[[], str]
 
 
 def open_box(
-    backend: str,
+    backend: str | BoxConfig,
     world: World,
     numel: int,
     num_counters: int | None = None,
@@ -213,7 +271,10 @@ def open_box(
     ``num_counters`` defaults to ``1 + world.world_size`` (counter 0 the version, ``1 + rank`` each
     worker's steps). ``layout_hash`` (``Layout.fingerprint()``) makes attaching with another model
     an error. Backend options: shm ``stripe_bytes``; rma ``num_shards``, ``box_ranks``, ``comm``.
+    ``backend`` is a backend name or the run's :class:`BoxConfig` (its options, then ``options``).
     """
+    if isinstance(backend, BoxConfig):
+        backend, options = backend.backend, {**backend.options(), **options}
     if backend not in BACKENDS:
         raise UserError(f"box backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if not _NAME.fullmatch(name):

@@ -59,6 +59,7 @@ class ShmBox(ParameterBox):
     """
 
     backend = "shm"
+    outlives_processes = True
 
     def __init__(self, name: str, path: str, fd: int, mm: mmap.mmap, local_rank: int, timeout: float):
         hdr = memoryview(mm)[:_PAGE].cast("q")
@@ -112,7 +113,7 @@ class ShmBox(ParameterBox):
     def _write_from(self, src: torch.Tensor, start: int) -> None:
         self._apply(self._np, src.numpy(), start, np.copyto)
 
-    def tensor(self) -> torch.Tensor:
+    def local_view(self) -> torch.Tensor:
         return self._data
 
     # -- counters ---------------------------------------------------------------------------------

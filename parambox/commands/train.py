@@ -40,13 +40,10 @@ FLAGS = {  # flag -> config field; each flag's type and range come from RunConfi
 def configure(p: argparse.ArgumentParser) -> None:
     for flag, field in FLAGS.items():
         info = RunConfig.model_fields[field]
-        p.add_argument(
-            flag,
-            dest=field,
-            default=None,
-            metavar=field.upper(),
-            help=f"{info.description or field} (default: {info.default})",
-        )
+        text = f"{info.description or field} (default: {info.default})"
+        if field == "box":
+            text = "the box's backend, shm or rma (default: shm); its options: --set box.KEY=VALUE"
+        p.add_argument(flag, dest=field, default=None, metavar=field.upper(), help=text)
     p.add_argument("--preset", default=None, help="start from a named preset (see `parambox info`)")
     p.add_argument(
         "--config", default=None, help="TOML file; tables named after strategies hold their options"
@@ -132,7 +129,7 @@ def launch(cfg: RunConfig, args: argparse.Namespace, run_dir: Path) -> int:
         cfg.workers,
         run_dir / "logs",
         cfg.threads,
-        use_mpi=cls.needs_mpi or cfg.box == "rma",
+        use_mpi=cls.needs_mpi or cfg.box.needs_mpi,
         tolerate_loss=cls.tolerates_worker_loss,
     )
     if result.returncode == 130:

@@ -103,7 +103,7 @@ class AsyncStrategy(Strategy):
         self.counters = CounterMap(n, extra_counters)
         self.extra_start = self.numel
         self.box = open_box(
-            ctx.box_backend,
+            ctx.box,
             self.world,
             self.numel + extra_numel,
             self.counters.num_counters,
@@ -181,7 +181,7 @@ class AsyncStrategy(Strategy):
             self.box.pull(self.result_x)
             self._final = True
             self.box.add_counter(self.counters.status(0), FINAL)
-        elif self.box.backend != "shm":
+        elif not self.box.outlives_processes:
             self._await_final()  # the box's shards live on the workers: keep ours until rank 0 has read c
         self.timers.pop()
 

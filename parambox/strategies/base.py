@@ -16,7 +16,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from parambox.box import Layout
+from parambox.box import BoxConfig, Layout
 from parambox.errors import UserError
 from parambox.runtime.world import World
 
@@ -49,7 +49,7 @@ class Context:
     steps: int  # target steps per worker
     timeout_s: float
     run_dir: Any = None  # pathlib.Path of the run directory
-    box_backend: str = "shm"
+    box: BoxConfig = field(default_factory=BoxConfig)  # the run's box: open_box(ctx.box, ...)
     seed: int = 0
 
 

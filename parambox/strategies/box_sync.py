@@ -34,14 +34,14 @@ class BoxSync(Strategy):
         self.layout = Layout.from_model(self.model)
         n, numel = self.world.world_size, self.layout.numel
         self.box = open_box(
-            ctx.box_backend,
+            ctx.box,
             self.world,
             2 * n * numel,
             name="box-sync-grads",
             layout_hash=self.layout.fingerprint(),
             timeout=ctx.timeout_s,
         )
-        self.shared = self.box.tensor() if ctx.box_backend == "shm" and options.zero_copy else None
+        self.shared = self.box.local_view() if options.zero_copy else None
         self.mean = torch.zeros(numel)
         self.mean_grads = list(self.layout.views(self.mean).values())
         self.staging = torch.empty(n, numel) if self.shared is None else None

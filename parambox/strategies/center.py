@@ -121,7 +121,8 @@ class CenterClient:
         return True
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The center itself in shared memory (``shm`` box, host replica), else None."""
-        if self.box.backend != "shm" or x.device.type != "cpu":
+        """The center itself, mapped in this process (a box with a local view, host replica), else None."""
+        view = self.box.local_view()
+        if view is None or x.device.type != "cpu":
             return None
-        return self.box.tensor()[self.start : self.start + self.numel]
+        return view[self.start : self.start + self.numel]

@@ -72,7 +72,7 @@ class Dogwild(Strategy):
 
     def __init__(self, ctx: Context, options: DogwildOptions):
         super().__init__(ctx, options)
-        if ctx.box_backend == "rma":
+        if ctx.box.needs_mpi:
             warnings.warn("dogwild sends messages and uses no box: --box rma is ignored", stacklevel=2)
         self.layout = Layout.from_model(self.model)
         self.params = list(self.model.parameters())

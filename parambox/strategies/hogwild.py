@@ -46,9 +46,9 @@ class Hogwild(AsyncStrategy):
     box_name = "hogwild"
 
     def __init__(self, ctx: Context, options: HogwildOptions):
-        if ctx.box_backend != "shm":
+        if not ctx.box.has_local_view:
             raise UserError(
-                f"hogwild shares weights in local memory: use --box shm, not --box {ctx.box_backend}"
+                f"hogwild shares weights in local memory: use --box shm, not --box {ctx.box.backend}"
             )
         if ctx.world.device.type != "cpu":
             raise UserError("hogwild keeps the model in host shared memory: it runs on CPU only")

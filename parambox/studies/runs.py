@@ -59,6 +59,8 @@ def train_args(config: dict[str, Any], run_dir: Path) -> list[str]:
         if key == "options":
             for table, opts in value.items():
                 args += [f"--set={table}.{k}={_toml(v)}" for k, v in opts.items()]
+        elif isinstance(value, dict):  # the [box] table
+            args += [f"--set={key}.{k}={_toml(v)}" for k, v in value.items() if v is not None]
         else:
             args.append(f"--set={key}={_toml(value)}")
     return args
@@ -69,6 +71,8 @@ def _toml(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, int | float):
         return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
     return json.dumps(str(value))  # a JSON string is a valid TOML basic string
 
 
