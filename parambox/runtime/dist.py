@@ -55,8 +55,6 @@ def init_distributed(world: World, timeout_s: float) -> None:
 
 def destroy_distributed() -> None:
     # Without this, gloo workers sometimes abort at exit ("terminate called without an active exception").
-    global BOARD
-    BOARD = None  # drop our reference to the store before the group goes
     if dist.is_initialized():
         with suppress(Exception):
             dist.destroy_process_group()
@@ -84,6 +82,10 @@ class ProgressBoard:
             self.store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
         self.store.set_timeout(timedelta(seconds=5))
 
+    def close(self) -> None:
+        """Drop the store (before the process group goes: see ``destroy_distributed``)."""
+        self.store = None
+
     def post(self, step: int) -> None:
         self.step = step  # local only: the hot path never talks to the store
 
@@ -104,19 +106,17 @@ class ProgressBoard:
             return [0]
 
 
-BOARD: ProgressBoard | None = None
-
-
 @contextmanager
-def collective(phase: str) -> Iterator[None]:
-    """Wrap blocking communication: a timeout becomes a ``CommTimeout`` naming phase and missing ranks."""
+def collective(phase: str, board: ProgressBoard | None = None) -> Iterator[None]:
+    """Wrap blocking communication: a timeout becomes a ``CommTimeout`` naming the phase, the step and
+    the missing ranks (those the run's ``board`` finds silent; without a board, the phase alone)."""
     try:
         yield
     except RuntimeError as e:
         text = str(e)
         if "imeout" not in text and "imed out" not in text and "closed" not in text.lower():
             raise
-        who = BOARD.missing_ranks(phase) if BOARD is not None else []
+        who = board.missing_ranks(phase) if board is not None else []
         missing = f"ranks not arrived: {who}" if who else "a peer closed the connection or stalled"
-        step = BOARD.step if BOARD is not None else "?"
+        step = board.step if board is not None else "?"
         raise CommTimeout(f"{phase} at step {step} timed out: {missing}") from None

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from pydantic import Field
 
-from parambox.runtime.dist import collective
 from parambox.strategies.base import Context, Options, StepResult, Strategy, forward_backward
 
 
@@ -79,7 +78,7 @@ class AllReduce(Strategy):
             b.ready, b.work = 0, None
         loss = forward_backward(self.model, self.ctx.loss_fn, x, y)
         if self.distributed:
-            with self.timers.phase("allreduce_wait"), collective("gradient allreduce"):
+            with self.timers.phase("allreduce_wait"), self.collective("gradient allreduce"):
                 for b in self.buckets:
                     if b.work is None:  # parameters that got no gradient this step
                         b.work = dist.all_reduce(b.buffer, async_op=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -18,6 +18,7 @@ from torch import nn
 
 from parambox.box import BoxConfig, Layout
 from parambox.errors import UserError
+from parambox.runtime.dist import ProgressBoard, collective
 from parambox.runtime.world import World
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -51,6 +52,7 @@ class Context:
     run_dir: Any = None  # pathlib.Path of the run directory
     box: BoxConfig = field(default_factory=BoxConfig)  # the run's box: open_box(ctx.box, ...)
     seed: int = 0
+    board: ProgressBoard | None = None  # where ranks post their step, so timeouts name who is missing
 
 
 class Strategy:
@@ -99,6 +101,11 @@ class Strategy:
         self.options = options
         self.timers = PhaseTimers()
         self.optimizer: torch.optim.Optimizer | None = None  # set by strategies with a local optimizer
+
+    def collective(self, phase: str) -> AbstractContextManager[None]:
+        """Wrap blocking communication: a timeout becomes a ``CommTimeout`` naming the phase, the step
+        and the ranks that never arrived (read from the run's progress board)."""
+        return collective(phase, self.ctx.board)
 
     # -- data ---------------------------------------------------------------------------------
     def data_partition(self) -> tuple[int, int]:

@@ -45,7 +45,6 @@ from torch import nn
 from parambox.box import Layout
 from parambox.errors import warn
 from parambox.numerics import is_finite
-from parambox.runtime.dist import collective
 from parambox.runtime.spawn import identity_gone, process_identity
 from parambox.strategies.base import Context, Options, StepResult, Strategy, forward_backward
 
@@ -81,8 +80,9 @@ class Dogwild(Strategy):
         self.lost_after_s = options.lost_after_s or ctx.timeout_s
         self.halted = False
         self.staleness = 0.0
-        self.pg = _message_group(self.world.world_size)
-        idents = _identities(self.world.world_size, self.pg)
+        with self.collective("dogwild start-up"):
+            self.pg = _message_group(self.world.world_size)
+            idents = _identities(self.world.world_size, self.pg)
         if self.world.rank == 0:
             self.master = _Master(self, idents)
         else:
@@ -158,8 +158,7 @@ def _message_group(world_size: int) -> dist.ProcessGroup | None:
     """The default group where it is gloo; a gloo group over every rank otherwise (nccl)."""
     if world_size == 1 or dist.get_backend() == "gloo":
         return None
-    with collective("dogwild start-up"):
-        return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo")
 
 
 def _identities(world_size: int, group: dist.ProcessGroup | None) -> list[int]:
@@ -168,8 +167,7 @@ def _identities(world_size: int, group: dist.ProcessGroup | None) -> list[int]:
         return [process_identity()]
     mine = torch.tensor([process_identity()], dtype=torch.int64)
     out = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-    with collective("dogwild start-up"):
-        dist.all_gather(out, mine, group=group)
+    dist.all_gather(out, mine, group=group)
     return [int(t) for t in out]
 
 
@@ -338,7 +336,7 @@ class _Peer:
             self._wait(dist.isend(self.msg, dst=0, group=self.owner.pg), "sending a gradient")
 
     def _wait(self, work: dist.Work, phase: str) -> None:
-        with collective(f"dogwild {phase}"):
+        with self.owner.collective(f"dogwild {phase}"):
             work.wait(timeout=timedelta(seconds=self.owner.ctx.timeout_s))
 
     def finish(self) -> None:

@@ -28,7 +28,6 @@ from torch import nn
 from parambox.box import Layout
 from parambox.errors import UserError, warn
 from parambox.numerics import is_finite
-from parambox.runtime.dist import collective
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
 from parambox.strategies.base import Context, StepResult, Strategy, bind_flat_replica, forward_backward
 
@@ -233,7 +232,7 @@ class SyncElasticAveraging(Strategy):
 
     def _allreduce(self, t: torch.Tensor) -> None:
         if self.world.world_size > 1:
-            with collective("easgd elastic averaging"):
+            with self.collective("easgd elastic averaging"):
                 dist.all_reduce(t)
 
     def _halt(self, what: str, step: int) -> None:

@@ -30,7 +30,6 @@ from pydantic import Field, model_validator
 
 from parambox.errors import UserError
 from parambox.numerics import is_finite
-from parambox.runtime.dist import collective
 from parambox.strategies.asynchronous import AsyncStrategy
 from parambox.strategies.base import Context, StepResult
 from parambox.strategies.easgd import EasgdOptions, make_local_step
@@ -80,7 +79,7 @@ class Hybrid(AsyncStrategy):
         self.leader = self.members[0]
         self.group = None
         if world.world_size > 1:
-            with collective("hybrid group set-up"):
+            with self.collective("hybrid group set-up"):
                 # new_group is collective over the whole run: every rank creates every group, in order.
                 made = [dist.new_group(g) for g in self.groups]
             self.group = made[self.groups.index(self.members)]
@@ -91,7 +90,7 @@ class Hybrid(AsyncStrategy):
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
         loss = self.forward_backward(x, y)
         if len(self.members) > 1:
-            with self.timers.phase("allreduce"), collective("hybrid gradient allreduce"):
+            with self.timers.phase("allreduce"), self.collective("hybrid gradient allreduce"):
                 dist.all_reduce(self.g, group=self.group)
             self.g.div_(len(self.members))
         # After the allreduce every member holds the same gradient: the group decides as one.
@@ -110,7 +109,7 @@ class Hybrid(AsyncStrategy):
             ok = self.client.elastic_(self.x, self.alpha)
         if len(self.members) > 1:
             self.flag.fill_(0.0 if ok else 1.0)
-            with self.timers.phase("broadcast"), collective("hybrid broadcast in group"):
+            with self.timers.phase("broadcast"), self.collective("hybrid broadcast in group"):
                 dist.broadcast(self.flag, src=self.leader, group=self.group)
                 dist.broadcast(self.x, src=self.leader, group=self.group)
             ok = not bool(self.flag)

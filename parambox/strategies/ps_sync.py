@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from parambox.runtime.dist import collective
 from parambox.strategies.base import Context, Options, StepResult, Strategy, forward_backward
 
 
@@ -37,7 +36,7 @@ class ParameterServerSync(Strategy):
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params]
         )
         server = self.world.rank == 0
-        with self.timers.phase("gather"), collective("gradient gather"):
+        with self.timers.phase("gather"), self.collective("gradient gather"):
             if self.world.world_size > 1:
                 dist.gather(grad, self.inbox if server else None, dst=0)
             else:  # one worker (a scaling study's baseline): no process group, the server is the worker
@@ -51,7 +50,7 @@ class ParameterServerSync(Strategy):
                     offset += p.numel()
             self.optimizer.step()
             self.flat = parameters_to_vector(self.params).detach()
-        with self.timers.phase("broadcast"), collective("weight broadcast"):
+        with self.timers.phase("broadcast"), self.collective("weight broadcast"):
             if self.world.world_size > 1:
                 dist.broadcast(self.flat, src=0)
         if not server:

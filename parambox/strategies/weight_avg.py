@@ -11,7 +11,6 @@ import torch.distributed as dist
 from pydantic import Field
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from parambox.runtime.dist import collective
 from parambox.strategies.base import Context, Options, StepResult, Strategy, forward_backward
 
 
@@ -33,7 +32,7 @@ class WeightAveraging(Strategy):
         if self.world.world_size == 1:
             return
         flat = parameters_to_vector(self.params).detach()
-        with self.timers.phase("allreduce"), collective("weight averaging"):
+        with self.timers.phase("allreduce"), self.collective("weight averaging"):
             dist.all_reduce(flat)
         vector_to_parameters(flat.div_(self.world.world_size), self.params)
 

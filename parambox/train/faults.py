@@ -2,7 +2,7 @@
 
 KIND is ``kill`` (SIGKILL this worker before the step), ``nan`` (feed it NaN inputs from that step
 on, so its loss and gradients become non-finite) ``slow`` (sleep 0.2 s per step from then on)
-or ``hang`` (stall at that step).
+or ``hang`` (stall at that step). The plan is read once, in set-up, and handed to the loop.
 """
 
 from __future__ import annotations
@@ -10,32 +10,49 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
 
-def parse(spec: str | None) -> list[tuple[int, int, str]]:
-    faults = []
-    for item in (spec or "").split(","):
-        if item.strip():
-            rank, step, kind = item.strip().split(":")
-            faults.append((int(rank), int(step), kind))
-    return faults
+@dataclass(frozen=True)
+class FaultPlan:
+    """The faults to inject, as ``(rank, step, kind)``; empty (and false) in a normal run.
 
+    >>> plan = FaultPlan.parse("1:20:nan"); bool(plan), plan.faults
+    (True, ((1, 20, 'nan'),))
+    """
 
-FAULTS = parse(os.environ.get("PARAMBOX_FAULT"))
+    faults: tuple[tuple[int, int, str], ...] = field(default_factory=tuple)
 
+    @classmethod
+    def parse(cls, spec: str | None) -> FaultPlan:
+        faults = []
+        for item in (spec or "").split(","):
+            if item.strip():
+                rank, step, kind = item.strip().split(":")
+                faults.append((int(rank), int(step), kind))
+        return cls(tuple(faults))
 
-def inject(rank: int, step: int, x: torch.Tensor) -> torch.Tensor:
-    for f_rank, f_step, kind in FAULTS:
-        if f_rank != rank or step < f_step:
-            continue
-        if kind == "kill" and step == f_step:
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif kind == "nan":
-            x = torch.full_like(x, float("nan"))
-        elif kind == "slow":
-            time.sleep(0.2)
-        elif kind == "hang" and step == f_step:
-            time.sleep(3600)
-    return x
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> FaultPlan:
+        return cls.parse((os.environ if env is None else env).get("PARAMBOX_FAULT"))
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def inject(self, rank: int, step: int, x: torch.Tensor) -> torch.Tensor:
+        """Apply this rank's faults due at ``step`` to its input ``x`` (or to the process itself)."""
+        for f_rank, f_step, kind in self.faults:
+            if f_rank != rank or step < f_step:
+                continue
+            if kind == "kill" and step == f_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif kind == "nan":
+                x = torch.full_like(x, float("nan"))
+            elif kind == "slow":
+                time.sleep(0.2)
+            elif kind == "hang" and step == f_step:
+                time.sleep(3600)
+        return x

@@ -10,15 +10,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from parambox.config import RunConfig
 from parambox.data import BatchSource, Dataset, load_dataset
+from parambox.errors import UserError
 from parambox.models import build_model
 from parambox.runtime import dist as pbdist
 from parambox.runtime.world import World
 from parambox.strategies import Context, Strategy, build_strategy
-from parambox.train import checkpoint, faults
+from parambox.train import checkpoint
+from parambox.train.faults import FaultPlan
 from parambox.train.metrics import MetricsLogger
 from parambox.train.progress import Progress
 
@@ -31,7 +32,8 @@ class Run:
     ds: Dataset
     strategy: Strategy
     batches: BatchSource
-    eval_model: nn.Module | None = None
+    board: pbdist.ProgressBoard  # every rank's step, for timeouts that name who is missing
+    faults: FaultPlan  # PARAMBOX_FAULT, read once here
 
 
 def train(cfg: RunConfig, world: World, run_dir: Path, resume: bool = False) -> dict[str, Any] | None:
@@ -42,6 +44,7 @@ def train(cfg: RunConfig, world: World, run_dir: Path, resume: bool = False) -> 
             return _loop(run, resume)
         finally:
             run.strategy.close()
+            run.board.close()  # drop the board's store before the process group goes
     finally:
         pbdist.destroy_distributed()
 
@@ -54,10 +57,10 @@ def _loop(run: Run, resume: bool) -> dict[str, Any] | None:
         bar = Progress(cfg.steps, enabled=cfg.progress and world.rank == 0, start=step)
         samples = 0
         while not run.strategy.should_stop(step):
-            pbdist.BOARD.post(step)
+            run.board.post(step)
             x, y = run.batches.batch(step)
-            if faults.FAULTS:
-                x = faults.inject(world.rank, step, x)
+            if run.faults:
+                x = run.faults.inject(world.rank, step, x)
             result = run.strategy.step(x.to(world.device), y.to(world.device), step)
             step, samples = step + 1, samples + result.samples
             if step % cfg.log_every == 0:
@@ -83,16 +86,31 @@ def setup(cfg: RunConfig, world: World, run_dir: Path) -> Run:
         cfg.threads or int(os.environ.get("PARAMBOX_THREADS", "0")) or torch.get_num_threads()
     )
     pbdist.init_distributed(world, cfg.timeout)
-    pbdist.BOARD = pbdist.ProgressBoard()
-    torch.manual_seed(cfg.seed)  # same initial weights on every rank
-    ds = load_dataset(cfg.data, cfg.data_path, cfg.seed)
+    board = pbdist.ProgressBoard()
+    try:
+        torch.manual_seed(cfg.seed)  # same initial weights on every rank
+        ds = load_dataset(cfg.data, cfg.data_path, cfg.seed)
+        ctx = make_context(cfg, world, run_dir, ds, board)
+        strategy = build_strategy(cfg.strategy, ctx, cfg.strategy_options())
+    except BaseException:
+        board.close()
+        raise
+    torch.manual_seed(cfg.seed * 1000 + world.rank + 1)  # per-rank stream for dropout and the like
+    dp_rank, dp_size = strategy.data_partition()
+    augment = cfg.augment if cfg.augment is not None else ds.augment is not None
+    batches = BatchSource(ds, cfg.batch_size, dp_rank, dp_size, cfg.seed, augment)
+    return Run(cfg, world, run_dir, ds, strategy, batches, board, FaultPlan.from_env())
+
+
+def make_context(
+    cfg: RunConfig, world: World, run_dir: Path, ds: Dataset, board: pbdist.ProgressBoard
+) -> Context:
+    """What the strategy wraps: the model (same initial weights on every rank), optimizer factory, loss."""
     try:
         model = build_model(cfg.model, ds.input_shape, ds.num_classes).to(world.device)
     except ValueError as e:
-        from parambox.errors import UserError
-
         raise UserError(str(e)) from None
-    ctx = Context(
+    return Context(
         world,
         model,
         make_optimizer_factory(cfg),
@@ -102,13 +120,8 @@ def setup(cfg: RunConfig, world: World, run_dir: Path) -> Run:
         run_dir,
         cfg.box,
         cfg.seed,
+        board,
     )
-    strategy = build_strategy(cfg.strategy, ctx, cfg.strategy_options())
-    torch.manual_seed(cfg.seed * 1000 + world.rank + 1)  # per-rank stream for dropout and the like
-    dp_rank, dp_size = strategy.data_partition()
-    augment = cfg.augment if cfg.augment is not None else ds.augment is not None
-    batches = BatchSource(ds, cfg.batch_size, dp_rank, dp_size, cfg.seed, augment)
-    return Run(cfg, world, run_dir, ds, strategy, batches)
 
 
 def make_optimizer_factory(cfg: RunConfig):
@@ -162,7 +175,7 @@ def save_checkpoint(run: Run, step: int) -> None:
     if run.world.rank != 0:
         checkpoint.save_rank_state(ckpt_dir, run.world.rank, step, state)
     if run.world.world_size > 1 and not run.strategy.tolerates_worker_loss:
-        with pbdist.collective("checkpoint barrier"):
+        with pbdist.collective("checkpoint barrier", run.board):
             dist.barrier()
     if run.world.rank == 0:
         checkpoint.save_last(
@@ -181,7 +194,7 @@ def restore(run: Run) -> int:
 def write_summary(run: Run, step: int, wall: float, samples: int, final: dict[str, float]) -> dict | None:
     total = torch.tensor([float(samples)])
     if run.world.world_size > 1 and not run.strategy.tolerates_worker_loss:
-        with pbdist.collective("summary"):
+        with pbdist.collective("summary", run.board):
             dist.all_reduce(total)
     else:
         total *= run.world.world_size

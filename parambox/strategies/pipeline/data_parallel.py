@@ -14,7 +14,6 @@ import torch.distributed as dist
 from pydantic import Field
 
 from parambox.errors import UserError
-from parambox.runtime.dist import collective
 from parambox.strategies.pipeline.strategy import Pipeline, PipelineLayout, PipelineOptions
 
 
@@ -57,13 +56,13 @@ class PipelineDataParallel(Pipeline):
     def build(self, split_points: list[int]) -> None:
         super().build(split_points)
         if self.dp_group is not None:  # same start in every pipeline, whatever each rank's seed did
-            with collective("stage weight broadcast"):
+            with self.collective("stage weight broadcast"):
                 for p in self.params:
                     dist.broadcast(p.data, src=self.layout.rank_of(0, self.layout.stage), group=self.dp_group)
 
     def average_gradients(self) -> None:
         if self.dp_group is None:
             return
-        with self.timers.phase("stage_allreduce"), collective("stage gradient allreduce"):
+        with self.timers.phase("stage_allreduce"), self.collective("stage gradient allreduce"):
             dist.all_reduce(self.grad_buffer, group=self.dp_group)
         self.grad_buffer.div_(self.layout.num_groups)

@@ -26,7 +26,6 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from parambox.errors import UserError
-from parambox.runtime.dist import collective
 from parambox.strategies.base import Context, Options, PhaseTimers, StepResult, Strategy
 from parambox.strategies.pipeline import stages
 
@@ -162,7 +161,7 @@ class Pipeline(Strategy):
             cut = stages.balanced_split(stages.measured_costs(self.model, probe), num_stages)
             points = torch.tensor(cut, device=self.world.device)
         if self.world.world_size > 1:
-            with collective("pipeline balance"):
+            with self.collective("pipeline balance"):
                 dist.broadcast(points, src=0)
         return [int(p) for p in points]
 
@@ -182,7 +181,7 @@ class Pipeline(Strategy):
         stage.compute.pop()
         losses: list[torch.Tensor] = []
         t0 = time.perf_counter()
-        with collective("pipeline schedule"):
+        with self.collective("pipeline schedule"):
             self.schedule.step(
                 *((x,) if stage.is_first else ()),
                 target=y if stage.is_last else None,
@@ -219,7 +218,7 @@ class Pipeline(Strategy):
         if self.stage.is_last:
             stats[-1] = self.grad_buffer[-1]
         if num_stages > 1:
-            with self.timers.phase("stats_allreduce"), collective("pipeline stats"):
+            with self.timers.phase("stats_allreduce"), self.collective("pipeline stats"):
                 dist.all_reduce(stats, group=self.pp_group)
         values = stats.tolist()
         out = {"loss": values[-1]}
@@ -235,7 +234,7 @@ class Pipeline(Strategy):
         if self.schedule is None or layout.group != 0:
             return self.model if self.world.rank == 0 else None
         state = self.model.state_dict()  # detached views: receiving into them updates the model
-        with collective("gather stages to rank 0"):
+        with self.collective("gather stages to rank 0"):
             for s in range(1, layout.num_stages):
                 keys = stages.stage_state_keys(self.model, self.bounds[s])
                 for key in keys:

@@ -25,7 +25,6 @@ from pydantic import Field, field_validator
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from parambox.errors import UserError
-from parambox.runtime.dist import collective
 from parambox.strategies.base import Context, Options, StepResult, Strategy
 from parambox.strategies.sandblaster.farm import BYE, END_STEP, HEADER, RESULT, TASK, WEIGHTS, PortionFarm
 from parambox.strategies.sandblaster.lbfgs import LBFGSHistory, LineSearch, lbfgs_iteration
@@ -119,33 +118,33 @@ class Sandblaster(Strategy):
         task, computed, busy = torch.empty(4, dtype=torch.float64), 0, 0.0
         weights = torch.empty(self.numel)
         while True:
-            with self.timers.phase("wait_task"), collective("sandblaster task"):
+            with self.timers.phase("wait_task"), self.collective("sandblaster task"):
                 dist.recv(task, src=0, tag=TASK, group=self.group)
             kind, eval_id, portion, flag = task.tolist()
             if kind == END_STEP:
                 extra = {"portions_computed": float(computed), "compute_s": busy}
                 return StepResult(flag, 0, self.timers.pop(), extra)
             if flag:  # the weights of this evaluation follow
-                with self.timers.phase("weights"), collective("sandblaster weights"):
+                with self.timers.phase("weights"), self.collective("sandblaster weights"):
                     dist.recv(weights, src=0, tag=WEIGHTS, group=self.group)
                 vector_to_parameters(weights.to(self.params[0].device), self.params)
             out = compute_portion(
                 self.model, self.ctx.loss_fn, x, y, bounds[int(portion)], self._my_slow_factor()
             )
             computed, busy = computed + 1, busy + float(out[2])
-            with self.timers.phase("send_result"), collective("sandblaster result"):
+            with self.timers.phase("send_result"), self.collective("sandblaster result"):
                 dist.send(
                     torch.cat([torch.tensor([eval_id, portion]), out]), dst=0, tag=RESULT, group=self.group
                 )
 
     def finish(self) -> None:
         if self.world.rank == 0:
-            with collective("sandblaster shutdown"):
+            with self.collective("sandblaster shutdown"):
                 self.farm.close()
         else:  # tells the coordinator's receiving thread that this rank sends nothing more
             bye = torch.zeros(HEADER + 3 + self.numel)
             bye[0] = BYE
-            with collective("sandblaster bye"):
+            with self.collective("sandblaster bye"):
                 dist.send(bye, dst=0, tag=RESULT, group=self.group)
 
     def summary_extra(self) -> dict[str, Any]:
