@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from parambox.box import PREFIX_ENV, new_prefix
@@ -31,6 +30,7 @@ from parambox.strategies.base import Context
 from parambox.strategies.downpour import Downpour, DownpourOptions
 from parambox.strategies.dynsgd import DynSGD, DynSGDOptions
 from parambox.strategies.easgd import EasgdOptions
+from parambox.train.losses import default_loss
 from tests.conftest import MPI_ENV, final_weights, run_cli, summary
 
 FAST = ["--model", "mlp", "--eval-every", "0", "--no-progress", "--threads", "1"]
@@ -143,7 +143,7 @@ def _worker(rank: int, n: int, make, queue, port: int, slow: dict, faults: dict)
         pbdist.init_distributed(world, 20.0)
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
-    ctx = Context(world, model, lambda p: torch.optim.SGD(p, lr=0.1), F.cross_entropy, 40, 20.0)
+    ctx = Context(world, model, lambda p: torch.optim.SGD(p, lr=0.1), default_loss, 40, 20.0)
     strategy = make(ctx)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
@@ -154,7 +154,7 @@ def _worker(rank: int, n: int, make, queue, port: int, slow: dict, faults: dict)
         if kind == "hang" and step == at:
             time.sleep(3600)
         bad = kind == "nan" and step >= at
-        strategy.step(torch.full_like(x, float("nan")) if bad else x, y, step)
+        strategy.step((torch.full_like(x, float("nan")) if bad else x, y), step)
         step += 1
     strategy.finish()
     center = strategy.eval_model()
@@ -245,8 +245,8 @@ def test_stalled_worker_is_lost_after_lost_after_s():
 class ProbedDownpour(Downpour):
     """Records, after its first step, how many steps rank 0 had done."""
 
-    def step(self, x, y, step):
-        result = super().step(x, y, step)
+    def step(self, batch, step):
+        result = super().step(batch, step)
         if step == 0:
             self.probe = self.box.read_counter(self.counters.steps(0))
         return result

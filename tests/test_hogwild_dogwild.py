@@ -53,7 +53,7 @@ def _worker(rank: int, n: int, make, port: int, out_dir: str, faults: dict) -> N
         world,
         model,
         lambda p: torch.optim.SGD(p, lr=LR, momentum=make.momentum),
-        lambda out, y: out.sum(),
+        lambda model, batch: model(batch[0]).sum(),
         STEPS,
         20.0,
     )
@@ -68,7 +68,7 @@ def _worker(rank: int, n: int, make, port: int, out_dir: str, faults: dict) -> N
         if kind == "kill" and step == at:
             os.kill(os.getpid(), signal.SIGKILL)
         bad = kind == "nan" and step >= at
-        strategy.step(torch.full_like(x, float("nan")) if bad else x, torch.zeros(2), step)
+        strategy.step((torch.full_like(x, float("nan")) if bad else x, torch.zeros(2)), step)
         step += 1
     strategy.finish()
     result_model = strategy.eval_model()

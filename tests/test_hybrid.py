@@ -37,12 +37,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     with torch.no_grad():
         model.weight.copy_(W0)
     opt = lambda p: torch.optim.SGD(p, lr=LR)  # noqa: E731
-    ctx = Context(world, model, opt, lambda out, y: out.sum(), STEPS, 20.0)
+    ctx = Context(world, model, opt, lambda model, batch: model(batch[0]).sum(), STEPS, 20.0)
     strategy = Hybrid(ctx, HybridOptions(group_size=2, tau=STEPS, alpha=ALPHA))
     x = ROWS[BATCH_OF_RANK[rank]]
     step = 0
     while not strategy.should_stop(step):
-        strategy.step(x, torch.zeros(1), step)
+        strategy.step((x, torch.zeros(1)), step)
         step += 1
     replica = strategy.x.tolist()
     strategy.finish()

@@ -13,6 +13,7 @@ import torch
 from parambox.errors import UserError
 from parambox.models import build_model
 from parambox.strategies.pipeline import stages
+from parambox.train.losses import default_loss
 from tests.conftest import final_weights, max_abs_diff, run_cli, summary
 
 COMMON = [
@@ -148,9 +149,7 @@ def test_bad_pipeline_settings_are_user_errors():
     from parambox.strategies import Context
     from parambox.strategies.pipeline import Pipeline
 
-    ctx = Context(
-        World(), build_model("mlp", (4,), 2), torch.optim.SGD, torch.nn.functional.cross_entropy, 1, 5.0
-    )
+    ctx = Context(World(), build_model("mlp", (4,), 2), torch.optim.SGD, default_loss, 1, 5.0)
     with pytest.raises(UserError, match="needs at least 2 workers"):
         Pipeline(ctx, Pipeline.Options())
     fake = SimpleNamespace(name="pipeline", options=Pipeline.Options())  # the check needs no process group

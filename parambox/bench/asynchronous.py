@@ -95,11 +95,12 @@ def _plain_stepper(world, tmp: Path):
 
 def _strategy_stepper(setup: str, world, steps: int):
     from parambox.strategies import Context, build_strategy
+    from parambox.train.losses import default_loss
 
     name, options = STRATEGY_SETUPS[setup]
-    ctx = Context(world, _build(), _make_optimizer, F.cross_entropy, steps, 300.0)
+    ctx = Context(world, _build(), _make_optimizer, default_loss, steps, 300.0)
     strategy = build_strategy(name, ctx, options)
-    return (lambda batch, i: strategy.step(*batch, i).loss), strategy.close, None
+    return (lambda batch, i: strategy.step(batch, i).loss), strategy.close, None
 
 
 def available_setups() -> list[str]:

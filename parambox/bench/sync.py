@@ -36,13 +36,14 @@ def _build(seed: int = 0):
 def _strategy_stepper(name: str, world, steps: int):
     """A step function running parambox's own strategy class, as `parambox train` would."""
     from parambox.strategies import Context, build_strategy
+    from parambox.train.losses import default_loss
 
     model, _ = _build()
     ctx = Context(
-        world, model, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), F.cross_entropy, steps, 300.0
+        world, model, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), default_loss, steps, 300.0
     )
     strategy = build_strategy(name, ctx)
-    return (lambda batch, i: strategy.step(*batch, i)), strategy.close
+    return strategy.step, strategy.close
 
 
 def _ddp_stepper():

@@ -8,11 +8,13 @@ buffers, so no gradient is copied before or after communication.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from pydantic import Field
 
-from parambox.strategies.base import Context, Options, StepResult, Strategy, forward_backward
+from parambox.strategies.base import Context, Options, StepResult, Strategy, batch_size, forward_backward
 
 
 class AllReduceOptions(Options):
@@ -72,11 +74,11 @@ class AllReduce(Strategy):
         if b.ready == len(b.params) and self.distributed:
             b.work = dist.all_reduce(b.buffer, async_op=True)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
+    def step(self, batch: Any, step: int) -> StepResult:
         for b in self.buckets:  # zero in place: .grad must stay views into the buckets
             b.buffer.zero_()
             b.ready, b.work = 0, None
-        loss = forward_backward(self.model, self.ctx.loss_fn, x, y)
+        loss = forward_backward(self.model, self.ctx.loss_fn, batch)
         if self.distributed:
             with self.timers.phase("allreduce_wait"), self.collective("gradient allreduce"):
                 for b in self.buckets:
@@ -87,4 +89,4 @@ class AllReduce(Strategy):
         self.optimizer.step()
         for b in self.buckets:
             b.work = None  # a finished Work kept alive past destroy_process_group can abort the process
-        return StepResult(loss.item(), len(y), self.timers.pop())
+        return StepResult(loss.item(), batch_size(batch), self.timers.pop())

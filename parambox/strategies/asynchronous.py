@@ -19,7 +19,7 @@ API (kept stable; the asynchronous strategies build on it)
     it) with gradients in ``self.g`` (the ``.grad`` are views), so every exchange is one flat op.
     It opens the box (``c`` first, then ``extra_numel`` elements of the strategy's own at
     ``self.extra_start``), writes the initial weights into ``c``, and gives subclasses
-    ``forward_backward(x, y)``, ``guard(loss, step)`` (halts a worker whose loss is non-finite),
+    ``forward_backward(batch)``, ``guard(loss, step)`` (halts a worker whose loss is non-finite),
     ``halt(what, step)`` and ``step_result(loss, samples)`` (counts the step, reports comm times,
     ``staleness`` and ``nonfinite``). It implements termination alignment (``should_stop``), the
     wait for the others at the end with lost-worker detection (``finish``; override ``flush`` to push
@@ -32,12 +32,12 @@ process is gone is lost at once, any other once its step count stood still ``los
 
 A subclass implements ``step``; e.g. the asynchronous EASGD step::
 
-    loss = self.forward_backward(x, y)
+    loss = self.forward_backward(batch)
     if self.guard(loss, step):
         self.optimizer.step()
         if (step + 1) % tau == 0 and not self.client.elastic_(self.x, alpha):
             self.halt("elastic update", step)
-    return self.step_result(loss, len(y))
+    return self.step_result(loss, batch_size(batch))
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class AsyncOptions(Options):
 class AsyncStrategy(Strategy):
     """Base of the asynchronous strategies (see the module docstring for its API and an example step).
 
-    >>> Downpour(ctx, DownpourOptions(n_push=4)).step(x, y, step=0)  # doctest: +SKIP
+    >>> Downpour(ctx, DownpourOptions(n_push=4)).step((x, y), step=0)  # doctest: +SKIP
     """
 
     Options = AsyncOptions
@@ -123,10 +123,10 @@ class AsyncStrategy(Strategy):
         self._reached = False
 
     # -- the step ------------------------------------------------------------------------------------
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, batch: Any) -> torch.Tensor:
         """Forward and backward on the replica; the gradient lands in ``self.g``. Returns the loss."""
         self.g.zero_()
-        return forward_backward(self.model, self.ctx.loss_fn, x, y)
+        return forward_backward(self.model, self.ctx.loss_fn, batch)
 
     def guard(self, loss: torch.Tensor, step: int) -> bool:
         """False (and the worker halts) when the loss is not finite: nothing of this step is pushed."""

@@ -1,7 +1,10 @@
 """The protocol every strategy implements, and the forward/backward they share.
 
-A strategy owns one training step (pipeline parallelism and L-BFGS must own forward and backward),
-so the loop in ``parambox.train.loop`` never branches on the strategy.
+A strategy owns one training step, ``step(batch, step) -> StepResult`` (pipeline parallelism and
+L-BFGS must own forward and backward), so the loop in ``parambox.train.loop`` never branches on the
+strategy. A batch is any structure of tensors (a tensor, or tuples, lists and dicts of them) already
+on the device; the loss is the user's ``loss_fn(model, batch) -> scalar tensor`` (the default,
+``parambox.train.losses.default_loss``, is the cross-entropy of ``model(x)`` against ``y``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from parambox.runtime.dist import ProgressBoard, collective
 from parambox.runtime.world import World
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[nn.Module, Any], torch.Tensor]  # (model, batch) -> scalar loss, the user's style
 
 
 class Options(BaseModel):
@@ -113,7 +116,8 @@ class Strategy:
         return self.world.rank, self.world.world_size
 
     # -- the step -----------------------------------------------------------------------------
-    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
+    def step(self, batch: Any, step: int) -> StepResult:
+        """One training step on this worker's ``batch`` (already on the device)."""
         raise NotImplementedError
 
     def should_stop(self, step: int) -> bool:
@@ -167,11 +171,43 @@ class PhaseTimers:
         return out
 
 
-def forward_backward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def forward_backward(model: nn.Module, loss_fn: LossFn, batch: Any) -> torch.Tensor:
     """The forward and backward pass every data-parallel strategy shares; returns the detached loss."""
-    loss = loss_fn(model(x), y)
+    loss = loss_fn(model, batch)
     loss.backward()
     return loss.detach()
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """``batch`` with ``fn`` applied to every tensor in it (tuples, lists and dicts are walked).
+
+    >>> map_tensors(lambda t: t * 2, {"x": torch.ones(1), "n": 3})
+    {'x': tensor([2.]), 'n': 3}
+    """
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: map_tensors(fn, v) for k, v in batch.items()}
+    if isinstance(batch, tuple | list):
+        return type(batch)(map_tensors(fn, v) for v in batch)
+    return batch
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in ``batch``: the length of its first tensor.
+
+    >>> batch_size((torch.zeros(8, 3), torch.zeros(8)))
+    8
+    """
+    if isinstance(batch, torch.Tensor):
+        return len(batch)
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, tuple | list) else ()
+    for value in values:
+        try:
+            return batch_size(value)
+        except ValueError:
+            continue
+    raise ValueError(f"a batch needs at least one tensor, got {type(batch).__name__}")
 
 
 def bind_flat_replica(

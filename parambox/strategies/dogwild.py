@@ -46,7 +46,7 @@ from parambox.box import Layout
 from parambox.errors import warn
 from parambox.numerics import is_finite
 from parambox.runtime.spawn import identity_gone, process_identity
-from parambox.strategies.base import Context, Options, StepResult, Strategy, forward_backward
+from parambox.strategies.base import Context, Options, StepResult, Strategy, batch_size, forward_backward
 
 GRAD, FINAL, HALT = 0.0, 1.0, 2.0  # message kinds (the first element after the gradient)
 HEADER, REPLY_HEADER = 4, 2
@@ -88,20 +88,20 @@ class Dogwild(Strategy):
         else:
             self.peer = _Peer(self)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
+    def step(self, batch: Any, step: int) -> StepResult:
         if self.world.rank == 0:
             self.model.zero_grad(set_to_none=True)
-            loss = forward_backward(self.model, self.ctx.loss_fn, x, y)
+            loss = forward_backward(self.model, self.ctx.loss_fn, batch)
             grads = [p.grad for p in self.params if p.grad is not None]
             if self.finite(loss, grads, step):
                 with self.timers.phase("apply"):
                     self.master.apply_own()
         else:
-            loss = self.peer.step(x, y, step)
+            loss = self.peer.step(batch, step)
         extra = {"staleness": self.staleness}
         if self.halted:
             extra["nonfinite"] = 1.0
-        return StepResult(float(loss), len(y), self.timers.pop(), extra)
+        return StepResult(float(loss), batch_size(batch), self.timers.pop(), extra)
 
     def finite(self, loss: torch.Tensor, grads: list[torch.Tensor], step: int) -> bool:
         """False, halting this process's training, when its loss or gradient is not finite."""
@@ -309,20 +309,20 @@ class _Peer:
         self.reply = torch.empty(numel + REPLY_HEADER)
         self.version = 0
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+    def step(self, batch: Any, step: int) -> torch.Tensor:
         owner, numel = self.owner, self.owner.layout.numel
         if self.on_host:
             self.msg.zero_()
         else:
             owner.model.zero_grad(set_to_none=True)
-        loss = forward_backward(owner.model, owner.ctx.loss_fn, x, y)
+        loss = forward_backward(owner.model, owner.ctx.loss_fn, batch)
         if not self.on_host:
             owner.layout.gather_grads(owner.model, self.msg[:numel])
         if not owner.finite(loss, [self.msg[:numel]], step):
             self._send(HALT, loss, 0)
             return loss
         pending = dist.irecv(self.reply, src=0, group=owner.pg)  # posted first: no unexpected message
-        self._send(GRAD, loss, len(y))
+        self._send(GRAD, loss, batch_size(batch))
         with owner.timers.phase("recv"):
             self._wait(pending, "waiting for fresh weights from rank 0")
         owner.x.copy_(self.reply[:numel])

@@ -29,7 +29,14 @@ from parambox.box import Layout
 from parambox.errors import UserError, warn
 from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
-from parambox.strategies.base import Context, StepResult, Strategy, bind_flat_replica, forward_backward
+from parambox.strategies.base import (
+    Context,
+    StepResult,
+    Strategy,
+    batch_size,
+    bind_flat_replica,
+    forward_backward,
+)
 
 DEFAULT_ALPHA = 0.1
 
@@ -141,10 +148,10 @@ class ElasticAveraging(AsyncStrategy):
         self.local, lr = make_local_step(self, self.nesterov)
         self.alpha = options.moving_rate(lr)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
+    def step(self, batch: Any, step: int) -> StepResult:
         if self.local is not None:
             self.local.lookahead_()
-        loss = self.forward_backward(x, y)
+        loss = self.forward_backward(batch)
         if self.guard(loss, step):
             if self.local is not None:
                 self.local.step_(self.g)
@@ -152,7 +159,7 @@ class ElasticAveraging(AsyncStrategy):
                 self.optimizer.step()
             if (step + 1) % self.options.tau == 0 and not self.client.elastic_(self.x, self.alpha):
                 self.halt("elastic update", step)
-        return self.step_result(loss, len(y))
+        return self.step_result(loss, batch_size(batch))
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -202,11 +209,11 @@ class SyncElasticAveraging(Strategy):
             self.result = copy.deepcopy(self.model)
             self.layout.bind_params_(self.result, self.c)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
+    def step(self, batch: Any, step: int) -> StepResult:
         if self.local is not None:
             self.local.lookahead_()
         self.g.zero_()
-        loss = forward_backward(self.model, self.ctx.loss_fn, x, y)
+        loss = forward_backward(self.model, self.ctx.loss_fn, batch)
         if not (self.halted or is_finite(loss)):
             self._halt("loss", step)
         if not self.halted:
@@ -217,7 +224,7 @@ class SyncElasticAveraging(Strategy):
         if (step + 1) % self.options.tau == 0:
             self._exchange(step)
         extra = {"nonfinite": 1.0} if self.halted else {}
-        return StepResult(float(loss), len(y), self.timers.pop(), extra)
+        return StepResult(float(loss), batch_size(batch), self.timers.pop(), extra)
 
     def _exchange(self, step: int) -> None:
         flags = self.buf[self.numel :]

@@ -23,12 +23,14 @@ result is the shared weights once every worker is done, copied out by rank 0.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from parambox.errors import UserError
 from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
-from parambox.strategies.base import Context, StepResult, forward_backward
+from parambox.strategies.base import Context, StepResult, batch_size, forward_backward
 
 
 class HogwildOptions(AsyncOptions):
@@ -66,13 +68,13 @@ class Hogwild(AsyncStrategy):
         self.x = self.shared
         self.optimizer = ctx.make_optimizer(self.params)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, batch: Any) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
-        return forward_backward(self.model, self.ctx.loss_fn, x, y)
+        return forward_backward(self.model, self.ctx.loss_fn, batch)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
+    def step(self, batch: Any, step: int) -> StepResult:
         seen = self.box.read_counter(self.counters.total)
-        loss = self.forward_backward(x, y)
+        loss = self.forward_backward(batch)
         if self.guard(loss, step):
             if self._grads_finite():
                 with self.timers.phase("update"):
@@ -81,7 +83,7 @@ class Hogwild(AsyncStrategy):
                 self.halt("gradient", step)
         # Staleness: the other workers' steps that landed in the shared weights during this one.
         self.client.staleness = self.box.read_counter(self.counters.total) - seen
-        return self.step_result(loss, len(y))
+        return self.step_result(loss, batch_size(batch))
 
     def _grads_finite(self) -> bool:
         grads = [p.grad for p in self.params if p.grad is not None]

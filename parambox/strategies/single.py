@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from parambox.strategies.base import Context, Options, StepResult, Strategy, forward_backward
+from parambox.strategies.base import Context, Options, StepResult, Strategy, batch_size, forward_backward
 
 
 class Single(Strategy):
@@ -15,8 +15,8 @@ class Single(Strategy):
         super().__init__(ctx, options)
         self.optimizer = ctx.make_optimizer(self.model.parameters())
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
+    def step(self, batch: Any, step: int) -> StepResult:
         self.optimizer.zero_grad(set_to_none=True)
-        loss = forward_backward(self.model, self.ctx.loss_fn, x, y)
+        loss = forward_backward(self.model, self.ctx.loss_fn, batch)
         self.optimizer.step()
-        return StepResult(loss.item(), len(y))
+        return StepResult(loss.item(), batch_size(batch))

@@ -6,12 +6,13 @@ are local SGD / post-local SGD. Optimizer state stays local to each worker.
 
 from __future__ import annotations
 
-import torch
+from typing import Any
+
 import torch.distributed as dist
 from pydantic import Field
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from parambox.strategies.base import Context, Options, StepResult, Strategy, forward_backward
+from parambox.strategies.base import Context, Options, StepResult, Strategy, batch_size, forward_backward
 
 
 class WeightAvgOptions(Options):
@@ -36,13 +37,13 @@ class WeightAveraging(Strategy):
             dist.all_reduce(flat)
         vector_to_parameters(flat.div_(self.world.world_size), self.params)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
+    def step(self, batch: Any, step: int) -> StepResult:
         self.optimizer.zero_grad(set_to_none=True)
-        loss = forward_backward(self.model, self.ctx.loss_fn, x, y)
+        loss = forward_backward(self.model, self.ctx.loss_fn, batch)
         self.optimizer.step()
         if (step + 1) % self.options.period == 0:
             self._average()
-        return StepResult(loss.item(), len(y), self.timers.pop())
+        return StepResult(loss.item(), batch_size(batch), self.timers.pop())
 
     def finish(self) -> None:
         # The result is the average of the replicas, also when the run did not end on a period.

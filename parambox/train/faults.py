@@ -1,7 +1,7 @@
 """Fault injection for tests and demos: ``PARAMBOX_FAULT="RANK:STEP:KIND[,...]"``.
 
-KIND is ``kill`` (SIGKILL this worker before the step), ``nan`` (feed it NaN inputs from that step
-on, so its loss and gradients become non-finite) ``slow`` (sleep 0.2 s per step from then on)
+KIND is ``kill`` (SIGKILL this worker before the step), ``nan`` (from that step on every floating
+tensor of its batch is NaN, so its loss and gradients become non-finite) ``slow`` (sleep 0.2 s per step from then on)
 or ``hang`` (stall at that step). The plan is read once, in set-up, and handed to the loop.
 """
 
@@ -12,8 +12,11 @@ import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from parambox.strategies.base import map_tensors
 
 
 @dataclass(frozen=True)
@@ -42,17 +45,21 @@ class FaultPlan:
     def __bool__(self) -> bool:
         return bool(self.faults)
 
-    def inject(self, rank: int, step: int, x: torch.Tensor) -> torch.Tensor:
-        """Apply this rank's faults due at ``step`` to its input ``x`` (or to the process itself)."""
+    def inject(self, rank: int, step: int, batch: Any) -> Any:
+        """Apply this rank's faults due at ``step`` to its ``batch`` (or to the process itself)."""
         for f_rank, f_step, kind in self.faults:
             if f_rank != rank or step < f_step:
                 continue
             if kind == "kill" and step == f_step:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif kind == "nan":
-                x = torch.full_like(x, float("nan"))
+                batch = map_tensors(_nan_if_floating, batch)
             elif kind == "slow":
                 time.sleep(0.2)
             elif kind == "hang" and step == f_step:
                 time.sleep(3600)
-        return x
+        return batch
+
+
+def _nan_if_floating(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan")) if t.is_floating_point() else t

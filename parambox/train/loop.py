@@ -18,8 +18,10 @@ from parambox.models import build_model
 from parambox.runtime import dist as pbdist
 from parambox.runtime.world import World
 from parambox.strategies import Context, Strategy, build_strategy
+from parambox.strategies.base import map_tensors
 from parambox.train import checkpoint
 from parambox.train.faults import FaultPlan
+from parambox.train.losses import default_loss
 from parambox.train.metrics import MetricsLogger
 from parambox.train.progress import Progress
 
@@ -58,10 +60,10 @@ def _loop(run: Run, resume: bool) -> dict[str, Any] | None:
         samples = 0
         while not run.strategy.should_stop(step):
             run.board.post(step)
-            x, y = run.batches.batch(step)
+            batch = run.batches.batch(step)
             if run.faults:
-                x = run.faults.inject(world.rank, step, x)
-            result = run.strategy.step(x.to(world.device), y.to(world.device), step)
+                batch = run.faults.inject(world.rank, step, batch)
+            result = run.strategy.step(map_tensors(lambda t: t.to(world.device), batch), step)
             step, samples = step + 1, samples + result.samples
             if step % cfg.log_every == 0:
                 log.write(step_record(step, result, log.elapsed(), samples * run.batches.sampler.world_size))
@@ -114,7 +116,7 @@ def make_context(
         world,
         model,
         make_optimizer_factory(cfg),
-        F.cross_entropy,
+        default_loss,
         cfg.steps,
         cfg.timeout,
         run_dir,

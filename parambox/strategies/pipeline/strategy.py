@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from parambox.errors import UserError
-from parambox.strategies.base import Context, Options, PhaseTimers, StepResult, Strategy
+from parambox.strategies.base import Context, Options, PhaseTimers, StepResult, Strategy, batch_size
 from parambox.strategies.pipeline import stages
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -70,6 +70,16 @@ class TimedStage(PipelineStage):
     def backward_one_chunk(self, *args: Any, **kwargs: Any):
         with self.compute.phase("backward"):
             return super().backward_one_chunk(*args, **kwargs)
+
+
+class _Returns:
+    """A stand-in model whose output is the stage output computed already: ``_Returns(out)(x) is out``."""
+
+    def __init__(self, out: torch.Tensor):
+        self.out = out
+
+    def __call__(self, *_: Any) -> torch.Tensor:
+        return self.out
 
 
 class Pipeline(Strategy):
@@ -166,17 +176,19 @@ class Pipeline(Strategy):
         return [int(p) for p in points]
 
     def _microbatch_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        # Weighted by the micro-batch's share of the batch: the sum over micro-batches is the
-        # batch's mean loss, and its gradient the batch's mean gradient.
-        return self.ctx.loss_fn(out, y) * (len(y) / self._batch_size)
+        # The user's loss(model, (x, y)) on the last stage's output: a stand-in model returns it, so
+        # any loss of the form f(model(x), y) works. Weighted by the micro-batch's share of the batch:
+        # the sum over micro-batches is the batch's mean loss, its gradient the batch's mean gradient.
+        return self.ctx.loss_fn(_Returns(out), (None, y)) * (len(y) / self._batch_size)
 
     # -- the step -------------------------------------------------------------------------------
-    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
+    def step(self, batch: Any, step: int) -> StepResult:
+        x, y = batch  # a pipeline needs (inputs, target): inputs enter stage 0, target meets the last
         if self.schedule is None:
             self.build(self._timed_split(x))
-        self._check_batch(len(y))
+        self._check_batch(batch_size(batch))
         layout, stage = self.layout, self.stage
-        self._batch_size = len(y)
+        self._batch_size = batch_size(batch)
         self.grad_buffer.zero_()  # in place: the .grad stay views into it
         stage.compute.pop()
         losses: list[torch.Tensor] = []
@@ -198,7 +210,7 @@ class Pipeline(Strategy):
         if self.optimizer is not None:
             self.optimizer.step()
         comm = {"bubble": bubble, **self.timers.pop()}
-        samples = len(y) if layout.stage == 0 else 0  # the batch enters the pipeline once, at stage 0
+        samples = self._batch_size if layout.stage == 0 else 0  # the batch enters once, at stage 0
         return StepResult(stats.pop("loss"), samples, comm, {"stage": float(layout.stage), **stats})
 
     def _check_batch(self, batch_size: int) -> None:

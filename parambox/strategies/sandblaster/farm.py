@@ -64,11 +64,11 @@ class LocalWorker:
 
     def _run(self) -> None:
         while (task := self.tasks.get()) is not None:
-            eval_id, portion, weights, (x, y, bounds) = task
+            eval_id, portion, weights, (batch, bounds) = task
             try:
                 if weights is not None:
                     vector_to_parameters(weights.to(self.params[0].device), self.params)
-                out = compute_portion(self.model, self.loss_fn, x, y, bounds[portion], self.slow_factor)
+                out = compute_portion(self.model, self.loss_fn, batch, bounds[portion], self.slow_factor)
                 self.results.put((0, torch.cat([torch.tensor([float(eval_id), float(portion)]), out])))
             except Exception as e:  # the main thread raises it
                 self.results.put((-1, e))
@@ -129,10 +129,10 @@ class PortionFarm:
 
     # -- one evaluation -------------------------------------------------------------------------
     def evaluate(self, weights: torch.Tensor, batch: tuple) -> Evaluation:
-        """One pass over ``batch = (x, y, bounds)`` at ``weights`` (which must not change afterwards)."""
+        """One pass over ``batch = (data, bounds)`` at ``weights`` (which must not change afterwards)."""
         t0 = time.perf_counter()
         self.eval_id = (self.eval_id + 1) % EVAL_IDS
-        sched = PortionScheduler(len(batch[2]), backup=self.backup)
+        sched = PortionScheduler(len(batch[1]), backup=self.backup)
         total = torch.zeros(2 + self.numel, dtype=torch.float64)  # loss sum, samples, gradient sum
         free = [r for r in self.workers if r not in self.busy]
         while not sched.done:

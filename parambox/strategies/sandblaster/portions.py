@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
+
+from parambox.strategies.base import map_tensors
 
 
 class PortionScheduler:
@@ -90,9 +93,8 @@ def portion_bounds(batch_size: int, num_portions: int) -> list[tuple[int, int]]:
 
 def compute_portion(
     model: nn.Module,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    x: torch.Tensor,
-    y: torch.Tensor,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    batch: Any,
     bounds: tuple[int, int],
     slow_factor: float = 1.0,
 ) -> torch.Tensor:
@@ -107,7 +109,8 @@ def compute_portion(
     t0 = time.perf_counter()
     for p in params:
         p.grad = None
-    loss = loss_fn(model(x[start:end]), y[start:end]) * (end - start)
+    portion = map_tensors(lambda t: t[start:end], batch)
+    loss = loss_fn(model, portion) * (end - start)
     loss.backward()
     grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
     seconds = time.perf_counter() - t0

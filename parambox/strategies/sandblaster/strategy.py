@@ -25,7 +25,7 @@ from pydantic import Field, field_validator
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from parambox.errors import UserError
-from parambox.strategies.base import Context, Options, StepResult, Strategy
+from parambox.strategies.base import Context, Options, StepResult, Strategy, batch_size, map_tensors
 from parambox.strategies.sandblaster.farm import BYE, END_STEP, HEADER, RESULT, TASK, WEIGHTS, PortionFarm
 from parambox.strategies.sandblaster.lbfgs import LBFGSHistory, LineSearch, lbfgs_iteration
 from parambox.strategies.sandblaster.portions import compute_portion, portion_bounds
@@ -107,13 +107,13 @@ class Sandblaster(Strategy):
         return self.slow_factor if self.world.rank == self.slow_rank else 1.0
 
     # -- the step -------------------------------------------------------------------------------
-    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
-        bounds = portion_bounds(len(y), self.options.num_portions)
+    def step(self, batch: Any, step: int) -> StepResult:
+        bounds = portion_bounds(batch_size(batch), self.options.num_portions)
         if self.world.rank == 0:
-            return self._coordinate((x, y, bounds))
-        return self._serve(x, y, bounds)
+            return self._coordinate(batch, bounds)
+        return self._serve(batch, bounds)
 
-    def _serve(self, x: torch.Tensor, y: torch.Tensor, bounds: list[tuple[int, int]]) -> StepResult:
+    def _serve(self, batch: Any, bounds: list[tuple[int, int]]) -> StepResult:
         """A worker: compute the portions the coordinator sends until it ends the step."""
         task, computed, busy = torch.empty(4, dtype=torch.float64), 0, 0.0
         weights = torch.empty(self.numel)
@@ -129,7 +129,7 @@ class Sandblaster(Strategy):
                     dist.recv(weights, src=0, tag=WEIGHTS, group=self.group)
                 vector_to_parameters(weights.to(self.params[0].device), self.params)
             out = compute_portion(
-                self.model, self.ctx.loss_fn, x, y, bounds[int(portion)], self._my_slow_factor()
+                self.model, self.ctx.loss_fn, batch, bounds[int(portion)], self._my_slow_factor()
             )
             computed, busy = computed + 1, busy + float(out[2])
             with self.timers.phase("send_result"), self.collective("sandblaster result"):
@@ -175,14 +175,13 @@ class Sandblaster(Strategy):
         if opts.coordinator_computes:
             self.farm.add_local(self.model, self.ctx.loss_fn, self._my_slow_factor())
 
-    def _coordinate(self, batch: tuple) -> StepResult:
-        x, y, _ = batch
+    def _coordinate(self, batch: Any, bounds: list[tuple[int, int]]) -> StepResult:
         self.batch, self.step_stats = (
-            batch,
+            (batch, bounds),
             {"evals": 0.0, "batch_s": 0.0, "backups": 0.0, "backup_wins": 0.0},
         )
         w = parameters_to_vector(self.params).detach().clone()
-        key = _fingerprint(x, y)
+        key = _fingerprint(batch)
         if self.f is None or self.batch_key is None or not _same(key, self.batch_key):
             self.f, self.g = self._evaluate(w)  # a new batch: f and g at w on it
             self.data_loss = self.last_data_loss
@@ -203,7 +202,7 @@ class Sandblaster(Strategy):
         extra = {"objective": objective, "step_size": t, **stats}
         extra["batch_s"] = stats["batch_s"] / max(stats["evals"], 1.0)
         extra.update({f"portion_s_rank{r}": s for r, s in self.farm.mean_portion_seconds().items()})
-        return StepResult(loss, len(y), self.timers.pop(), extra)
+        return StepResult(loss, batch_size(batch), self.timers.pop(), extra)
 
     def _evaluate(self, w: torch.Tensor) -> tuple[float, torch.Tensor]:
         """The objective (mean loss + weight decay) and its gradient at ``w``: one farmed-out pass."""
@@ -239,11 +238,12 @@ class Sandblaster(Strategy):
         self.batch_key = state["batch_key"]
 
 
-def _fingerprint(x: torch.Tensor, y: torch.Tensor) -> list[float]:
+def _fingerprint(batch: Any) -> list[float]:
     """Order-free sums of a batch: full-batch runs see the same set each step (reshuffled), and then
     ``f, g`` at the current weights carry over instead of being evaluated again."""
-    x64 = x.double()
-    return [float(len(y)), float(x64.sum()), float((x64 * x64).sum()), float(y.double().sum())]
+    key = [float(batch_size(batch))]
+    map_tensors(lambda t: key.extend([float(t.double().sum()), float(t.double().square().sum())]), batch)
+    return key
 
 
 def _same(a: list[float], b: list[float]) -> bool:
