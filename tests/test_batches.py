@@ -10,7 +10,7 @@ from parambox.runtime.world import World
 from parambox.strategies import Context, build_strategy
 from parambox.strategies.base import batch_size, map_tensors
 from parambox.strategies.sandblaster.portions import compute_portion
-from parambox.train.faults import FaultPlan
+from parambox.training.faults import FaultPlan
 
 
 def mse(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -95,7 +95,7 @@ def _plain_stepper(world, tmp: Path):
 
 def _strategy_stepper(setup: str, world, steps: int):
     from parambox.strategies import Context, build_strategy
-    from parambox.train.losses import default_loss
+    from parambox.training.losses import default_loss
 
     name, options = STRATEGY_SETUPS[setup]
     ctx = Context(world, _build(), _make_optimizer, default_loss, steps, 300.0)

@@ -36,7 +36,7 @@ def _build(seed: int = 0):
 def _strategy_stepper(name: str, world, steps: int):
     """A step function running parambox's own strategy class, as `parambox train` would."""
     from parambox.strategies import Context, build_strategy
-    from parambox.train.losses import default_loss
+    from parambox.training.losses import default_loss
 
     model, _ = _build()
     ctx = Context(

@@ -13,7 +13,7 @@ from pathlib import Path
 from parambox.config import RunConfig, build_config, load_toml, parse_set
 from parambox.errors import CommTimeout, UserError, warn
 from parambox.runtime.world import World, under_external_launcher
-from parambox.train.checkpoint import atomic_write_json
+from parambox.training.checkpoint import atomic_write_json
 
 FLAGS = {  # flag -> config field; each flag's type and range come from RunConfig
     "--strategy": "strategy",
@@ -158,7 +158,7 @@ def mark_lost(run_dir: Path, lost: list[int]) -> None:
 
 
 def run_worker(cfg: RunConfig, world: World, run_dir: Path, resume: bool) -> int:
-    from parambox.train.loop import train
+    from parambox.training.loop import train
 
     try:
         summary = train(cfg, world, run_dir, resume)

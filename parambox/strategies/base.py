@@ -1,10 +1,10 @@
 """The protocol every strategy implements, and the forward/backward they share.
 
 A strategy owns one training step, ``step(batch, step) -> StepResult`` (pipeline parallelism and
-L-BFGS must own forward and backward), so the loop in ``parambox.train.loop`` never branches on the
+L-BFGS must own forward and backward), so the loop in ``parambox.training.loop`` never branches on the
 strategy. A batch is any structure of tensors (a tensor, or tuples, lists and dicts of them) already
 on the device; the loss is the user's ``loss_fn(model, batch) -> scalar tensor`` (the default,
-``parambox.train.losses.default_loss``, is the cross-entropy of ``model(x)`` against ``y``).
+``parambox.training.losses.default_loss``, is the cross-entropy of ``model(x)`` against ``y``).
 """
 
 from __future__ import annotations

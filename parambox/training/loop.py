@@ -19,11 +19,11 @@ from parambox.runtime import dist as pbdist
 from parambox.runtime.world import World
 from parambox.strategies import Context, Strategy, build_strategy
 from parambox.strategies.base import map_tensors
-from parambox.train import checkpoint
-from parambox.train.faults import FaultPlan
-from parambox.train.losses import default_loss
-from parambox.train.metrics import MetricsLogger
-from parambox.train.progress import Progress
+from parambox.training import checkpoint
+from parambox.training.faults import FaultPlan
+from parambox.training.losses import default_loss
+from parambox.training.metrics import MetricsLogger
+from parambox.training.progress import Progress
 
 
 @dataclass
