@@ -8,13 +8,11 @@ buffers, so no gradient is copied before or after communication.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from pydantic import Field
 
-from parambox.strategies.base import Context, Options, StepResult, Strategy, batch_size, forward_backward
+from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
 
 
 class AllReduceOptions(Options):
@@ -74,11 +72,12 @@ class AllReduce(Strategy):
         if b.ready == len(b.params) and self.distributed:
             b.work = dist.all_reduce(b.buffer, async_op=True)
 
-    def step(self, batch: Any, step: int) -> StepResult:
+    def begin_step(self, step: int) -> None:
         for b in self.buckets:  # zero in place: .grad must stay views into the buckets
             b.buffer.zero_()
             b.ready, b.work = 0, None
-        loss = forward_backward(self.model, self.ctx.loss_fn, batch)
+
+    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         if self.distributed:
             with self.timers.phase("allreduce_wait"), self.collective("gradient allreduce"):
                 for b in self.buckets:
@@ -89,4 +88,4 @@ class AllReduce(Strategy):
         self.optimizer.step()
         for b in self.buckets:
             b.work = None  # a finished Work kept alive past destroy_process_group can abort the process
-        return StepResult(loss.item(), batch_size(batch), self.timers.pop())
+        return StepResult(loss_value(loss), samples, self.timers.pop())

@@ -19,7 +19,7 @@ API (kept stable; the asynchronous strategies build on it)
     it) with gradients in ``self.g`` (the ``.grad`` are views), so every exchange is one flat op.
     It opens the box (``c`` first, then ``extra_numel`` elements of the strategy's own at
     ``self.extra_start``), writes the initial weights into ``c``, and gives subclasses
-    ``forward_backward(batch)``, ``guard(loss, step)`` (halts a worker whose loss is non-finite),
+    ``begin_step`` (zeroes ``g``), ``guard(loss, step)`` (halts a worker whose loss is non-finite),
     ``halt(what, step)`` and ``step_result(loss, samples)`` (counts the step, reports comm times,
     ``staleness`` and ``nonfinite``). It implements termination alignment (``should_stop``), the
     wait for the others at the end with lost-worker detection (``finish``; override ``flush`` to push
@@ -30,14 +30,15 @@ Lost workers: rank 0 waits at the end for every worker's ``DONE``; a worker on i
 process is gone is lost at once, any other once its step count stood still ``lost_after_s``. On the
 ``rma`` box a dead worker takes its shard of the box with it (and mpiexec ends the job).
 
-A subclass implements ``step``; e.g. the asynchronous EASGD step::
+A subclass implements ``end_step`` (and ``begin_step`` where the rule acts before the forward
+pass, calling ``super().begin_step(step)``); e.g. the asynchronous EASGD update::
 
-    loss = self.forward_backward(batch)
-    if self.guard(loss, step):
-        self.optimizer.step()
-        if (step + 1) % tau == 0 and not self.client.elastic_(self.x, alpha):
-            self.halt("elastic update", step)
-    return self.step_result(loss, batch_size(batch))
+    def end_step(self, loss, samples, step):
+        if self.guard(loss, step):
+            self.optimizer.step()
+            if (step + 1) % tau == 0 and not self.client.elastic_(self.x, alpha):
+                self.halt("elastic update", step)
+        return self.step_result(loss, samples)
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from parambox.strategies.base import (
     StepResult,
     Strategy,
     bind_flat_replica,
-    forward_backward,
+    loss_value,
 )
 from parambox.strategies.center import DONE, FINAL, NONFINITE, CenterClient, CounterMap
 
@@ -123,14 +124,14 @@ class AsyncStrategy(Strategy):
         self._reached = False
 
     # -- the step ------------------------------------------------------------------------------------
-    def forward_backward(self, batch: Any) -> torch.Tensor:
-        """Forward and backward on the replica; the gradient lands in ``self.g``. Returns the loss."""
+    def begin_step(self, step: int) -> None:
+        """Zero ``g`` in place: backward accumulates the step's gradient into it (the ``.grad`` views)."""
         self.g.zero_()
-        return forward_backward(self.model, self.ctx.loss_fn, batch)
 
-    def guard(self, loss: torch.Tensor, step: int) -> bool:
-        """False (and the worker halts) when the loss is not finite: nothing of this step is pushed."""
-        if is_finite(loss):
+    def guard(self, loss: torch.Tensor | None, step: int) -> bool:
+        """False (and the worker halts) when the loss is not finite: nothing of this step is pushed.
+        An unknown loss (None) passes: every push refuses a non-finite update anyway."""
+        if loss is None or is_finite(loss):
             return True
         self.halt("loss", step)
         return False
@@ -143,7 +144,7 @@ class AsyncStrategy(Strategy):
         self.box.add_counter(self.counters.status(self.world.rank), NONFINITE)
         warn(f"rank {self.world.rank}: non-finite {what} at step {step}; it stops pushing and leaves the run")
 
-    def step_result(self, loss: torch.Tensor, samples: int) -> StepResult:
+    def step_result(self, loss: torch.Tensor | None, samples: int) -> StepResult:
         """Count the step in the box (heartbeat, termination) and report comm times and staleness."""
         m, rank = self.counters, self.world.rank
         done = self.box.add_counter(m.steps(rank), 1) + 1
@@ -154,7 +155,7 @@ class AsyncStrategy(Strategy):
         extra = {"staleness": float(self.client.staleness)}
         if self.halted:
             extra["nonfinite"] = 1.0
-        return StepResult(float(loss), samples, self.timers.pop(), extra)
+        return StepResult(loss_value(loss), samples, self.timers.pop(), extra)
 
     def flush(self) -> None:
         """Called once after the last step, before the worker says it is done: push what is left."""

@@ -59,7 +59,9 @@ class Context:
 
 
 class Strategy:
-    """One update rule. Subclasses set ``name`` and ``Options`` and implement :meth:`step`.
+    """One update rule. Subclasses set ``name`` and ``Options``; a data-parallel rule implements
+    :meth:`begin_step` and :meth:`end_step` (the shared :meth:`step` runs the forward/backward in
+    between), a rule that owns forward/backward (pipeline, L-BFGS) overrides :meth:`step`.
 
     >>> from parambox.strategies import STRATEGIES
     >>> sorted(STRATEGIES)[:2]  # doctest: +SKIP
@@ -75,6 +77,10 @@ class Strategy:
     # How many workers the strategy runs with (None: no upper limit); checked when it is built.
     min_workers: ClassVar[int] = 1
     max_workers: ClassVar[int | None] = None
+    # A data-parallel strategy's step is a local forward/backward between ``begin_step`` and
+    # ``end_step``, so ``DistributedOptimizer`` can drive it inside a user's own loop. Pipeline
+    # parallelism and L-BFGS must own forward/backward: they override ``step`` and set this.
+    owns_forward_backward: ClassVar[bool] = False
 
     @classmethod
     def resolve(cls, options: Options) -> type[Strategy]:
@@ -117,8 +123,21 @@ class Strategy:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self, batch: Any, step: int) -> StepResult:
-        """One training step on this worker's ``batch`` (already on the device)."""
-        raise NotImplementedError
+        """One training step on this worker's ``batch`` (already on the device): ``begin_step``,
+        forward/backward of the user's loss, ``end_step``."""
+        self.begin_step(step)
+        loss = forward_backward(self.model, self.ctx.loss_fn, batch)
+        return self.end_step(loss, batch_size(batch), step)
+
+    def begin_step(self, step: int) -> None:
+        """Before the forward pass of ``step``: zero the gradients (in place where they are views into
+        the strategy's buffers), and whatever the rule does first (a pull, a look-ahead)."""
+        raise NotImplementedError(f"strategy {self.name!r} owns forward/backward: call step(batch, step)")
+
+    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
+        """After backward: exchange and apply the update. ``loss`` is the detached loss of the step,
+        or None where the caller does not know it (``DistributedOptimizer``); ``samples`` may be 0."""
+        raise NotImplementedError(f"strategy {self.name!r} owns forward/backward: call step(batch, step)")
 
     def should_stop(self, step: int) -> bool:
         """Called before each step; asynchronous strategies align termination here."""
@@ -169,6 +188,11 @@ class PhaseTimers:
     def pop(self) -> dict[str, float]:
         out, self.seconds = self.seconds, {}
         return out
+
+
+def loss_value(loss: torch.Tensor | None) -> float:
+    """The step's loss as a float for the metrics; NaN where it is not known."""
+    return float("nan") if loss is None else float(loss)
 
 
 def forward_backward(model: nn.Module, loss_fn: LossFn, batch: Any) -> torch.Tensor:

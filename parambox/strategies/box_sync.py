@@ -13,13 +13,11 @@ the ``rma`` box each worker ``write``s its gradient (MPI Put) and ``pull``s the 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from pydantic import Field
 
 from parambox.box import Layout, open_box
-from parambox.strategies.base import Context, Options, StepResult, Strategy, batch_size, forward_backward
+from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
 
 
 class BoxSyncOptions(Options):
@@ -55,14 +53,17 @@ class BoxSync(Strategy):
         area = parity * self.world.world_size * self.layout.numel
         return area, area + self.world.rank * self.layout.numel
 
-    def step(self, batch: Any, step: int) -> StepResult:
-        n, numel = self.world.world_size, self.layout.numel
-        area, mine = self._slots(step % 2)
-        grad = self.shared[mine : mine + numel] if self.shared is not None else self.local
-        grad.zero_()
-        for p, view in zip(self.params, self.layout.views(grad).values()):
+    def begin_step(self, step: int) -> None:
+        numel = self.layout.numel
+        _, mine = self._slots(step % 2)
+        self.grad = self.shared[mine : mine + numel] if self.shared is not None else self.local
+        self.grad.zero_()
+        for p, view in zip(self.params, self.layout.views(self.grad).values()):
             p.grad = view  # backward accumulates here
-        loss = forward_backward(self.model, self.ctx.loss_fn, batch)
+
+    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
+        n, numel, grad = self.world.world_size, self.layout.numel, self.grad
+        area, mine = self._slots(step % 2)
         if self.shared is None:
             with self.timers.phase("write"):
                 self.box.write(grad, start=mine)
@@ -79,7 +80,7 @@ class BoxSync(Strategy):
         for p, view in zip(self.params, self.mean_grads):
             p.grad = view
         self.optimizer.step()
-        return StepResult(loss.item(), batch_size(batch), self.timers.pop())
+        return StepResult(loss_value(loss), samples, self.timers.pop())
 
     def close(self) -> None:
         for p in self.params:

@@ -46,7 +46,7 @@ from parambox.box import Layout
 from parambox.errors import warn
 from parambox.numerics import is_finite
 from parambox.runtime.spawn import identity_gone, process_identity
-from parambox.strategies.base import Context, Options, StepResult, Strategy, batch_size, forward_backward
+from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
 
 GRAD, FINAL, HALT = 0.0, 1.0, 2.0  # message kinds (the first element after the gradient)
 HEADER, REPLY_HEADER = 4, 2
@@ -88,24 +88,28 @@ class Dogwild(Strategy):
         else:
             self.peer = _Peer(self)
 
-    def step(self, batch: Any, step: int) -> StepResult:
+    def begin_step(self, step: int) -> None:
         if self.world.rank == 0:
             self.model.zero_grad(set_to_none=True)
-            loss = forward_backward(self.model, self.ctx.loss_fn, batch)
+        else:
+            self.peer.begin_step()
+
+    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
+        if self.world.rank == 0:
             grads = [p.grad for p in self.params if p.grad is not None]
             if self.finite(loss, grads, step):
                 with self.timers.phase("apply"):
                     self.master.apply_own()
         else:
-            loss = self.peer.step(batch, step)
+            self.peer.end_step(loss, samples, step)
         extra = {"staleness": self.staleness}
         if self.halted:
             extra["nonfinite"] = 1.0
-        return StepResult(float(loss), batch_size(batch), self.timers.pop(), extra)
+        return StepResult(loss_value(loss), samples, self.timers.pop(), extra)
 
-    def finite(self, loss: torch.Tensor, grads: list[torch.Tensor], step: int) -> bool:
+    def finite(self, loss: torch.Tensor | None, grads: list[torch.Tensor], step: int) -> bool:
         """False, halting this process's training, when its loss or gradient is not finite."""
-        if is_finite(loss) and all(is_finite(g) for g in grads):
+        if (loss is None or is_finite(loss)) and all(is_finite(g) for g in grads):
             return True
         self.halted = True
         warn(f"rank {self.world.rank}: non-finite loss or gradient at step {step}; it stops sending updates")
@@ -309,29 +313,29 @@ class _Peer:
         self.reply = torch.empty(numel + REPLY_HEADER)
         self.version = 0
 
-    def step(self, batch: Any, step: int) -> torch.Tensor:
-        owner, numel = self.owner, self.owner.layout.numel
+    def begin_step(self) -> None:
         if self.on_host:
             self.msg.zero_()
         else:
-            owner.model.zero_grad(set_to_none=True)
-        loss = forward_backward(owner.model, owner.ctx.loss_fn, batch)
+            self.owner.model.zero_grad(set_to_none=True)
+
+    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> None:
+        owner, numel = self.owner, self.owner.layout.numel
         if not self.on_host:
             owner.layout.gather_grads(owner.model, self.msg[:numel])
         if not owner.finite(loss, [self.msg[:numel]], step):
             self._send(HALT, loss, 0)
-            return loss
+            return
         pending = dist.irecv(self.reply, src=0, group=owner.pg)  # posted first: no unexpected message
-        self._send(GRAD, loss, batch_size(batch))
+        self._send(GRAD, loss, samples)
         with owner.timers.phase("recv"):
             self._wait(pending, "waiting for fresh weights from rank 0")
         owner.x.copy_(self.reply[:numel])
         self.version, owner.staleness = int(self.reply[numel]), float(self.reply[numel + 1])
-        return loss
 
-    def _send(self, kind: float, loss: torch.Tensor, samples: int) -> None:
+    def _send(self, kind: float, loss: torch.Tensor | None, samples: int) -> None:
         numel = self.owner.layout.numel
-        self.msg[numel:] = torch.tensor([kind, float(self.version), float(loss), float(samples)])
+        self.msg[numel:] = torch.tensor([kind, float(self.version), loss_value(loss), float(samples)])
         with self.owner.timers.phase("send"):
             self._wait(dist.isend(self.msg, dst=0, group=self.owner.pg), "sending a gradient")
 
@@ -341,4 +345,4 @@ class _Peer:
 
     def finish(self) -> None:
         if not self.owner.halted:  # a HALT already told rank 0 that this worker is leaving
-            self._send(FINAL, torch.tensor(0.0), 0)
+            self._send(FINAL, None, 0)

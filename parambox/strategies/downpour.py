@@ -19,15 +19,13 @@ rate than SGD here: ``--lr 0.01`` (preset ``digits-downpour-adagrad``).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from pydantic import Field
 
 from parambox.box.base import wait_until
 from parambox.errors import warn
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
-from parambox.strategies.base import Context, StepResult, batch_size
+from parambox.strategies.base import Context, StepResult
 from parambox.strategies.center import CenterClient
 
 ADAGRAD_EPS = 1e-10
@@ -133,14 +131,16 @@ class Downpour(AsyncStrategy):
     def exchange_periods(self) -> tuple[int, int]:
         return self.options.n_fetch, self.options.n_push
 
-    def step(self, batch: Any, step: int) -> StepResult:
+    def begin_step(self, step: int) -> None:
         if not self.warm:
             self._await_warmup()
         if step % self.worker.n_fetch == 0:
             self.worker.fetch()
             if self.adagrad is not None:
                 self.adagrad.fetch()
-        loss = self.forward_backward(batch)
+        super().begin_step(step)
+
+    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         if self.guard(loss, step):
             if self.adagrad is not None:
                 self.adagrad.step_(self.x, self.g)
@@ -148,7 +148,7 @@ class Downpour(AsyncStrategy):
                 self.optimizer.step()
             if (step + 1) % self.worker.n_push == 0 and not self._push():
                 self.halt("update", step)
-        return self.step_result(loss, batch_size(batch))
+        return self.step_result(loss, samples)
 
     def _push(self) -> bool:
         if not self.worker.push():

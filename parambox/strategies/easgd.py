@@ -33,9 +33,8 @@ from parambox.strategies.base import (
     Context,
     StepResult,
     Strategy,
-    batch_size,
     bind_flat_replica,
-    forward_backward,
+    loss_value,
 )
 
 DEFAULT_ALPHA = 0.1
@@ -148,10 +147,12 @@ class ElasticAveraging(AsyncStrategy):
         self.local, lr = make_local_step(self, self.nesterov)
         self.alpha = options.moving_rate(lr)
 
-    def step(self, batch: Any, step: int) -> StepResult:
+    def begin_step(self, step: int) -> None:
         if self.local is not None:
             self.local.lookahead_()
-        loss = self.forward_backward(batch)
+        super().begin_step(step)
+
+    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         if self.guard(loss, step):
             if self.local is not None:
                 self.local.step_(self.g)
@@ -159,7 +160,7 @@ class ElasticAveraging(AsyncStrategy):
                 self.optimizer.step()
             if (step + 1) % self.options.tau == 0 and not self.client.elastic_(self.x, self.alpha):
                 self.halt("elastic update", step)
-        return self.step_result(loss, batch_size(batch))
+        return self.step_result(loss, samples)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -209,12 +210,13 @@ class SyncElasticAveraging(Strategy):
             self.result = copy.deepcopy(self.model)
             self.layout.bind_params_(self.result, self.c)
 
-    def step(self, batch: Any, step: int) -> StepResult:
+    def begin_step(self, step: int) -> None:
         if self.local is not None:
             self.local.lookahead_()
         self.g.zero_()
-        loss = forward_backward(self.model, self.ctx.loss_fn, batch)
-        if not (self.halted or is_finite(loss)):
+
+    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
+        if not (self.halted or loss is None or is_finite(loss)):
             self._halt("loss", step)
         if not self.halted:
             if self.local is not None:
@@ -224,7 +226,7 @@ class SyncElasticAveraging(Strategy):
         if (step + 1) % self.options.tau == 0:
             self._exchange(step)
         extra = {"nonfinite": 1.0} if self.halted else {}
-        return StepResult(float(loss), batch_size(batch), self.timers.pop(), extra)
+        return StepResult(loss_value(loss), samples, self.timers.pop(), extra)
 
     def _exchange(self, step: int) -> None:
         flags = self.buf[self.numel :]

@@ -23,14 +23,12 @@ result is the shared weights once every worker is done, copied out by rank 0.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from parambox.errors import UserError
 from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
-from parambox.strategies.base import Context, StepResult, batch_size, forward_backward
+from parambox.strategies.base import Context, StepResult
 
 
 class HogwildOptions(AsyncOptions):
@@ -68,13 +66,11 @@ class Hogwild(AsyncStrategy):
         self.x = self.shared
         self.optimizer = ctx.make_optimizer(self.params)
 
-    def forward_backward(self, batch: Any) -> torch.Tensor:
+    def begin_step(self, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        return forward_backward(self.model, self.ctx.loss_fn, batch)
+        self.seen = self.box.read_counter(self.counters.total)
 
-    def step(self, batch: Any, step: int) -> StepResult:
-        seen = self.box.read_counter(self.counters.total)
-        loss = self.forward_backward(batch)
+    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         if self.guard(loss, step):
             if self._grads_finite():
                 with self.timers.phase("update"):
@@ -82,8 +78,8 @@ class Hogwild(AsyncStrategy):
             else:
                 self.halt("gradient", step)
         # Staleness: the other workers' steps that landed in the shared weights during this one.
-        self.client.staleness = self.box.read_counter(self.counters.total) - seen
-        return self.step_result(loss, batch_size(batch))
+        self.client.staleness = self.box.read_counter(self.counters.total) - self.seen
+        return self.step_result(loss, samples)
 
     def _grads_finite(self) -> bool:
         grads = [p.grad for p in self.params if p.grad is not None]

@@ -24,8 +24,6 @@ Options: ``group_size``, and EASGD's ``tau`` (default 4), ``alpha`` (default 0.1
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from pydantic import Field, model_validator
@@ -33,7 +31,7 @@ from pydantic import Field, model_validator
 from parambox.errors import UserError
 from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncStrategy
-from parambox.strategies.base import Context, StepResult, batch_size
+from parambox.strategies.base import Context, StepResult
 from parambox.strategies.easgd import EasgdOptions, make_local_step
 
 
@@ -89,8 +87,7 @@ class Hybrid(AsyncStrategy):
         self.alpha = options.moving_rate(lr)
         self.flag = torch.zeros(1, device=self.x.device)  # nccl broadcasts device tensors
 
-    def step(self, batch: Any, step: int) -> StepResult:
-        loss = self.forward_backward(batch)
+    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         if len(self.members) > 1:
             with self.timers.phase("allreduce"), self.collective("hybrid gradient allreduce"):
                 dist.all_reduce(self.g, group=self.group)
@@ -102,7 +99,7 @@ class Hybrid(AsyncStrategy):
             self.optimizer.step()
             if (step + 1) % self.options.tau == 0:
                 self._exchange(step)
-        return self.step_result(loss, batch_size(batch))
+        return self.step_result(loss, samples)
 
     def _exchange(self, step: int) -> None:
         """The leader's elastic exchange with the center, then the leader's replica to its group."""

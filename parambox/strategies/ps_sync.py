@@ -7,13 +7,11 @@ broadcasts the new weights. The time of gather, average and broadcast is recorde
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from parambox.strategies.base import Context, Options, StepResult, Strategy, batch_size, forward_backward
+from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
 
 
 class ParameterServerSync(Strategy):
@@ -30,10 +28,11 @@ class ParameterServerSync(Strategy):
             self.optimizer = ctx.make_optimizer(self.params)
             self.inbox = [torch.empty_like(self.flat) for _ in range(self.world.world_size)]
 
-    def step(self, batch: Any, step: int) -> StepResult:
+    def begin_step(self, step: int) -> None:
         for p in self.params:
             p.grad = None
-        loss = forward_backward(self.model, self.ctx.loss_fn, batch)
+
+    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         grad = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params]
         )
@@ -57,4 +56,4 @@ class ParameterServerSync(Strategy):
                 dist.broadcast(self.flat, src=0)
         if not server:
             vector_to_parameters(self.flat, self.params)
-        return StepResult(loss.item(), batch_size(batch), self.timers.pop())
+        return StepResult(loss_value(loss), samples, self.timers.pop())

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import torch
 
-from parambox.strategies.base import Context, Options, StepResult, Strategy, batch_size, forward_backward
+from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
 
 
 class Single(Strategy):
@@ -15,8 +15,9 @@ class Single(Strategy):
         super().__init__(ctx, options)
         self.optimizer = ctx.make_optimizer(self.model.parameters())
 
-    def step(self, batch: Any, step: int) -> StepResult:
+    def begin_step(self, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        loss = forward_backward(self.model, self.ctx.loss_fn, batch)
+
+    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         self.optimizer.step()
-        return StepResult(loss.item(), batch_size(batch))
+        return StepResult(loss_value(loss), samples)

@@ -6,13 +6,12 @@ are local SGD / post-local SGD. Optimizer state stays local to each worker.
 
 from __future__ import annotations
 
-from typing import Any
-
+import torch
 import torch.distributed as dist
 from pydantic import Field
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from parambox.strategies.base import Context, Options, StepResult, Strategy, batch_size, forward_backward
+from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
 
 
 class WeightAvgOptions(Options):
@@ -37,13 +36,14 @@ class WeightAveraging(Strategy):
             dist.all_reduce(flat)
         vector_to_parameters(flat.div_(self.world.world_size), self.params)
 
-    def step(self, batch: Any, step: int) -> StepResult:
+    def begin_step(self, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        loss = forward_backward(self.model, self.ctx.loss_fn, batch)
+
+    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         self.optimizer.step()
         if (step + 1) % self.options.period == 0:
             self._average()
-        return StepResult(loss.item(), batch_size(batch), self.timers.pop())
+        return StepResult(loss_value(loss), samples, self.timers.pop())
 
     def finish(self) -> None:
         # The result is the average of the replicas, also when the run did not end on a period.

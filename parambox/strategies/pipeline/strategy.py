@@ -90,6 +90,7 @@ class Pipeline(Strategy):
     """
 
     name = "pipeline"
+    owns_forward_backward = True  # the schedule runs forward and backward stage by stage
     Options = PipelineOptions
     min_workers = 2  # one stage per rank
 

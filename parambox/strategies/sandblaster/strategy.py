@@ -71,6 +71,7 @@ class Sandblaster(Strategy):
     """
 
     name = "sandblaster"
+    owns_forward_backward = True  # portions of the batch are computed where the coordinator sends them
     Options = SandblasterOptions
 
     def __init__(self, ctx: Context, options: SandblasterOptions):
