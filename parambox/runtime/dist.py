@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import time
@@ -60,6 +61,11 @@ def destroy_distributed() -> None:
             dist.destroy_process_group()
 
 
+# Boards made in this process so far: every rank makes its boards in the same order, so the n-th
+# board's address goes under a key of its own (a later board never finds an earlier one's address).
+_BOARDS = itertools.count()
+
+
 class ProgressBoard:
     """A small key-value store of its own (the process group's may be broken by a failed
     collective) through which ranks that time out in a collective find out which peers never
@@ -73,12 +79,12 @@ class ProgressBoard:
         from torch.distributed.distributed_c10d import _get_default_store
 
         pg_store, rank = _get_default_store(), dist.get_rank()
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        addr, key = os.environ.get("MASTER_ADDR", "127.0.0.1"), f"parambox/board/{next(_BOARDS)}"
         if rank == 0:
             self.store = dist.TCPStore(addr, 0, dist.get_world_size(), is_master=True, wait_for_workers=False)
-            pg_store.set("parambox/board", f"{addr}:{self.store.port}")
+            pg_store.set(key, f"{addr}:{self.store.port}")
         else:
-            host, port = pg_store.get("parambox/board").decode().rsplit(":", 1)
+            host, port = pg_store.get(key).decode().rsplit(":", 1)
             self.store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
         self.store.set_timeout(timedelta(seconds=5))
 
