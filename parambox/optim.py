@@ -90,8 +90,9 @@ class DistributedOptimizer:
         self._own_group = self.world.world_size > 1 and not dist.is_initialized()
         if self._own_group:
             pbdist.init_distributed(self.world, timeout)
-        self.board = pbdist.ProgressBoard()
+        self.board: pbdist.ProgressBoard | None = None
         try:
+            self.board = pbdist.ProgressBoard()
             if self.world.world_size > 1:  # everyone starts from rank 0's weights and buffers, as DDP
                 with pbdist.collective("initial weights broadcast", self.board):
                     broadcast_tensors_(_state(model))
@@ -221,7 +222,8 @@ class DistributedOptimizer:
             for p in self.model.parameters():
                 p.grad = None
         finally:
-            self.board.close()
+            if self.board is not None:
+                self.board.close()
             if self._own_group:
                 pbdist.destroy_distributed()
 

@@ -117,7 +117,8 @@ def test_users_optimizer_is_the_strategys_and_a_copy_gets_its_groups():
 @pytest.mark.parametrize("drop", ["after_step", "before_backward"])
 def test_torch_zero_grad_set_to_none_is_harmless(drop):
     """The user calls the torch optimizer's zero_grad(set_to_none=True), not ours, at either point:
-    allreduce's .grad views are bound again (before the forward) or the gradient adopted (after)."""
+    allreduce's .grad views are bound again (before the forward) or the gradient adopted (after);
+    the one-process reference (unused branch skipped, weight decay and momentum) is met."""
     model, opt = sgd_model(AnyNet)
     dopt = parambox.DistributedOptimizer(model, opt, "allreduce")
     for step in range(ANYMODEL_STEPS):
@@ -132,6 +133,28 @@ def test_torch_zero_grad_set_to_none_is_harmless(drop):
             opt.zero_grad(set_to_none=True)
     dopt.close()
     assert max_diff(model.state_dict(), reference_anymodel("rank0", world_size=1)) <= 1e-6
+
+
+def train_alone(strategy: str, torch_zero_grad: bool) -> dict[str, torch.Tensor]:
+    model, opt = sgd_model(AnyNet)
+    with parambox.DistributedOptimizer(model, opt, strategy) as dopt:
+        for step in range(ANYMODEL_STEPS):
+            model.use_aux = uses_aux(step)
+            x, y = global_batch(step, 1)
+            if not torch_zero_grad:
+                dopt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            dopt.step()
+            if torch_zero_grad:
+                opt.zero_grad(set_to_none=True)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("strategy", DATA_PARALLEL)
+def test_torch_zero_grad_after_step_changes_nothing(strategy):
+    """Every strategy, one process: the torch optimizer's zero_grad(set_to_none=True) after step()
+    gives what opt.zero_grad() gives (the .grad views are bound again before the next forward)."""
+    assert max_diff(train_alone(strategy, True), train_alone(strategy, False)) == 0.0
 
 
 def test_close_leaves_a_plain_model():
