@@ -1,8 +1,9 @@
 """User scripts for the DistributedOptimizer tests, run under torchrun, and the references they meet.
 
-``python tests/distopt_worker.py numerics STRATEGY OUT``: a plain loop (DistributedOptimizer joins
-torchrun's group itself) on a tied-weight, non-Sequential regression model, 20 SGD steps at batch
-``B`` per rank; each rank saves its final state to ``OUT/rank<r>.pt``.
+``python tests/distopt_worker.py numerics STRATEGIES OUT``: a plain loop (DistributedOptimizer
+starts the process group from torchrun's environment, and ends it) on a tied-weight, non-Sequential
+regression model, 20 SGD steps at batch ``B`` per rank, for each strategy in turn; each rank saves
+its final state to ``OUT/<strategy>-rank<r>.pt``.
 
 ``python tests/distopt_worker.py anymodel STRATEGIES OUT``: the script initialises torch.distributed
 itself and runs every strategy in turn on :class:`AnyNet` (BatchNorm, a tied weight, a frozen layer,
@@ -128,20 +129,25 @@ def reference_anymodel(buffers: str, steps: int = ANYMODEL_STEPS, world_size: in
 # -- the user scripts --------------------------------------------------------------------------------
 
 
-def numerics(strategy: str, out: Path) -> None:
+def numerics(strategies: list[str], out: Path) -> None:
+    """One strategy after the other, each DistributedOptimizer starting (and ending) the group itself."""
     import parambox
 
-    model = build(TiedNet, int(os.environ.get("RANK", "0")))
-    opt = parambox.DistributedOptimizer(model, make_sgd(model), strategy, steps=NUMERICS_STEPS, timeout=60)
-    for step in range(NUMERICS_STEPS):
-        x, y = global_batch(step, opt.world_size)
-        xs, ys = x.chunk(opt.world_size)[opt.rank], y.chunk(opt.world_size)[opt.rank]
-        loss = F.mse_loss(model(xs), ys)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    opt.close()
-    torch.save(snapshot(model), out / f"rank{opt.rank}.pt")
+    for strategy in strategies:
+        model = build(TiedNet, int(os.environ.get("RANK", "0")))
+        opt = parambox.DistributedOptimizer(
+            model, make_sgd(model), strategy, steps=NUMERICS_STEPS, timeout=60
+        )
+        for step in range(NUMERICS_STEPS):
+            x, y = global_batch(step, opt.world_size)
+            xs, ys = x.chunk(opt.world_size)[opt.rank], y.chunk(opt.world_size)[opt.rank]
+            loss = F.mse_loss(model(xs), ys)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        opt.close()
+        assert not dist.is_initialized()
+        torch.save(snapshot(model), out / f"{strategy}-rank{opt.rank}.pt")
 
 
 def anymodel(strategies: list[str], out: Path) -> None:
@@ -170,6 +176,6 @@ def anymodel(strategies: list[str], out: Path) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "numerics":
-        numerics(sys.argv[2], Path(sys.argv[3]))
+        numerics(sys.argv[2].split(","), Path(sys.argv[3]))
     else:
         anymodel(sys.argv[2].split(","), Path(sys.argv[3]))

@@ -195,20 +195,31 @@ def test_an_error_in_the_loop_releases_without_waiting():
 # -- tier (b)/(c): under torchrun -----------------------------------------------------------------------
 
 
-@pytest.mark.timeout(200)
-def test_allreduce_at_b_per_rank_equals_one_process_at_2b(tmp_path):
+@pytest.fixture(scope="module")
+def numerics_runs(tmp_path_factory) -> Path:
+    """allreduce, then easgd, in one torchrun job: each DistributedOptimizer starts the group itself."""
+    out = tmp_path_factory.mktemp("numerics")
+    torchrun("tests/distopt_worker.py", "numerics", "allreduce,easgd", str(out))
+    return out
+
+
+def final_states(out: Path, strategy: str) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(out / f"{strategy}-rank{r}.pt", weights_only=True) for r in (0, 1)]
+
+
+@pytest.mark.timeout(240)
+def test_allreduce_at_b_per_rank_equals_one_process_at_2b(numerics_runs):
     """Must show (issue 10): through DistributedOptimizer under torchrun, 20 SGD steps (momentum,
     weight decay) on a tied-weight non-Sequential model equal the plain loop on the 2b batch."""
-    torchrun("tests/distopt_worker.py", "numerics", "allreduce", str(tmp_path))
     reference = reference_numerics()
-    for rank in (0, 1):
-        assert max_diff(torch.load(tmp_path / f"rank{rank}.pt", weights_only=True), reference) <= 1e-5
+    for state in final_states(numerics_runs, "allreduce"):
+        assert max_diff(state, reference) <= 1e-5
 
 
-@pytest.mark.timeout(200)
-def test_easgd_every_rank_holds_the_same_model_after_close(tmp_path):
-    torchrun("tests/distopt_worker.py", "numerics", "easgd", str(tmp_path))
-    a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+@pytest.mark.timeout(240)
+def test_easgd_every_rank_holds_the_same_model_after_close(numerics_runs):
+    """Must show (issue 10); also: a second DistributedOptimizer starts the group again under torchrun."""
+    a, b = final_states(numerics_runs, "easgd")
     assert max_diff(a, b) == 0.0
     assert max_diff(a, build(TiedNet, 0).state_dict()) > 1e-3  # it trained
 

@@ -16,6 +16,8 @@ from parambox.errors import CommTimeout
 from parambox.runtime.spawn import free_port
 from parambox.runtime.world import World
 
+_STARTS = itertools.count()  # process groups this process has started
+
 
 def rendezvous_address(world: World) -> tuple[str, int]:
     """MASTER_ADDR/PORT for this world. torchrun and the local launcher set them; under srun they
@@ -39,13 +41,17 @@ def init_distributed(world: World, timeout_s: float) -> None:
     if world.world_size == 1 or dist.is_initialized():
         return
     addr, port = rendezvous_address(world)
+    timeout = timedelta(seconds=timeout_s)
     try:
+        store, _, _ = next(
+            dist.rendezvous(f"tcp://{addr}:{port}", world.rank, world.world_size, timeout=timeout)
+        )
+        # A process may start a group again after destroying one (DistributedOptimizer after
+        # DistributedOptimizer); under torchrun the store is the agent's, the same for every start,
+        # so each start keeps its keys under a prefix of its own (else the old addresses are read).
+        store = dist.PrefixStore(f"parambox/{next(_STARTS)}", store)
         dist.init_process_group(
-            world.backend,
-            init_method=f"tcp://{addr}:{port}",
-            rank=world.rank,
-            world_size=world.world_size,
-            timeout=timedelta(seconds=timeout_s),
+            world.backend, store=store, rank=world.rank, world_size=world.world_size, timeout=timeout
         )
     except (RuntimeError, ValueError) as e:
         raise CommTimeout(
