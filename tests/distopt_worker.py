@@ -155,9 +155,11 @@ def anymodel(strategies: list[str], out: Path) -> None:
 
     dist.init_process_group("gloo")  # the user's own group: DistributedOptimizer must leave it alone
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    for strategy in strategies:
-        model = build(AnyNet, rank)
+    for run in strategies:  # "easgd+sync": easgd with sync=true
+        strategy, _, form = run.partition("+")
         options = {"tau": 2} if strategy in ("easgd", "eamsgd", "hybrid") else {}
+        options.update({"sync": True} if form == "sync" else {})
+        model = build(AnyNet, rank)
         with parambox.DistributedOptimizer(model, make_sgd(model), strategy, options, timeout=60) as opt:
             for step in range(ANYMODEL_STEPS):
                 model.use_aux = uses_aux(step)
@@ -165,8 +167,10 @@ def anymodel(strategies: list[str], out: Path) -> None:
                 opt.zero_grad()
                 F.mse_loss(model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
                 opt.step()
+            before_close = {name: b.clone() for name, b in model.named_buffers()}
         tied = model.dec.weight is model.enc.weight
-        torch.save({"state": snapshot(model), "tied": tied}, out / f"{strategy}-rank{rank}.pt")
+        result = {"state": snapshot(model), "tied": tied, "buffers_before_close": before_close}
+        torch.save(result, out / f"{run}-rank{rank}.pt")
     if rank == 0:
         torch.save(snapshot(build(AnyNet, 0)), out / "init.pt")
     assert dist.is_initialized(), "DistributedOptimizer destroyed the user's process group"

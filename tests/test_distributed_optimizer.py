@@ -228,22 +228,27 @@ def test_easgd_every_rank_holds_the_same_model_after_close(numerics_runs):
 def anymodel_runs(tmp_path_factory) -> Path:
     """Every data-parallel strategy in turn, in one torchrun job whose script owns the process group."""
     out = tmp_path_factory.mktemp("anymodel")
-    torchrun("tests/distopt_worker.py", "anymodel", ",".join(DATA_PARALLEL), str(out), timeout=400)
+    runs = [*DATA_PARALLEL, "easgd+sync"]
+    torchrun("tests/distopt_worker.py", "anymodel", ",".join(runs), str(out), timeout=400)
     return out
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("strategy", DATA_PARALLEL)
+@pytest.mark.parametrize("strategy", [*DATA_PARALLEL, "easgd+sync"])
 def test_any_module_through_every_strategy(strategy, anymodel_runs):
     """AnyNet (BatchNorm, tied weight, frozen layer, a branch used every third step), SGD with momentum
-    and weight decay: every rank ends with the same model, the frozen layer untouched, the tie kept;
-    the synchronous strategies equal the one-process reference (gradients of the rank slices
-    averaged, an unused branch skipped by the optimizer, rank 0's batch-norm statistics, or their
-    mean for weight-avg)."""
+    and weight decay: every rank ends with the same model, the frozen layer untouched, the tie kept,
+    the buffers rank 0's (weight-avg: the mean of the ranks'); the synchronous strategies equal the
+    one-process reference (gradients of the rank slices averaged, an unused branch skipped by the
+    optimizer, rank 0's batch-norm statistics, or their mean for weight-avg)."""
     runs = [torch.load(anymodel_runs / f"{strategy}-rank{r}.pt", weights_only=True) for r in (0, 1)]
     init = torch.load(anymodel_runs / "init.pt", weights_only=True)
     state = runs[0]["state"]
     assert max_diff(state, runs[1]["state"]) == 0.0
+    before = [run["buffers_before_close"] for run in runs]
+    for name, value in before[0].items():
+        mean = value.is_floating_point() and strategy == "weight-avg"
+        assert torch.allclose(state[name], (value + before[1][name]) / 2 if mean else value, atol=1e-7)
     assert all(run["tied"] for run in runs)
     assert all(torch.equal(state[k], init[k]) for k in init if k.startswith("frozen."))
     assert all(torch.isfinite(v.double()).all() for v in state.values())
