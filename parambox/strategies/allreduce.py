@@ -27,7 +27,6 @@ from parambox.strategies.base import (
     StepResult,
     Strategy,
     loss_value,
-    sync_buffers_,
     trainable,
 )
 
@@ -108,9 +107,7 @@ class AllReduce(Strategy):
             b.buffer.zero_()
             b.ready, b.work = 0, None
             b.grads.rebind_()
-        if self.distributed:
-            with self.timers.phase("buffers"), self.collective("buffer broadcast"):
-                sync_buffers_(self.model, self.world)
+        self.sync_buffers()
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         partial = [b for b in self.buckets if b.ready < len(b.params)]

@@ -140,6 +140,17 @@ class Strategy:
         or None where the caller does not know it (``DistributedOptimizer``); ``samples`` may be 0."""
         raise NotImplementedError(f"strategy {self.name!r} owns forward/backward: call step(batch, step)")
 
+    def sync_buffers(self) -> None:
+        """Rank 0's buffers (batch-norm statistics) to every rank, as DDP does before each forward pass
+        (the synchronous strategies call it in ``begin_step``); nothing for a model without buffers."""
+        if (
+            self.world.world_size > 1
+            and dist.is_initialized()
+            and next(self.model.buffers(), None) is not None
+        ):
+            with self.timers.phase("buffers"), self.collective("buffer broadcast"):
+                broadcast_tensors_(list(self.model.buffers()))
+
     def should_stop(self, step: int) -> bool:
         """Called before each step; asynchronous strategies align termination here."""
         return step >= self.ctx.steps
@@ -343,10 +354,3 @@ def broadcast_tensors_(tensors: list[torch.Tensor], src: int = 0, group: Any = N
             for t in same:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
-
-
-def sync_buffers_(model: nn.Module, world: World) -> None:
-    """Rank 0's buffers (batch-norm statistics) to every rank, as DDP does before each forward pass."""
-    buffers = list(model.buffers())
-    if buffers and world.world_size > 1 and dist.is_initialized():
-        broadcast_tensors_(buffers)

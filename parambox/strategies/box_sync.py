@@ -30,7 +30,6 @@ from parambox.strategies.base import (
     StepResult,
     Strategy,
     loss_value,
-    sync_buffers_,
 )
 
 
@@ -82,9 +81,7 @@ class BoxSync(Strategy):
         self.grad.zero_()
         self.grads.views = self.views_of[step % 2]
         self.grads.rebind_()  # backward accumulates here
-        if self.world.world_size > 1:
-            with self.timers.phase("buffers"), self.collective("buffer broadcast"):
-                sync_buffers_(self.model, self.world)
+        self.sync_buffers()
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         n, numel, grad, slot = self.world.world_size, self.layout.numel, self.grad, self.slot

@@ -22,7 +22,6 @@ from parambox.strategies.base import (
     StepResult,
     Strategy,
     loss_value,
-    sync_buffers_,
     trainable,
 )
 
@@ -45,9 +44,7 @@ class ParameterServerSync(Strategy):
     def begin_step(self, step: int) -> None:
         for p in self.params:
             p.grad = None
-        if self.world.world_size > 1:
-            with self.timers.phase("buffers"), self.collective("buffer broadcast"):
-                sync_buffers_(self.model, self.world)
+        self.sync_buffers()
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         got = torch.tensor([p.grad is not None for p in self.params], dtype=self.flat.dtype)
