@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import time
@@ -14,6 +15,8 @@ import torch.distributed as dist
 from parambox.errors import CommTimeout
 from parambox.runtime.spawn import free_port
 from parambox.runtime.world import World
+
+_STARTS = itertools.count()  # process groups this process has started
 
 
 def rendezvous_address(world: World) -> tuple[str, int]:
@@ -38,13 +41,17 @@ def init_distributed(world: World, timeout_s: float) -> None:
     if world.world_size == 1 or dist.is_initialized():
         return
     addr, port = rendezvous_address(world)
+    timeout = timedelta(seconds=timeout_s)
     try:
+        store, _, _ = next(
+            dist.rendezvous(f"tcp://{addr}:{port}", world.rank, world.world_size, timeout=timeout)
+        )
+        # A process may start a group again after destroying one (DistributedOptimizer after
+        # DistributedOptimizer); under torchrun the store is the agent's, the same for every start,
+        # so each start keeps its keys under a prefix of its own (else the old addresses are read).
+        store = dist.PrefixStore(f"parambox/{next(_STARTS)}", store)
         dist.init_process_group(
-            world.backend,
-            init_method=f"tcp://{addr}:{port}",
-            rank=world.rank,
-            world_size=world.world_size,
-            timeout=timedelta(seconds=timeout_s),
+            world.backend, store=store, rank=world.rank, world_size=world.world_size, timeout=timeout
         )
     except (RuntimeError, ValueError) as e:
         raise CommTimeout(
@@ -60,6 +67,11 @@ def destroy_distributed() -> None:
             dist.destroy_process_group()
 
 
+# Boards made in this process so far: every rank makes its boards in the same order, so the n-th
+# board's address goes under a key of its own (a later board never finds an earlier one's address).
+_BOARDS = itertools.count()
+
+
 class ProgressBoard:
     """A small key-value store of its own (the process group's may be broken by a failed
     collective) through which ranks that time out in a collective find out which peers never
@@ -73,12 +85,12 @@ class ProgressBoard:
         from torch.distributed.distributed_c10d import _get_default_store
 
         pg_store, rank = _get_default_store(), dist.get_rank()
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        addr, key = os.environ.get("MASTER_ADDR", "127.0.0.1"), f"parambox/board/{next(_BOARDS)}"
         if rank == 0:
             self.store = dist.TCPStore(addr, 0, dist.get_world_size(), is_master=True, wait_for_workers=False)
-            pg_store.set("parambox/board", f"{addr}:{self.store.port}")
+            pg_store.set(key, f"{addr}:{self.store.port}")
         else:
-            host, port = pg_store.get("parambox/board").decode().rsplit(":", 1)
+            host, port = pg_store.get(key).decode().rsplit(":", 1)
             self.store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
         self.store.set_timeout(timedelta(seconds=5))
 

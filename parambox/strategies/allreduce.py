@@ -4,6 +4,13 @@ Gradients are bucketed in reverse parameter order (the order backward produces t
 bucket's allreduce starts as soon as its last gradient has been accumulated, overlapping
 communication with the rest of backward. The parameters' ``.grad`` are views into the bucket
 buffers, so no gradient is copied before or after communication.
+
+Any module: frozen parameters are not in the buckets (never moved, not even by weight decay);
+tied weights appear once. Each bucket ends with one flag per parameter saying "this rank computed
+its gradient", summed by the same allreduce: a parameter no rank computed a gradient for in a step
+(an unused branch) has ``.grad = None`` when the optimizer steps, so momentum and weight decay leave
+it alone, as in one process. Buffers (batch-norm statistics) are rank 0's, broadcast before each
+forward pass, as DDP does.
 """
 
 from __future__ import annotations
@@ -12,7 +19,16 @@ import torch
 import torch.distributed as dist
 from pydantic import Field
 
-from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
+from parambox.errors import UserError
+from parambox.strategies.base import (
+    Context,
+    GradViews,
+    Options,
+    StepResult,
+    Strategy,
+    loss_value,
+    trainable,
+)
 
 
 class AllReduceOptions(Options):
@@ -21,13 +37,19 @@ class AllReduceOptions(Options):
 
 
 class _Bucket:
+    """Gradients of some parameters back to back, then one "got a gradient" flag per parameter."""
+
     def __init__(self, params: list[torch.nn.Parameter]):
         self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for p in params), device=params[0].device)
-        offset = 0
+        numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(numel + len(params), device=params[0].device)
+        self.flags = self.buffer[numel:]
+        views, offset = [], 0
         for p in params:
-            p.grad = self.buffer[offset : offset + p.numel()].view_as(p)
+            views.append(self.buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
+        self.views = views
+        self.grads: GradViews | None = None
         self.ready = 0
         self.work: dist.Work | None = None
 
@@ -53,39 +75,58 @@ class AllReduce(Strategy):
 
     def __init__(self, ctx: Context, options: AllReduceOptions):
         super().__init__(ctx, options)
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = trainable(self.model)
         self.distributed = self.world.world_size > 1 and dist.is_initialized()
         if self.distributed:
             for p in params:  # same start everywhere, whatever each rank's seed did
                 dist.broadcast(p.data, src=0)
         self.buckets = build_buckets(list(reversed(params)), options.bucket_mb, options.first_bucket_mb)
-        self._bucket_of = {}
         for b in self.buckets:
-            for p in b.params:
-                self._bucket_of[p] = b
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            b.grads = GradViews(b.params, b.views, track=True, on_ready=self._ready_in(b))
         self.optimizer = ctx.make_optimizer(params)
 
-    def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
-        b = self._bucket_of[p]
-        b.ready += 1
-        if b.ready == len(b.params) and self.distributed:
-            b.work = dist.all_reduce(b.buffer, async_op=True)
+    def _ready_in(self, b: _Bucket):
+        def on_ready(i: int, first: bool) -> None:
+            if not first:
+                if b.work is not None:
+                    raise UserError(
+                        "allreduce: a second backward before the optimizer step (gradient accumulation) "
+                        "is not supported; step after each backward"
+                    )
+                return
+            b.ready += 1
+            if b.ready == len(b.params):
+                b.flags.fill_(1.0)
+                if self.distributed:
+                    b.work = dist.all_reduce(b.buffer, async_op=True)
+
+        return on_ready
 
     def begin_step(self, step: int) -> None:
         for b in self.buckets:  # zero in place: .grad must stay views into the buckets
             b.buffer.zero_()
             b.ready, b.work = 0, None
+            b.grads.rebind_()
+        self.sync_buffers()
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
+        partial = [b for b in self.buckets if b.ready < len(b.params)]
+        for b in partial:  # parameters without a gradient on this rank: their flag stays 0
+            b.flags.copy_(torch.tensor(b.grads.used, dtype=b.flags.dtype))
         if self.distributed:
             with self.timers.phase("allreduce_wait"), self.collective("gradient allreduce"):
                 for b in self.buckets:
-                    if b.work is None:  # parameters that got no gradient this step
+                    if b.work is None:
                         b.work = dist.all_reduce(b.buffer, async_op=True)
                     b.work.wait()
                     b.buffer.div_(self.world.world_size)
+        for b in partial:  # a rank whose every parameter got a gradient has no flag to read
+            b.grads.drop_unused_(b.flags.tolist())
         self.optimizer.step()
         for b in self.buckets:
             b.work = None  # a finished Work kept alive past destroy_process_group can abort the process
         return StepResult(loss_value(loss), samples, self.timers.pop())
+
+    def close(self) -> None:
+        for b in self.buckets:
+            b.grads.close()

@@ -57,6 +57,7 @@ from parambox.numerics import is_finite
 from parambox.runtime.spawn import identity_gone, process_identity
 from parambox.strategies.base import (
     Context,
+    GradViews,
     Options,
     StepResult,
     Strategy,
@@ -101,6 +102,7 @@ class AsyncStrategy(Strategy):
             self.result_x = torch.empty(self.numel, device=ctx.world.device)
             self.layout.bind_params_(self.result, self.result_x)
         self.x, self.g = bind_flat_replica(self.model, self.layout, ctx.world.device)
+        self.grad_views = GradViews.of_flat(self.model, self.layout, self.g)
         self.counters = CounterMap(n, extra_counters)
         self.extra_start = self.numel
         self.box = open_box(
@@ -125,8 +127,10 @@ class AsyncStrategy(Strategy):
 
     # -- the step ------------------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
-        """Zero ``g`` in place: backward accumulates the step's gradient into it (the ``.grad`` views)."""
+        """Zero ``g`` in place: backward accumulates the step's gradient into it (the ``.grad`` views,
+        bound again where a user's ``zero_grad(set_to_none=True)`` dropped them)."""
         self.g.zero_()
+        self.grad_views.rebind_()
 
     def guard(self, loss: torch.Tensor | None, step: int) -> bool:
         """False (and the worker halts) when the loss is not finite: nothing of this step is pushed.

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
@@ -139,6 +140,17 @@ class Strategy:
         or None where the caller does not know it (``DistributedOptimizer``); ``samples`` may be 0."""
         raise NotImplementedError(f"strategy {self.name!r} owns forward/backward: call step(batch, step)")
 
+    def sync_buffers(self) -> None:
+        """Rank 0's buffers (batch-norm statistics) to every rank, as DDP does before each forward pass
+        (the synchronous strategies call it in ``begin_step``); nothing for a model without buffers."""
+        if (
+            self.world.world_size > 1
+            and dist.is_initialized()
+            and next(self.model.buffers(), None) is not None
+        ):
+            with self.timers.phase("buffers"), self.collective("buffer broadcast"):
+                broadcast_tensors_(list(self.model.buffers()))
+
     def should_stop(self, step: int) -> bool:
         """Called before each step; asynchronous strategies align termination here."""
         return step >= self.ctx.steps
@@ -234,6 +246,11 @@ def batch_size(batch: Any) -> int:
     raise ValueError(f"a batch needs at least one tensor, got {type(batch).__name__}")
 
 
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters an optimizer may move: ``requires_grad`` ones, each once (tied weights once)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def bind_flat_replica(
     model: nn.Module, layout: Layout, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,10 +258,99 @@ def bind_flat_replica(
 
     Pulls, pushes and elastic updates are then single flat operations; backward accumulates
     straight into ``g`` (zero it, not the optimizer's ``zero_grad``, which would drop the views).
+    Frozen parameters (``requires_grad=False``) get no ``.grad``: an optimizer never moves them,
+    not even by weight decay; their part of ``g`` stays zero.
     """
     x = torch.empty(layout.numel, device=device)
     layout.bind_params_(model, x, copy_values=True)
     g = torch.zeros_like(x)
-    for p, view in zip(model.parameters(), layout.views(g).values()):
-        p.grad = view
+    GradViews.of_flat(model, layout, g)
     return x, g
+
+
+class GradViews:
+    """The trainable parameters' ``.grad`` as views into a strategy's buffers.
+
+    Backward then accumulates straight into the buffers. ``rebind_()`` (in ``begin_step``) restores
+    the views a user's ``optimizer.zero_grad(set_to_none=True)`` dropped. With ``track``, a
+    post-accumulate hook per parameter notes which parameters got a gradient this step (``used``),
+    moves a gradient that autograd put elsewhere into its view, and calls ``on_ready(i, first)``;
+    ``close()`` removes the hooks, since a user's model outlives the strategy.
+
+    >>> lin = nn.Linear(2, 1); flat = torch.zeros(3)
+    >>> gv = GradViews(list(lin.parameters()), [flat[:2].view(1, 2), flat[2:]], track=True)
+    >>> lin(torch.ones(1, 2)).sum().backward(); flat.tolist(), gv.used
+    ([1.0, 1.0, 1.0], [True, True])
+    >>> gv.close()
+    """
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        views: list[torch.Tensor],
+        track: bool = False,
+        on_ready: Callable[[int, bool], None] | None = None,
+    ):
+        self.params, self.views, self.on_ready = params, views, on_ready
+        self.used = [False] * len(params)
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params) if track
+        ]
+        self.rebind_()
+
+    @classmethod
+    def of_flat(cls, model: nn.Module, layout: Layout, flat: torch.Tensor, **kw: Any) -> GradViews:
+        """Views into ``flat`` laid out as ``layout`` (every parameter), bound for the trainable ones."""
+        pairs = [(p, v) for p, v in zip(model.parameters(), layout.views(flat).values()) if p.requires_grad]
+        return cls([p for p, _ in pairs], [v for _, v in pairs], **kw)
+
+    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def ready(p: torch.Tensor) -> None:
+            first = not self.used[i]
+            self.used[i] = True
+            view = self.views[i]
+            if p.grad is not view:  # the .grad was dropped after begin_step: autograd made a new one
+                if first:
+                    view.copy_(p.grad)
+                else:
+                    view.add_(p.grad)
+                p.grad = view
+            if self.on_ready is not None:
+                self.on_ready(i, first)
+
+        return ready
+
+    def rebind_(self) -> None:
+        """Every trainable parameter's ``.grad`` is its view again; ``used`` starts over."""
+        self.used = [False] * len(self.params)
+        for p, view in zip(self.params, self.views):
+            if p.grad is not view:
+                p.grad = view
+
+    def drop_unused_(self, got_gradient: list[bool] | list[float]) -> None:
+        """``.grad = None`` where no gradient came (plain PyTorch then skips the parameter)."""
+        for p, got in zip(self.params, got_gradient):
+            if not got:
+                p.grad = None
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for p in self.params:
+            p.grad = None
+
+
+def broadcast_tensors_(tensors: list[torch.Tensor], src: int = 0, group: Any = None) -> None:
+    """Rank ``src``'s values into ``tensors`` on every rank: one broadcast per dtype and device."""
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        kinds.setdefault((t.dtype, t.device), []).append(t)
+    for same in kinds.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        with torch.no_grad():
+            for t in same:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()

@@ -9,6 +9,12 @@ On the ``shm`` box the parameters' ``.grad`` are views into the worker's shared 
 accumulates straight into shared memory: no gradient is copied before averaging, and there are no
 communication threads competing with the compute threads (what costs DDP ~9 ms a step here). On
 the ``rma`` box each worker ``write``s its gradient (MPI Put) and ``pull``s the others' slots.
+
+Any module: a slot holds the trainable parameters' gradients (frozen ones are never moved; tied
+weights appear once), then one flag per parameter ("this worker computed its gradient"): a parameter
+no worker computed a gradient for in a step (an unused branch) has ``.grad = None`` when the
+optimizer steps, as in one process. Buffers (batch-norm statistics) are rank 0's, broadcast before
+each forward pass as DDP does (over the process group, not the box).
 """
 
 from __future__ import annotations
@@ -17,7 +23,14 @@ import torch
 from pydantic import Field
 
 from parambox.box import Layout, open_box
-from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
+from parambox.strategies.base import (
+    Context,
+    GradViews,
+    Options,
+    StepResult,
+    Strategy,
+    loss_value,
+)
 
 
 class BoxSyncOptions(Options):
@@ -30,39 +43,49 @@ class BoxSync(Strategy):
 
     def __init__(self, ctx: Context, options: BoxSyncOptions):
         super().__init__(ctx, options)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.layout = Layout.from_model(self.model)
+        named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.layout = Layout.from_shapes((name, p.shape) for name, p in named)
         n, numel = self.world.world_size, self.layout.numel
+        self.slot = numel + len(self.params)  # gradients, then a "got a gradient" flag per parameter
         self.box = open_box(
             ctx.box,
             self.world,
-            2 * n * numel,
+            2 * n * self.slot,
             name="box-sync-grads",
             layout_hash=self.layout.fingerprint(),
             timeout=ctx.timeout_s,
         )
         self.shared = self.box.local_view() if options.zero_copy else None
-        self.mean = torch.zeros(numel)
-        self.mean_grads = list(self.layout.views(self.mean).values())
-        self.staging = torch.empty(n, numel) if self.shared is None else None
-        self.local = torch.zeros(numel) if self.shared is None else None
+        self.mean = torch.zeros(self.slot)
+        self.mean_grads = list(self.layout.views(self.mean[:numel]).values())
+        self.staging = torch.empty(n, self.slot) if self.shared is None else None
+        self.local = torch.zeros(self.slot) if self.shared is None else None
+        # This worker's slot of even and odd steps, and the parameters' .grad views into each.
+        self.slot_of = [self._my_slot(parity) for parity in (0, 1)]
+        self.views_of = [list(self.layout.views(s[:numel]).values()) for s in self.slot_of]
+        self.grads = GradViews(self.params, self.views_of[0], track=True)  # hooks note who got a gradient
         self.optimizer = ctx.make_optimizer(self.params)
 
     def _slots(self, parity: int) -> tuple[int, int]:
         """Offsets of this step's slot area and of this worker's slot in it."""
-        area = parity * self.world.world_size * self.layout.numel
-        return area, area + self.world.rank * self.layout.numel
+        area = parity * self.world.world_size * self.slot
+        return area, area + self.world.rank * self.slot
+
+    def _my_slot(self, parity: int) -> torch.Tensor:
+        _, mine = self._slots(parity)
+        return self.shared[mine : mine + self.slot] if self.shared is not None else self.local
 
     def begin_step(self, step: int) -> None:
-        numel = self.layout.numel
-        _, mine = self._slots(step % 2)
-        self.grad = self.shared[mine : mine + numel] if self.shared is not None else self.local
+        self.grad = self.slot_of[step % 2]
         self.grad.zero_()
-        for p, view in zip(self.params, self.layout.views(self.grad).values()):
-            p.grad = view  # backward accumulates here
+        self.grads.views = self.views_of[step % 2]
+        self.grads.rebind_()  # backward accumulates here
+        self.sync_buffers()
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
-        n, numel, grad = self.world.world_size, self.layout.numel, self.grad
+        n, numel, grad, slot = self.world.world_size, self.layout.numel, self.grad, self.slot
+        grad[numel:].copy_(torch.tensor(self.grads.used, dtype=grad.dtype))
         area, mine = self._slots(step % 2)
         if self.shared is None:
             with self.timers.phase("write"):
@@ -71,19 +94,21 @@ class BoxSync(Strategy):
             self.box.barrier()
         with self.timers.phase("average"):
             if self.shared is not None:
-                slots = self.shared[area : area + n * numel].view(n, numel)
+                slots = self.shared[area : area + n * slot].view(n, slot)
             else:
                 slots = self.staging
                 for r in range(n):
-                    self.box.pull(slots[r], start=area + r * numel)
+                    self.box.pull(slots[r], start=area + r * slot)
             torch.sum(slots, dim=0, out=self.mean).mul_(1.0 / n)
-        for p, view in zip(self.params, self.mean_grads):
-            p.grad = view
+        got = self.mean[numel:].tolist() if not all(self.grads.used) else None
+        for i, (p, view) in enumerate(zip(self.params, self.mean_grads)):
+            p.grad = view if got is None or got[i] else None  # no worker computed it: as in one process
         self.optimizer.step()
         return StepResult(loss_value(loss), samples, self.timers.pop())
 
     def close(self) -> None:
+        self.grads.close()  # no hooks left on a user's model, which outlives the strategy
         for p in self.params:
             p.grad = None  # drop views into the shared segment before it is unmapped
-        self.shared = None
+        self.shared = self.slot_of = self.views_of = None
         self.box.close()

@@ -46,7 +46,7 @@ from parambox.box import Layout
 from parambox.errors import warn
 from parambox.numerics import is_finite
 from parambox.runtime.spawn import identity_gone, process_identity
-from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
+from parambox.strategies.base import Context, GradViews, Options, StepResult, Strategy, loss_value
 
 GRAD, FINAL, HALT = 0.0, 1.0, 2.0  # message kinds (the first element after the gradient)
 HEADER, REPLY_HEADER = 4, 2
@@ -208,7 +208,7 @@ class _Master:
     def _apply_(self, grads: list[torch.Tensor]) -> None:
         """One optimizer step on ``w`` with these gradients (the caller holds the lock)."""
         for p, g in zip(self.server_params, grads):
-            p.grad = g
+            p.grad = g if p.requires_grad else None  # frozen: never moved, not even by weight decay
         self.optimizer.step()
         for p in self.server_params:
             p.grad = None
@@ -307,15 +307,15 @@ class _Peer:
         numel = owner.layout.numel
         self.msg = torch.zeros(numel + HEADER)
         self.on_host = owner.x.device.type == "cpu"
-        if self.on_host:
-            for p, view in zip(owner.params, owner.layout.views(self.msg[:numel]).values()):
-                p.grad = view  # backward accumulates straight into the message
+        if self.on_host:  # backward accumulates straight into the message
+            self.grads = GradViews.of_flat(owner.model, owner.layout, self.msg[:numel])
         self.reply = torch.empty(numel + REPLY_HEADER)
         self.version = 0
 
     def begin_step(self) -> None:
         if self.on_host:
             self.msg.zero_()
+            self.grads.rebind_()
         else:
             self.owner.model.zero_grad(set_to_none=True)
 

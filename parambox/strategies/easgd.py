@@ -31,6 +31,7 @@ from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
 from parambox.strategies.base import (
     Context,
+    GradViews,
     StepResult,
     Strategy,
     bind_flat_replica,
@@ -200,6 +201,7 @@ class SyncElasticAveraging(Strategy):
         self.params = list(self.model.parameters())
         self.numel, n = self.layout.numel, self.world.world_size
         self.x, self.g = bind_flat_replica(self.model, self.layout, ctx.world.device)
+        self.grad_views = GradViews.of_flat(self.model, self.layout, self.g)
         self.c = self.x.clone()
         self.buf = torch.zeros(self.numel + n, device=self.x.device)  # x - c, then one flag per rank
         self.local, lr = make_local_step(self, nesterov)
@@ -214,6 +216,7 @@ class SyncElasticAveraging(Strategy):
         if self.local is not None:
             self.local.lookahead_()
         self.g.zero_()
+        self.grad_views.rebind_()
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         if not (self.halted or loss is None or is_finite(loss)):

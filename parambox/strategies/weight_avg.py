@@ -2,6 +2,10 @@
 
 Period 1 is SHM-Learn-Dist Eq. 2.2 (with plain SGD it equals gradient averaging); longer periods
 are local SGD / post-local SGD. Optimizer state stays local to each worker.
+
+Floating-point buffers (batch-norm running statistics) are averaged with the weights, in the same
+allreduce: they are part of each replica's model, estimated from that worker's data. Integer buffers
+(batch-norm's step counter) advance alike on every worker and are left alone.
 """
 
 from __future__ import annotations
@@ -9,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from pydantic import Field
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import parameters_to_vector
 
-from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
+from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value, trainable
 
 
 class WeightAvgOptions(Options):
@@ -24,17 +28,22 @@ class WeightAveraging(Strategy):
 
     def __init__(self, ctx: Context, options: WeightAvgOptions):
         super().__init__(ctx, options)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = trainable(self.model)
+        self.buffers = [b for b in self.model.buffers() if b.is_floating_point()]
         self.optimizer = ctx.make_optimizer(self.params)
         self._average()
 
     def _average(self) -> None:
         if self.world.world_size == 1:
             return
-        flat = parameters_to_vector(self.params).detach()
+        tensors = self.params + self.buffers
+        flat = parameters_to_vector(tensors).detach()
         with self.timers.phase("allreduce"), self.collective("weight averaging"):
             dist.all_reduce(flat)
-        vector_to_parameters(flat.div_(self.world.world_size), self.params)
+        flat.div_(self.world.world_size)
+        with torch.no_grad():
+            for t, mean in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
+                t.copy_(mean.view_as(t))
 
     def begin_step(self, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=True)

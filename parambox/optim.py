@@ -1,0 +1,366 @@
+"""``parambox.DistributedOptimizer``: any data-parallel strategy inside a user's own training loop.
+
+It wraps the user's model and torch optimizer (as horovod's ``DistributedOptimizer`` and
+``hivemind.Optimizer`` do) and drives the strategy through the protocol the training loop uses:
+``begin_step`` runs just before the step's forward pass (a forward pre-hook on the model, or
+``zero_grad()``, whichever comes first), ``end_step`` in ``step()``, and ``finish``, ``eval_model``
+and ``close`` in ``close()``. No strategy is named here.
+
+Limits, by design:
+- One backward per ``step()`` (``allreduce`` starts communicating during backward and says so).
+- Strategies build their optimizers with ``ctx.make_optimizer(params)``: for the model's own
+  parameters that is the user's optimizer itself (its param groups, state and any scheduler on it
+  count). For another set (dogwild's master copy of the weights) it is a new optimizer of the same
+  class, with the user's param groups mapped by position, and none of the user's state.
+- ``eamsgd`` runs its own momentum step, reading ``lr`` and ``momentum`` once; ``downpour`` with
+  ``adagrad`` its own Adagrad: a scheduler on the user's optimizer does not reach them.
+- ``steps`` (the run's target per worker) matters to the asynchronous strategies' termination
+  alignment (``should_stop()``); without it each worker stops when its own loop ends, and
+  ``close()`` waits for every worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import ValidationError
+from torch import nn
+
+from parambox.box import BoxConfig
+from parambox.errors import UserError, warn
+from parambox.runtime import dist as pbdist
+from parambox.runtime.world import World
+from parambox.strategies import Context, StepResult, Strategy, strategy_class
+from parambox.strategies.base import broadcast_tensors_
+
+NO_TARGET = 2**62  # steps=None: no step target, so no worker stops for the others before close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModelWorld(World):
+    """The launcher's world, on the device the user put the model on."""
+
+    model_device: torch.device = torch.device("cpu")
+
+    @property
+    def device(self) -> torch.device:
+        return self.model_device
+
+
+class DistributedOptimizer:
+    """A strategy in your own loop: ``loss.backward(); opt.step(); opt.zero_grad()``, then ``opt.close()``.
+
+    After ``close()`` the model holds the run's result on every rank (for the asynchronous strategies
+    the center weights). Under torchrun, srun or mpiexec it joins the launcher's process group, or
+    uses the one you initialised. Any data-parallel strategy: ``allreduce``, ``ps-sync``,
+    ``weight-avg``, ``box-sync``, ``downpour``, ``easgd``, ``eamsgd``, ``dynsgd``, ``hogwild``,
+    ``dogwild``, ``hybrid``.
+
+    >>> model = nn.Linear(4, 2)
+    >>> with DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), "easgd") as opt:
+    ...     for _ in range(3):
+    ...         opt.zero_grad()
+    ...         model(torch.ones(8, 4)).square().mean().backward()
+    ...         opt.step()
+    >>> (opt.rank, opt.world_size)
+    (0, 1)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        strategy: str = "allreduce",
+        options: dict[str, Any] | None = None,
+        *,
+        box: str | dict[str, Any] | BoxConfig = "shm",
+        timeout: float = 300.0,
+        steps: int | None = None,
+    ):
+        cls, opts = _strategy(strategy, options)
+        _check_pair(model, optimizer)
+        if steps is not None and steps < 1:
+            raise UserError(f"DistributedOptimizer: steps must be at least 1, got {steps}")
+        self.model, self.optimizer = model, optimizer
+        self.world = _world(model)
+        self._own_group = self.world.world_size > 1 and not dist.is_initialized()
+        if self._own_group:
+            pbdist.init_distributed(self.world, timeout)
+        self.board: pbdist.ProgressBoard | None = None
+        try:
+            self.board = pbdist.ProgressBoard()
+            if self.world.world_size > 1:  # everyone starts from rank 0's weights and buffers, as DDP
+                with pbdist.collective("initial weights broadcast", self.board):
+                    broadcast_tensors_(_state(model))
+            ctx = Context(
+                self.world,
+                model,
+                _optimizer_factory(model, optimizer),
+                _loss_outside,
+                steps or NO_TARGET,
+                timeout,
+                box=_box_config(box),
+                board=self.board,
+            )
+            self.strategy: Strategy = cls(ctx, opts)
+        except BaseException:
+            self._release()
+            raise
+        self.name = strategy
+        self.step_count = 0
+        self.last_result: StepResult | None = None  # the last step's comm times, staleness, ...
+        self.closed = False
+        self._begun = False
+        self._warned = False
+        self._detached = False  # the parameters still live in the strategy's buffers
+        self._hook = model.register_forward_pre_hook(_begin_on_forward(self))
+
+    # -- who am I --------------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    # -- the loop ----------------------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients for the next backward, in place: they may be views into the strategy's
+        buffers (``set_to_none`` is accepted for torch's signature and ignored)."""
+        if not self._begun:
+            self._begin()  # begin_step zeroes them, and does what the rule does before a forward pass
+            return
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def _begin(self) -> None:
+        if self.closed:
+            raise UserError("DistributedOptimizer: used after close()")
+        self._begun = True
+        self.strategy.begin_step(self.step_count)
+
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Exchange and apply this step's gradients the strategy's way (``closure``: as torch's)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._begun:
+            raise UserError(
+                "DistributedOptimizer.step(): no forward pass through the model and no zero_grad() "
+                "since the last step; call opt.zero_grad() before the forward pass"
+            )
+        self._begun = False
+        if self.strategy.should_stop(self.step_count):
+            if not self._warned:
+                self._warned = True
+                warn(f"rank {self.rank}: {self.name} has ended this worker's run; step() does nothing now")
+            return loss
+        detached = loss.detach() if isinstance(loss, torch.Tensor) else None
+        self.last_result = self.strategy.end_step(detached, 0, self.step_count)
+        self.step_count += 1
+        return loss
+
+    def should_stop(self) -> bool:
+        """True once this worker should leave the loop: ``steps`` done, termination alignment of the
+        asynchronous strategies (``termination = fastest | average``), or a non-finite update."""
+        return self.strategy.should_stop(self.step_count)
+
+    # -- the end -------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """End the run on every rank (collective): afterwards ``model`` holds the run's result, in memory
+        of its own, and the process group parambox started, if any, is gone."""
+        if self.closed:
+            return
+        self.closed = True
+        self._hook.remove()
+        try:
+            self.strategy.finish()
+            result = self.strategy.eval_model()
+            _own_memory_(self.model)
+            self._detached = True
+            self._publish(result)
+        finally:
+            self._release()
+
+    def _publish(self, result: nn.Module | None) -> None:
+        """Rank 0's result model into every rank's ``model``."""
+        if result is not None and result is not self.model:
+            with torch.no_grad():
+                for dst, src in zip(_state(self.model), _state(result)):
+                    dst.copy_(src)
+        if self.world.world_size > 1:
+            with pbdist.collective("result weights broadcast", self.board):
+                broadcast_tensors_(_state(self.model))
+
+    def abort(self) -> None:
+        """Release everything without waiting for the other ranks (after an error on this one); the
+        model keeps this rank's current weights."""
+        if not self.closed:
+            self.closed = True
+            self._hook.remove()
+            self._release()
+
+    def _release(self) -> None:
+        """Not collective: the strategy's buffers, boxes and threads, then the process group we made."""
+        strategy = getattr(self, "strategy", None)
+        try:
+            if not getattr(self, "_detached", True):
+                _own_memory_(self.model)
+            if strategy is not None:
+                strategy.close()
+            for p in self.model.parameters():
+                p.grad = None
+        finally:
+            if self.board is not None:
+                self.board.close()
+            if self._own_group:
+                pbdist.destroy_distributed()
+
+    def __enter__(self) -> DistributedOptimizer:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # the others may never get to close(): release without waiting for them
+            self.abort()
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.name!r}, rank={self.rank}, world_size={self.world_size})"
+
+
+def _begin_on_forward(opt: DistributedOptimizer):
+    """The forward pre-hook: the step begins with the first forward pass that records a graph.
+    A plain function, so a ``copy.deepcopy`` of the model copies a reference, not the optimizer."""
+
+    def hook(module: nn.Module, args: Any) -> None:
+        if module is opt.model and not opt._begun and torch.is_grad_enabled():
+            opt._begin()
+
+    return hook
+
+
+def _strategy(name: str, options: dict[str, Any] | None) -> tuple[type[Strategy], Any]:
+    """The strategy class that runs ``name`` with ``options``; a ``UserError`` naming what is wrong."""
+    base = strategy_class(name)
+    try:
+        opts = base.Options(**(options or {}))
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise UserError(f"{name} option {where!r}: {err['msg']}") from None
+    except TypeError:
+        raise UserError(f"{name} options must be a dict of option names to values") from None
+    cls = base.resolve(opts)
+    if cls.owns_forward_backward:
+        raise UserError(
+            f"strategy {name!r} runs the forward and backward passes itself and cannot sit inside your "
+            f"loop; use parambox.train(model=..., data=..., strategy={name!r})"
+        )
+    return cls, opts
+
+
+def _check_pair(model: Any, optimizer: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise UserError(f"DistributedOptimizer: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UserError(
+            f"DistributedOptimizer: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    own = {id(p) for p in model.parameters()}
+    if not own:
+        raise UserError("DistributedOptimizer: the model has no parameters")
+    foreign = sum(id(p) not in own for g in optimizer.param_groups for p in g["params"])
+    if foreign:
+        raise UserError(
+            f"DistributedOptimizer: the optimizer holds {foreign} parameters that are not the model's"
+        )
+
+
+def _world(model: nn.Module) -> _ModelWorld:
+    """Rank and sizes from the launcher, or from the process group the user initialised."""
+    world = World.from_env()
+    if dist.is_initialized() and (world.rank, world.world_size) != (dist.get_rank(), dist.get_world_size()):
+        rank, size = dist.get_rank(), dist.get_world_size()
+        world = World(rank, size, rank, size, launcher=world.launcher)  # one node: nothing says otherwise
+    device = next(model.parameters()).device
+    return _ModelWorld(
+        **{f.name: getattr(world, f.name) for f in dataclasses.fields(World)}, model_device=device
+    )
+
+
+def _box_config(box: str | dict[str, Any] | BoxConfig) -> BoxConfig:
+    if isinstance(box, BoxConfig):
+        return box
+    try:
+        return BoxConfig(backend=box) if isinstance(box, str) else BoxConfig(**box)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise UserError(f"box {'.'.join(str(x) for x in err['loc'])!r}: {err['msg']}") from None
+
+
+def _state(model: nn.Module) -> list[torch.Tensor]:
+    """Parameters, then buffers: each once (tied weights once), in a fixed order on every rank."""
+    return [p.data for p in model.parameters()] + list(model.buffers())
+
+
+def _own_memory_(model: nn.Module) -> None:
+    """Give each parameter memory of its own: strategies bind them into flat buffers or the shared box."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+
+
+def _loss_outside(model: nn.Module, batch: Any) -> torch.Tensor:
+    raise RuntimeError("DistributedOptimizer: the loss is computed in the user's loop")
+
+
+def _optimizer_factory(model: nn.Module, optimizer: torch.optim.Optimizer):
+    """``ctx.make_optimizer``: the user's optimizer for the model's own parameters, a new one of its
+    class (param groups mapped by position) for another set, such as a copy of the model's."""
+    own = list(model.parameters())
+    own_ids = {id(p) for p in own}
+
+    def make(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        params = list(params)
+        if all(id(p) in own_ids for p in params):
+            return optimizer
+        return same_kind(optimizer, own, params)
+
+    return make
+
+
+def same_kind(
+    optimizer: torch.optim.Optimizer, own: list[nn.Parameter], params: list[nn.Parameter]
+) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class over ``params``. Where ``params`` match ``own`` one to one
+    (a copy of the model) each keeps its counterpart's param group; otherwise one group with the
+    optimizer's defaults. No state (momentum) is carried over.
+
+    >>> a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    >>> opt = torch.optim.SGD([{"params": [a.weight], "lr": 0.5}, {"params": [a.bias]}], lr=0.1)
+    >>> [g["lr"] for g in same_kind(opt, list(a.parameters()), list(b.parameters())).param_groups]
+    [0.5, 0.1]
+    """
+    if len(params) != len(own):
+        return type(optimizer)(params, **optimizer.defaults)
+    position = {id(p): i for i, p in enumerate(own)}
+    groups = [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [params[position[id(p)]] for p in g["params"]],
+        }
+        for g in optimizer.param_groups
+    ]
+    return type(optimizer)(groups, **optimizer.defaults)

@@ -1,0 +1,269 @@
+"""``parambox.DistributedOptimizer``: errors and the loop in one process (tier a), every data-parallel
+strategy on any module under torchrun with closed-form asserts (tier b), the user's script (tier c)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import parambox
+from parambox.errors import UserError
+from tests.conftest import ROOT
+from tests.distopt_worker import (
+    ANYMODEL_STEPS,
+    SYNC,
+    AnyNet,
+    TiedNet,
+    build,
+    global_batch,
+    make_sgd,
+    reference_anymodel,
+    reference_numerics,
+    uses_aux,
+)
+
+DATA_PARALLEL = [
+    "allreduce",
+    "ps-sync",
+    "weight-avg",
+    "box-sync",
+    "downpour",
+    "easgd",
+    "eamsgd",
+    "dynsgd",
+    "hogwild",
+    "dogwild",
+    "hybrid",
+]
+
+
+def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node 2 ARGS`` as a user runs it, importing this tree."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    return proc
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def sgd_model(cls=TiedNet):
+    model = build(cls, 0)
+    return model, make_sgd(model)
+
+
+# -- tier (a): one process ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "strategy, options, words",
+    [
+        ("allreduse", None, ["unknown strategy", "allreduse"]),
+        ("easgd", {"taux": 4}, ["easgd option", "taux"]),
+        ("easgd", {"tau": 0}, ["easgd option", "tau"]),
+        ("pipeline", None, ["pipeline", "parambox.train"]),
+        ("sandblaster", None, ["sandblaster", "parambox.train"]),
+    ],
+)
+def test_user_mistakes_are_one_line_user_errors(strategy, options, words):
+    model, opt = sgd_model()
+    with pytest.raises(UserError) as e:
+        parambox.DistributedOptimizer(model, opt, strategy, options)
+    text = str(e.value)
+    assert "\n" not in text and all(w in text for w in words), text
+
+
+def test_wrong_objects_and_misuse_are_user_errors():
+    model, opt = sgd_model()
+    with pytest.raises(UserError, match="not the model's"):
+        parambox.DistributedOptimizer(model, torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    with pytest.raises(UserError, match="torch.optim.Optimizer"):
+        parambox.DistributedOptimizer(model, "sgd")
+    with pytest.raises(UserError, match="box 'backend'"):
+        parambox.DistributedOptimizer(model, opt, box="nvme")
+    dopt = parambox.DistributedOptimizer(model, opt)
+    with pytest.raises(UserError, match="no forward pass"):
+        dopt.step()
+    dopt.close()
+    with pytest.raises(UserError, match="after close"):
+        dopt.zero_grad()
+
+
+def test_users_optimizer_is_the_strategys_and_a_copy_gets_its_groups():
+    model = build(TiedNet, 0)
+    opt = torch.optim.SGD([{"params": [model.enc.weight], "lr": 0.5}, {"params": [model.enc.bias]}], lr=0.1)
+    with parambox.DistributedOptimizer(model, opt, "allreduce") as dopt:
+        assert dopt.strategy.optimizer is opt
+    with parambox.DistributedOptimizer(model, opt, "dogwild") as dopt:  # the master's copy of the model
+        master = dopt.strategy.master.optimizer
+        assert type(master) is torch.optim.SGD and master is not opt
+        assert [g["lr"] for g in master.param_groups] == [0.5, 0.1]
+        assert sum(len(g["params"]) for g in master.param_groups) == 2
+
+
+@pytest.mark.parametrize("drop", ["after_step", "before_backward"])
+def test_torch_zero_grad_set_to_none_is_harmless(drop):
+    """The user calls the torch optimizer's zero_grad(set_to_none=True), not ours, at either point:
+    allreduce's .grad views are bound again (before the forward) or the gradient adopted (after);
+    the one-process reference (unused branch skipped, weight decay and momentum) is met."""
+    model, opt = sgd_model(AnyNet)
+    dopt = parambox.DistributedOptimizer(model, opt, "allreduce")
+    for step in range(ANYMODEL_STEPS):
+        model.use_aux = uses_aux(step)
+        x, y = global_batch(step, 1)
+        out = model(x)
+        if drop == "before_backward":
+            opt.zero_grad(set_to_none=True)
+        F.mse_loss(out, y).backward()
+        dopt.step()
+        if drop == "after_step":
+            opt.zero_grad(set_to_none=True)
+    dopt.close()
+    assert max_diff(model.state_dict(), reference_anymodel("rank0", world_size=1)) <= 1e-6
+
+
+def train_alone(strategy: str, torch_zero_grad: bool) -> dict[str, torch.Tensor]:
+    model, opt = sgd_model(AnyNet)
+    with parambox.DistributedOptimizer(model, opt, strategy) as dopt:
+        for step in range(ANYMODEL_STEPS):
+            model.use_aux = uses_aux(step)
+            x, y = global_batch(step, 1)
+            if not torch_zero_grad:
+                dopt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            dopt.step()
+            if torch_zero_grad:
+                opt.zero_grad(set_to_none=True)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("strategy", DATA_PARALLEL)
+def test_torch_zero_grad_after_step_changes_nothing(strategy):
+    """Every strategy, one process: the torch optimizer's zero_grad(set_to_none=True) after step()
+    gives what opt.zero_grad() gives (the .grad views are bound again before the next forward)."""
+    assert max_diff(train_alone(strategy, True), train_alone(strategy, False)) == 0.0
+
+
+def test_close_leaves_a_plain_model():
+    """No hooks, no views into strategy buffers, no .grad: the model trains on as plain PyTorch."""
+    model, opt = sgd_model(AnyNet)
+    with parambox.DistributedOptimizer(model, opt, "easgd", {"tau": 1}) as dopt:
+        dopt.zero_grad()
+        F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 8)).backward()
+        dopt.step()
+    assert not model._forward_pre_hooks
+    for p in model.parameters():
+        assert p.grad is None and not getattr(p, "_post_accumulate_grad_hooks", None)
+    F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 8)).backward()
+    before = model.enc.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(before, model.enc.weight) and model.dec.weight is model.enc.weight
+
+
+def test_steps_end_the_run_and_later_steps_do_nothing(capfd):
+    model, opt = sgd_model()
+    dopt = parambox.DistributedOptimizer(model, opt, "downpour", steps=2)
+    for _ in range(3):
+        dopt.zero_grad()
+        model(torch.ones(2, 8)).sum().backward()
+        dopt.step()
+    assert dopt.should_stop() and dopt.step_count == 2
+    assert "does nothing now" in capfd.readouterr().err
+    dopt.close()
+
+
+def test_an_error_in_the_loop_releases_without_waiting():
+    model, opt = sgd_model()
+    with pytest.raises(ZeroDivisionError), parambox.DistributedOptimizer(model, opt, "hogwild") as dopt:
+        raise ZeroDivisionError("the user's loop failed")
+    assert dopt.closed and all(p.grad is None for p in model.parameters())
+
+
+# -- tier (b)/(c): under torchrun -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def numerics_runs(tmp_path_factory) -> Path:
+    """allreduce, then easgd, in one torchrun job: each DistributedOptimizer starts the group itself."""
+    out = tmp_path_factory.mktemp("numerics")
+    torchrun("tests/distopt_worker.py", "numerics", "allreduce,easgd", str(out))
+    return out
+
+
+def final_states(out: Path, strategy: str) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(out / f"{strategy}-rank{r}.pt", weights_only=True) for r in (0, 1)]
+
+
+@pytest.mark.timeout(240)
+def test_allreduce_at_b_per_rank_equals_one_process_at_2b(numerics_runs):
+    """Must show (issue 10): through DistributedOptimizer under torchrun, 20 SGD steps (momentum,
+    weight decay) on a tied-weight non-Sequential model equal the plain loop on the 2b batch."""
+    reference = reference_numerics()
+    for state in final_states(numerics_runs, "allreduce"):
+        assert max_diff(state, reference) <= 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_easgd_every_rank_holds_the_same_model_after_close(numerics_runs):
+    """Must show (issue 10); also: a second DistributedOptimizer starts the group again under torchrun."""
+    a, b = final_states(numerics_runs, "easgd")
+    assert max_diff(a, b) == 0.0
+    assert max_diff(a, build(TiedNet, 0).state_dict()) > 1e-3  # it trained
+
+
+@pytest.fixture(scope="module")
+def anymodel_runs(tmp_path_factory) -> Path:
+    """Every data-parallel strategy in turn, in one torchrun job whose script owns the process group."""
+    out = tmp_path_factory.mktemp("anymodel")
+    runs = [*DATA_PARALLEL, "easgd+sync"]
+    torchrun("tests/distopt_worker.py", "anymodel", ",".join(runs), str(out), timeout=400)
+    return out
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("strategy", [*DATA_PARALLEL, "easgd+sync"])
+def test_any_module_through_every_strategy(strategy, anymodel_runs):
+    """AnyNet (BatchNorm, tied weight, frozen layer, a branch used every third step), SGD with momentum
+    and weight decay: every rank ends with the same model, the frozen layer untouched, the tie kept,
+    the buffers rank 0's (weight-avg: the mean of the ranks'); the synchronous strategies equal the
+    one-process reference (gradients of the rank slices averaged, an unused branch skipped by the
+    optimizer, rank 0's batch-norm statistics, or their mean for weight-avg)."""
+    runs = [torch.load(anymodel_runs / f"{strategy}-rank{r}.pt", weights_only=True) for r in (0, 1)]
+    init = torch.load(anymodel_runs / "init.pt", weights_only=True)
+    state = runs[0]["state"]
+    assert max_diff(state, runs[1]["state"]) == 0.0
+    before = [run["buffers_before_close"] for run in runs]
+    for name, value in before[0].items():
+        mean = value.is_floating_point() and strategy == "weight-avg"
+        assert torch.allclose(state[name], (value + before[1][name]) / 2 if mean else value, atol=1e-7)
+    assert all(run["tied"] for run in runs)
+    assert all(torch.equal(state[k], init[k]) for k in init if k.startswith("frozen."))
+    assert all(torch.isfinite(v.double()).all() for v in state.values())
+    assert max_diff({k: state[k] for k in ("enc.weight",)}, {k: init[k] for k in ("enc.weight",)}) > 1e-3
+    if strategy in SYNC:
+        reference = reference_anymodel("mean" if strategy == "weight-avg" else "rank0")
+        assert max_diff(state, reference) <= 1e-5
+
+
+@pytest.mark.timeout(200)
+def test_own_loop_example_under_torchrun():
+    """Example (c): a plain PyTorch loop with DistributedOptimizer, as a user runs it."""
+    proc = torchrun("examples/own_loop.py", "--strategy", "easgd")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 2, proc.stdout
+    accuracies = {line.split("accuracy ")[1] for line in lines}
+    assert len(accuracies) == 1  # every rank holds the same result model
+    assert float(accuracies.pop()) > 0.85
