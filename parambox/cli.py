@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 
-from parambox.errors import UserError
+from parambox.errors import UserError, validation_message
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("parambox.commands.train", "train a model with any strategy"),
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:
         if type(e).__name__ == "ValidationError":  # pydantic, without importing it here
-            return _fail(_validation_message(e))
+            return _fail(validation_message(e))
         raise
 
 
@@ -63,11 +63,3 @@ def _fail(message: str) -> int:
 
         traceback.print_exc()
     return 2
-
-
-def _validation_message(e) -> str:
-    parts = []
-    for err in e.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "config"
-        parts.append(f"config field {loc!r}: {err['msg']}")
-    return "; ".join(parts)

@@ -42,14 +42,15 @@ def launch_local(
     threads: int | None = None,
     use_mpi: bool = False,
     tolerate_loss: bool = False,
+    module: str = "parambox",
 ) -> LaunchResult:
-    """Run ``python -m parambox <argv>`` as ``num_workers`` ranks and supervise them."""
+    """Run ``python -m <module> <argv>`` as ``num_workers`` ranks and supervise them."""
     log_dir.mkdir(parents=True, exist_ok=True)
     prefix = spawn.new_prefix()
     n_threads = threads_per_worker(num_workers, threads)
     env = spawn.loopback_env(n_threads, prefix)
     env.update(PARAMBOX_LOG_DIR=str(log_dir), PARAMBOX_THREADS=str(n_threads))
-    cmd = [sys.executable, "-m", "parambox", *argv]
+    cmd = [sys.executable, "-m", module, *argv]
     procs = [spawn.start_mpi(cmd, num_workers, env)] if use_mpi else _spawn(cmd, num_workers, env)
     try:
         return _supervise(procs, log_dir, tolerate_loss)
