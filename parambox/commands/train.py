@@ -111,9 +111,14 @@ def external_run_dir(cfg: RunConfig) -> str:
 def check_references(cfg: RunConfig) -> None:
     """Import every ``module:function`` / ``file.py:function`` the run names; a ``UserError`` naming
     the first that cannot be imported or is not callable."""
-    from parambox.workload import resolve_callables
+    from parambox.workload import CALLABLE_FIELDS, resolve_callables
+    from parambox.workload.refs import absolute, is_reference
 
     resolve_callables(cfg)
+    for field in CALLABLE_FIELDS:  # file.py:function recorded with its absolute path
+        value = getattr(cfg, field)
+        if isinstance(value, str) and is_reference(value):
+            setattr(cfg, field, absolute(value))
 
 
 def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path:

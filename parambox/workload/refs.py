@@ -102,6 +102,15 @@ def resolve(ref: str, what: str = "function") -> Callable[..., Any]:
     return obj
 
 
+def absolute(ref: str) -> str:
+    """``ref`` with a file path made absolute (what config.json records, so that ``parambox export``
+    finds the file from any directory); module references are left as they are."""
+    target, sep, qualname = ref.rpartition(":")
+    if sep and target != IN_PROCESS and _is_path(target):
+        return f"{Path(target).expanduser().resolve()}:{qualname}"
+    return ref
+
+
 def importing_main() -> bool:
     """True while this process (a worker) runs the main script's body."""
     return _importing_main

@@ -201,10 +201,14 @@ class CheckedLoss:
         self.fn, self.name, self.checked = fn, name, False
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        loss = self.fn(model, batch)
-        if not self.checked:
-            self._check(loss)
-            self.checked = True
+        if self.checked:
+            return self.fn(model, batch)
+        try:
+            loss = self.fn(model, batch)
+        except Exception as e:  # on the first step: the user's loss does not fit the model or batch
+            raise UserError(f"loss {self.name} raised {loader._one_line(e)} on the first step") from e
+        self._check(loss)
+        self.checked = True
         return loss
 
     def _check(self, loss: Any) -> None:
