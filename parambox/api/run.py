@@ -79,7 +79,7 @@ def train(
             warn(f"workers={cfg.workers} ignored: the launcher started {world.world_size} processes")
     from parambox.commands.train import check_references, prepare_run_dir
 
-    check_references(cfg)  # the references given as strings import here, before any worker starts
+    check_references(cfg, callables)  # references given as strings import here, before any worker starts
     run_dir = prepare_run_dir(cfg, resume)
     if spawns:
         return _launch(cfg, run_dir, resume, callables)

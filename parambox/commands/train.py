@@ -108,16 +108,16 @@ def external_run_dir(cfg: RunConfig) -> str:
     return f"runs/{cfg.strategy}-{job.replace('/', '_').replace('@', '_')}"
 
 
-def check_references(cfg: RunConfig) -> None:
-    """Import every ``module:function`` / ``file.py:function`` the run names; a ``UserError`` naming
-    the first that cannot be imported or is not callable."""
+def check_references(cfg: RunConfig, given: dict | None = None) -> None:
+    """Import every ``module:function`` / ``file.py:function`` the run names (but the functions
+    ``given`` in-process); a ``UserError`` naming the first that cannot be imported or is not callable."""
     from parambox.workload import CALLABLE_FIELDS, resolve_callables
     from parambox.workload.refs import absolute, is_reference
 
-    resolve_callables(cfg)
+    resolve_callables(cfg, given)
     for field in CALLABLE_FIELDS:  # file.py:function recorded with its absolute path
         value = getattr(cfg, field)
-        if isinstance(value, str) and is_reference(value):
+        if isinstance(value, str) and is_reference(value) and field not in (given or {}):
             setattr(cfg, field, absolute(value))
 
 
