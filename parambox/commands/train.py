@@ -187,7 +187,7 @@ def run_worker(cfg: RunConfig, world: World, run_dir: Path, resume: bool) -> int
     except BaseException as e:
         code = report_failure(e, world, run_dir)
     else:
-        if summary is not None:
+        if summary is not None and cfg.progress:  # --no-progress / progress=False: quiet
             print_summary(summary, run_dir)
         code = 0
     if world.world_size > 1:
