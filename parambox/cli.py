@@ -1,4 +1,4 @@
-"""The command line: ``parambox train | sweep | bench | report | predict | slurm | info``.
+"""The command line: ``parambox train | sweep | bench | report | predict | export | slurm | info``.
 
 Thin by design: each command lives in its own module with ``configure(parser)`` and ``run(args) -> int``.
 A ``UserError`` (or pydantic ``ValidationError``) anywhere becomes one line on stderr and exit code 2.
@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("parambox.commands.bench", "benchmarks measured side by side (sync, box, async, local)"),
     "report": ("parambox.commands.report", "plots and tables from run directories"),
     "predict": ("parambox.commands.predict", "analytic scalability model: speedup and n_peak per topology"),
+    "export": ("parambox.commands.export", "a run's model as ONNX, checked by onnxruntime"),
     "slurm": ("parambox.commands.slurm", "write (or submit) a SLURM batch script for a training run"),
     "info": (
         "parambox.commands.info",
