@@ -18,6 +18,11 @@ BENCHES: dict[str, tuple[str, str, str]] = {  # name -> (module, function, what 
     "box": ("parambox.bench.box", "run_bench_box", "box pull/push bandwidth vs gloo and MPI"),
     "async": ("parambox.bench.asynchronous", "run_bench_async", "asynchronous strategies vs plain Hogwild"),
     "local": ("parambox.bench.local", "run_bench_local", "local parallelism study (Lerat et al.)"),
+    "api": (
+        "parambox.bench.api",
+        "run_bench_api",
+        "parambox.train vs a plain loop; a slow dataset's hidden load",
+    ),
 }
 
 
