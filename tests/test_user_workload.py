@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from parambox.runtime.spawn import find_mpiexec
 from parambox.strategies import STRATEGIES
 from tests.conftest import MPI_ENV, ROOT, final_weights, max_abs_diff, run_cli, summary
 from tests.workloads import user_regression
@@ -21,9 +22,11 @@ REFS = ["--model", f"{SCRIPT}:make_model", "--data", f"{SCRIPT}:make_data", "--l
 QUICK = ["--no-progress", "--eval-every", "0", "--threads", "1"]
 
 
-def run_script(*args: str, prefix: list[str] | None = None, timeout: float = 150) -> None:
+def run_script(
+    *args: str, prefix: list[str] | None = None, timeout: float = 150, env: dict | None = None
+) -> None:
     cmd = [*(prefix or [sys.executable]), SCRIPT, *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), **(env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
 
@@ -57,6 +60,23 @@ def test_script_under_torchrun_equals_single(single_2b, tmp_path):
         "allreduce", "2", "16", str(tmp_path / "run"), *(["tied"] if kind == "tied" else []), prefix=prefix
     )
     assert summary(tmp_path / "run")["launcher"] == "torchrun"
+    assert max_abs_diff(final_weights(tmp_path / "run"), expected) <= 1e-5
+
+
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("how", ["mpiexec", "rma-box"])
+def test_script_under_mpiexec_and_with_the_rma_box(how, single_2b, tmp_path):
+    """``mpiexec -n 2 python script.py``: each rank trains in-process; ``box="rma"`` from a plain
+    ``python script.py``: parambox starts the workers under mpiexec itself (box-sync goes through the box)."""
+    kind, expected = single_2b
+    if kind == "tied":
+        pytest.skip("the tied model is covered by the torchrun and script runs")
+    if how == "mpiexec":
+        prefix = [find_mpiexec() or "mpiexec", "-n", "2", sys.executable]
+        run_script("allreduce", "2", "16", str(tmp_path / "run"), prefix=prefix, env=MPI_ENV)
+        assert summary(tmp_path / "run")["launcher"] == "mpi"
+    else:
+        run_script("box-sync", "2", "16", str(tmp_path / "run"), "rma", env=MPI_ENV)
     assert max_abs_diff(final_weights(tmp_path / "run"), expected) <= 1e-5
 
 

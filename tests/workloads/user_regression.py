@@ -1,7 +1,7 @@
 """A user's workload, as a user would write it: non-Sequential models (a skip connection, tied
 embeddings), numpy data in TensorDatasets, a custom loss and metrics, and functions that go wrong
 (for the bad-input tests). Also a script: ``python user_regression.py STRATEGY WORKERS BATCH OUT
-[tied]`` trains with ``parambox.train`` (and so runs unchanged under torchrun)."""
+[tied] [rma]`` trains with ``parambox.train`` (and so runs unchanged under torchrun and mpiexec)."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def data_ragged():
 
 if __name__ == "__main__":
     strategy, workers, batch, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    tied = sys.argv[5:] == ["tied"]
+    tied, box = "tied" in sys.argv[5:], "rma" if "rma" in sys.argv[5:] else "shm"
     parambox.train(
         model=make_tied if tied else make_model,
         data=make_tokens if tied else make_data,
@@ -136,4 +136,5 @@ if __name__ == "__main__":
         threads=1,
         progress=False,
         out=out,
+        box=box,
     )
