@@ -191,3 +191,37 @@ def test_default_metrics_accuracy_only_for_class_logits():
     assert set(evaluate(clf, [(x, y)], None, custom, "cpu")) == {"test_loss", "test_accuracy"}
     reg = nn.Linear(2, 1)
     assert set(evaluate(reg, [(x, torch.randn(5, 1))], None, user.mse, "cpu")) == {"test_loss"}
+
+
+class DictItems(torch.utils.data.Dataset):
+    """Items as dicts, and a num_classes attribute (so a zoo model fits it)."""
+
+    num_classes = 3
+
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(n)
+        self.x, self.y = torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"features": self.x[i], "label": self.y[i]}
+
+
+def dict_data():
+    return DictItems(96), DictItems(32)
+
+
+def dict_loss(model, batch):
+    return nn.functional.cross_entropy(model(batch["features"]), batch["label"])
+
+
+def test_dict_items_and_a_zoo_model_on_user_data(tmp_path):
+    summary = parambox.train(
+        model="logreg", data=dict_data, loss=dict_loss, strategy="single", workers=1, steps=5, batch_size=8,
+        out=str(tmp_path / "r"), **QUIET,
+    )  # fmt: skip
+    assert summary["final_test_loss"] > 0 and "final_test_accuracy" not in summary  # dict batches: loss only
+    weights = torch.load(tmp_path / "r" / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert [tuple(w.shape) for w in weights.values()] == [(3, 6), (3,)]  # 6 features -> 3 classes

@@ -103,13 +103,17 @@ def setup(cfg: RunConfig, world: World, run_dir: Path, callables: dict[str, Call
         ctx = make_context(cfg, world, run_dir, workload, board)
         strategy = build_strategy(cfg.strategy, ctx, cfg.strategy_options())
         dp_rank, dp_size = strategy.data_partition()
-        check_batch_fits(workload.data, cfg.batch_size, dp_size)
+        try:
+            check_batch_fits(workload.data, cfg.batch_size, dp_size)
+        except BaseException:
+            strategy.close()  # its box, groups and threads
+            raise
     except BaseException:
         board.close()
         raise
     torch.manual_seed(cfg.seed * 1000 + world.rank + 1)  # per-rank stream for dropout and the like
-    workload.data.pin_memory = world.device.type == "cuda"
-    batches = workload.data.batch_source(cfg.batch_size, dp_rank, dp_size, cfg.seed, cfg.augment)
+    pin = world.device.type == "cuda"  # page-locked host batches copy to the GPU asynchronously
+    batches = workload.data.batch_source(cfg.batch_size, dp_rank, dp_size, cfg.seed, cfg.augment, pin)
     return Run(cfg, world, run_dir, workload, strategy, batches, board, FaultPlan.from_env())
 
 

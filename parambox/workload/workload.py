@@ -60,7 +60,9 @@ class TensorData:
     def model_shape(self) -> tuple[tuple[int, ...], int]:
         return self.ds.input_shape, self.ds.num_classes
 
-    def batch_source(self, batch_size: int, rank: int, world_size: int, seed: int, augment: bool | None):
+    def batch_source(
+        self, batch_size: int, rank: int, world_size: int, seed: int, augment: bool | None, pin: bool = False
+    ) -> BatchSource:
         augment = augment if augment is not None else self.ds.augment is not None
         return BatchSource(self.ds, batch_size, rank, world_size, seed, augment)
 
@@ -79,7 +81,6 @@ class UserData:
         self.num_train = len(train)
         self.has_test = test is not None and len(test) > 0
         self.eval_batch = 256
-        self.pin_memory = False
 
     def model_shape(self) -> tuple[tuple[int, ...], int]:
         item = loader.first_item(self.train, self.name)
@@ -101,13 +102,13 @@ class UserData:
             )
         return tuple(loader.as_float_tensor(x).shape), int(classes)
 
-    def batch_source(self, batch_size: int, rank: int, world_size: int, seed: int, augment: bool | None):
+    def batch_source(
+        self, batch_size: int, rank: int, world_size: int, seed: int, augment: bool | None, pin: bool = False
+    ) -> loader.LoaderSource:
         if augment:
             warn(f"augment applies to the registered data sets; data {self.name} is used as it is")
         sampler = GlobalBatchSampler(self.num_train, batch_size, rank, world_size, seed)
-        return loader.LoaderSource(
-            self.train, sampler, self.collate, self.name, self.loader_workers, self.pin_memory
-        )
+        return loader.LoaderSource(self.train, sampler, self.collate, self.name, self.loader_workers, pin)
 
     def test_batches(self) -> Iterator[Any]:
         if not self.has_test:
