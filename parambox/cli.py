@@ -1,4 +1,4 @@
-"""The command line: ``parambox train | sweep | bench | report | predict | slurm | info``.
+"""The command line: ``parambox train | sweep | bench | report | predict | export | slurm | info``.
 
 Thin by design: each command lives in its own module with ``configure(parser)`` and ``run(args) -> int``.
 A ``UserError`` (or pydantic ``ValidationError``) anywhere becomes one line on stderr and exit code 2.
@@ -11,14 +11,15 @@ import importlib
 import os
 import sys
 
-from parambox.errors import UserError
+from parambox.errors import UserError, validation_message
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("parambox.commands.train", "train a model with any strategy"),
     "sweep": ("parambox.commands.sweep", "grid over workers x batch size x learning rate"),
-    "bench": ("parambox.commands.bench", "benchmarks measured side by side (sync, box, async, local)"),
+    "bench": ("parambox.commands.bench", "benchmarks measured side by side (sync, box, async, local, api)"),
     "report": ("parambox.commands.report", "plots and tables from run directories"),
     "predict": ("parambox.commands.predict", "analytic scalability model: speedup and n_peak per topology"),
+    "export": ("parambox.commands.export", "a run's model as ONNX, checked by onnxruntime"),
     "slurm": ("parambox.commands.slurm", "write (or submit) a SLURM batch script for a training run"),
     "info": (
         "parambox.commands.info",
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:
         if type(e).__name__ == "ValidationError":  # pydantic, without importing it here
-            return _fail(_validation_message(e))
+            return _fail(validation_message(e))
         raise
 
 
@@ -63,11 +64,3 @@ def _fail(message: str) -> int:
 
         traceback.print_exc()
     return 2
-
-
-def _validation_message(e) -> str:
-    parts = []
-    for err in e.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "config"
-        parts.append(f"config field {loc!r}: {err['msg']}")
-    return "; ".join(parts)

@@ -29,8 +29,22 @@ class RunConfig(BaseModel):
 
     strategy: str = "allreduce"
     workers: int = Field(2, ge=1, le=4096, description="worker processes (local launcher)")
-    model: str = "lenet"
-    data: str = "digits"
+    model: str = Field(
+        "lenet", description="zoo model, or a model factory REF (module:function, file.py:function)"
+    )
+    data: str = Field(
+        "digits", description="registered data set, or a data factory REF returning (train, test)"
+    )
+    loss: str | None = Field(None, description="loss(model, batch) REF; default: cross-entropy of (x, y)")
+    metrics: str | None = Field(
+        None, description="metrics(model, batch) -> dict REF; default: loss, accuracy"
+    )
+    collate: str | None = Field(
+        None, description="collate(items) REF for a user's data; default: default_collate"
+    )
+    loader_workers: int = Field(
+        2, ge=0, le=64, description="background loader processes per worker (user data)"
+    )
     data_path: str | None = None
     steps: int = Field(600, ge=1, description="optimizer steps per worker")
     batch_size: int = Field(32, ge=1, description="per-worker batch size")
@@ -72,9 +86,14 @@ class RunConfig(BaseModel):
     def _known_model(cls, v: str) -> str:
         from parambox.models.registry import MODELS, import_builders
 
+        if ":" in v:  # a reference: resolved where it runs (parambox.workload.refs)
+            return v
         import_builders()
         if v not in MODELS:
-            raise ValueError(f"unknown model {v!r}; choose from {', '.join(sorted(MODELS))}")
+            raise ValueError(
+                f"unknown model {v!r}; choose from {', '.join(sorted(MODELS))}, or give module:function "
+                "or file.py:function"
+            )
         return v
 
     @field_validator("data")
@@ -82,9 +101,21 @@ class RunConfig(BaseModel):
     def _known_data(cls, v: str) -> str:
         from parambox.data.registry import DATASETS, _import_loaders
 
+        if ":" in v:
+            return v
         _import_loaders()
         if v not in DATASETS:
-            raise ValueError(f"unknown data set {v!r}; choose from {', '.join(sorted(DATASETS))}")
+            raise ValueError(
+                f"unknown data set {v!r}; choose from {', '.join(sorted(DATASETS))}, or give "
+                "module:function or file.py:function"
+            )
+        return v
+
+    @field_validator("loss", "metrics", "collate")
+    @classmethod
+    def _reference(cls, v: str | None) -> str | None:
+        if v is not None and ":" not in v:
+            raise ValueError(f"{v!r} is no reference: expected module:function or path/to/file.py:function")
         return v
 
     @property

@@ -6,8 +6,17 @@ from __future__ import annotations
 import sys
 
 
-class UserError(Exception):
-    """Bad input (config field, file, value): reported as one line, exit code 2, no traceback."""
+class UserError(ValueError):
+    """Bad input (config field, file, value, a user's function): one line, exit code 2 on the CLI, no
+    traceback on screen. A ``ValueError``, so library callers may catch either.
+
+    >>> import parambox
+    >>> try:
+    ...     parambox.train(model="lenet", steps=0)
+    ... except parambox.UserError as e:
+    ...     print(e)  # doctest: +ELLIPSIS
+    config field 'steps': ...
+    """
 
 
 class CommTimeout(RuntimeError):
@@ -17,3 +26,12 @@ class CommTimeout(RuntimeError):
 def warn(text: str) -> None:
     """A problem the run carries on with: one line on stderr, ``parambox: warning: ...``."""
     print(f"parambox: warning: {text}", file=sys.stderr, flush=True)
+
+
+def validation_message(e) -> str:
+    """A pydantic ``ValidationError`` as one line naming each bad field."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "config"
+        parts.append(f"config field {loc!r}: {err['msg']}")
+    return "; ".join(parts)

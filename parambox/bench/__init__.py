@@ -23,6 +23,11 @@ BENCHES: dict[str, tuple[str, str, str]] = {  # name -> (module, function, what 
         "run_bench_optimizer",
         "DistributedOptimizer(allreduce) in a user's loop vs torch DDP",
     ),
+    "api": (
+        "parambox.bench.api",
+        "run_bench_api",
+        "parambox.train vs a plain loop; a slow dataset's hidden load",
+    ),
 }
 
 

@@ -1,4 +1,4 @@
-"""``parambox bench sync | box | async | local``: benchmarks that print ratios measured side by side.
+"""``parambox bench sync | box | async | local | api``: benchmarks that print ratios measured side by side.
 
 Each prints a JSON object with ``--json`` (and nothing else on stdout), or a table otherwise.
 Run one benchmark at a time: they share the machine's cores.

@@ -15,11 +15,17 @@ from parambox.errors import CommTimeout, UserError, warn
 from parambox.runtime.world import World, under_external_launcher
 from parambox.training.checkpoint import atomic_write_json
 
+WORKER_MODULE = "parambox.api.worker"  # python -m parambox.api.worker RUN_DIR [--resume]
+
 FLAGS = {  # flag -> config field; each flag's type and range come from RunConfig
     "--strategy": "strategy",
     "--workers": "workers",
     "--model": "model",
     "--data": "data",
+    "--loss": "loss",
+    "--metrics": "metrics",
+    "--collate": "collate",
+    "--loader-workers": "loader_workers",
     "--data-path": "data_path",
     "--steps": "steps",
     "--batch-size": "batch_size",
@@ -81,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         cfg.out = cfg.out or external_run_dir(cfg)
         if "--workers" in args._argv and cfg.workers != world.world_size and world.rank == 0:
             warn(f"--workers {cfg.workers} ignored: the launcher started {world.world_size} processes")
+    check_references(cfg)  # a REF that does not import fails here, before any worker starts
     run_dir = prepare_run_dir(cfg, args.resume)
     if cfg.workers == 1 or under_external_launcher():
         return run_worker(cfg, world, run_dir, args.resume)
@@ -99,6 +106,19 @@ def external_run_dir(cfg: RunConfig) -> str:
     if not job:
         raise UserError("under this launcher, give --out DIR (a path every rank can write)")
     return f"runs/{cfg.strategy}-{job.replace('/', '_').replace('@', '_')}"
+
+
+def check_references(cfg: RunConfig, given: dict | None = None) -> None:
+    """Import every ``module:function`` / ``file.py:function`` the run names (but the functions
+    ``given`` in-process); a ``UserError`` naming the first that cannot be imported or is not callable."""
+    from parambox.workload import CALLABLE_FIELDS, resolve_callables
+    from parambox.workload.refs import absolute, is_reference
+
+    resolve_callables(cfg, given)
+    for field in CALLABLE_FIELDS:  # file.py:function recorded with its absolute path
+        value = getattr(cfg, field)
+        if isinstance(value, str) and is_reference(value) and field not in (given or {}):
+            setattr(cfg, field, absolute(value))
 
 
 def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path:
@@ -123,7 +143,8 @@ def launch(cfg: RunConfig, args: argparse.Namespace, run_dir: Path) -> int:
     from parambox.strategies import strategy_class
 
     cls = strategy_class(cfg.strategy, cfg.strategy_options())  # the class that will really run
-    argv = [*args._argv, "--out", str(run_dir)]
+    # Every worker runs the one worker entry on the run directory's config.json (as parambox.train's do).
+    argv = [str(run_dir), *(["--resume"] if args.resume else [])]
     result = launch_local(
         argv,
         cfg.workers,
@@ -131,6 +152,7 @@ def launch(cfg: RunConfig, args: argparse.Namespace, run_dir: Path) -> int:
         cfg.threads,
         use_mpi=cls.needs_mpi or cfg.box.needs_mpi,
         tolerate_loss=cls.tolerates_worker_loss,
+        module=WORKER_MODULE,
     )
     if result.returncode == 130:
         print("parambox: interrupted; workers stopped", file=sys.stderr)
@@ -165,7 +187,7 @@ def run_worker(cfg: RunConfig, world: World, run_dir: Path, resume: bool) -> int
     except BaseException as e:
         code = report_failure(e, world, run_dir)
     else:
-        if summary is not None:
+        if summary is not None and cfg.progress:  # --no-progress / progress=False: quiet
             print_summary(summary, run_dir)
         code = 0
     if world.world_size > 1:
@@ -185,8 +207,9 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def report_failure(e: BaseException, world: World, run_dir: Path) -> int:
-    """One line on stderr and in logs/rank{r}.err (the launcher quotes it); the traceback goes to the log."""
+def report_failure(e: BaseException, world: World, run_dir: Path, echo: bool = True) -> int:
+    """One line on stderr and in logs/rank{r}.err (the launcher quotes it); the traceback goes to the log.
+    ``echo=False``: the log alone (the library API raises the error instead)."""
     if isinstance(e, KeyboardInterrupt | SystemExit):
         raise e
     user = isinstance(e, UserError) or type(e).__name__ == "ValidationError"
@@ -197,7 +220,7 @@ def report_failure(e: BaseException, world: World, run_dir: Path) -> int:
     logs = Path(os.environ.get("PARAMBOX_LOG_DIR") or run_dir / "logs")
     logs.mkdir(parents=True, exist_ok=True)
     (logs / f"rank{world.rank}.err").write_text(line + "\n\n" + traceback.format_exc())
-    if world.launcher != "local":  # our launcher quotes the .err file itself: one line in all
+    if echo and world.launcher != "local":  # our launcher quotes the .err file itself: one line in all
         print(line if world.world_size == 1 else f"[rank {world.rank}] {line}", file=sys.stderr)
     if os.environ.get("PARAMBOX_DEBUG"):
         traceback.print_exc()
@@ -209,18 +232,9 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     from rich.table import Table
 
     table = Table(title="parambox run", show_header=False)
-    for key in (
-        "strategy",
-        "workers",
-        "model",
-        "data",
-        "steps",
-        "final_test_accuracy",
-        "final_test_loss",
-        "wall_time_s",
-        "samples_per_s",
-    ):
-        value = summary[key]
+    finals = [k for k in summary if k.startswith("final_test_")]  # loss, accuracy or a user's metrics
+    for key in ("strategy", "workers", "model", "data", "steps", *finals, "wall_time_s", "samples_per_s"):
+        value = summary.get(key)
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
     Console().print(table)
     print(f"run directory: {run_dir}")

@@ -94,3 +94,6 @@ class BatchSource:
             g = torch.Generator().manual_seed((self.seed * 7919 + step) * 65_537 + self.rank)
             x = self.augment(x, g)
         return x, y
+
+    def close(self) -> None:
+        """Nothing to stop: the tensors are in memory (a user's data set's source has loaders)."""

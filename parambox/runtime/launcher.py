@@ -42,39 +42,48 @@ def launch_local(
     threads: int | None = None,
     use_mpi: bool = False,
     tolerate_loss: bool = False,
+    module: str = "parambox",
 ) -> LaunchResult:
-    """Run ``python -m parambox <argv>`` as ``num_workers`` ranks and supervise them."""
+    """Run ``python -m <module> <argv>`` as ``num_workers`` ranks and supervise them."""
     log_dir.mkdir(parents=True, exist_ok=True)
     prefix = spawn.new_prefix()
     n_threads = threads_per_worker(num_workers, threads)
     env = spawn.loopback_env(n_threads, prefix)
     env.update(PARAMBOX_LOG_DIR=str(log_dir), PARAMBOX_THREADS=str(n_threads))
-    cmd = [sys.executable, "-m", "parambox", *argv]
-    procs = [spawn.start_mpi(cmd, num_workers, env)] if use_mpi else _spawn(cmd, num_workers, env)
+    cmd = [sys.executable, "-m", module, *argv]
+    # Set once a rank failed: what the others print then (a closed store's C++ warnings, "connection
+    # closed") are symptoms, and the one line naming the cause is what the user should see.
+    muted = threading.Event()
+    procs = [spawn.start_mpi(cmd, num_workers, env)] if use_mpi else _spawn(cmd, num_workers, env, muted)
     try:
-        return _supervise(procs, log_dir, tolerate_loss)
+        return _supervise(procs, log_dir, tolerate_loss, muted)
     finally:
         spawn.stop(procs)
         spawn.remove_segments(prefix)
 
 
-def _spawn(cmd: list[str], n: int, env: dict[str, str]) -> list[subprocess.Popen]:
+def _spawn(cmd: list[str], n: int, env: dict[str, str], muted: threading.Event) -> list[subprocess.Popen]:
     # Rank 0 owns the terminal (progress bar, summary); the others are prefixed with their rank.
     pipes = [None] + [subprocess.PIPE] * (n - 1)
     procs = spawn.start_ranks(cmd, n, env, local_launcher=True, stdout=pipes, stderr=pipes)
     for rank, p in enumerate(procs[1:], 1):
         for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-            threading.Thread(target=_pump, args=(stream, sink, rank), daemon=True).start()
+            threading.Thread(target=_pump, args=(stream, sink, rank, muted), daemon=True).start()
     return procs
 
 
-def _pump(stream, sink, rank: int) -> None:
+def _pump(stream, sink, rank: int, muted: threading.Event) -> None:
     for raw in iter(stream.readline, b""):
+        if muted.is_set():
+            continue  # keep draining, so the rank never blocks on a full pipe
         sink.write(f"[rank {rank}] {raw.decode(errors='replace')}")
         sink.flush()
 
 
-def _supervise(procs: list[subprocess.Popen], log_dir: Path, tolerate_loss: bool) -> LaunchResult:
+def _supervise(
+    procs: list[subprocess.Popen], log_dir: Path, tolerate_loss: bool, muted: threading.Event | None = None
+) -> LaunchResult:
+    muted = muted or threading.Event()
     result = LaunchResult(0)
     interrupted = []
     rank0_done_at = None
@@ -95,6 +104,7 @@ def _supervise(procs: list[subprocess.Popen], log_dir: Path, tolerate_loss: bool
                     if tolerate_loss and rank != 0:
                         result.lost.append(rank)
                     else:
+                        muted.set()
                         rank = _root_cause(procs, log_dir, rank)
                         result.failed[rank] = (
                             procs[rank].returncode,

@@ -3,27 +3,26 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from parambox.config import RunConfig
-from parambox.data import BatchSource, Dataset, load_dataset
-from parambox.errors import UserError
-from parambox.models import build_model
+from parambox.data import BatchSource
 from parambox.runtime import dist as pbdist
 from parambox.runtime.world import World
 from parambox.strategies import Context, Strategy, build_strategy
 from parambox.strategies.base import map_tensors
 from parambox.training import checkpoint
 from parambox.training.faults import FaultPlan
-from parambox.training.losses import default_loss
 from parambox.training.metrics import MetricsLogger
 from parambox.training.progress import Progress
+from parambox.workload import Workload, build_workload, check_batch_fits
+from parambox.workload.evaluate import evaluate as evaluate_model
 
 
 @dataclass
@@ -31,20 +30,29 @@ class Run:
     cfg: RunConfig
     world: World
     run_dir: Path
-    ds: Dataset
+    workload: Workload  # model, data, loss and metrics: the zoo's or the user's
     strategy: Strategy
-    batches: BatchSource
+    batches: BatchSource  # or a LoaderSource (a user's Dataset): batch(step), sampler, close()
     board: pbdist.ProgressBoard  # every rank's step, for timeouts that name who is missing
     faults: FaultPlan  # PARAMBOX_FAULT, read once here
 
 
-def train(cfg: RunConfig, world: World, run_dir: Path, resume: bool = False) -> dict[str, Any] | None:
-    """Train on this rank; returns the summary on rank 0."""
+def train(
+    cfg: RunConfig,
+    world: World,
+    run_dir: Path,
+    resume: bool = False,
+    callables: dict[str, Callable] | None = None,
+) -> dict[str, Any] | None:
+    """Train on this rank; returns the summary on rank 0. ``callables``: the user's model, data, loss,
+    metrics or collate functions handed in by the library API in this process (else the config's
+    names and references are used)."""
     try:
-        run = setup(cfg, world, run_dir)
+        run = setup(cfg, world, run_dir, callables)
         try:
             return _loop(run, resume)
         finally:
+            run.batches.close()  # a user's data: stop the background loaders
             run.strategy.close()
             run.board.close()  # drop the board's store before the process group goes
     finally:
@@ -83,7 +91,7 @@ def _loop(run: Run, resume: bool) -> dict[str, Any] | None:
         log.close()
 
 
-def setup(cfg: RunConfig, world: World, run_dir: Path) -> Run:
+def setup(cfg: RunConfig, world: World, run_dir: Path, callables: dict[str, Callable] | None = None) -> Run:
     torch.set_num_threads(
         cfg.threads or int(os.environ.get("PARAMBOX_THREADS", "0")) or torch.get_num_threads()
     )
@@ -91,32 +99,34 @@ def setup(cfg: RunConfig, world: World, run_dir: Path) -> Run:
     board = pbdist.ProgressBoard()
     try:
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
-        ds = load_dataset(cfg.data, cfg.data_path, cfg.seed)
-        ctx = make_context(cfg, world, run_dir, ds, board)
+        workload = build_workload(cfg, callables)
+        ctx = make_context(cfg, world, run_dir, workload, board)
         strategy = build_strategy(cfg.strategy, ctx, cfg.strategy_options())
+        dp_rank, dp_size = strategy.data_partition()
+        try:
+            check_batch_fits(workload.data, cfg.batch_size, dp_size)
+        except BaseException:
+            strategy.close()  # its box, groups and threads
+            raise
     except BaseException:
         board.close()
         raise
     torch.manual_seed(cfg.seed * 1000 + world.rank + 1)  # per-rank stream for dropout and the like
-    dp_rank, dp_size = strategy.data_partition()
-    augment = cfg.augment if cfg.augment is not None else ds.augment is not None
-    batches = BatchSource(ds, cfg.batch_size, dp_rank, dp_size, cfg.seed, augment)
-    return Run(cfg, world, run_dir, ds, strategy, batches, board, FaultPlan.from_env())
+    pin = world.device.type == "cuda"  # page-locked host batches copy to the GPU asynchronously
+    batches = workload.data.batch_source(cfg.batch_size, dp_rank, dp_size, cfg.seed, cfg.augment, pin)
+    return Run(cfg, world, run_dir, workload, strategy, batches, board, FaultPlan.from_env())
 
 
 def make_context(
-    cfg: RunConfig, world: World, run_dir: Path, ds: Dataset, board: pbdist.ProgressBoard
+    cfg: RunConfig, world: World, run_dir: Path, workload: Workload, board: pbdist.ProgressBoard
 ) -> Context:
     """What the strategy wraps: the model (same initial weights on every rank), optimizer factory, loss."""
-    try:
-        model = build_model(cfg.model, ds.input_shape, ds.num_classes).to(world.device)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    model = workload.build_model().to(world.device)
     return Context(
         world,
         model,
         make_optimizer_factory(cfg),
-        default_loss,
+        workload.loss,
         cfg.steps,
         cfg.timeout,
         run_dir,
@@ -151,23 +161,14 @@ def step_record(step: int, result, elapsed: float, global_samples: int) -> dict[
     return rec
 
 
-@torch.no_grad()
 def evaluate(run: Run) -> dict[str, float]:
-    """Test loss and accuracy of the strategy's result model, on rank 0 (empty elsewhere)."""
-    model = run.strategy.eval_model()
-    if model is None:
+    """``test_<metric>`` of the strategy's result model on rank 0 (empty elsewhere, and without a test
+    set): the user's metrics or the default (loss, and accuracy for class logits)."""
+    model = run.strategy.eval_model()  # collective: every rank calls it
+    if model is None or not run.workload.data.has_test:
         return {}
-    was_training = model.training
-    model.eval()
-    loss_sum, correct, n = 0.0, 0, len(run.ds.test_y)
-    for i in range(0, n, 1024):
-        x = run.ds.test_x[i : i + 1024].to(run.world.device)
-        y = run.ds.test_y[i : i + 1024].to(run.world.device)
-        out = model(x)
-        loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
-        correct += int((out.argmax(1) == y).sum())
-    model.train(was_training)
-    return {"test_loss": loss_sum / n, "test_accuracy": correct / n}
+    w = run.workload
+    return evaluate_model(model, w.data.test_batches(), w.metrics, w.loss, run.world.device)
 
 
 def save_checkpoint(run: Run, step: int) -> None:
@@ -211,8 +212,8 @@ def write_summary(run: Run, step: int, wall: float, samples: int, final: dict[st
         "data": cfg.data,
         "batch_size": cfg.batch_size,
         "lr": cfg.lr,
-        "final_test_accuracy": final["test_accuracy"],
-        "final_test_loss": final["test_loss"],
+        **{f"final_{k}": v for k, v in final.items()},
+        "final_test_loss": final.get("test_loss"),  # always there: None without a test set
         "wall_time_s": wall,
         "samples_per_s": float(total) / max(wall, 1e-9),
         "lost_workers": [],

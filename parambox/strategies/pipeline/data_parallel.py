@@ -53,8 +53,7 @@ class PipelineDataParallel(Pipeline):
             if s == layout.stage:
                 self.dp_group = pg
 
-    def build(self, split_points: list[int]) -> None:
-        super().build(split_points)
+    def after_build(self) -> None:
         if self.dp_group is not None:  # same start in every pipeline, whatever each rank's seed did
             with self.collective("stage weight broadcast"):
                 for p in self.params:

@@ -27,7 +27,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from parambox.errors import UserError
 from parambox.strategies.base import Context, Options, PhaseTimers, StepResult, Strategy, batch_size
-from parambox.strategies.pipeline import stages
+from parambox.strategies.pipeline import stages, tracing
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -40,6 +40,11 @@ class PipelineOptions(Options):
     )
     split_points: list[int] | None = Field(
         None, description="child index each stage after the first starts at; overrides balance"
+    )
+    split_at: list[str] | None = Field(
+        None,
+        description="module names each stage after the first begins at, for any model (traced by "
+        "torch.distributed.pipelining; an nn.Sequential is cut by child index without it)",
     )
 
 
@@ -96,14 +101,13 @@ class Pipeline(Strategy):
 
     def __init__(self, ctx: Context, options: PipelineOptions):
         super().__init__(ctx, options)
-        if not isinstance(self.model, nn.Sequential):
-            raise UserError(
-                f"strategy {self.name!r} cuts an nn.Sequential into stages; got {type(self.model)}"
-            )
         if not dist.is_initialized():
             raise UserError(f"strategy {self.name!r} cuts the model over ranks: it needs torch.distributed")
         self.layout = self.make_layout()
-        if self.layout.num_stages > len(self.model):
+        self.traced = options.split_at is not None or not isinstance(self.model, nn.Sequential)
+        if self.traced:
+            tracing.check_split_at(self.name, self.model, options, self.layout.num_stages)
+        elif self.layout.num_stages > len(self.model):
             raise UserError(
                 f"{self.layout.num_stages} pipeline stages but the model has only {len(self.model)} layers"
             )
@@ -118,6 +122,9 @@ class Pipeline(Strategy):
         self.schedule = None
         self._pending_optimizer: dict | None = None
         self._batch_size = 0
+        self.stage_keys: list[list[str]] = []  # the whole model's state_dict names of each stage
+        if self.traced:
+            return  # traced at the first step, on a micro-batch of its input
         n, num_stages = len(self.model), self.layout.num_stages
         if options.split_points is not None:
             self.build(stages.check_split(options.split_points, n, num_stages))
@@ -138,12 +145,34 @@ class Pipeline(Strategy):
     def data_partition(self) -> tuple[int, int]:
         return self.layout.group, self.layout.num_groups
 
+    def after_build(self) -> None:
+        """Once the stage is built (pipeline-dp: equal stage weights across pipelines)."""
+
     # -- building the stage ---------------------------------------------------------------------
     def build(self, split_points: list[int]) -> None:
-        layout, opts = self.layout, self.options
+        """Cut an ``nn.Sequential`` at child indices: stage ``s`` is a run of children."""
+        layout = self.layout
         self.split_points = list(split_points)
-        self.bounds = stages.stage_bounds(self.split_points, len(self.model))
-        self.stage_mod = stages.stage_module(self.model, self.bounds[layout.stage])
+        bounds = stages.stage_bounds(self.split_points, len(self.model))
+        self.stage_keys = [stages.stage_state_keys(self.model, b) for b in bounds]
+        self.stage_mod = stages.stage_module(self.model, bounds[layout.stage])
+        stage = TimedStage(
+            self.stage_mod, layout.stage, layout.num_stages, self.world.device, group=self.pp_group
+        )
+        self.install(stage)
+
+    def build_traced(self, x: torch.Tensor) -> None:
+        """Cut any model at the module names ``split_at``, traced on one micro-batch of ``x``."""
+        probe = x[: max(1, len(x) // self.options.num_microbatches)]
+        pipe = tracing.trace(self.name, self.model, self.options.split_at or [], probe)
+        self.stage_keys = [list(pipe.get_stage_module(s).state_dict()) for s in range(pipe.num_stages)]
+        self.stage_mod = pipe.get_stage_module(self.layout.stage)
+        stage = pipe.build_stage(self.layout.stage, self.world.device, group=self.pp_group)
+        self.install(tracing.timed(stage))
+
+    def install(self, stage: Any) -> None:
+        """Gradient buffer, schedule and optimizer around this rank's built ``stage``."""
+        opts = self.options
         self.params = [p for p in self.stage_mod.parameters() if p.requires_grad]
         # One flat buffer holds the gradients (the .grad are views into it) and, last, the loss, so
         # pipeline-dp averages both in one allreduce.
@@ -152,9 +181,7 @@ class Pipeline(Strategy):
         for p in self.params:
             p.grad = self.grad_buffer[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-        self.stage = TimedStage(
-            self.stage_mod, layout.stage, layout.num_stages, self.world.device, group=self.pp_group
-        )
+        self.stage = stage
         self.schedule = SCHEDULES[opts.schedule](
             self.stage, opts.num_microbatches, loss_fn=self._microbatch_loss, scale_grads=False
         )
@@ -162,6 +189,7 @@ class Pipeline(Strategy):
         if self._pending_optimizer is not None and self.optimizer is not None:
             self.optimizer.load_state_dict(self._pending_optimizer)
         self._pending_optimizer = None
+        self.after_build()
 
     def _timed_split(self, x: torch.Tensor) -> list[int]:
         """Rank 0 times each layer on one micro-batch and cuts; every rank gets its cut."""
@@ -186,7 +214,7 @@ class Pipeline(Strategy):
     def step(self, batch: Any, step: int) -> StepResult:
         x, y = batch  # a pipeline needs (inputs, target): inputs enter stage 0, target meets the last
         if self.schedule is None:
-            self.build(self._timed_split(x))
+            self.build_traced(x) if self.traced else self.build(self._timed_split(x))
         self._check_batch(batch_size(batch))
         layout, stage = self.layout, self.stage
         self._batch_size = batch_size(batch)
@@ -249,8 +277,7 @@ class Pipeline(Strategy):
         state = self.model.state_dict()  # detached views: receiving into them updates the model
         with self.collective("gather stages to rank 0"):
             for s in range(1, layout.num_stages):
-                keys = stages.stage_state_keys(self.model, self.bounds[s])
-                for key in keys:
+                for key in self.stage_keys[s]:
                     if self.world.rank == 0:
                         dist.recv(state[key], src=layout.rank_of(0, s))
                     elif layout.stage == s:
@@ -264,6 +291,7 @@ class Pipeline(Strategy):
                 "num_stages": self.layout.num_stages,
                 "num_pipelines": self.layout.num_groups,
                 "split_points": self.split_points,
+                "split_at": self.options.split_at,
                 "schedule": opts.schedule,
                 "num_microbatches": opts.num_microbatches,
             }
@@ -279,7 +307,7 @@ class Pipeline(Strategy):
         # This rank's replica holds its own stage's weights; the cut must be the one they came from.
         points = state.get("split_points")
         self._pending_optimizer = state.get("optimizer")
-        if self.schedule is None and points is not None:
+        if self.schedule is None and points is not None and not self.traced:
             self.build(points)
         elif points is not None and points != self.split_points:
             raise UserError(

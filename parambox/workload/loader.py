@@ -1,0 +1,195 @@
+"""A user's map-style ``Dataset``s as training batches and test batches.
+
+The global batch at step t is the one ``GlobalBatchSampler`` picks (data-parallel rank r takes slice
+r), whatever the number of workers, so resuming needs only t. The items are read by a
+``torch.utils.data.DataLoader`` whose batch sampler yields the sampler's indices step after step, with
+``loader_workers`` background processes, so a slow dataset (decoding, augmentation) is loaded while
+the model computes. The first batch is loaded in the training process itself: an item that raises or
+items that cannot be collated are then reported as one line naming the data set, not as a
+DataLoader worker's traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data import Dataset as TorchDataset
+
+from parambox.data.base import GlobalBatchSampler
+from parambox.errors import UserError
+
+Collate = Callable[[list[Any]], Any]
+PREFETCH_BATCHES = 4  # per background worker: enough to ride out a slow item or two
+
+
+class _Steps:
+    """A DataLoader batch sampler: the sampler's indices for ``start``, ``start + 1``, ... (endless)."""
+
+    def __init__(self, sampler: GlobalBatchSampler, start: int):
+        self.sampler, self.start = sampler, start
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.start
+        while True:
+            yield self.sampler.indices(step).tolist()
+            step += 1
+
+
+class LoaderSource:
+    """Batches of a user's ``Dataset`` for one data-parallel rank: ``batch(step)``, steps in order.
+
+    >>> # src = LoaderSource(ds, GlobalBatchSampler(len(ds), 16, 0, 1, 0), collate, "make_data", 2)
+    >>> # x, y = src.batch(0)
+    """
+
+    def __init__(
+        self,
+        dataset: TorchDataset,
+        sampler: GlobalBatchSampler,
+        collate: Collate,
+        name: str,
+        num_workers: int,
+        pin_memory: bool = False,
+    ):
+        self.dataset, self.sampler, self.collate, self.name = dataset, sampler, collate, name
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self._it: Iterator[Any] | None = None
+        self._next = -1
+
+    def batch(self, step: int) -> Any:
+        if step != self._next or self._it is None:
+            return self._restart(step)
+        self._next = step + 1
+        try:
+            return next(self._it)
+        except Exception as e:
+            raise UserError(
+                f"data {self.name}: loading the batch of step {step} failed: {_last_line(e)}"
+            ) from e
+
+    def _restart(self, step: int) -> Any:
+        """Start the background workers on ``step + 1`` onwards, and load ``step`` here meanwhile."""
+        self.close()
+        if self.num_workers > 0:
+            self._it = iter(
+                DataLoader(
+                    self.dataset,
+                    batch_sampler=_Steps(self.sampler, step + 1),
+                    collate_fn=self.collate,
+                    num_workers=self.num_workers,
+                    prefetch_factor=PREFETCH_BATCHES,
+                    pin_memory=self.pin_memory,
+                    multiprocessing_context=_fork_context(),
+                )
+            )
+        else:
+            self._it = (self.load(self.sampler.indices(s).tolist()) for s in _count(step + 1))
+        self._next = step + 1
+        try:
+            return self.load(self.sampler.indices(step).tolist())
+        except BaseException:
+            self.close()
+            raise
+
+    def load(self, indices: list[int]) -> Any:
+        """The collated items at ``indices``, read in this process; bad items are the user's error."""
+        return load_items(self.dataset, indices, self.collate, self.name)
+
+    def close(self) -> None:
+        """Stop the background workers (they hold a copy of the process)."""
+        it, self._it = self._it, None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def load_items(dataset: TorchDataset, indices: list[int], collate: Collate, name: str) -> Any:
+    items = []
+    for i in indices:
+        try:
+            items.append(dataset[i])
+        except Exception as e:
+            raise UserError(f"data {name}: reading item {i} raised {_one_line(e)}") from e
+    try:
+        return collate(items)
+    except Exception as e:
+        what = getattr(collate, "__qualname__", "collate")
+        raise UserError(f"data {name}: items cannot be batched by {what}: {_one_line(e)}") from e
+
+
+def test_batches(
+    dataset: TorchDataset, batch_size: int, collate: Collate, name: str, num_workers: int
+) -> Iterator[Any]:
+    """The test set in order, ``batch_size`` items at a time."""
+    n = len(dataset)  # type: ignore[arg-type]
+    if num_workers == 0:
+        for start in range(0, n, batch_size):
+            yield load_items(dataset, list(range(start, min(n, start + batch_size))), collate, name)
+        return
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=False,
+        collate_fn=collate,
+        num_workers=num_workers,
+        multiprocessing_context=_fork_context(),
+    )
+    it = iter(loader)
+    try:
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            except Exception as e:
+                raise UserError(f"data {name}: loading a test batch failed: {_last_line(e)}") from e
+            yield batch
+    finally:
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def _count(start: int) -> Iterator[int]:
+    while True:
+        yield start
+        start += 1
+
+
+def _fork_context():
+    # fork: the workers inherit the data set and the user's classes as they are in memory, with no
+    # pickling of either (the main script may not even be importable by name).
+    if "fork" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("fork")
+    return None
+
+
+def _one_line(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _last_line(e: BaseException) -> str:
+    # A DataLoader worker's error arrives as "Caught X in DataLoader worker ... Original Traceback ...";
+    # its last line is the original "ValueError: ..." itself.
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(e).__name__
+
+
+def is_map_style(obj: Any) -> bool:
+    return hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
+
+
+def first_item(dataset: TorchDataset, name: str) -> Any:
+    try:
+        return dataset[0]
+    except Exception as e:
+        raise UserError(f"data {name}: reading item 0 raised {_one_line(e)}") from e
+
+
+def as_float_tensor(x: Any) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
