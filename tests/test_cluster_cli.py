@@ -137,3 +137,24 @@ def _alive(p: psutil.Process) -> bool:
         return p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@needs_root
+def test_bench_cluster_quick_form_has_every_key():
+    pytest.importorskip("mpi4py")
+    before = root_state()
+    setups = "ddp,allreduce,easgd-tau4,ceiling"  # gloo and MPI setups; the full list takes longer
+    proc = run_cli("bench", "cluster", "--quick", "--setups", setups, "--json", env=MPI_ENV, timeout=230)
+    result = json.loads(proc.stdout)
+    assert set(result["by_gbps"]) == {"1", "0.1"} and result["workers"] == result["nodes"] == 2
+    for entry in result["by_gbps"].values():
+        assert set(entry["samples_per_s"]) == set(setups.split(","))
+        assert set(entry["ratio_vs_ddp"]) == {"allreduce", "easgd-tau4", "ceiling"}
+        for key in ("ddp_vs_loopback", "best_setup", "best_vs_ddp", "best_vs_ceiling", "load_average_1m"):
+            assert key in entry
+        assert entry["best_setup"] in ("allreduce", "easgd-tau4")
+        comm = entry["comm"]
+        # What crosses the link: DDP's gradients both ways (2 x 4.28 MB per step), never the ceiling's.
+        assert comm["ddp"]["link_bytes_per_step"] > 8e6 > 1e5 > comm["ceiling"]["link_bytes_per_step"]
+        assert comm["allreduce"]["comm_s_per_step"] > 0 and comm["ddp"]["comm_s_per_step"] is None
+    assert root_state() == before
