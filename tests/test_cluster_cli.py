@@ -158,3 +158,27 @@ def test_bench_cluster_quick_form_has_every_key():
         assert comm["ddp"]["link_bytes_per_step"] > 8e6 > 1e5 > comm["ceiling"]["link_bytes_per_step"]
         assert comm["allreduce"]["comm_s_per_step"] > 0 and comm["ddp"]["comm_s_per_step"] is None
     assert root_state() == before
+
+
+@needs_root
+def test_predict_validate_on_the_cluster_quick_form():
+    before = root_state()
+    argv = ["predict", "--model", "mlp", "--topology", "ring", "--validate", "--json", "--max-workers", "2"]
+    proc = run_cli(
+        *argv, "--repeats", "1", "--global-batch", "32", "--emulate-nodes", "2", "--link-gbps", "0.1"
+    )
+    result = json.loads(proc.stdout)
+    v = result["validation"]
+    assert v["emulated_link_gbps"] == 0.1 and result["network"]["bandwidth_gbps"] == 0.1
+    assert v["validation_bandwidth_gbps"] == pytest.approx(0.1 * 1448 / 1514)  # the TCP payload of the rate
+    assert set(v["rel_error"]) == {"1", "2"} and result["validation_max_rel_error"] == v["max_rel_error"]
+    # The link binds: 0.8 MB of gradients at 12 MB/s cannot cross in less than the burst allows.
+    s_bytes = result["message_bytes"]
+    assert v["measured_step_ms"]["2"] > (s_bytes - 2 * 131072) / 12.5e6 * 1e3
+    assert v["probe_bandwidth_gbps"] < 0.12
+    assert root_state() == before
+
+
+def test_predict_on_the_cluster_needs_validate():
+    proc = run_cli("predict", "--emulate-nodes", "2", "--link-gbps", "1", "--comp-ms", "1", check=False)
+    assert proc.returncode == 2 and "go with --validate" in proc.stderr
