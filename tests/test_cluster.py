@@ -387,6 +387,8 @@ def test_cluster_config_checks_its_fields():
         ClusterConfig(nodes=2, link_gbps=0)
     with pytest.raises(UserError, match="spread evenly"):
         ClusterConfig(nodes=2).ranks_per_node(3)
+    assert ClusterConfig(nodes=2).nodes_for(1) == 1  # fewer workers than nodes: one node each
+    assert ClusterConfig(nodes=4).build(2).num_nodes == 2
 
 
 def test_run_config_takes_the_cluster_table_from_set_and_toml(tmp_path):

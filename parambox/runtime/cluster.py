@@ -138,19 +138,28 @@ class ClusterConfig(BaseModel):
     def enabled(self) -> bool:
         return self.nodes is not None
 
+    def nodes_for(self, world_size: int) -> int:
+        """Nodes a run of ``world_size`` workers uses: all of them, or one per worker when there are
+        fewer workers than nodes (a 1-worker run of a sweep on a 2-node cluster runs on one node)."""
+        return min(self.nodes or 1, world_size)
+
     def ranks_per_node(self, world_size: int) -> int:
         """Workers per node; a ``UserError`` unless they spread evenly."""
-        nodes = self.nodes or 1
+        nodes = self.nodes_for(world_size)
         if world_size % nodes:
             raise UserError(
                 f"--workers {world_size} does not spread evenly over --emulate-nodes {nodes}: give a multiple"
             )
         return world_size // nodes
 
-    def build(self) -> EmulatedCluster:
-        """The cluster, not yet started (``with cfg.build() as cluster: ...``)."""
+    def build(self, world_size: int) -> EmulatedCluster:
+        """The cluster for ``world_size`` workers, not yet started (``with cfg.build(n) as cluster:``)."""
+        self.ranks_per_node(world_size)
         return EmulatedCluster(
-            self.nodes or 1, self.link_gbps, burst_bytes=self.burst_bytes, latency_ms=self.latency_ms
+            self.nodes_for(world_size),
+            self.link_gbps,
+            burst_bytes=self.burst_bytes,
+            latency_ms=self.latency_ms,
         )
 
 

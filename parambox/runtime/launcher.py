@@ -56,7 +56,7 @@ def launch_local(
     env.update(PARAMBOX_LOG_DIR=str(log_dir), PARAMBOX_THREADS=str(n_threads))
     cmd = [sys.executable, "-m", "parambox", *argv]
     with contextlib.ExitStack() as stack:  # the cluster closes after the workers are stopped
-        net = stack.enter_context(cluster.build()) if cluster is not None else None
+        net = stack.enter_context(cluster.build(num_workers)) if cluster is not None else None
         if use_mpi:
             procs = [spawn.start_mpi(cmd, num_workers, env, mpi_command=net and net.mpi_launch)]
         else:
