@@ -16,7 +16,10 @@ from parambox.errors import UserError
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("parambox.commands.train", "train a model with any strategy"),
     "sweep": ("parambox.commands.sweep", "grid over workers x batch size x learning rate"),
-    "bench": ("parambox.commands.bench", "benchmarks measured side by side (sync, box, async, local)"),
+    "bench": (
+        "parambox.commands.bench",
+        "benchmarks measured side by side (sync, box, async, local, cluster)",
+    ),
     "report": ("parambox.commands.report", "plots and tables from run directories"),
     "predict": ("parambox.commands.predict", "analytic scalability model: speedup and n_peak per topology"),
     "slurm": ("parambox.commands.slurm", "write (or submit) a SLURM batch script for a training run"),
