@@ -51,18 +51,25 @@ def test_train_on_two_nodes_over_gloo(tmp_path):
 
 
 @needs_root
-def test_train_on_two_nodes_over_mpi_with_the_rma_box(tmp_path):
+def test_hybrid_over_mpi_groups_the_ranks_of_each_node(tmp_path):
     pytest.importorskip("mpi4py")
     before, ns_before = root_state(), live_namespaces()
     out = tmp_path / "run"
     proc = run_cli(
-        "train", "--strategy", "easgd", "--box", "rma", "--workers", "2", "--emulate-nodes", "2",
-        "--link-gbps", "1", "--steps", "12", "--eval-every", "0", "--no-progress", "--out", str(out),
+        "train", "--strategy", "hybrid", "--box", "rma", "--workers", "4", "--emulate-nodes", "2",
+        "--link-gbps", "1", "--steps", "8", "--eval-every", "0", "--no-progress", "--out", str(out),
         env=MPI_ENV,
     )  # fmt: skip
     assert "highly unusual" not in proc.stderr  # the mpiexec filter took Open MPI's race warning out
-    rows = world_records(out, 2)
-    assert [(r["launcher"], r["node_rank"], r["num_nodes"]) for r in rows] == [("mpi", 0, 2), ("mpi", 1, 2)]
+    rows = world_records(out, 4)
+    assert [(r["launcher"], r["node_rank"], r["local_rank"], r["local_world_size"]) for r in rows] == [
+        ("mpi", 0, 0, 2),
+        ("mpi", 0, 1, 2),
+        ("mpi", 1, 0, 2),
+        ("mpi", 1, 1, 2),
+    ]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()[1:]]
+    assert all("allreduce" in r["comm"] for r in steps if r["kind"] == "step")  # inside node 0's group
     assert summary(out)["num_nodes"] == 2
     assert root_state() == before and live_namespaces() <= ns_before
 

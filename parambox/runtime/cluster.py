@@ -2,7 +2,7 @@
 
 ``parambox train --emulate-nodes 2 --link-gbps 1`` (``[cluster]`` in TOML, ``--set cluster.nodes=2``)
 runs the local launcher's workers on it: consecutive ranks per node, gloo and MPI between nodes over
-the shaped links, shared memory only inside a node. Topology (nothing of it in the root namespace)::
+the shaped links, nothing but a node's own loopback inside it. Topology (nothing of it in the root namespace)::
 
     node k (net + uts namespace)       hub (net namespace)
     ┌──────────────────┐   veth pair   ┌───────────────────────────┐
@@ -31,8 +31,8 @@ the shaped links, shared memory only inside a node. Topology (nothing of it in t
   separate hosts (its ``han`` collectives hang when two "nodes" share a host name, and btl ``sm`` would
   not know where a node ends). The names resolve nowhere: tools get addresses.
 * Open MPI: ``mpi_command`` runs mpiexec inside node 0 and starts its daemons in the other nodes
-  through ``cluster_agent.py rsh`` (an ssh stand-in); ranks of one node share memory, ranks of
-  different nodes talk TCP over the links.
+  through ``cluster_agent.py rsh`` (an ssh stand-in); ranks talk TCP, over their node's loopback
+  inside a node and over the links between nodes (``MPI_MCA`` says why not shared memory).
 
 Not root, ``ip``/``tc``/``nsenter``/``unshare`` missing, or namespaces/tbf not permitted: a
 ``ClusterUnavailable`` (a ``UserError``: one line, exit 2).
@@ -75,8 +75,13 @@ STOP_TIMEOUT_S = 5.0
 # Open MPI across emulated nodes.
 MPI_MCA = {
     "pml": "ob1",
-    "btl": "self,sm,tcp",  # sm joins only ranks of one node; no uct (a 25 MB Accumulate took 1.2-16 s)
-    "osc": "^ucx",  # osc rdma (over btl sm/tcp) for windows spanning nodes; osc sm inside one node
+    # TCP only, also between the ranks of one node (over the node's loopback, never the links). Over
+    # TCP and sm, one-sided operations are active messages the target must progress: TCP has a progress
+    # thread, sm has none, so a Fetch_and_op to a node-mate blocked outside MPI (hybrid: in its group's
+    # gloo allreduce, waiting for this very rank) never completed. And no uct: a 25 MB Accumulate took
+    # 1.2-16 s with it.
+    "btl": "self,tcp",
+    "osc": "^ucx",  # osc rdma (over btl tcp) for windows spanning nodes; osc sm for windows inside one
     # A 25 MB Accumulate across nodes at 1 Gbit/s: 1.2-1.9 s with the default 32 KiB buffers,
     # 0.48-0.53 s with 4 MiB (get + put at link speed is 0.42 s) ...
     "osc_rdma_buffer_size": str(4 << 20),
