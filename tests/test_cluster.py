@@ -439,3 +439,15 @@ def test_placement_puts_consecutive_ranks_on_each_node():
             ("node1", "1", "1", "2"),
         ]
         assert "qdisc tbf" not in _out(*c.command(0, ["tc", "qdisc", "show", "dev", "pbnet"]))  # unshaped
+
+
+def test_world_reads_the_node_the_local_launcher_placed_it_on():
+    from parambox.runtime.world import LOCAL_LAUNCHER_ENV, World
+
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    env.update({LOCAL_LAUNCHER_ENV: "1", "PARAMBOX_NODE_RANK": "1", "PARAMBOX_NUM_NODES": "2"})
+    w = World.from_env(env)
+    got = (w.launcher, w.rank, w.local_rank, w.local_world_size, w.node_rank, w.num_nodes)
+    assert got == ("local", 3, 1, 2, 1, 2)
+    plain = World.from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", LOCAL_LAUNCHER_ENV: "1"})
+    assert (plain.local_world_size, plain.node_rank, plain.num_nodes) == (2, 0, 1)  # loopback: one node
