@@ -17,7 +17,7 @@ ceiling, the same processes never communicating, so the figure is (DDP / ceiling
 the runs cancelled by the ceiling. ``ddp_vs_loopback_unpaired`` is the plain ratio of the medians.
 
 A setup is one entry of ``SETUPS``: a later strategy is one line (``strategy_setup("diloco", ...)``),
-a baseline from outside parambox one function returning ``(step, close)`` (``Setup(make, ...)``).
+a baseline from outside parambox one function returning ``(step, close)`` (``Setup(what, make=...)``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import os
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +44,34 @@ StepperFactory = Callable[[Any, int], tuple[Callable, Callable]]  # (world, tota
 
 @dataclass(frozen=True)
 class Setup:
-    make: StepperFactory
+    """One contender: a parambox strategy (``strategy``, its ``options``, the ``box`` backend), or a
+    baseline from outside parambox built by ``make``. A strategy setup is also a ``parambox train``
+    config (``train_config``), so a time-to-accuracy study can run the same contenders."""
+
     what: str
-    needs_mpi: bool = False  # the box spans nodes: MPI windows (the rma box)
+    strategy: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    box: str = "shm"
+    make: StepperFactory | None = None
 
+    @property
+    def needs_mpi(self) -> bool:
+        return self.box == "rma"  # the box spans nodes: MPI windows
 
-def strategy_setup(name: str, box: str = "shm", what: str = "", **options: Any) -> Setup:
-    """A parambox strategy built as ``parambox train`` builds it, with these options and box backend."""
+    def train_config(self) -> dict[str, Any]:
+        """The RunConfig fields of this setup (``build_config(base, setup.train_config())``)."""
+        if self.strategy is None:
+            raise ValueError(f"{self.what} is not a parambox strategy")
+        return {
+            "strategy": self.strategy,
+            "options": {self.strategy: dict(self.options)},
+            "box": {"backend": self.box},
+        }
 
-    def make(world, steps: int):
+    def build(self, world, steps: int) -> tuple[Callable, Callable]:
+        """(step, close) in this process: the baseline's own, or the strategy built as ``train`` builds it."""
+        if self.make is not None:
+            return self.make(world, steps)
         from parambox.box import BoxConfig
         from parambox.models import build_model
         from parambox.strategies import Context, build_strategy
@@ -60,24 +79,22 @@ def strategy_setup(name: str, box: str = "shm", what: str = "", **options: Any) 
 
         torch.manual_seed(0)
         model = build_model("cnn", (3, 32, 32), 10)
+        make_optimizer = lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM)  # noqa: E731
         ctx = Context(
-            world,
-            model,
-            lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM),
-            default_loss,
-            steps,
-            300.0,
-            box=BoxConfig(backend=box),
+            world, model, make_optimizer, default_loss, steps, 300.0, box=BoxConfig(backend=self.box)
         )
-        strategy = build_strategy(name, ctx, options)
+        strategy = build_strategy(self.strategy, ctx, dict(self.options))
         return strategy.step, strategy.close
 
+
+def strategy_setup(name: str, box: str = "shm", what: str = "", **options: Any) -> Setup:
+    """Strategy ``name`` with these options over this box backend."""
     text = ", ".join(f"{k} {v}" for k, v in options.items())
-    return Setup(make, what or f"parambox {name}" + (f" ({text})" if text else ""), needs_mpi=box == "rma")
+    return Setup(what or f"parambox {name}" + (f" ({text})" if text else ""), name, options, box)
 
 
 SETUPS: dict[str, Setup] = {
-    "ddp": Setup(lambda world, steps: ddp_stepper(), "torch DistributedDataParallel (gloo)"),
+    "ddp": Setup("torch DistributedDataParallel (gloo)", make=lambda world, steps: ddp_stepper()),
     "allreduce": strategy_setup("allreduce"),
     "box-sync": strategy_setup("box-sync", box="rma", what="parambox box-sync over the rma box"),
     "weight-avg": strategy_setup("weight-avg", period=4),
@@ -87,7 +104,7 @@ SETUPS: dict[str, Setup] = {
     "hybrid": strategy_setup(
         "hybrid", box="rma", what="parambox hybrid (groups = nodes: with 1 worker per node, EASGD tau 4)"
     ),
-    "ceiling": Setup(lambda world, steps: plain_stepper(), "the same processes, never communicating"),
+    "ceiling": Setup("the same processes, never communicating", make=lambda world, steps: plain_stepper()),
 }
 REFERENCES = ("ddp", "ceiling")  # not candidates for best_setup
 LOOPBACK_SETUPS = ["ddp", "ceiling"]
@@ -116,7 +133,7 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
     init_distributed(world, 300.0)  # gloo; the rendezvous over MPI when mpiexec started us
     try:
         total = warmup + rounds * steps
-        steppers = {name: SETUPS[name].make(world, total) for name in setups}
+        steppers = {name: SETUPS[name].build(world, total) for name in setups}
         meter = _link_meter()
         result = run_rounds(
             {name: step for name, (step, _) in steppers.items()},
