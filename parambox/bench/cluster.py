@@ -208,7 +208,7 @@ def run_bench_cluster(
         "rounds": rounds,
         "steps_per_round": steps,
         "warmup_steps": warmup,
-        "setups": {name: SETUPS[name].what for name in setups},
+        "setups": {name: _describe(SETUPS[name]) for name in setups},
         "loopback": _medians(loopback["per_round"]),
         "by_gbps": {},
     }
@@ -227,6 +227,12 @@ def run_bench_cluster(
         entry.update(link_gbps=g, cluster_setup_s=setup_s, load_average_1m=[load0, os.getloadavg()[0]])
         result["by_gbps"][f"{g:g}"] = entry
     return result
+
+
+def _describe(setup: Setup) -> dict[str, Any]:
+    if setup.strategy is None:
+        return {"what": setup.what}
+    return {"what": setup.what, "strategy": setup.strategy, "options": setup.options, "box": setup.box}
 
 
 def _medians(per_round: dict[str, list[float]]) -> dict[str, Any]:
