@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         cfg.out = cfg.out or external_run_dir(cfg)
         if "--workers" in args._argv and cfg.workers != world.world_size and world.rank == 0:
             warn(f"--workers {cfg.workers} ignored: the launcher started {world.world_size} processes")
-    if cfg.cluster.enabled:
+    elif cfg.cluster.enabled:
         from parambox.runtime.cluster import check_environment
 
         check_environment()  # not root, or no ip/tc: one line before anything is written
