@@ -16,7 +16,10 @@ from parambox.errors import UserError, validation_message
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("parambox.commands.train", "train a model with any strategy"),
     "sweep": ("parambox.commands.sweep", "grid over workers x batch size x learning rate"),
-    "bench": ("parambox.commands.bench", "benchmarks measured side by side (sync, box, async, local, api)"),
+    "bench": (
+        "parambox.commands.bench",
+        "benchmarks measured side by side (sync, box, async, local, cluster, optimizer, api)",
+    ),
     "report": ("parambox.commands.report", "plots and tables from run directories"),
     "predict": ("parambox.commands.predict", "analytic scalability model: speedup and n_peak per topology"),
     "export": ("parambox.commands.export", "a run's model as ONNX, checked by onnxruntime"),

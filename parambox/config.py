@@ -3,7 +3,9 @@
 Precedence: preset < TOML file (``--config``) < flags < ``--set``. Strategy options live in a table
 named after the strategy (``[easgd]`` in TOML, ``--set easgd.tau=4``) and are validated by that
 strategy's own ``Options`` model; the box's in ``[box]`` (``--set box.num_shards=2``; ``--box rma``
-sets its backend alone), validated by ``BoxConfig``.
+sets its backend alone), validated by ``BoxConfig``; the emulated cluster's in ``[cluster]``
+(``--emulate-nodes 2 --link-gbps 1`` = ``--set cluster.nodes=2 --set cluster.link_gbps=1``),
+validated by ``ClusterConfig``.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from parambox.box.base import BoxConfig
 from parambox.errors import UserError
+from parambox.runtime.cluster import ClusterConfig
+
+TABLES = ("box", "cluster")  # sub-configs of their own, merged key by key: [box], --set box.KEY=V
 
 
 class RunConfig(BaseModel):
@@ -63,6 +68,9 @@ class RunConfig(BaseModel):
         None, description="train-time augmentation; default: on where the data set has one"
     )
     box: BoxConfig = Field(default_factory=BoxConfig, description="the box: backend and its options")
+    cluster: ClusterConfig = Field(
+        default_factory=ClusterConfig, description="an emulated cluster for the local launcher's workers"
+    )
     tensorboard: bool = False
     progress: bool = True
     options: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-strategy options")
@@ -71,6 +79,12 @@ class RunConfig(BaseModel):
     @classmethod
     def _backend_alone(cls, v: Any) -> Any:
         return {"backend": v} if isinstance(v, str) else v  # --box rma
+
+    @model_validator(mode="after")
+    def _workers_fill_nodes(self) -> RunConfig:
+        if self.cluster.enabled:
+            self.cluster.ranks_per_node(self.workers)  # a UserError unless they spread evenly
+        return self
 
     @field_validator("strategy")
     @classmethod
@@ -146,7 +160,7 @@ class RunConfig(BaseModel):
 
 
 def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """``update`` over ``base``; strategy tables and the box table merge key by key."""
+    """``update`` over ``base``; strategy tables, the box and the cluster tables merge key by key."""
     out = dict(base)
     for k, v in update.items():
         if k == "options":
@@ -154,19 +168,19 @@ def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
             for name, o in v.items():
                 opts.setdefault(name, {}).update(o)
             out["options"] = opts
-        elif k == "box":
-            out["box"] = {**_box_table(out.get("box")), **_box_table(v)}
+        elif k in TABLES:
+            out[k] = {**_table(out.get(k)), **_table(v)}
         else:
             out[k] = v
     return out
 
 
-def _box_table(value: Any) -> dict[str, Any]:
+def _table(value: Any) -> dict[str, Any]:
     if value is None:
         return {}
     if isinstance(value, str):  # --box rma: the backend alone
         return {"backend": value}
-    return dict(value.model_dump(exclude_defaults=True) if isinstance(value, BoxConfig) else value)
+    return dict(value.model_dump(exclude_defaults=True) if isinstance(value, BaseModel) else value)
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -185,8 +199,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 def split_tables(raw: dict[str, Any], where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in raw.items():
-        if k == "box" and isinstance(v, dict):
-            out["box"] = v
+        if k in TABLES and isinstance(v, dict):
+            out[k] = v
         elif isinstance(v, dict):
             out.setdefault("options", {})[k] = v
         elif k.replace("-", "_") not in RunConfig.model_fields:
@@ -207,8 +221,8 @@ def parse_set(items: list[str]) -> dict[str, Any]:
         value = _parse_value(text)
         if "." in key:
             table, field = key.split(".", 1)
-            if table == "box":
-                out.setdefault("box", {})[field] = value
+            if table in TABLES:
+                out.setdefault(table, {})[field] = value
             else:
                 out.setdefault("options", {}).setdefault(table, {})[field] = value
         elif key.replace("-", "_") in RunConfig.model_fields:

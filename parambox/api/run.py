@@ -68,7 +68,7 @@ def train(
     cfg = _config(strategy, workers, options, given, fields)
     world = World.from_env()
     external = under_external_launcher()
-    spawns = not external and cfg.workers > 1
+    spawns = not external and (cfg.workers > 1 or cfg.cluster.enabled)
     callables = {k: v for k, v in given.items() if callable(v)}
     for field, fn in callables.items():  # what config.json records (so `parambox export` finds the model)
         ref = refs.reference_of(fn, field) if spawns else _reference_or_note(fn, field)
@@ -77,6 +77,10 @@ def train(
         cfg.out = cfg.out or _external_run_dir(cfg)
         if cfg.workers not in (2, world.world_size) and world.rank == 0:  # 2: the default, not a choice
             warn(f"workers={cfg.workers} ignored: the launcher started {world.world_size} processes")
+    elif cfg.cluster.enabled:
+        from parambox.runtime.cluster import check_environment
+
+        check_environment()  # not root, or no ip/tc: one line before anything is written
     from parambox.commands.train import check_references, prepare_run_dir
 
     check_references(cfg, callables)  # references given as strings import here, before any worker starts
@@ -167,6 +171,7 @@ def _launch(cfg, run_dir: Path, resume: bool, callables: dict[str, Function]) ->
             use_mpi=cls.needs_mpi or cfg.box.needs_mpi,
             tolerate_loss=cls.tolerates_worker_loss,
             module=WORKER_MODULE,
+            cluster=cfg.cluster if cfg.cluster.enabled else None,
         )
     if result.returncode == 130:
         raise KeyboardInterrupt

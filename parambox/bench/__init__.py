@@ -28,6 +28,7 @@ BENCHES: dict[str, tuple[str, str, str]] = {  # name -> (module, function, what 
         "run_bench_api",
         "parambox.train vs a plain loop; a slow dataset's hidden load",
     ),
+    "cluster": ("parambox.bench.cluster", "run_bench_cluster", "every strategy vs DDP on rate-limited links"),
 }
 
 

@@ -15,9 +15,52 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 Stepper = Callable[[Any, int], Any]  # (batch, step index) -> anything (a loss, a StepResult, None)
+
+
+@dataclass
+class Rounds:
+    """What ``run_rounds`` measured, per setup: samples/s per round, what each step returned (warm-up
+    steps first), and the increase of the ``meter`` per timed step, per round."""
+
+    per_round: dict[str, list[float]]
+    outputs: dict[str, list[Any]]
+    metered: dict[str, list[float]] = field(default_factory=dict)
+
+
+def run_rounds(
+    steppers: dict[str, Stepper],
+    batches: Sequence[Any],
+    rounds: int,
+    steps: int,
+    warmup: int,
+    samples_per_step: int,
+    barrier: Callable[[], object],
+    meter: Callable[[], float] | None = None,
+) -> Rounds:
+    """Run the rounds. ``samples_per_step`` counts every process's samples of one step (the throughput
+    is global); ``barrier`` releases the processes together before and after each setup's timed steps;
+    ``meter`` is a cumulative count read around them (e.g. the bytes over this process's link)."""
+    names = list(steppers)
+    result = Rounds({n: [] for n in names}, {n: [] for n in names}, {n: [] for n in names} if meter else {})
+    for name, step in steppers.items():
+        result.outputs[name] += [step(batches[i % len(batches)], i) for i in range(warmup)]
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            step = steppers[name]
+            barrier()
+            count0 = meter() if meter else 0.0
+            t0 = time.perf_counter()
+            for i in range(steps):
+                result.outputs[name].append(step(batches[i % len(batches)], warmup + r * steps + i))
+            barrier()
+            result.per_round[name].append(samples_per_step * steps / (time.perf_counter() - t0))
+            if meter:
+                result.metered[name].append((meter() - count0) / steps)
+    return result
 
 
 def timed_rounds(
@@ -29,26 +72,9 @@ def timed_rounds(
     samples_per_step: int,
     barrier: Callable[[], object],
 ) -> tuple[dict[str, list[float]], dict[str, list[Any]]]:
-    """Run the rounds; returns (samples/s per setup and round, what each step returned per setup).
-
-    ``samples_per_step`` counts every process's samples of one step (the throughput is global);
-    ``barrier`` releases the processes together before and after each setup's timed steps.
-    """
-    names = list(steppers)
-    outputs: dict[str, list[Any]] = {name: [] for name in names}
-    for name, step in steppers.items():
-        outputs[name] += [step(batches[i % len(batches)], i) for i in range(warmup)]
-    per_round: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            step = steppers[name]
-            barrier()
-            t0 = time.perf_counter()
-            for i in range(steps):
-                outputs[name].append(step(batches[i % len(batches)], warmup + r * steps + i))
-            barrier()
-            per_round[name].append(samples_per_step * steps / (time.perf_counter() - t0))
-    return per_round, outputs
+    """``run_rounds`` without a meter: (samples/s per setup and round, what each step returned)."""
+    r = run_rounds(steppers, batches, rounds, steps, warmup, samples_per_step, barrier)
+    return r.per_round, r.outputs
 
 
 def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> float:

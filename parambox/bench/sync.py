@@ -46,7 +46,8 @@ def _strategy_stepper(name: str, world, steps: int):
     return strategy.step, strategy.close
 
 
-def _ddp_stepper():
+def ddp_stepper():
+    """torch DDP (gloo) on the benchmark CNN: the reference every synchronous setup is held against."""
     from torch.nn.parallel import DistributedDataParallel
 
     model, opt = _build()
@@ -61,7 +62,8 @@ def _ddp_stepper():
     return step, lambda: None
 
 
-def _plain_stepper():
+def plain_stepper():
+    """The same model and optimizer, never communicating: the ceiling no 2-process scheme can beat."""
     model, opt = _build()
 
     def step(batch, i):
@@ -75,9 +77,9 @@ def _plain_stepper():
 
 def make_stepper(name: str, world, steps: int):
     if name == "ddp":
-        return _ddp_stepper()
+        return ddp_stepper()
     if name == "ceiling":
-        return _plain_stepper()
+        return plain_stepper()
     return _strategy_stepper(name, world, steps)
 
 

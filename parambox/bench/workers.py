@@ -8,11 +8,14 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from parambox.runtime import spawn
+
+if TYPE_CHECKING:
+    from parambox.runtime.cluster import EmulatedCluster
 
 BATCH = 64
 
@@ -26,15 +29,22 @@ def random_batches(rank: int, count: int = 8) -> list[tuple[torch.Tensor, torch.
     ]
 
 
-def spawn_workers(module: str, args: list[str], workers: int = 2) -> Any:
+def spawn_workers(
+    module: str, args: list[str], workers: int = 2, cluster: EmulatedCluster | None = None, mpi: bool = False
+) -> Any:
     """Run ``python -m module --worker ARGS... OUT`` as ``workers`` ranks with 1 thread each and
     return what rank 0 wrote to OUT. Shared-memory segments get an unguessable per-run prefix and
-    are removed at the end, whatever happens."""
+    are removed at the end, whatever happens. ``cluster``: on the nodes of a running emulated
+    cluster, consecutive ranks per node; ``mpi``: under mpiexec (inside the cluster if there is one)."""
     prefix = spawn.new_prefix()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", module, "--worker", *args, str(out)]
-        procs = spawn.start_ranks(cmd, workers, spawn.loopback_env(threads=1, prefix=prefix))
+        env = spawn.loopback_env(threads=1, prefix=prefix)
+        if mpi:
+            procs = [spawn.start_mpi(cmd, workers, env, mpi_command=cluster and cluster.mpi_launch)]
+        else:
+            procs = spawn.start_ranks(cmd, workers, env, placement=cluster and cluster.placement(workers))
         try:
             codes = [p.wait() for p in procs]
         finally:

@@ -1,4 +1,5 @@
-"""``parambox bench sync | box | async | local | api``: benchmarks that print ratios measured side by side.
+"""``parambox bench sync | box | async | local | cluster | optimizer | api``: benchmarks that print
+ratios measured side by side.
 
 Each prints a JSON object with ``--json`` (and nothing else on stdout), or a table otherwise.
 Run one benchmark at a time: they share the machine's cores.
@@ -21,6 +22,15 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds (sync, async)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per setup and round (sync, async)")
     p.add_argument("--out", default=None, help="also write the JSON to this file")
+    cluster = p.add_argument_group("bench cluster (an emulated cluster: needs root)")
+    cluster.add_argument(
+        "--nodes", type=int, default=None, help="emulated nodes, one worker each (default 2)"
+    )
+    cluster.add_argument("--gbps", default=None, help="link rates in Gbit/s, comma list (default 1,0.1)")
+    cluster.add_argument("--setups", default=None, help="comma list of setups (default: all)")
+    cluster.add_argument(
+        "--quick", action="store_true", default=None, help="1 round of 2 steps: checks, no figures"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     kwargs = {k: v for k, v in (("rounds", args.rounds), ("steps", args.steps)) if v is not None}
     if any(v < 1 for v in kwargs.values()):
         raise UserError("--rounds and --steps must be at least 1")
+    kwargs.update(_cluster_options(args))
     result = bench(**kwargs)
     text = json.dumps(result, indent=2)
     if args.out:
@@ -38,6 +49,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(args.which, result)
     return 0
+
+
+def _cluster_options(args: argparse.Namespace) -> dict:
+    given = {
+        k: getattr(args, k) for k in ("nodes", "gbps", "setups", "quick") if getattr(args, k) is not None
+    }
+    if given and args.which != "cluster":
+        raise UserError(f"--{'/--'.join(given)} apply to bench cluster only")
+    if "gbps" in given:
+        try:
+            given["gbps"] = tuple(float(g) for g in given["gbps"].split(","))
+        except ValueError:
+            raise UserError(f"--gbps {args.gbps!r}: expected numbers like 1,0.1") from None
+    if "setups" in given:
+        given["setups"] = [s.strip() for s in given["setups"].split(",") if s.strip()]
+    return given
 
 
 def _print_table(name: str, result: dict) -> None:

@@ -8,6 +8,7 @@ measured here with 1 thread (the fastest of 5 passes) over the local batch sizes
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -52,6 +53,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--max-workers", type=int, default=1024, help="largest n of the grid 1, 2, 4, ... (default 1024)")
     a("--validate", action="store_true", help="measure 1 and 2 workers here and compare with ring")
     a("--validate-batch", type=int, help="global batch of the validation (default min(global batch, 64))")
+    a("--emulate-nodes", type=int, help="--validate on 2 emulated nodes (network namespaces; needs root)")
+    a("--link-gbps", type=float, help="the emulated nodes' link rate in Gbit/s (also the default bandwidth)")
     a("--json", action="store_true", help="print one JSON object on stdout and nothing else")
     a("--out", type=Path, help="write predict.json and predict.png into this directory")
 
@@ -63,6 +66,13 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(
             "--measure-bandwidth measures bandwidth and latency: drop --bandwidth-gbps/--latency-us"
         )
+    if args.emulate_nodes is not None or args.link_gbps is not None:
+        if not args.validate or args.emulate_nodes != 2 or not (args.link_gbps or 0) > 0:
+            raise UserError(
+                "--emulate-nodes 2 --link-gbps G go with --validate (it measures 1 and 2 workers)"
+            )
+        if args.measure_bandwidth:
+            raise UserError("--measure-bandwidth probes loopback; with --emulate-nodes the link's rate is BW")
     if not 0.0 <= args.overlap <= 1.0:
         raise UserError(f"--overlap must be within 0..1, got {args.overlap}")
     for name in ("global_batch", "local_batch", "threads", "repeats", "max_measure_batch", "max_workers"):
@@ -97,7 +107,7 @@ def _network(args: argparse.Namespace, size_bytes: float) -> tuple[Network, str]
         _say(args, "measuring loopback bandwidth and latency (gloo allreduce, 2 processes)")
         bw, lat = measure.measure_loopback(size_bytes, threads=args.threads)
         return Network(bw, lat, args.servers, _box(args)), "measured (gloo allreduce, 2 processes, loopback)"
-    gbps = 10.0 if args.bandwidth_gbps is None else args.bandwidth_gbps
+    gbps = args.bandwidth_gbps if args.bandwidth_gbps is not None else (args.link_gbps or 10.0)
     lat = 10.0 if args.latency_us is None else args.latency_us
     return Network.from_gbps(gbps, lat, args.servers, args.box_bandwidth_gbps), "given"
 
@@ -157,21 +167,34 @@ def run(args: argparse.Namespace) -> int:
     result = result_json(args, parameters, net, source, compute, curves, batches)
     if validate_batch is not None:
         _say(args, f"validating: 1 and 2 processes x {args.threads} thread(s), global batch {validate_batch}")
-        v = measure.validate(
-            args.model,
-            shape,
-            args.num_classes,
-            validate_batch,
-            compute,
-            size_bytes,
-            args.overlap,
-            args.threads,
-        )
+        v = _validate(args, shape, validate_batch, compute, size_bytes)
         result["validation"] = v.as_json()
         result["validation_max_rel_error"] = v.max_rel_error
         result["validation_bandwidth_gbps"] = v.bandwidth * 8 / 1e9
     _emit(args, result, curves)
     return 0
+
+
+def _validate(args, shape, batch: int, compute: ComputeProfile, size_bytes: float) -> measure.Validation:
+    """``measure.validate`` on loopback, or on an emulated cluster of 2 nodes that lives as long as it."""
+    run = functools.partial(
+        measure.validate,
+        args.model,
+        shape,
+        args.num_classes,
+        batch,
+        compute,
+        size_bytes,
+        args.overlap,
+        args.threads,
+    )
+    if args.emulate_nodes is None:
+        return run()
+    from parambox.runtime.cluster import EmulatedCluster
+
+    _say(args, f"on 2 emulated nodes, {args.link_gbps:g} Gbit/s links")
+    with EmulatedCluster(2, args.link_gbps) as cluster:
+        return run(cluster=cluster)
 
 
 def result_json(args, parameters, net: Network, source, compute, curves, batches) -> dict:

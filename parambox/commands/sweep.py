@@ -69,6 +69,10 @@ def configure(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag)
     p.add_argument("--seed", type=int)
     p.add_argument("--momentum", type=float)
+    p.add_argument(
+        "--emulate-nodes", type=int, metavar="N", help="every run on N emulated nodes (needs root)"
+    )
+    p.add_argument("--link-gbps", type=float, metavar="G", help="the emulated nodes' links in Gbit/s")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any run field")
     p.add_argument("--out", type=Path, help="output directory (default sweeps/STUDY-TIME); rerun to resume")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds one training run may take")
@@ -206,6 +210,8 @@ def parse_list(text: str, kind: type, flag: str) -> list:
 def base_config(args: argparse.Namespace, default_preset: str) -> dict[str, Any]:
     """The preset (``--preset`` or the study's own) with ``--model --data ...`` and ``--set`` applied."""
     flags = {k: getattr(args, k) for k in ("model", "data", "data_path", "seed", "momentum")}
+    cluster = {"nodes": args.emulate_nodes, "link_gbps": args.link_gbps}
+    flags["cluster"] = {k: v for k, v in cluster.items() if v is not None} or None
     return merge(
         merge(preset(args.preset or default_preset), {k: v for k, v in flags.items() if v is not None}),
         parse_set(args.set),

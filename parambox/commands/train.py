@@ -61,6 +61,20 @@ def configure(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override any field, e.g. --set easgd.tau=4 (repeatable)",
     )
+    p.add_argument(
+        "--emulate-nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run the workers on N emulated nodes (network namespaces; needs root), consecutive ranks per node",
+    )
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        metavar="G",
+        help="rate-limit each emulated node's link to G Gbit/s (default: unshaped)",
+    )
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--augment", dest="augment", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--tensorboard", action="store_true", default=None, help="also write TensorBoard events")
@@ -74,6 +88,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if args.config:
         layers.append(load_toml(args.config))
     layers.append({f: getattr(args, f) for f in [*FLAGS.values(), "augment", "tensorboard", "progress"]})
+    cluster = {"nodes": args.emulate_nodes, "link_gbps": args.link_gbps}
+    layers.append({"cluster": {k: v for k, v in cluster.items() if v is not None}})
     layers.append(parse_set(args.set))
     return build_config(*layers)
 
@@ -84,12 +100,20 @@ def run(args: argparse.Namespace) -> int:
     if world.launcher == "local":  # spawned by our own launcher, which prepared the run directory
         return run_worker(cfg, world, Path(cfg.out), args.resume)
     if under_external_launcher():
+        if cfg.cluster.enabled and "PARAMBOX_NUM_NODES" not in os.environ:  # not one of our nodes' ranks
+            raise UserError(
+                f"--emulate-nodes is for the local launcher; under {world.launcher} it places the workers"
+            )
         cfg.out = cfg.out or external_run_dir(cfg)
         if "--workers" in args._argv and cfg.workers != world.world_size and world.rank == 0:
             warn(f"--workers {cfg.workers} ignored: the launcher started {world.world_size} processes")
+    elif cfg.cluster.enabled:
+        from parambox.runtime.cluster import check_environment
+
+        check_environment()  # not root, or no ip/tc: one line before anything is written
     check_references(cfg)  # a REF that does not import fails here, before any worker starts
     run_dir = prepare_run_dir(cfg, args.resume)
-    if cfg.workers == 1 or under_external_launcher():
+    if (cfg.workers == 1 and not cfg.cluster.enabled) or under_external_launcher():
         return run_worker(cfg, world, run_dir, args.resume)
     return launch(cfg, args, run_dir)
 
@@ -153,6 +177,7 @@ def launch(cfg: RunConfig, args: argparse.Namespace, run_dir: Path) -> int:
         use_mpi=cls.needs_mpi or cfg.box.needs_mpi,
         tolerate_loss=cls.tolerates_worker_loss,
         module=WORKER_MODULE,
+        cluster=cfg.cluster if cfg.cluster.enabled else None,
     )
     if result.returncode == 130:
         print("parambox: interrupted; workers stopped", file=sys.stderr)

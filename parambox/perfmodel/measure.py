@@ -1,6 +1,7 @@
 """Measurements on this machine: loopback bandwidth/latency and the ``--validate`` step times.
 
-Workers are separate Python processes (``parambox.perfmodel._worker``) joined by gloo on 127.0.0.1; their
+Workers are separate Python processes (``parambox.perfmodel._worker``) joined by gloo on 127.0.0.1, or on the
+nodes of an emulated cluster (``--emulate-nodes 2 --link-gbps G``: gloo over the rate-limited links); their
 results come back as one JSON line, never pickled. Every wait has a timeout that names what hung.
 """
 
@@ -14,12 +15,16 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from parambox.perfmodel._worker import RESULT_MARKER
 from parambox.perfmodel.compute import ComputeProfile, profile_from_times
 from parambox.perfmodel.scaling import iteration_time_s
 from parambox.perfmodel.topology import Network, ring_allreduce_s
 from parambox.runtime import spawn
+
+if TYPE_CHECKING:
+    from parambox.runtime.cluster import EmulatedCluster
 
 
 def probe_size(size_bytes: float) -> int:
@@ -28,16 +33,22 @@ def probe_size(size_bytes: float) -> int:
     return int(min(max(size_bytes, 2**20), 2**29))
 
 
-def run_workers(spec: dict, world_size: int, timeout_s: float = 180.0) -> dict:
-    """Start ``world_size`` worker processes on loopback and return rank 0's JSON result."""
+def run_workers(
+    spec: dict, world_size: int, timeout_s: float = 180.0, cluster: EmulatedCluster | None = None
+) -> dict:
+    """Start ``world_size`` worker processes on loopback (or one per node of ``cluster``) and return
+    rank 0's JSON result."""
     env = spawn.loopback_env(threads=spec["threads"])
     if os.path.exists("/sys/class/net/lo"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a cluster's placement sets its link instead
     cmd = [sys.executable, "-m", "parambox.perfmodel._worker", json.dumps(spec)]
+    place = cluster.placement(world_size) if cluster is not None else None
     with contextlib.ExitStack() as stack:
         # Output to files, not pipes: a chatty worker cannot block on a full pipe while we wait on another.
         logs = [stack.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(world_size)]
-        procs = spawn.start_ranks(cmd, world_size, env, stdout=logs, stderr=subprocess.STDOUT, text=True)
+        procs = spawn.start_ranks(
+            cmd, world_size, env, stdout=logs, stderr=subprocess.STDOUT, text=True, placement=place
+        )
         deadline = time.monotonic() + timeout_s
         try:
             for p in procs:
@@ -100,6 +111,13 @@ def measure_compute(
     return profile_from_times({int(b): t for b, t in times.items()}, threads)
 
 
+_NOTE_REST = (
+    "and T_comp measured with both processes computing at once (they share cores and memory bandwidth); n=1 "
+    "uses the single-process T_comp profile. All times are the fastest of several repeats; a load average above "
+    "the core count means other processes competed for the cores and the figures are noisy"
+)
+
+
 @dataclass
 class Validation:
     """Measured vs predicted step time at n = 1, 2 (ring allreduce over loopback) at one global batch."""
@@ -113,6 +131,10 @@ class Validation:
     compute_profile_s: dict[int, float]
     probe: dict  # the allreduce probe: tiny_s, probe_s, probe_bytes
     load_average: float  # the higher 1-minute load average of the start and the end
+    link_gbps: float | None = None  # n=2 ran on 2 emulated nodes joined by links of this rate
+    probe_bandwidth: float | None = (
+        None  # bytes/s the probe measured, where ``bandwidth`` is the link's payload
+    )
 
     @property
     def rel_error(self) -> dict[int, float]:
@@ -126,7 +148,7 @@ class Validation:
         def ms(d):
             return {str(k): v * 1e3 for k, v in d.items()}
 
-        return {
+        out = {
             "global_batch": self.global_batch,
             "topology": "ring",
             "validation_bandwidth_gbps": self.bandwidth * 8 / 1e9,
@@ -145,11 +167,22 @@ class Validation:
             "load_average_1m": round(self.load_average, 2),
             "cpu_count": os.cpu_count(),
             "note": "n=2 is 2 processes on this machine over loopback: the prediction uses the loopback bandwidth "
-            "and latency probed by allreduces of S bytes and of 4 bytes, and T_comp measured with both processes "
-            "computing at once (they share cores and memory bandwidth); n=1 uses the single-process T_comp "
-            "profile. All times are the fastest of several repeats; a load average above the core count means "
-            "other processes competed for the cores and the figures are noisy",
+            "and latency probed by allreduces of S bytes and of 4 bytes, " + _NOTE_REST,
         }
+        if self.link_gbps is not None:
+            out["emulated_link_gbps"] = self.link_gbps
+            out["probe_bandwidth_gbps"] = self.probe_bandwidth * 8 / 1e9
+            out["note"] = (
+                f"n=2 is 2 processes on 2 emulated nodes joined by {self.link_gbps:g} Gbit/s links (gloo over "
+                "them): the prediction takes as BW the TCP payload the link's rate carries (1448 bytes per "
+                "1514-byte frame; the allreduce probe's bandwidth is reported beside it) and the latency probed "
+                "by an allreduce of 4 bytes, "
+                + _NOTE_REST
+                + ". A link that idled lets a burst (128 KiB up to 1 Gbit/s) pass "
+                "unshaped (tbf's bucket), so a model of a few hundred KB runs faster than S/BW: validate with "
+                "one whose S is many times that (the bench CNN, 4.3 MB)"
+            )
+        return out
 
 
 def validate(
@@ -162,8 +195,10 @@ def validate(
     overlap: float = 0.0,
     threads: int = 1,
     repeats: int = 4,
+    cluster: EmulatedCluster | None = None,
 ) -> Validation:
-    """Measure real step times with 1 and 2 processes and predict them with the ring model."""
+    """Measure real step times with 1 and 2 processes and predict them with the ring model; with
+    ``cluster`` (2 nodes), the 2 processes run one per node and the prediction takes its link's rate."""
     spec = {
         "mode": "validate",
         "model": model,
@@ -177,8 +212,10 @@ def validate(
     }
     load_before = os.getloadavg()[0]
     one = run_workers(spec, 1)
-    two = run_workers(spec, 2)
-    bandwidth, latency = network_from_probe(two)
+    two = run_workers(spec, 2, cluster=cluster)
+    probed, latency = network_from_probe(two)
+    link_gbps = cluster.link_gbps if cluster is not None else None
+    bandwidth = probed if link_gbps is None else cluster.payload_bandwidth()
     net = Network(bandwidth, latency)
     comp = {1: profile.time_s(global_batch), 2: two["compute_s"]}
     predicted = {
@@ -195,4 +232,6 @@ def validate(
         {1: profile.time_s(global_batch), 2: profile.time_s(global_batch / 2)},
         {k: two[k] for k in ("tiny_s", "probe_s", "probe_bytes")},
         max(load_before, os.getloadavg()[0]),
+        link_gbps,
+        probed,
     )

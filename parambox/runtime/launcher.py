@@ -1,6 +1,7 @@
 """The local launcher: ``parambox train --workers N`` on one machine, no cluster or MPI needed.
 
 It spawns N worker processes on loopback (or hands them to ``mpiexec`` when the strategy needs MPI),
+or on the nodes of an emulated cluster (``--emulate-nodes``: ``parambox.runtime.cluster``),
 prefixes each worker's output with its rank, and owns clean-up: when a worker fails it stops the
 others within seconds and names the rank and its error; on SIGINT it stops them all; at the end it
 removes every shared-memory segment the run created, also those of a crashed worker.
@@ -8,6 +9,7 @@ removes every shared-memory segment the run created, also those of a crashed wor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parambox.runtime import spawn
+from parambox.runtime.cluster import ClusterConfig
 
 # Asynchronous runs: rank 0 exits only once every other worker is done or found lost, so a worker
 # still running this long after rank 0 succeeded is hung; it is stopped and counted as lost.
@@ -43,8 +46,10 @@ def launch_local(
     use_mpi: bool = False,
     tolerate_loss: bool = False,
     module: str = "parambox",
+    cluster: ClusterConfig | None = None,
 ) -> LaunchResult:
-    """Run ``python -m <module> <argv>`` as ``num_workers`` ranks and supervise them."""
+    """Run ``python -m <module> <argv>`` as ``num_workers`` ranks and supervise them; with ``cluster``,
+    on the nodes of an emulated cluster that lives exactly as long as they do."""
     log_dir.mkdir(parents=True, exist_ok=True)
     prefix = spawn.new_prefix()
     n_threads = threads_per_worker(num_workers, threads)
@@ -54,18 +59,27 @@ def launch_local(
     # Set once a rank failed: what the others print then (a closed store's C++ warnings, "connection
     # closed") are symptoms, and the one line naming the cause is what the user should see.
     muted = threading.Event()
-    procs = [spawn.start_mpi(cmd, num_workers, env)] if use_mpi else _spawn(cmd, num_workers, env, muted)
-    try:
-        return _supervise(procs, log_dir, tolerate_loss, muted)
-    finally:
-        spawn.stop(procs)
-        spawn.remove_segments(prefix)
+    with contextlib.ExitStack() as stack:  # the cluster closes after the workers are stopped
+        net = stack.enter_context(cluster.build(num_workers)) if cluster is not None else None
+        if use_mpi:
+            procs = [spawn.start_mpi(cmd, num_workers, env, mpi_command=net and net.mpi_launch)]
+        else:
+            procs = _spawn(cmd, num_workers, env, muted, net and net.placement(num_workers))
+        try:
+            return _supervise(procs, log_dir, tolerate_loss, muted)
+        finally:
+            spawn.stop(procs)
+            spawn.remove_segments(prefix)
 
 
-def _spawn(cmd: list[str], n: int, env: dict[str, str], muted: threading.Event) -> list[subprocess.Popen]:
+def _spawn(
+    cmd: list[str], n: int, env: dict[str, str], muted: threading.Event, placement=None
+) -> list[subprocess.Popen]:
     # Rank 0 owns the terminal (progress bar, summary); the others are prefixed with their rank.
     pipes = [None] + [subprocess.PIPE] * (n - 1)
-    procs = spawn.start_ranks(cmd, n, env, local_launcher=True, stdout=pipes, stderr=pipes)
+    procs = spawn.start_ranks(
+        cmd, n, env, local_launcher=True, stdout=pipes, stderr=pipes, placement=placement
+    )
     for rank, p in enumerate(procs[1:], 1):
         for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
             threading.Thread(target=_pump, args=(stream, sink, rank, muted), daemon=True).start()

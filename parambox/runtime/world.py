@@ -79,13 +79,14 @@ def _local(env):
     if LOCAL_LAUNCHER_ENV not in env:
         return None
     n = int(env["WORLD_SIZE"])
+    # On an emulated cluster (--emulate-nodes) the launcher places ranks on nodes and says where.
     return World(
         int(env["RANK"]),
         n,
         int(env["LOCAL_RANK"]),
-        n,
-        0,
-        1,
+        _int(env, "LOCAL_WORLD_SIZE", default=n),
+        _int(env, "PARAMBOX_NODE_RANK", default=0),
+        _int(env, "PARAMBOX_NUM_NODES", default=1),
         "local",
         env.get("MASTER_ADDR"),
         _int(env, "MASTER_PORT"),

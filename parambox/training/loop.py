@@ -64,6 +64,7 @@ def _loop(run: Run, resume: bool) -> dict[str, Any] | None:
     log = MetricsLogger(run.run_dir, world.rank, cfg.tensorboard)
     try:
         step = restore(run) if resume else 0
+        log.write({"kind": "world", "step": step, **world_record(world)})
         bar = Progress(cfg.steps, enabled=cfg.progress and world.rank == 0, start=step)
         samples = 0
         while not run.strategy.should_stop(step):
@@ -89,6 +90,12 @@ def _loop(run: Run, resume: bool) -> dict[str, Any] | None:
         return write_summary(run, step, wall, samples, final)
     finally:
         log.close()
+
+
+def world_record(world: World) -> dict[str, Any]:
+    """Where this rank ran: the first line of its metrics file."""
+    keys = ("rank", "world_size", "local_rank", "local_world_size", "node_rank", "num_nodes", "launcher")
+    return {k: getattr(world, k) for k in keys}
 
 
 def setup(cfg: RunConfig, world: World, run_dir: Path, callables: dict[str, Callable] | None = None) -> Run:
@@ -218,6 +225,7 @@ def write_summary(run: Run, step: int, wall: float, samples: int, final: dict[st
         "samples_per_s": float(total) / max(wall, 1e-9),
         "lost_workers": [],
         "launcher": run.world.launcher,
+        "num_nodes": run.world.num_nodes,
         "config": cfg.model_dump(),
     }
     summary.update(run.strategy.summary_extra())

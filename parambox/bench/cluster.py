@@ -1,0 +1,284 @@
+"""``parambox bench cluster``: every strategy against torch DDP where communication costs, on an emulated
+cluster (``parambox.runtime.cluster``) whose links are rate-limited to each of ``--gbps``.
+
+One worker per node (2 nodes: 2 workers) x 1 thread trains the ~1M-parameter benchmark CNN of ``bench
+sync`` (batch 64 per worker, SGD lr 0.01 momentum 0.9) on fixed random batches. For each bandwidth, one
+cluster is built and one set of worker processes (under mpiexec inside it, since the box spans nodes
+over MPI windows) runs every setup of ``SETUPS`` side by side: each round, every setup runs the same
+number of timed steps between two barriers, the order rotating each round; ratios are medians of the
+per-round paired ratios. Around each setup's timed steps every worker reads its node's link counters
+(L2 bytes sent + received over ``pbnet``), so the JSON says what each strategy's communication costs
+in bytes per step, next to the seconds per step the parambox strategies time per phase.
+
+``ddp_vs_loopback``: DDP's speed on the links against its speed on loopback (the same two processes
+in one namespace, a separate run of ``ddp`` and ``ceiling``, before the clusters). Both runs hold the
+ceiling, the same processes never communicating, so the figure is (DDP / ceiling on the links) /
+(DDP / ceiling on loopback): each factor paired within its run, the drift of a shared machine between
+the runs cancelled by the ceiling. ``ddp_vs_loopback_unpaired`` is the plain ratio of the medians.
+
+A setup is one entry of ``SETUPS``: a later strategy is one line (``strategy_setup("diloco", ...)``),
+a baseline from outside parambox one function returning ``(step, close)`` (``Setup(what, make=...)``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parambox.bench.rounds import paired_ratio, run_rounds
+from parambox.bench.sync import ddp_stepper, plain_stepper
+from parambox.bench.workers import BATCH, random_batches, spawn_workers
+
+LR, MOMENTUM = 0.01, 0.9
+StepperFactory = Callable[[Any, int], tuple[Callable, Callable]]  # (world, total steps) -> (step, close)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One contender: a parambox strategy (``strategy``, its ``options``, the ``box`` backend), or a
+    baseline from outside parambox built by ``make``. A strategy setup is also a ``parambox train``
+    config (``train_config``), so a time-to-accuracy study can run the same contenders."""
+
+    what: str
+    strategy: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    box: str = "shm"
+    make: StepperFactory | None = None
+
+    @property
+    def needs_mpi(self) -> bool:
+        return self.box == "rma"  # the box spans nodes: MPI windows
+
+    def train_config(self) -> dict[str, Any]:
+        """The RunConfig fields of this setup (``build_config(base, setup.train_config())``)."""
+        if self.strategy is None:
+            raise ValueError(f"{self.what} is not a parambox strategy")
+        return {
+            "strategy": self.strategy,
+            "options": {self.strategy: dict(self.options)},
+            "box": {"backend": self.box},
+        }
+
+    def build(self, world, steps: int) -> tuple[Callable, Callable]:
+        """(step, close) in this process: the baseline's own, or the strategy built as ``train`` builds it."""
+        if self.make is not None:
+            return self.make(world, steps)
+        from parambox.box import BoxConfig
+        from parambox.models import build_model
+        from parambox.strategies import Context, build_strategy
+        from parambox.training.losses import default_loss
+
+        torch.manual_seed(0)
+        model = build_model("cnn", (3, 32, 32), 10)
+        make_optimizer = lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM)  # noqa: E731
+        ctx = Context(
+            world, model, make_optimizer, default_loss, steps, 300.0, box=BoxConfig(backend=self.box)
+        )
+        strategy = build_strategy(self.strategy, ctx, dict(self.options))
+        return strategy.step, strategy.close
+
+
+def strategy_setup(name: str, box: str = "shm", what: str = "", **options: Any) -> Setup:
+    """Strategy ``name`` with these options over this box backend."""
+    text = ", ".join(f"{k} {v}" for k, v in options.items())
+    return Setup(what or f"parambox {name}" + (f" ({text})" if text else ""), name, options, box)
+
+
+SETUPS: dict[str, Setup] = {
+    "ddp": Setup("torch DistributedDataParallel (gloo)", make=lambda world, steps: ddp_stepper()),
+    "allreduce": strategy_setup("allreduce"),
+    "box-sync": strategy_setup("box-sync", box="rma", what="parambox box-sync over the rma box"),
+    "weight-avg": strategy_setup("weight-avg", period=4),
+    "easgd-tau4": strategy_setup("easgd", box="rma", tau=4),
+    "easgd-tau16": strategy_setup("easgd", box="rma", tau=16),
+    "downpour": strategy_setup("downpour", box="rma"),
+    "hybrid": strategy_setup(
+        "hybrid", box="rma", what="parambox hybrid (groups = nodes: with 1 worker per node, EASGD tau 4)"
+    ),
+    "ceiling": Setup("the same processes, never communicating", make=lambda world, steps: plain_stepper()),
+}
+REFERENCES = ("ddp", "ceiling")  # not candidates for best_setup
+LOOPBACK_SETUPS = ["ddp", "ceiling"]
+
+
+# -- the worker --------------------------------------------------------------------------------------
+
+
+def _link_meter() -> Callable[[], float] | None:
+    """Bytes over this process's node link so far (sent + received), or None off an emulated node."""
+    from parambox.runtime.cluster import link_bytes
+
+    try:
+        link_bytes()
+    except (OSError, RuntimeError):
+        return None
+    return lambda: float(sum(link_bytes()))
+
+
+def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -> None:
+    from parambox.runtime.dist import destroy_distributed, init_distributed
+    from parambox.runtime.world import World
+
+    torch.set_num_threads(1)
+    world = World.from_env()
+    init_distributed(world, 300.0)  # gloo; the rendezvous over MPI when mpiexec started us
+    try:
+        total = warmup + rounds * steps
+        steppers = {name: SETUPS[name].build(world, total) for name in setups}
+        meter = _link_meter()
+        result = run_rounds(
+            {name: step for name, (step, _) in steppers.items()},
+            random_batches(world.rank),
+            rounds,
+            steps,
+            warmup,
+            world.world_size * BATCH,
+            dist.barrier,
+            meter,
+        )
+        for _, close in steppers.values():
+            close()
+        link = _gather_means(result.metered, setups) if meter else None
+        if world.rank == 0:
+            comm = {name: _comm_per_step(result.outputs[name][warmup:]) for name in setups}
+            out.write_text(json.dumps({"per_round": result.per_round, "link_bytes": link, "comm": comm}))
+    finally:
+        destroy_distributed()
+
+
+def _gather_means(metered: dict[str, list[float]], setups: list[str]) -> dict[str, list[float]]:
+    """Every rank's mean link bytes per step, per setup (tensors, not pickled objects)."""
+    mine = torch.tensor([statistics.mean(metered[s]) for s in setups], dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return {s: [t[i].item() for t in every] for i, s in enumerate(setups)}
+
+
+def _comm_per_step(outputs: list[Any]) -> dict[str, float] | None:
+    """Seconds per timed step in each communication phase a parambox strategy reported (None for DDP)."""
+    comms = [getattr(o, "comm", None) for o in outputs]
+    if not comms or any(c is None for c in comms):
+        return None
+    phases = sorted({p for c in comms for p in c})
+    return {p: sum(c.get(p, 0.0) for c in comms) / len(comms) for p in phases}
+
+
+# -- the driver --------------------------------------------------------------------------------------
+
+
+def run_bench_cluster(
+    nodes: int = 2,
+    gbps: tuple[float, ...] = (1.0, 0.1),
+    rounds: int | None = None,
+    steps: int | None = None,
+    warmup: int | None = None,
+    setups: list[str] | None = None,
+    quick: bool = False,
+) -> dict:
+    """Loopback reference first, then one cluster per bandwidth; returns the JSON object."""
+    from parambox.errors import UserError
+    from parambox.runtime.cluster import EmulatedCluster, check_environment
+
+    # 16 steps a round: a whole number of exchanges for weight-avg (4) and easgd tau 4 and 16.
+    default = (1, 2, 1) if quick else (3, 16, 4)
+    rounds, steps, warmup = rounds or default[0], steps or default[1], warmup or default[2]
+    setups = setups or list(SETUPS)
+    unknown = [s for s in setups if s not in SETUPS]
+    if unknown or nodes < 2 or not gbps or min(gbps) <= 0:
+        raise UserError(f"bench cluster: setups from {', '.join(SETUPS)}; --nodes >= 2; --gbps positive")
+    check_environment()
+    args = [str(rounds), str(steps), str(warmup)]
+    loopback = spawn_workers(__name__, [",".join(LOOPBACK_SETUPS), *args], nodes)
+    result: dict[str, Any] = {
+        "nodes": nodes,
+        "workers": nodes,
+        "threads_per_worker": 1,
+        "batch_per_worker": BATCH,
+        "model": "cnn",
+        "optimizer": f"sgd lr {LR} momentum {MOMENTUM}",
+        "rounds": rounds,
+        "steps_per_round": steps,
+        "warmup_steps": warmup,
+        "setups": {name: _describe(SETUPS[name]) for name in setups},
+        "loopback": _medians(loopback["per_round"]),
+        "by_gbps": {},
+    }
+    for g in gbps:
+        load0 = os.getloadavg()[0]
+        with EmulatedCluster(nodes, g) as cluster:
+            data = spawn_workers(
+                __name__,
+                [",".join(setups), *args],
+                nodes,
+                cluster,
+                mpi=any(SETUPS[s].needs_mpi for s in setups),
+            )
+            setup_s = cluster.setup_s
+        entry = summarize(data, loopback["per_round"])
+        entry.update(link_gbps=g, cluster_setup_s=setup_s, load_average_1m=[load0, os.getloadavg()[0]])
+        result["by_gbps"][f"{g:g}"] = entry
+    return result
+
+
+def _describe(setup: Setup) -> dict[str, Any]:
+    if setup.strategy is None:
+        return {"what": setup.what}
+    return {"what": setup.what, "strategy": setup.strategy, "options": setup.options, "box": setup.box}
+
+
+def _medians(per_round: dict[str, list[float]]) -> dict[str, Any]:
+    return {
+        "samples_per_s": {k: statistics.median(v) for k, v in per_round.items()},
+        "per_round_samples_per_s": per_round,
+    }
+
+
+def summarize(data: dict, loopback: dict[str, list[float]]) -> dict[str, Any]:
+    """One bandwidth's figures from the workers' per-round samples/s, link bytes and comm times."""
+    per_round = data["per_round"]
+    names = list(per_round)
+    out: dict[str, Any] = _medians(per_round)
+
+    def ratios(ref: str) -> dict[str, float]:
+        return {n: paired_ratio(per_round[n], per_round[ref]) for n in names if n != ref and ref in per_round}
+
+    out["ratio_vs_ddp"], out["ratio_vs_ceiling"] = ratios("ddp"), ratios("ceiling")
+    if {"ddp", "ceiling"} <= set(per_round) and {"ddp", "ceiling"} <= set(loopback):
+        on_link = paired_ratio(per_round["ddp"], per_round["ceiling"])
+        out["ddp_vs_loopback"] = on_link / paired_ratio(loopback["ddp"], loopback["ceiling"])
+        out["ddp_vs_loopback_unpaired"] = statistics.median(per_round["ddp"]) / statistics.median(
+            loopback["ddp"]
+        )
+    candidates = [n for n in names if n not in REFERENCES]
+    if candidates and "ddp" in per_round:
+        best = max(candidates, key=lambda n: out["ratio_vs_ddp"][n])
+        out.update(best_setup=best, best_vs_ddp=out["ratio_vs_ddp"][best])
+        out["best_vs_ceiling"] = out["ratio_vs_ceiling"].get(best)
+    out["comm"] = {
+        n: {
+            "link_bytes_per_step": None
+            if data["link_bytes"] is None
+            else statistics.mean(data["link_bytes"][n]),
+            "link_bytes_per_step_per_node": None if data["link_bytes"] is None else data["link_bytes"][n],
+            "comm_s_per_step": None if data["comm"][n] is None else sum(data["comm"][n].values()),
+            "comm_s_per_step_by_phase": data["comm"][n],
+        }
+        for n in names
+    }
+    return out
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--worker":
+        worker(
+            sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6])
+        )

@@ -1,0 +1,193 @@
+"""``--emulate-nodes`` as a user runs it: ``parambox train`` on 2 emulated nodes (gloo, and MPI with
+the rma box), World's node ranks in every rank's metrics, nothing left behind after a normal end or
+SIGKILL of the launcher's process group, and the one-line errors.
+
+Needs root and ip/tc/nsenter/unshare (skipped otherwise, except the not-root error).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import MPI_ENV, ROOT, run_cli, summary
+from tests.test_cluster import live_namespaces, needs_root, root_state
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def world_records(run_dir: Path, workers: int) -> list[dict]:
+    """Each rank's first metrics record: where World says it ran."""
+    names = ["metrics.jsonl"] + [f"metrics.rank{r}.jsonl" for r in range(1, workers)]
+    return [json.loads((run_dir / n).read_text().splitlines()[0]) for n in names]
+
+
+@needs_root
+def test_train_on_two_nodes_over_gloo(tmp_path):
+    before, ns_before = root_state(), live_namespaces()
+    out = tmp_path / "run"
+    run_cli(
+        "train", "--workers", "4", "--emulate-nodes", "2", "--link-gbps", "1", "--steps", "20",
+        "--eval-every", "0", "--no-progress", "--out", str(out),
+    )  # fmt: skip
+    rows = world_records(out, 4)
+    assert [(r["node_rank"], r["local_rank"], r["local_world_size"], r["num_nodes"]) for r in rows] == [
+        (0, 0, 2, 2),
+        (0, 1, 2, 2),
+        (1, 0, 2, 2),
+        (1, 1, 2, 2),
+    ]
+    s = summary(out)
+    assert s["num_nodes"] == 2 and s["config"]["cluster"]["link_gbps"] == 1.0
+    assert root_state() == before and live_namespaces() <= ns_before
+
+
+@pytest.mark.slow
+@needs_root
+def test_hybrid_over_mpi_groups_the_ranks_of_each_node(tmp_path):
+    pytest.importorskip("mpi4py")
+    before, ns_before = root_state(), live_namespaces()
+    out = tmp_path / "run"
+    proc = run_cli(
+        "train", "--strategy", "hybrid", "--box", "rma", "--workers", "4", "--emulate-nodes", "2",
+        "--link-gbps", "1", "--steps", "8", "--eval-every", "0", "--no-progress", "--out", str(out),
+        env=MPI_ENV,
+    )  # fmt: skip
+    assert "highly unusual" not in proc.stderr  # the mpiexec filter took Open MPI's race warning out
+    rows = world_records(out, 4)
+    assert [(r["launcher"], r["node_rank"], r["local_rank"], r["local_world_size"]) for r in rows] == [
+        ("mpi", 0, 0, 2),
+        ("mpi", 0, 1, 2),
+        ("mpi", 1, 0, 2),
+        ("mpi", 1, 1, 2),
+    ]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()[1:]]
+    assert all("allreduce" in r["comm"] for r in steps if r["kind"] == "step")  # inside node 0's group
+    assert summary(out)["num_nodes"] == 2
+    assert root_state() == before and live_namespaces() <= ns_before
+
+
+@needs_root
+def test_a_shm_box_across_nodes_is_one_line_naming_rma(tmp_path):
+    proc = run_cli(
+        "train", "--strategy", "easgd", "--workers", "2", "--emulate-nodes", "2", "--steps", "5",
+        "--no-progress", "--out", str(tmp_path / "run"), check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "use --box rma" in proc.stderr, proc.stderr
+
+
+@needs_root
+def test_nothing_left_after_sigkill_of_the_launchers_process_group(tmp_path):
+    before = root_state()
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "parambox", "train", "--emulate-nodes", "2", "--link-gbps", "0.1"]
+    cmd += ["--steps", "100000", "--eval-every", "0", "--no-progress", "--out", str(out)]
+    launcher = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.rank1.jsonl").exists():  # both workers train on their nodes
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        ours = os.readlink("/proc/self/ns/net")
+        inside = [p for p in psutil.Process(launcher.pid).children(recursive=True) if _netns(p.pid) != ours]
+        cluster_ns = {_netns(p.pid) for p in inside} - {None}
+        assert len(cluster_ns) >= 2  # the workers' two nodes (the hub holds no worker)
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(10)
+    deadline = time.monotonic() + 10
+    while (cluster_ns & live_namespaces() or any(_alive(p) for p in inside)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not cluster_ns & live_namespaces()
+    assert not [p.pid for p in inside if _alive(p)]
+    assert root_state() == before
+
+
+def test_not_root_is_one_line_exit_2(tmp_path):
+    code = (
+        "import os, sys; os.geteuid = lambda: 1000\n"
+        "from parambox.cli import main\n"
+        f"sys.exit(main(['train', '--emulate-nodes', '2', '--out', {str(tmp_path / 'run')!r}]))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "parambox: error: --emulate-nodes needs root (network namespaces, veth links, tc): run as root or drop it"
+    ]
+    assert not (tmp_path / "run").exists()
+
+
+def _netns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return None
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.slow
+@needs_root
+def test_bench_cluster_quick_form_has_every_key():
+    pytest.importorskip("mpi4py")
+    before = root_state()
+    setups = "ddp,allreduce,easgd-tau4,ceiling"  # gloo and MPI setups; the full list takes longer
+    proc = run_cli("bench", "cluster", "--quick", "--setups", setups, "--json", env=MPI_ENV, timeout=230)
+    result = json.loads(proc.stdout)
+    assert set(result["by_gbps"]) == {"1", "0.1"} and result["workers"] == result["nodes"] == 2
+    for entry in result["by_gbps"].values():
+        assert set(entry["samples_per_s"]) == set(setups.split(","))
+        assert set(entry["ratio_vs_ddp"]) == {"allreduce", "easgd-tau4", "ceiling"}
+        for key in ("ddp_vs_loopback", "best_setup", "best_vs_ddp", "best_vs_ceiling", "load_average_1m"):
+            assert key in entry
+        assert entry["best_setup"] in ("allreduce", "easgd-tau4")
+        comm = entry["comm"]
+        # What crosses the link: DDP's gradients both ways (2 x 4.28 MB per step), never the ceiling's.
+        assert comm["ddp"]["link_bytes_per_step"] > 8e6 > 1e5 > comm["ceiling"]["link_bytes_per_step"]
+        assert comm["allreduce"]["comm_s_per_step"] > 0 and comm["ddp"]["comm_s_per_step"] is None
+    assert root_state() == before
+
+
+@pytest.mark.slow
+@needs_root
+def test_predict_validate_on_the_cluster_quick_form():
+    before = root_state()
+    argv = ["predict", "--model", "mlp", "--topology", "ring", "--validate", "--json", "--max-workers", "2"]
+    given = ["--comp-ms", "0.05"]  # T_comp given: no profiling process (n=1's error is then meaningless)
+    proc = run_cli(*argv, *given, "--global-batch", "32", "--emulate-nodes", "2", "--link-gbps", "0.1")
+    result = json.loads(proc.stdout)
+    v = result["validation"]
+    assert v["emulated_link_gbps"] == 0.1 and result["network"]["bandwidth_gbps"] == 0.1
+    assert v["validation_bandwidth_gbps"] == pytest.approx(0.1 * 1448 / 1514)  # the TCP payload of the rate
+    assert set(v["rel_error"]) == {"1", "2"} and result["validation_max_rel_error"] == v["max_rel_error"]
+    # The link binds: 0.8 MB of gradients at 12 MB/s cannot cross in less than the burst allows.
+    s_bytes = result["message_bytes"]
+    assert v["measured_step_ms"]["2"] > (s_bytes - 2 * 131072) / 12.5e6 * 1e3
+    assert v["probe_bandwidth_gbps"] < 0.12
+    assert root_state() == before
+
+
+def test_predict_on_the_cluster_needs_validate():
+    proc = run_cli("predict", "--emulate-nodes", "2", "--link-gbps", "1", "--comp-ms", "1", check=False)
+    assert proc.returncode == 2 and "go with --validate" in proc.stderr
