@@ -55,14 +55,18 @@ class DownpourWorker:
 
     def before_step(self, step: int) -> None:
         if step % self.n_fetch == 0:
-            self.fetch()
+            # Step ``step - 1`` ended with a push iff ``step % n_push == 0``: then x == snap and
+            # there is nothing to keep (one pass over the buffers saved).
+            self.fetch(keep=step % self.n_push != 0)
 
     def after_step(self, step: int) -> bool:
         return self.push() if (step + 1) % self.n_push == 0 else True
 
-    def fetch(self) -> None:
-        """``x <- c``, keeping the local update made since the last push in ``acc``."""
-        if self.n_fetch < self.n_push or self.acc_live:
+    def fetch(self, keep: bool = True) -> None:
+        """``x <- c``, keeping the local update made since the last exchange in ``acc`` (``keep``:
+        steps were taken since the last push; any fetch between two pushes must keep them, or
+        they never reach the center)."""
+        if keep:
             self.acc.add_(self.x).sub_(self.snap)
             self.acc_live = True
         self.client.pull(self.x)
@@ -134,10 +138,9 @@ class Downpour(AsyncStrategy):
     def begin_step(self, step: int) -> None:
         if not self.warm:
             self._await_warmup()
-        if step % self.worker.n_fetch == 0:
-            self.worker.fetch()
-            if self.adagrad is not None:
-                self.adagrad.fetch()
+        self.worker.before_step(step)
+        if self.adagrad is not None and step % self.worker.n_fetch == 0:
+            self.adagrad.fetch()
         super().begin_step(step)
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
