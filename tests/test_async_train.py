@@ -261,3 +261,29 @@ def test_downpour_warm_start_and_adagrad():
     """Rank 1 starts only once rank 0 has trained 30 steps alone; Adagrad sums in the box keep c finite."""
     res = run_forked(warm_adagrad, slow={0: 0.01})
     assert res[1]["probe"] >= 30 and res[0]["worker_steps"] == [40, 40] and res[0]["finite"]
+
+
+def long_warmup(ctx):
+    return ProbedDownpour(ctx, DownpourOptions(warmup_steps=30, lost_after_s=1.0))
+
+
+@pytest.mark.timeout(60)
+def test_downpour_warmup_longer_than_lost_after_s():
+    """Rank 0's warm-up (30 steps x 50 ms) outlasts lost_after_s (1 s): rank 1 waits while rank 0 moves."""
+    res = run_forked(long_warmup, slow={0: 0.05})
+    assert res[1]["probe"] >= 30 and res[0]["worker_steps"] == [40, 40] and res[0]["lost_workers"] == []
+
+
+@pytest.mark.timeout(120)
+def test_samples_per_s_counts_every_workers_steps(tmp_path):
+    """Under `fastest` termination a slow worker does far fewer steps than rank 0: the run's rate is
+    every worker's samples over the wall time, not rank 0's count times the world size."""
+    out = tmp_path / "run"
+    args = ["train", "--strategy", "downpour", "--steps", "40", "--batch-size", "16", "--out", str(out)]
+    args += ["--set", "downpour.termination='fastest'", *FAST]
+    run_cli(*args, env={"PARAMBOX_FAULT": "1:0:slow"})
+    s = summary(out)
+    fast, slow = s["worker_steps"]
+    assert fast == 40 and slow < 20
+    expected = (fast + slow) * 16 / s["wall_time_s"]
+    assert abs(s["samples_per_s"] / expected - 1) < 0.02, (s["samples_per_s"], expected)

@@ -74,12 +74,16 @@ class CenterClient:
             self.box.pull(out, self.start)
         return out
 
-    def push(self, delta: torch.Tensor, scale: float = 1.0, damped: bool = False) -> bool:
-        """``c <- c + scale * delta`` (times ``1/(s + 1)`` if ``damped``); False, pushing nothing, if not finite."""
+    def push(self, delta: torch.Tensor, scale: float = 1.0, damped: bool = False, count: bool = True) -> bool:
+        """``c <- c + scale * delta`` (times ``1/(s + 1)`` if ``damped``); False, pushing nothing, if not finite.
+
+        ``count=False``: a region that rides along with a counted push (Downpour's Adagrad sums)
+        bumps no version, so staleness keeps counting whole pushes."""
         if not is_finite(delta):
             return False
         with self.timers.phase("push"):
-            self.staleness = self.box.add_counter(VERSION_COUNTER, 1) - self.pulled_version
+            if count:
+                self.staleness = self.box.add_counter(VERSION_COUNTER, 1) - self.pulled_version
             if damped:
                 scale /= self.staleness + 1
             self.box.push(delta, scale, self.start)
@@ -92,10 +96,14 @@ class CenterClient:
         no pull copy), ``x -= alpha e``, and the push ``c += alpha e``: on 1M parameters here
         0.8-1.4 ms (warm/cold caches) against 1.5-1.9 ms for pull, subtract, scale, update, push. With
         ``block`` it walks the buffer in pieces of that many elements. A non-finite ``e`` stops it
-        before its piece is pushed (nothing non-finite reaches the box) and returns False.
+        before its piece is pushed (nothing non-finite reaches the box) and returns False; with
+        ``block`` a non-finite ``x`` is refused before the first piece, so an exchange is pushed
+        whole or not at all (``c`` is finite by construction, so ``x - c`` is finite where ``x`` is).
         """
         n = self.numel
         block = min(self.block or n, n)
+        if block < n and not is_finite(x):
+            return False
         if self._d is None or self._d.numel() != block or self._d.device != x.device:
             self._d = torch.empty(block, device=x.device)
             self._c = None if self._shared(x) is not None else torch.empty(block, device=x.device)

@@ -23,7 +23,7 @@ import torch
 from pydantic import Field
 
 from parambox.box.base import wait_until
-from parambox.errors import warn
+from parambox.errors import CommTimeout, warn
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
 from parambox.strategies.base import Context, StepResult
 from parambox.strategies.center import CenterClient
@@ -103,7 +103,7 @@ class AdagradRates:
         self.client.pull(self.pulled)
 
     def push(self) -> bool:
-        ok = self.client.push(self.local)
+        ok = self.client.push(self.local, count=False)  # rides along with the push of c
         self.pulled.add_(self.local)  # until the next fetch, our own squares count at once
         self.local.zero_()
         return ok
@@ -159,14 +159,21 @@ class Downpour(AsyncStrategy):
         return self.adagrad is None or self.adagrad.push()
 
     def _await_warmup(self) -> None:
-        """The paper's warm start: wait until rank 0 has trained ``warmup_steps`` steps alone."""
+        """The paper's warm start: wait until rank 0 has trained ``warmup_steps`` steps alone. No
+        deadline on the whole warm-up (it may take longer than ``--timeout``): only on rank 0
+        standing still, as for any lost worker."""
         m, k = self.counters, self.options.warmup_steps
+        seen = {0: (-1, 0.0)}
+
+        def ready() -> bool:
+            if self.box.read_counter(m.steps(0)) >= k or self.box.read_counter(m.status(0)):
+                return True
+            if self._is_lost(0, seen):
+                raise CommTimeout(f"downpour warm-up: rank 0 stopped before step {k} (it died or stalled)")
+            return False
+
         with self.timers.phase("warmup"):
-            wait_until(
-                lambda: self.box.read_counter(m.steps(0)) >= k or self.box.read_counter(m.status(0)),
-                self.lost_after_s,
-                lambda: f"downpour warm-up: rank 0 did not reach step {k} within {self.lost_after_s:.0f} s",
-            )
+            wait_until(ready, float("inf"), lambda: "")
         self.warm = True
 
     def flush(self) -> None:
