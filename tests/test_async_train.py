@@ -21,7 +21,7 @@ from torch import nn
 
 from parambox.box import PREFIX_ENV, new_prefix
 from parambox.runtime import dist as pbdist
-from parambox.runtime import launcher, spawn
+from parambox.runtime import spawn, supervisor
 from parambox.runtime.dist import free_port
 from parambox.runtime.spawn import find_mpiexec
 from parambox.runtime.world import World
@@ -87,6 +87,7 @@ def test_the_sharded_rma_box_is_reachable_from_the_cli(tmp_path):
         "stripe_bytes": None,
         "num_shards": None,
         "box_ranks": [1],
+        "memory_ranks": None,
     }
     assert s["launcher"] == "mpi" and s["worker_steps"] == [20, 20]
 
@@ -122,11 +123,11 @@ def test_nan_worker_never_pushes(tmp_path):
 @pytest.mark.timeout(30)
 def test_launcher_stops_a_worker_still_running_after_rank0_finished(tmp_path, monkeypatch):
     """A hung worker must not keep an asynchronous run from ending once rank 0 has written the result."""
-    monkeypatch.setattr(launcher, "STRAGGLER_GRACE_S", 0.5)
+    monkeypatch.setattr(supervisor, "STRAGGLER_GRACE_S", 0.5)
     cmds = [[sys.executable, "-c", "pass"], ["sleep", "60"]]
     procs = [subprocess.Popen(c, start_new_session=True) for c in cmds]
     try:
-        result = launcher._supervise(procs, tmp_path, tolerate_loss=True)
+        result = supervisor.Supervisor(procs, tmp_path, tolerate_loss=True).run()
     finally:
         spawn.stop(procs)
     assert (result.returncode, result.lost) == (0, [1])

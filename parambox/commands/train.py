@@ -12,7 +12,9 @@ from pathlib import Path
 
 from parambox.config import RunConfig, build_config, load_toml, parse_set
 from parambox.errors import CommTimeout, UserError, warn
+from parambox.runtime.mpi import finalize_with_deadline, srun_without_mpi
 from parambox.runtime.world import World, under_external_launcher
+from parambox.strategies import strategy_class
 from parambox.training.checkpoint import atomic_write_json
 
 FLAGS = {  # flag -> config field; each flag's type and range come from RunConfig
@@ -32,6 +34,7 @@ FLAGS = {  # flag -> config field; each flag's type and range come from RunConfi
     "--checkpoint-every": "checkpoint_every",
     "--eval-every": "eval_every",
     "--timeout": "timeout",
+    "--max-restarts": "max_restarts",
     "--threads": "threads",
     "--box": "box",
 }
@@ -78,8 +81,13 @@ def run(args: argparse.Namespace) -> int:
     if world.launcher == "local":  # spawned by our own launcher, which prepared the run directory
         return run_worker(cfg, world, Path(cfg.out), args.resume)
     if under_external_launcher():
+        if cfg.box.needs_mpi and srun_without_mpi():  # before MPI starts: it would leave files behind
+            if world.rank == 0:
+                print(f"parambox: error: {srun_without_mpi()}", file=sys.stderr)
+            return 2
         cfg.out = cfg.out or external_run_dir(cfg)
-        if "--workers" in args._argv and cfg.workers != world.world_size and world.rank == 0:
+        started = cfg.workers + strategy_class(cfg.strategy, cfg.strategy_options()).extra_ranks(cfg.box)
+        if "--workers" in args._argv and started != world.world_size and world.rank == 0:
             warn(f"--workers {cfg.workers} ignored: the launcher started {world.world_size} processes")
     run_dir = prepare_run_dir(cfg, args.resume)
     if cfg.workers == 1 or under_external_launcher():
@@ -120,17 +128,22 @@ def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path:
 
 def launch(cfg: RunConfig, args: argparse.Namespace, run_dir: Path) -> int:
     from parambox.runtime.launcher import launch_local
-    from parambox.strategies import strategy_class
 
     cls = strategy_class(cfg.strategy, cfg.strategy_options())  # the class that will really run
     argv = [*args._argv, "--out", str(run_dir)]
+    use_mpi = cls.needs_mpi or cfg.box.needs_mpi
+    if use_mpi and cfg.max_restarts:
+        warn("--max-restarts is ignored under MPI (one job): a dead rank is lost, the others carry on")
     result = launch_local(
         argv,
-        cfg.workers,
+        cfg.workers + cls.extra_ranks(cfg.box),  # + the rma box's memory ranks
         run_dir / "logs",
         cfg.threads,
-        use_mpi=cls.needs_mpi or cfg.box.needs_mpi,
+        use_mpi=use_mpi,
         tolerate_loss=cls.tolerates_worker_loss,
+        max_restarts=0 if use_mpi else cfg.max_restarts,
+        resume_argv=argv if "--resume" in argv else [*argv, "--resume"],
+        checkpoint=run_dir / "checkpoints" / "last.pt",
     )
     if result.returncode == 130:
         print("parambox: interrupted; workers stopped", file=sys.stderr)
@@ -143,18 +156,23 @@ def launch(cfg: RunConfig, args: argparse.Namespace, run_dir: Path) -> int:
             f"parambox: error: worker rank {rank} failed: {reason} (log: {run_dir / 'logs'})", file=sys.stderr
         )
         return 1
-    if result.lost:
-        mark_lost(run_dir, result.lost)
+    if result.lost or result.restarts:
+        mark_lost(run_dir, result.lost, result.restarts)
     return result.returncode
 
 
-def mark_lost(run_dir: Path, lost: list[int]) -> None:
+def mark_lost(run_dir: Path, lost: list[int], restarts: int = 0) -> None:
+    """What only the launcher knows, into rank 0's summary: ranks lost, and restarts made."""
     path = run_dir / "summary.json"
     if path.exists():
         summary = json.loads(path.read_text())
         summary["lost_workers"] = sorted(set(summary.get("lost_workers", [])) | set(lost))
+        summary["restarts"] = restarts
         atomic_write_json(path, summary)
-    warn(f"lost worker ranks {lost}; the others finished")
+    if restarts:
+        warn(f"{restarts} restart(s) of workers")
+    if lost:
+        warn(f"lost worker ranks {lost}; the others finished")
 
 
 def run_worker(cfg: RunConfig, world: World, run_dir: Path, resume: bool) -> int:
@@ -179,7 +197,9 @@ def exit_now(code: int) -> None:
     Everything worth keeping is already on disk (checkpoints fsynced, metrics closed)."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()  # mpiexec counts a rank that exits without it as failed
+        # mpiexec counts a rank that exits without it as failed; after a rank's death under ULFM
+        # it sometimes never returns, so it gets a deadline.
+        finalize_with_deadline(code)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

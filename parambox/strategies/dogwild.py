@@ -100,6 +100,7 @@ class Dogwild(Strategy):
             if self.finite(loss, grads, step):
                 with self.timers.phase("apply"):
                     self.master.apply_own()
+                self.master.samples[0] += samples
         else:
             self.peer.end_step(loss, samples, step)
         extra = {"staleness": self.staleness}
@@ -142,6 +143,10 @@ class Dogwild(Strategy):
                 self.master.optimizer.load_state_dict(state["optimizer"])
                 self.master.w.copy_(state["master_weights"])
                 self.x.copy_(self.master.w)
+
+    def total_samples(self, local: int) -> float:
+        """Rank 0: the samples of every gradient it applied (messages carry their sample count)."""
+        return float(sum(self.master.samples.values())) if self.world.rank == 0 else float(local)
 
     def summary_extra(self) -> dict[str, Any]:
         if self.world.rank != 0:
@@ -191,6 +196,7 @@ class _Master:
         self.version = 0
         self.workers = set(range(1, n))
         self.applied = dict.fromkeys(range(n), 0)  # gradients applied per rank
+        self.samples = dict.fromkeys(range(n), 0)  # their samples
         self.done: set[int] = set()  # sent FINAL or HALT
         self.halted: set[int] = set()
         self.lost: set[int] = set()
@@ -254,6 +260,7 @@ class _Master:
                     grad = self.staged.copy_(grad)  # GPU weights: the gradient goes over first
                 self._apply_(list(self.owner.layout.views(grad).values()))
                 self.applied[src] += 1
+                self.samples[src] += int(msg[numel + 3])
             else:
                 warn(f"rank 0: dropped a non-finite gradient from rank {src}")
             reply[:numel].copy_(self.w)

@@ -163,7 +163,7 @@ class Downpour(AsyncStrategy):
         deadline on the whole warm-up (it may take longer than ``--timeout``): only on rank 0
         standing still, as for any lost worker."""
         m, k = self.counters, self.options.warmup_steps
-        seen = {0: (-1, 0.0)}
+        seen = {0: (-1, 0.0, 0)}
 
         def ready() -> bool:
             if self.box.read_counter(m.steps(0)) >= k or self.box.read_counter(m.status(0)):
