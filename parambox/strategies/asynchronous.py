@@ -145,7 +145,6 @@ class AsyncStrategy(Strategy):
         self.lost_after_s = options.lost_after_s or ctx.timeout_s
         self.halted = False
         self.lost: set[int] = set()
-        self.samples_done = 0
         self._final = False
         self._reached = False
         if self.serves:
@@ -221,7 +220,6 @@ class AsyncStrategy(Strategy):
         done = self.box.add_counter(m.steps(rank), 1) + 1
         self.box.add_counter(m.total, 1)
         self.box.add_counter(m.samples, samples)
-        self.samples_done += samples
         if done >= self.ctx.steps and not self._reached:
             self._reached = True
             self.box.add_counter(m.reached, 1)
@@ -333,7 +331,6 @@ class AsyncStrategy(Strategy):
             return {}
         state = super().state_dict()
         state["steps_done"] = self.box.read_counter(self.counters.steps(self.world.rank))
-        state["samples_done"] = self.samples_done
         if self.world.rank == 0:
             state["center"] = self.box.pull(torch.empty(self.numel)).clone()
         return state
@@ -348,8 +345,7 @@ class AsyncStrategy(Strategy):
         done = int(state.get("steps_done", 0))
         self.box.add_counter(m.steps(rank), done)
         self.box.add_counter(m.total, done)
-        self.box.add_counter(m.samples, int(state.get("samples_done", 0)))
-        self.samples_done = int(state.get("samples_done", 0))
+        # The samples counter starts afresh: samples_per_s is over this life's training time.
         if done >= self.ctx.steps and not self._reached:
             self._reached = True
             self.box.add_counter(m.reached, 1)

@@ -22,7 +22,7 @@ rank 0 waits until each worker has sent it, has halted, or is lost: silent for `
 (default ``--timeout``), or its process gone (same host). A worker whose loss or gradient is not
 finite sends ``HALT`` instead of the gradient and leaves the run; rank 0 checks every gradient
 again before applying it, so ``w`` stays finite.
-Messages (float32, host memory): ``[gradient | kind, version used, loss, samples]``; replies
+Messages (float32, host memory): ``[gradient | kind, version used, loss, samples, steps done]``; replies
 ``[weights | version, staleness]``. They travel over gloo also when the run's backend is nccl (a
 gloo group of their own: NCCL has no receive-from-any); GPU gradients and weights are staged
 through the host buffers.
@@ -49,7 +49,7 @@ from parambox.runtime.spawn import identity_gone, process_identity
 from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
 
 GRAD, FINAL, HALT = 0.0, 1.0, 2.0  # message kinds (the first element after the gradient)
-HEADER, REPLY_HEADER = 4, 2
+HEADER, REPLY_HEADER = 5, 2
 _POLL_S = 0.05
 
 
@@ -101,6 +101,7 @@ class Dogwild(Strategy):
                 with self.timers.phase("apply"):
                     self.master.apply_own()
                 self.master.samples[0] += samples
+            self.master.steps[0] = step + 1
         else:
             self.peer.end_step(loss, samples, step)
         extra = {"staleness": self.staleness}
@@ -155,7 +156,7 @@ class Dogwild(Strategy):
         return {
             "lost_workers": sorted(m.lost),
             "nonfinite_workers": sorted(m.halted | ({0} if self.halted else set())),
-            "worker_steps": [m.applied[r] for r in range(self.world.world_size)],
+            "worker_steps": [m.steps[r] for r in range(self.world.world_size)],
         }
 
     def close(self) -> None:
@@ -196,6 +197,7 @@ class _Master:
         self.version = 0
         self.workers = set(range(1, n))
         self.applied = dict.fromkeys(range(n), 0)  # gradients applied per rank
+        self.steps = dict.fromkeys(range(n), 0)  # steps done per rank, as each last said
         self.samples = dict.fromkeys(range(n), 0)  # their samples
         self.done: set[int] = set()  # sent FINAL or HALT
         self.halted: set[int] = set()
@@ -245,6 +247,7 @@ class _Master:
     def _handle(self, src: int) -> None:
         numel, msg = self.owner.layout.numel, self.inbox
         kind, used = float(msg[numel]), int(msg[numel + 1])
+        self.steps[src] = max(self.steps[src], int(msg[numel + 4]))
         self.heard[src] = time.monotonic()
         if kind != GRAD:
             self.done.add(src)
@@ -319,6 +322,7 @@ class _Peer:
                 p.grad = view  # backward accumulates straight into the message
         self.reply = torch.empty(numel + REPLY_HEADER)
         self.version = 0
+        self.steps = 0
 
     def begin_step(self) -> None:
         if self.on_host:
@@ -331,18 +335,20 @@ class _Peer:
         if not self.on_host:
             owner.layout.gather_grads(owner.model, self.msg[:numel])
         if not owner.finite(loss, [self.msg[:numel]], step):
-            self._send(HALT, loss, 0)
+            self._send(HALT, loss, 0, step)
             return
         pending = dist.irecv(self.reply, src=0, group=owner.pg)  # posted first: no unexpected message
-        self._send(GRAD, loss, samples)
+        self._send(GRAD, loss, samples, step + 1)
         with owner.timers.phase("recv"):
             self._wait(pending, "waiting for fresh weights from rank 0")
         owner.x.copy_(self.reply[:numel])
         self.version, owner.staleness = int(self.reply[numel]), float(self.reply[numel + 1])
 
-    def _send(self, kind: float, loss: torch.Tensor | None, samples: int) -> None:
+    def _send(self, kind: float, loss: torch.Tensor | None, samples: int, steps: int) -> None:
         numel = self.owner.layout.numel
-        self.msg[numel:] = torch.tensor([kind, float(self.version), loss_value(loss), float(samples)])
+        self.steps = steps
+        header = [kind, float(self.version), loss_value(loss), float(samples), float(steps)]
+        self.msg[numel:] = torch.tensor(header)
         with self.owner.timers.phase("send"):
             self._wait(dist.isend(self.msg, dst=0, group=self.owner.pg), "sending a gradient")
 
@@ -352,4 +358,4 @@ class _Peer:
 
     def finish(self) -> None:
         if not self.owner.halted:  # a HALT already told rank 0 that this worker is leaving
-            self._send(FINAL, None, 0)
+            self._send(FINAL, None, 0, self.steps)

@@ -207,6 +207,7 @@ def restore(run: Run) -> int:
         own_pace=run.strategy.tolerates_worker_loss,
     )
     if state is None:  # this rank never checkpointed (asynchronous runs): it starts over
+        run.strategy.load_state_dict({})  # (and waits, as the others do, for the restored center)
         return 0
     run.strategy.load_model_state(state["replica"])
     run.strategy.load_state_dict(state["strategy"])
