@@ -19,7 +19,9 @@ def _checkpointed(out, rank: int, at_least: int) -> bool:
     ckpts = out / "checkpoints"
     if not (ckpts / "last.pt").exists():
         return False
-    steps = [int(m.group(1)) for p in ckpts.glob(f"rank{rank}-step*.pt") if (m := re.search(r"step(\d+)", p.name))]
+    steps = [
+        int(m.group(1)) for p in ckpts.glob(f"rank{rank}-step*.pt") if (m := re.search(r"step(\d+)", p.name))
+    ]
     return bool(steps) and max(steps) >= at_least
 
 
@@ -31,7 +33,17 @@ def _checkpointed(out, rank: int, at_least: int) -> bool:
 )
 def test_sigkill_everything_then_resume(tmp_path, strategy, extra):
     out = tmp_path / "run"
-    args = ["train", "--strategy", strategy, *extra, "--checkpoint-every", "100", "--no-progress", "--out", str(out)]
+    args = [
+        "train",
+        "--strategy",
+        strategy,
+        *extra,
+        "--checkpoint-every",
+        "100",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     launcher = start(*args)
     deadline = time.monotonic() + 200
     while not _checkpointed(out, 1, 200):

@@ -68,7 +68,17 @@ def test_max_restarts_replaces_a_killed_worker(tmp_path):
 def test_sync_restart_resumes_from_the_checkpoint_bit_exact(tmp_path):
     """torchrun's behaviour: the group restarts from the last checkpoint; nothing before it is lost,
     and the result is the uninterrupted run's, bit for bit."""
-    args = ["train", "--strategy", "allreduce", "--steps", "40", "--checkpoint-every", "10", "--batch-size", "16"]
+    args = [
+        "train",
+        "--strategy",
+        "allreduce",
+        "--steps",
+        "40",
+        "--checkpoint-every",
+        "10",
+        "--batch-size",
+        "16",
+    ]
     run_cli(*args, *FAST, "--out", str(tmp_path / "full"))
     cut = tmp_path / "cut"
     run_cli(*args, *FAST, "--out", str(cut), "--max-restarts", "1", env={"PARAMBOX_FAULT": "1:25:kill"})
@@ -122,7 +132,18 @@ def test_sigkilled_launcher_holding_the_box_leaves_nothing(tmp_path):
     launcher still leaves no worker and nothing in /dev/shm."""
     before = _shm()
     out = tmp_path / "r"
-    args = ["train", "--strategy", "easgd", "--steps", "1000000", "--max-restarts", "3", *FAST, "--out", str(out)]
+    args = [
+        "train",
+        "--strategy",
+        "easgd",
+        "--steps",
+        "1000000",
+        "--max-restarts",
+        "3",
+        *FAST,
+        "--out",
+        str(out),
+    ]
     launcher = start(*args)
     deadline = time.monotonic() + 90
     while not (out / "metrics.rank1.jsonl").exists() or (out / "metrics.rank1.jsonl").stat().st_size == 0:
@@ -149,7 +170,18 @@ def _startup_kill(tmp_path: Path, delay: float, args: list[str]) -> tuple[float,
     return time.monotonic() - t0, launcher, err + f"\n{out}"
 
 
-STARTUP = ["train", "--strategy", "easgd", "--workers", "3", "--steps", "200", "--eval-every", "0", "--no-progress"]
+STARTUP = [
+    "train",
+    "--strategy",
+    "easgd",
+    "--workers",
+    "3",
+    "--steps",
+    "200",
+    "--eval-every",
+    "0",
+    "--no-progress",
+]
 REPEATS = int(os.environ.get("PARAMBOX_STARTUP_REPEATS", "1"))  # the issue's figure: 3
 
 
