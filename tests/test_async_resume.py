@@ -11,8 +11,23 @@ import time
 
 import pytest
 
+from parambox.training.checkpoint import load_resume, save_last, save_rank_state
 from tests.conftest import run_cli, summary
 from tests.test_restarts import start
+
+
+def test_each_rank_keeps_and_resumes_from_its_own_last_state(tmp_path):
+    """Rank 1 lags: it saved step 100 when rank 0 commits step 200. The commit must not delete rank 1's
+    state (it did: then resume looked for rank1-step200.pt, failed, and the run hung)."""
+    save_rank_state(tmp_path, 1, 100, {"who": 1}, prune=True)
+    save_rank_state(tmp_path, 2, 250, {"who": 2}, prune=True)  # rank 2 runs ahead
+    save_last(tmp_path, 200, {}, {}, 3, {"who": 0}, prune_others=False)
+    assert load_resume(tmp_path, 0, 3, own_pace=True) == (200, {"who": 0})
+    assert load_resume(tmp_path, 1, 3, own_pace=True) == (100, {"who": 1})
+    assert load_resume(tmp_path, 2, 3, own_pace=True) == (250, {"who": 2})
+    save_rank_state(tmp_path, 1, 300, {"who": 1}, prune=True)  # replaces rank 1's own older state only
+    assert sorted(p.name for p in tmp_path.glob("rank*.pt")) == ["rank1-step300.pt", "rank2-step250.pt"]
+    assert load_resume(tmp_path, 3 - 1, 3, own_pace=True)[0] == 250
 
 
 def _checkpointed(out, rank: int, at_least: int) -> bool:

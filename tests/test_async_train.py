@@ -69,9 +69,14 @@ def test_easgd_over_the_rma_box_on_the_network_path(tmp_path):
     out = tmp_path / "run"
     env = {**MPI_ENV, "OMPI_MCA_osc": "rdma", "OMPI_MCA_btl": "self,tcp"}
     args = ["train", "--strategy", "easgd", "--box", "rma", "--out", str(out), "--no-progress"]
-    run_cli(*args, prefix=[find_mpiexec() or "mpiexec", "-n", "2"], env=env)
+    # Two workers and the memory rank that holds the box; ULFM's end works on osc rdma too.
+    run_cli(
+        *args,
+        prefix=[find_mpiexec() or "mpiexec", "--with-ft", "ulfm", "-n", "3", "--oversubscribe"],
+        env=env,
+    )
     s = summary(out)
-    assert s["launcher"] == "mpi" and s["config"]["box"]["backend"] == "rma"
+    assert s["launcher"] == "mpi" and s["config"]["box"]["backend"] == "rma" and s["memory_ranks"] == 1
     assert s["final_test_accuracy"] >= 0.93 and s["worker_steps"] == [600, 600]
 
 
