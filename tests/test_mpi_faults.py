@@ -9,6 +9,7 @@ a private directory that a reaper removes, also after a SIGKILL of the launcher 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,3 +153,28 @@ def test_srun_with_the_rma_box_says_so_in_one_line(tmp_path):
         proc.stderr
     )
     assert not any(n.startswith("sm_segment") for n in {p.name for p in SHM.iterdir()} - before)
+
+
+def test_slurm_script_for_the_rma_box_runs_mpiexec_inside_the_allocation():
+    text = run_cli("slurm", "--", "--strategy", "easgd", "--box", "rma").stdout
+    assert '"$mpiexec" --with-ft ulfm -n "$SLURM_NTASKS"' in text and "srun" not in text
+    assert "pb_mpi.XXXXXX" in text and "trap 'rm -rf \"$private\"' EXIT" in text
+    assert "\nsrun " in run_cli("slurm", "--", "--strategy", "easgd").stdout  # shm or collectives: srun
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    shutil.which("sbatch") is None or shutil.which("sinfo") is None,
+    reason="no SLURM here (../shared/tools/slurm-up.sh starts one)",
+)
+def test_slurm_submit_with_the_rma_box_runs_to_the_end(tmp_path):
+    """The issue's Must show: `parambox slurm --submit -- --strategy easgd --box rma` on the one-node SLURM."""
+    before = _private_dirs()
+    out = tmp_path / "run"
+    args = ["slurm", "--submit", "--wait", "--script", str(tmp_path / "job.sbatch"), "--"]
+    args += ["--strategy", "easgd", "--box", "rma", "--steps", "60", *FAST, "--out", str(out)]
+    run_cli(*args, timeout=290)
+    s = summary(out)
+    assert s["launcher"] == "mpi" and s["worker_steps"] == [60] and s["memory_ranks"] == 1
+    assert _private_dirs() - before == set()
