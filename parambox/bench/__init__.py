@@ -18,6 +18,7 @@ BENCHES: dict[str, tuple[str, str, str]] = {  # name -> (module, function, what 
     "box": ("parambox.bench.box", "run_bench_box", "box pull/push bandwidth vs gloo and MPI"),
     "async": ("parambox.bench.asynchronous", "run_bench_async", "asynchronous strategies vs plain Hogwild"),
     "local": ("parambox.bench.local", "run_bench_local", "local parallelism study (Lerat et al.)"),
+    "chaos": ("parambox.bench.chaos", "run_bench_chaos", "easgd losing a random worker every few s vs none"),
 }
 
 

@@ -7,6 +7,7 @@ Run one benchmark at a time: they share the machine's cores.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 
 from parambox.bench import BENCHES, benchmark
@@ -21,6 +22,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds (sync, async)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per setup and round (sync, async)")
     p.add_argument("--out", default=None, help="also write the JSON to this file")
+    p.add_argument("--quick", action="store_true", help="a short form for tests (chaos)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,6 +30,10 @@ def run(args: argparse.Namespace) -> int:
     kwargs = {k: v for k, v in (("rounds", args.rounds), ("steps", args.steps)) if v is not None}
     if any(v < 1 for v in kwargs.values()):
         raise UserError("--rounds and --steps must be at least 1")
+    if args.quick:
+        if "quick" not in inspect.signature(bench).parameters:
+            raise UserError(f"bench {args.which} has no --quick form")
+        kwargs["quick"] = True
     result = bench(**kwargs)
     text = json.dumps(result, indent=2)
     if args.out:
