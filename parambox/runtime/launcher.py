@@ -50,7 +50,8 @@ def launch_local(
     env.update(PARAMBOX_LOG_DIR=str(log_dir), PARAMBOX_THREADS=str(n_threads))
     cmd = [sys.executable, "-m", "parambox", *argv]
     if use_mpi:
-        procs = [spawn.start_mpi(cmd, num_workers, env, fault_tolerant=tolerate_loss)]
+        procs = [spawn.start_mpi(cmd, num_workers, env, fault_tolerant=tolerate_loss, stderr=subprocess.PIPE)]
+        threading.Thread(target=_pump_mpi_stderr, args=(procs[0].stderr,), daemon=True).start()
         try:
             return Supervisor(procs, log_dir, tolerate_loss=False).run()
         finally:
@@ -115,6 +116,32 @@ def _spawn_rank(cmd: list[str], rank: int, n: int, env: dict[str, str], fds: lis
     for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
         threading.Thread(target=_pump, args=(stream, sink, rank), daemon=True).start()
     return p
+
+
+# Under --with-ft ulfm every rank's Open MPI warns that its shared-memory one-sided component is
+# "not tested for post-failure operation" (a banner of ~10 lines): known, and said in the README.
+_ULFM_BANNER = (b"not tested for post-failure", b"help-mpi-ft.txt")
+
+
+def _pump_mpi_stderr(stream) -> None:
+    """mpiexec's stderr to ours, without ULFM's banners (Open MPI frames a help message in dashes)."""
+    block: list[bytes] = []
+    for raw in iter(stream.readline, b""):
+        if raw.startswith(b"-----") and block:  # the closing line of a framed message
+            _emit([*block, raw])
+            block = []
+        elif raw.startswith(b"-----") or block:
+            block.append(raw)
+        else:
+            _emit([raw])
+    _emit(block)
+
+
+def _emit(lines: list[bytes]) -> None:
+    text = b"".join(lines).replace(b"\0", b"")  # PRRTE ends its output with NUL bytes
+    if text and not any(m in text for m in _ULFM_BANNER):
+        sys.stderr.buffer.write(text)
+        sys.stderr.flush()
 
 
 def _pump(stream, sink, rank: int) -> None:
