@@ -65,6 +65,28 @@ def test_max_restarts_replaces_a_killed_worker(tmp_path):
 
 
 @pytest.mark.timeout(170)
+def test_rank0_is_replaced_too(tmp_path):
+    """Rank 0 collects the result: its replacement carries on, waits for the others and writes it."""
+    out = tmp_path / "run"
+    args = [
+        "train",
+        "--strategy",
+        "downpour",
+        "--steps",
+        "200",
+        "--max-restarts",
+        "1",
+        *FAST,
+        "--out",
+        str(out),
+    ]
+    run_cli(*args, env={"PARAMBOX_FAULT": "0:100:kill"})
+    s = summary(out)
+    assert (s["restarts"], s["lost_workers"], s["worker_steps"]) == (1, [], [200, 200])
+    assert s["final_test_accuracy"] >= 0.8
+
+
+@pytest.mark.timeout(170)
 def test_sync_restart_resumes_from_the_checkpoint_bit_exact(tmp_path):
     """torchrun's behaviour: the group restarts from the last checkpoint; nothing before it is lost,
     and the result is the uninterrupted run's, bit for bit."""
