@@ -178,3 +178,14 @@ def test_slurm_submit_with_the_rma_box_runs_to_the_end(tmp_path):
     s = summary(out)
     assert s["launcher"] == "mpi" and s["worker_steps"] == [60] and s["memory_ranks"] == 1
     assert _private_dirs() - before == set()
+
+
+@pytest.mark.timeout(120)
+def test_a_user_error_under_mpi_leaves_nothing(tmp_path):
+    """Every rank fails with the same bad input: one line, exit 2, and Open MPI's files are gone."""
+    before = _private_dirs()
+    proc = run_cli(
+        "train", "--strategy", "hogwild", "--box", "rma", *FAST, "--out", str(tmp_path / "r"), check=False
+    )
+    assert proc.returncode == 2 and "use --box shm" in proc.stderr and "Traceback" not in proc.stderr
+    assert _private_dirs() - before == set()

@@ -86,13 +86,17 @@ def run(args: argparse.Namespace) -> int:
                 print(f"parambox: error: {srun_without_mpi()}", file=sys.stderr)
             return 2
         cfg.out = cfg.out or external_run_dir(cfg)
-        started = cfg.workers + strategy_class(cfg.strategy, cfg.strategy_options()).extra_ranks(cfg.box)
-        if "--workers" in args._argv and started != world.world_size and world.rank == 0:
+        if "--workers" in args._argv and processes(cfg) != world.world_size and world.rank == 0:
             warn(f"--workers {cfg.workers} ignored: the launcher started {world.world_size} processes")
     run_dir = prepare_run_dir(cfg, args.resume)
-    if cfg.workers == 1 or under_external_launcher():
+    if processes(cfg) == 1 or under_external_launcher():
         return run_worker(cfg, world, run_dir, args.resume)
     return launch(cfg, args, run_dir)
+
+
+def processes(cfg: RunConfig) -> int:
+    """The run's processes: its workers, plus the rma box's memory ranks."""
+    return cfg.workers + strategy_class(cfg.strategy, cfg.strategy_options()).extra_ranks(cfg.box)
 
 
 def external_run_dir(cfg: RunConfig) -> str:
@@ -136,7 +140,7 @@ def launch(cfg: RunConfig, args: argparse.Namespace, run_dir: Path) -> int:
         warn("--max-restarts is ignored under MPI (one job): a dead rank is lost, the others carry on")
     result = launch_local(
         argv,
-        cfg.workers + cls.extra_ranks(cfg.box),  # + the rma box's memory ranks
+        processes(cfg),
         run_dir / "logs",
         cfg.threads,
         use_mpi=use_mpi,
@@ -154,6 +158,13 @@ def launch(cfg: RunConfig, args: argparse.Namespace, run_dir: Path) -> int:
             return code
         print(
             f"parambox: error: worker rank {rank} failed: {reason} (log: {run_dir / 'logs'})", file=sys.stderr
+        )
+        return 1
+    if result.returncode == 0 and not (run_dir / "summary.json").exists():
+        # Under mpiexec --with-ft ulfm the job may end 0 though rank 0, which writes the result, died.
+        print(
+            f"parambox: error: the run ended without a result: rank 0 died (log: {run_dir / 'logs'})",
+            file=sys.stderr,
         )
         return 1
     if result.lost or result.restarts:

@@ -118,6 +118,10 @@ class AsyncStrategy(Strategy):
             raise UserError(f"box.memory_ranks serves asynchronous strategies, not {self.name!r}")
         rank = self.world.rank
         self.num_workers = n = self.world.world_size - self.memory_ranks
+        if n < 1:
+            raise UserError(
+                f"box.memory_ranks={self.memory_ranks} leaves none of the {self.world.world_size} ranks to train"
+            )
         self.serves = rank >= n  # a memory rank: holds the box, trains nothing
         self.layout = Layout.from_model(self.model)
         self.numel = self.layout.numel

@@ -136,7 +136,11 @@ class Dogwild(Strategy):
         if self.world.rank != 0:
             return {}
         with self.master.lock:
-            return {"optimizer": self.master.optimizer.state_dict(), "master_weights": self.master.w.clone()}
+            return {
+                "optimizer": self.master.optimizer.state_dict(),
+                "master_weights": self.master.w.clone(),
+                "worker_steps": torch.tensor([self.master.steps[r] for r in range(self.world.world_size)]),
+            }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.world.rank == 0 and "master_weights" in state:
@@ -144,6 +148,8 @@ class Dogwild(Strategy):
                 self.master.optimizer.load_state_dict(state["optimizer"])
                 self.master.w.copy_(state["master_weights"])
                 self.x.copy_(self.master.w)
+                for r, n in enumerate(state.get("worker_steps", torch.zeros(0)).tolist()):
+                    self.master.steps[r] = max(self.master.steps[r], int(n))
 
     def total_samples(self, local: int) -> float:
         """Rank 0: the samples of every gradient it applied (messages carry their sample count)."""
