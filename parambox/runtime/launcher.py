@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 from parambox.runtime import spawn
-from parambox.runtime.control import LIFE_ENV, REJOIN_ENV, SegmentKeeper, WorkerBoard
+from parambox.runtime.control import LIFE_ENV, REJOIN_ENV, RUNNING, SegmentKeeper, WorkerBoard
 from parambox.runtime.supervisor import LaunchResult, Starters, Supervisor, worker_error
 
 __all__ = ["LaunchResult", "launch_local", "threads_per_worker", "worker_error"]
@@ -49,35 +49,58 @@ def launch_local(
     env = spawn.loopback_env(n_threads, prefix)
     env.update(PARAMBOX_LOG_DIR=str(log_dir), PARAMBOX_THREADS=str(n_threads))
     cmd = [sys.executable, "-m", "parambox", *argv]
-    if use_mpi:
-        procs = [spawn.start_mpi(cmd, num_workers, env, fault_tolerant=tolerate_loss, stderr=subprocess.PIPE)]
-        threading.Thread(target=_pump_mpi_stderr, args=(procs[0].stderr,), daemon=True).start()
-        try:
-            return Supervisor(procs, log_dir, tolerate_loss=False).run()
-        finally:
-            spawn.stop(procs)
-            spawn.remove_segments(prefix)
-    board = WorkerBoard.create(num_workers)
-    keeper = SegmentKeeper(prefix)
-    env.update(board.env())
-    resume_cmd = [sys.executable, "-m", "parambox", *(resume_argv or argv)]
+    try:
+        if use_mpi:
+            return _launch_mpi(cmd, num_workers, env, log_dir, tolerate_loss)
+        resume_cmd = [sys.executable, "-m", "parambox", *(resume_argv or argv)]
+        restart = (max_restarts, resume_cmd, checkpoint)
+        return _launch_processes(cmd, num_workers, env, log_dir, tolerate_loss, restart, prefix)
+    finally:
+        spawn.remove_segments(prefix)
+
+
+def _launch_mpi(
+    cmd: list[str], n: int, env: dict[str, str], log_dir: Path, tolerate_loss: bool
+) -> LaunchResult:
+    """One mpiexec job (under ULFM where a dead rank must not end it); MPI tells the ranks of deaths."""
+    procs = [spawn.start_mpi(cmd, n, env, fault_tolerant=tolerate_loss, stderr=subprocess.PIPE)]
+    threading.Thread(target=_pump_mpi_stderr, args=(procs[0].stderr,), daemon=True).start()
+    try:
+        return Supervisor(procs, log_dir, tolerate_loss=False).run()
+    finally:
+        spawn.stop(procs)
+
+
+def _launch_processes(
+    cmd: list[str],
+    n: int,
+    env: dict[str, str],
+    log_dir: Path,
+    tolerate_loss: bool,
+    restart: tuple[int, list[str], Path | None],
+    prefix: str,
+) -> LaunchResult:
+    """``n`` worker processes, the board that tells them who is dead, and replacements or restarts."""
+    max_restarts, resume_cmd, checkpoint = restart
+    board, keeper = WorkerBoard.create(n), SegmentKeeper(prefix)
+    env = dict(env, **board.env())
 
     def group(life: int, resume: bool) -> list[subprocess.Popen]:
         spawn.remove_segments(prefix)  # the stopped group's boxes
         for err in log_dir.glob("rank*.err"):
             err.unlink(missing_ok=True)  # a new life: old errors are no longer the run's
-        for rank in range(num_workers):
-            board.set_state(rank, 0)
-        genv = spawn.loopback_env(n_threads, prefix, base=env)  # a fresh rendezvous port
+        for rank in range(n):
+            board.set_state(rank, RUNNING)
+        genv = spawn.loopback_env(base=env)  # a fresh rendezvous port
         genv[LIFE_ENV] = str(life)
-        return _spawn(resume_cmd if resume else cmd, num_workers, genv, [board.fd])
+        return _spawn(resume_cmd if resume else cmd, n, genv, [board.fd])
 
     def one(rank: int, life: int, extra: dict[str, str], fds: list[int]) -> subprocess.Popen:
         renv = dict(env, **extra, **{LIFE_ENV: str(life), REJOIN_ENV: "1"})
-        return _spawn_rank(cmd, rank, num_workers, renv, [board.fd, *fds])
+        return _spawn_rank(cmd, rank, n, renv, [board.fd, *fds])
 
     starters = Starters(group, one, spawn.stop, lambda: checkpoint is not None and checkpoint.exists())
-    procs = _spawn(cmd, num_workers, env, [board.fd])
+    procs = _spawn(cmd, n, env, [board.fd])
     try:
         supervisor = Supervisor(
             procs,
@@ -93,7 +116,6 @@ def launch_local(
         spawn.stop(procs)
         keeper.close()
         board.close()
-        spawn.remove_segments(prefix)
 
 
 def _spawn(cmd: list[str], n: int, env: dict[str, str], fds: list[int]) -> list[subprocess.Popen]:

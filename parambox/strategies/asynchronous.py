@@ -112,17 +112,8 @@ class AsyncStrategy(Strategy):
 
     def __init__(self, ctx: Context, options: AsyncOptions, *, extra_numel: int = 0, extra_counters: int = 0):
         super().__init__(ctx, options)
-        box_config = ctx.box.resolved(self.tolerates_worker_loss)
-        self.memory_ranks = box_config.memory_ranks or 0
-        if self.memory_ranks and not self.tolerates_worker_loss:
-            raise UserError(f"box.memory_ranks serves asynchronous strategies, not {self.name!r}")
-        rank = self.world.rank
-        self.num_workers = n = self.world.world_size - self.memory_ranks
-        if n < 1:
-            raise UserError(
-                f"box.memory_ranks={self.memory_ranks} leaves none of the {self.world.world_size} ranks to train"
-            )
-        self.serves = rank >= n  # a memory rank: holds the box, trains nothing
+        box_config = self._place_ranks(ctx.box)
+        rank, n = self.world.rank, self.num_workers
         self.layout = Layout.from_model(self.model)
         self.numel = self.layout.numel
         self.params = list(self.model.parameters())
@@ -132,13 +123,13 @@ class AsyncStrategy(Strategy):
             self.result_x = torch.empty(self.numel, device=ctx.world.device)
             self.layout.bind_params_(self.result, self.result_x)
         self.x, self.g = bind_flat_replica(self.model, self.layout, ctx.world.device)
-        self.counters = m = CounterMap(n, extra_counters)
+        self.counters = CounterMap(n, extra_counters)
         self.extra_start = self.numel
         self.box = open_box(
             box_config,
             self.world,
             self.numel + extra_numel,
-            m.num_counters,
+            self.counters.num_counters,
             name=self.box_name,
             layout_hash=self.layout.fingerprint(),
             timeout=ctx.timeout_s,
@@ -151,8 +142,27 @@ class AsyncStrategy(Strategy):
         self.lost: set[int] = set()
         self._final = False
         self._reached = False
-        if self.serves:
-            return
+        if not self.serves:
+            self._join()
+
+    def _place_ranks(self, box: BoxConfig) -> BoxConfig:
+        """The box config with its memory ranks decided; which ranks train (``num_workers``), which serve."""
+        box = box.resolved(self.tolerates_worker_loss)
+        self.memory_ranks = box.memory_ranks or 0
+        if self.memory_ranks and not self.tolerates_worker_loss:
+            raise UserError(f"box.memory_ranks serves asynchronous strategies, not {self.name!r}")
+        self.num_workers = self.world.world_size - self.memory_ranks
+        if self.num_workers < 1:
+            raise UserError(
+                f"box.memory_ranks={self.memory_ranks} leaves none of the {self.world.world_size} ranks to train"
+            )
+        self.serves = self.world.rank >= self.num_workers  # a memory rank: holds the box, trains nothing
+        return box
+
+    def _join(self) -> None:
+        """Rank 0 puts the initial center in the box (unless a previous life of it did), the others
+        wait for that alone; a replacement then starts from the center."""
+        m, rank = self.counters, self.world.rank
         self._set_counter(m.ident(rank), process_identity())
         if rank == 0 and self.box.read_counter(m.ready) == 0:
             self.box.write(self.x)  # every rank starts from the same weights (same seed)
@@ -161,8 +171,8 @@ class AsyncStrategy(Strategy):
         else:
             self._await_ready(1)
         if self.rejoined:
-            self.client.pull(self.x)  # a replacement carries on from the center
-            self._reached = self.box.read_counter(m.steps(rank)) >= ctx.steps
+            self.client.pull(self.x)
+            self._reached = self.box.read_counter(m.steps(rank)) >= self.ctx.steps
 
     def _set_counter(self, i: int, value: int) -> None:
         """Counter ``i`` := ``value`` (one writer per such counter: this rank, in each of its lives)."""
