@@ -63,6 +63,12 @@ class RunConfig(BaseModel):
     eval_every: int = Field(100, ge=0, description="0: only at the end")
     log_every: int = Field(1, ge=1)
     timeout: float = Field(300.0, gt=0, description="seconds any blocking wait may take")
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        description="local launcher: replace dead workers (asynchronous) or restart all from the last "
+        "checkpoint (synchronous), at most this many times",
+    )
     threads: int | None = Field(None, ge=1, description="torch threads per worker; default cores / workers")
     augment: bool | None = Field(
         None, description="train-time augmentation; default: on where the data set has one"

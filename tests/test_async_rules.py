@@ -161,14 +161,36 @@ def test_non_finite_updates_are_never_pushed(box):
     box.write(full(1.0), 0)
     assert not client.push(torch.tensor([0.0, 1.0, float("nan"), 0.0, 0.0]))
     assert not client.push(full(float("inf")))
-    x = torch.tensor([1.0, 1.0, 1.0, float("inf"), 1.0])  # the block holding the Inf is refused
+    x = torch.tensor([3.0, 3.0, 3.0, float("inf"), 3.0])  # the exchange is refused as a whole
     assert not client.elastic_(x, 0.5)
-    assert torch.isfinite(center(box)).all()
+    assert torch.equal(center(box), full(1.0))  # no block of it was pushed (x - c = 2 elsewhere)
+    assert torch.equal(x[:3], full(3.0)[:3])  # nor applied to x
     assert box.read_counter(0) == 0  # the version counts only accepted pushes
+
+
+def test_adagrad_sums_do_not_count_as_pushes(box):
+    """Staleness counts other workers' pushes of c: the squared sums beside it are no push of their own."""
+    big = open_box("shm", World(), 2 * N, CounterMap(2).num_counters, name=f"ada-{uuid.uuid4().hex[:8]}")
+    try:
+        pairs = []
+        for _ in range(2):
+            x = full(0.0)
+            w = DownpourWorker(CenterClient(big, N), x, 1, 1)
+            pairs.append((w, AdagradRates(CenterClient(big, N, start=N), N, gamma=0.1, device=x.device)))
+        for w, rates in pairs:
+            w.fetch()
+            rates.fetch()
+        for w, rates in pairs:
+            rates.step_(w.x, full(1.0))
+            assert w.push() and rates.push()
+        assert [w.client.staleness for w, _ in pairs] == [0, 1]  # B saw exactly A's push
+    finally:
+        big.close()
 
 
 def test_counter_map_is_disjoint():
     m = CounterMap(3, extra=2)
-    idx = [m.version, m.total, m.reached, *(f(r) for f in (m.steps, m.status, m.ident) for r in range(3))]
+    idx = [m.version, m.total, m.reached, m.samples, m.ready, m.started]
+    idx += [f(r) for f in (m.steps, m.status, m.ident) for r in range(3)]
     idx += [m.extra(k) for k in range(2)]
     assert sorted(idx) == list(range(m.num_counters))

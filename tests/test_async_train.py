@@ -21,7 +21,7 @@ from torch import nn
 
 from parambox.box import PREFIX_ENV, new_prefix
 from parambox.runtime import dist as pbdist
-from parambox.runtime import launcher, spawn
+from parambox.runtime import spawn, supervisor
 from parambox.runtime.dist import free_port
 from parambox.runtime.spawn import find_mpiexec
 from parambox.runtime.world import World
@@ -69,9 +69,14 @@ def test_easgd_over_the_rma_box_on_the_network_path(tmp_path):
     out = tmp_path / "run"
     env = {**MPI_ENV, "OMPI_MCA_osc": "rdma", "OMPI_MCA_btl": "self,tcp"}
     args = ["train", "--strategy", "easgd", "--box", "rma", "--out", str(out), "--no-progress"]
-    run_cli(*args, prefix=[find_mpiexec() or "mpiexec", "-n", "2"], env=env)
+    # Two workers and the memory rank that holds the box; ULFM's end works on osc rdma too.
+    run_cli(
+        *args,
+        prefix=[find_mpiexec() or "mpiexec", "--with-ft", "ulfm", "-n", "3", "--oversubscribe"],
+        env=env,
+    )
     s = summary(out)
-    assert s["launcher"] == "mpi" and s["config"]["box"]["backend"] == "rma"
+    assert s["launcher"] == "mpi" and s["config"]["box"]["backend"] == "rma" and s["memory_ranks"] == 1
     assert s["final_test_accuracy"] >= 0.93 and s["worker_steps"] == [600, 600]
 
 
@@ -87,6 +92,7 @@ def test_the_sharded_rma_box_is_reachable_from_the_cli(tmp_path):
         "stripe_bytes": None,
         "num_shards": None,
         "box_ranks": [1],
+        "memory_ranks": None,
     }
     assert s["launcher"] == "mpi" and s["worker_steps"] == [20, 20]
 
@@ -122,11 +128,11 @@ def test_nan_worker_never_pushes(tmp_path):
 @pytest.mark.timeout(30)
 def test_launcher_stops_a_worker_still_running_after_rank0_finished(tmp_path, monkeypatch):
     """A hung worker must not keep an asynchronous run from ending once rank 0 has written the result."""
-    monkeypatch.setattr(launcher, "STRAGGLER_GRACE_S", 0.5)
+    monkeypatch.setattr(supervisor, "STRAGGLER_GRACE_S", 0.5)
     cmds = [[sys.executable, "-c", "pass"], ["sleep", "60"]]
     procs = [subprocess.Popen(c, start_new_session=True) for c in cmds]
     try:
-        result = launcher._supervise(procs, tmp_path, tolerate_loss=True)
+        result = supervisor.Supervisor(procs, tmp_path, tolerate_loss=True).run()
     finally:
         spawn.stop(procs)
     assert (result.returncode, result.lost) == (0, [1])
@@ -261,3 +267,29 @@ def test_downpour_warm_start_and_adagrad():
     """Rank 1 starts only once rank 0 has trained 30 steps alone; Adagrad sums in the box keep c finite."""
     res = run_forked(warm_adagrad, slow={0: 0.01})
     assert res[1]["probe"] >= 30 and res[0]["worker_steps"] == [40, 40] and res[0]["finite"]
+
+
+def long_warmup(ctx):
+    return ProbedDownpour(ctx, DownpourOptions(warmup_steps=30, lost_after_s=1.0))
+
+
+@pytest.mark.timeout(60)
+def test_downpour_warmup_longer_than_lost_after_s():
+    """Rank 0's warm-up (30 steps x 50 ms) outlasts lost_after_s (1 s): rank 1 waits while rank 0 moves."""
+    res = run_forked(long_warmup, slow={0: 0.05})
+    assert res[1]["probe"] >= 30 and res[0]["worker_steps"] == [40, 40] and res[0]["lost_workers"] == []
+
+
+@pytest.mark.timeout(120)
+def test_samples_per_s_counts_every_workers_steps(tmp_path):
+    """Under `fastest` termination a slow worker does far fewer steps than rank 0: the run's rate is
+    every worker's samples over the wall time, not rank 0's count times the world size."""
+    out = tmp_path / "run"
+    args = ["train", "--strategy", "downpour", "--steps", "40", "--batch-size", "16", "--out", str(out)]
+    args += ["--set", "downpour.termination='fastest'", *FAST]
+    run_cli(*args, env={"PARAMBOX_FAULT": "1:0:slow"})
+    s = summary(out)
+    fast, slow = s["worker_steps"]
+    assert fast == 40 and slow < 20
+    expected = (fast + slow) * 16 / s["wall_time_s"]
+    assert abs(s["samples_per_s"] / expected - 1) < 0.02, (s["samples_per_s"], expected)

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from parambox.bench.asynchronous import RATIOS, summarize
+from parambox.runtime.spawn import find_mpiexec
 from tests.conftest import run_cli
 
 
@@ -22,6 +23,8 @@ def test_bench_async_smoke():
             assert result[key] > 0
     assert result["ratio_hogwild_vs_plain"] > 0
     assert result["plain_weights_shared"] is True  # the plain loop's two processes step one model
+    if find_mpiexec():  # the price of the rma box's memory rank (issue 13)
+        assert result["ratio_rma_memory_vs_sharded"] > 0
     assert result["nonfinite_setups"] == []
 
 

@@ -68,7 +68,9 @@ def train(
     cfg = _config(strategy, workers, options, given, fields)
     world = World.from_env()
     external = under_external_launcher()
-    spawns = not external and (cfg.workers > 1 or cfg.cluster.enabled)
+    from parambox.commands.train import check_references, prepare_run_dir, processes
+
+    spawns = not external and (processes(cfg) > 1 or cfg.cluster.enabled)  # processes: + memory ranks
     callables = {k: v for k, v in given.items() if callable(v)}
     for field, fn in callables.items():  # what config.json records (so `parambox export` finds the model)
         ref = refs.reference_of(fn, field) if spawns else _reference_or_note(fn, field)
@@ -81,8 +83,6 @@ def train(
         from parambox.runtime.cluster import check_environment
 
         check_environment()  # not root, or no ip/tc: one line before anything is written
-    from parambox.commands.train import check_references, prepare_run_dir
-
     check_references(cfg, callables)  # references given as strings import here, before any worker starts
     run_dir = prepare_run_dir(cfg, resume)
     if spawns:
@@ -156,31 +156,20 @@ def _run_here(cfg, world: World, run_dir: Path, resume: bool, callables: dict[st
 
 def _launch(cfg, run_dir: Path, resume: bool, callables: dict[str, Function]) -> dict[str, Any]:
     """Spawn the local workers on the one worker entry and wait; rank 0's summary."""
-    from parambox.commands.train import WORKER_MODULE, mark_lost
-    from parambox.runtime.launcher import launch_local
-    from parambox.strategies import strategy_class
+    from parambox.commands.train import launch_workers, mark_lost
 
-    cls = strategy_class(cfg.strategy, cfg.strategy_options())
-    argv = [str(run_dir), *(["--resume"] if resume else [])]
     with _main_script_env(callables):
-        result = launch_local(
-            argv,
-            cfg.workers,
-            run_dir / "logs",
-            cfg.threads,
-            use_mpi=cls.needs_mpi or cfg.box.needs_mpi,
-            tolerate_loss=cls.tolerates_worker_loss,
-            module=WORKER_MODULE,
-            cluster=cfg.cluster if cfg.cluster.enabled else None,
-        )
+        result = launch_workers(cfg, run_dir, resume)
     if result.returncode == 130:
         raise KeyboardInterrupt
     for rank, (_code, reason) in result.failed.items():
         if reason.startswith("parambox: error: "):  # the user's error, found by a worker
             raise UserError(f"{reason.removeprefix('parambox: error: ')} (worker rank {rank})")
         raise RuntimeError(f"worker rank {rank} failed: {reason} (log: {run_dir / 'logs'})")
-    if result.lost:
-        mark_lost(run_dir, result.lost)
+    if not (run_dir / "summary.json").exists():  # under ULFM mpiexec may end 0 though rank 0 died
+        raise RuntimeError(f"the run ended without a result: rank 0 died (log: {run_dir / 'logs'})")
+    if result.lost or result.restarts:
+        mark_lost(run_dir, result.lost, result.restarts)
     return json.loads((run_dir / "summary.json").read_text())
 
 

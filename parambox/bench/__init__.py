@@ -29,6 +29,7 @@ BENCHES: dict[str, tuple[str, str, str]] = {  # name -> (module, function, what 
         "parambox.train vs a plain loop; a slow dataset's hidden load",
     ),
     "cluster": ("parambox.bench.cluster", "run_bench_cluster", "every strategy vs DDP on rate-limited links"),
+    "chaos": ("parambox.bench.chaos", "run_bench_chaos", "easgd losing a random worker every few s vs none"),
 }
 
 

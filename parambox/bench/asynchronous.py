@@ -18,6 +18,12 @@ setups:
 Every setup runs in the same two processes; within a round each runs the same number of timed
 steps between two barriers, one after the other, the order rotating each round. The ratios are
 medians of the per-round paired ratios, which cancels most of the drift of a shared machine.
+
+Where ``mpiexec`` is found, the price of the rma box's memory rank (issue 13): ``easgd`` tau 4 over
+the rma box, two workers, with the box on a third rank that trains nothing (``easgd-rma-memory``,
+the fault-tolerant layout) and sharded over the two workers (``easgd-rma-sharded``); one MPI job
+per layout and round, alternating, each worker timing its own steps after a warm-up.
+``ratio_rma_memory_vs_sharded`` is the median of the paired ratios of their samples/s.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -35,6 +43,8 @@ import torch.nn.functional as F
 from parambox.bench.rounds import paired_ratio, timed_rounds
 from parambox.bench.workers import BATCH, random_batches, spawn_workers
 from parambox.numerics import is_finite
+from parambox.runtime import spawn
+from parambox.runtime.spawn import find_mpiexec
 
 LR, MOMENTUM = 0.01, 0.9
 STRATEGY_SETUPS = {  # setup -> (strategy, options)
@@ -48,6 +58,7 @@ RATIOS = {  # key -> (numerator, denominator, target or None)
     "ratio_easgd_tau4_vs_hogwild": ("easgd-tau4", "hogwild", 0.95),
     "ratio_easgd_tau1_vs_hogwild": ("easgd-tau1", "hogwild", 0.95),
     "ratio_downpour_vs_hogwild": ("downpour", "hogwild", None),
+    "ratio_rma_memory_vs_sharded": ("easgd-rma-memory", "easgd-rma-sharded", None),
 }
 PLAIN_SHARING = (
     "rank 0: model.share_memory(); rank 1 maps the same storages through /proc/<pid>/fd/<fd> "
@@ -149,15 +160,73 @@ def _same_on_both_ranks(model) -> bool:
 
 
 def run_bench_async(
-    rounds: int = 7, steps: int = 30, warmup: int = 5, setups: list[str] | None = None
+    rounds: int = 7, steps: int = 30, warmup: int = 5, setups: list[str] | None = None, rma: bool = True
 ) -> dict:
     """Spawn the two workers, collect per-round samples/s, and compute paired ratios."""
     setups = setups or available_setups()
     args = [",".join(setups), str(rounds), str(steps), str(warmup)]
     data = spawn_workers("parambox.bench.asynchronous", args, workers=2)
-    result = summarize(data["per_round"], data["nonfinite"], rounds, steps)
+    per_round = data["per_round"]
+    if rma and find_mpiexec() is not None:
+        per_round.update(rma_rounds(rounds, steps, warmup))
+    result = summarize(per_round, data["nonfinite"], rounds, steps)
     result["plain_weights_shared"] = data["shared"].get("plain")
     return result
+
+
+RMA_LAYOUTS = {"easgd-rma-memory": 1, "easgd-rma-sharded": 0}  # setup -> memory ranks
+
+
+def rma_rounds(rounds: int, steps: int, warmup: int) -> dict[str, list[float]]:
+    """Per-round samples/s of easgd over the rma box, memory rank against sharded (one job each)."""
+    per_round: dict[str, list[float]] = {s: [] for s in RMA_LAYOUTS}
+    for r in range(rounds):
+        order = list(RMA_LAYOUTS) if r % 2 == 0 else list(reversed(RMA_LAYOUTS))
+        for setup in order:
+            per_round[setup].append(_rma_job(RMA_LAYOUTS[setup], steps, warmup))
+    return per_round
+
+
+def _rma_job(memory_ranks: int, steps: int, warmup: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "parambox.bench.asynchronous", "--rma-worker"]
+        cmd += [str(memory_ranks), str(steps), str(warmup), tmp]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PARAMBOX_SHM_PREFIX=spawn.new_prefix())
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+        proc = spawn.start_mpi(cmd, 2 + memory_ranks, env, fault_tolerant=True, **pipes)
+        try:
+            _, err = proc.communicate(timeout=600)
+        finally:
+            spawn.stop([proc])
+        rates = [json.loads(f.read_text()) for f in Path(tmp).glob("rate*.json")]
+        if proc.returncode != 0 or len(rates) != 2:
+            tail = " | ".join((err or "").strip().splitlines()[-3:])
+            raise RuntimeError(f"bench async: the rma job (memory ranks {memory_ranks}) failed: {tail}")
+        return float(sum(rates))
+
+
+def rma_worker(memory_ranks: int, steps: int, warmup: int, out: Path) -> None:
+    import time
+
+    from parambox.box import BoxConfig
+    from parambox.runtime.world import World
+    from parambox.strategies import Context, build_strategy
+    from parambox.training.losses import default_loss
+
+    torch.set_num_threads(1)
+    world = World.from_env()
+    box = BoxConfig(backend="rma", memory_ranks=memory_ranks)
+    ctx = Context(world, _build(), _make_optimizer, default_loss, warmup + steps, 300.0, box=box)
+    strategy = build_strategy("easgd", ctx, {"tau": 4})
+    batches = random_batches(world.rank)
+    if not strategy.serves:
+        for i in range(warmup + steps):
+            if i == warmup:
+                t0 = time.perf_counter()
+            strategy.step(batches[i % len(batches)], i)
+        (out / f"rate{world.rank}.json").write_text(json.dumps(steps * BATCH / (time.perf_counter() - t0)))
+    strategy.finish()
+    strategy.close()
 
 
 def summarize(per_round: dict[str, list[float]], nonfinite: list[str], rounds: int, steps: int) -> dict:
@@ -185,7 +254,12 @@ def summarize(per_round: dict[str, list[float]], nonfinite: list[str], rounds: i
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--worker":
+    if sys.argv[1] == "--rma-worker":
+        rma_worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
+        from parambox.commands.train import exit_now
+
+        exit_now(0)
+    elif sys.argv[1] == "--worker":
         worker(
             sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6])
         )

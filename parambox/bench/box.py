@@ -13,6 +13,11 @@ For S = 1, 25, 100 MiB of float32 (medians of ``repeats`` timed runs after one w
   ``Flush``) or gets from the window of rank 1 (``box_ranks=[1]``) while rank 1 sleeps in a
   barrier (polled every 5 ms); once on Open MPI's shared-memory one-sided component and once (``rma_tcp_*``) on the
   network path (``OMPI_MCA_osc=rdma OMPI_MCA_btl=self,tcp``).
+  ``rma_pull`` is ``Get_accumulate(NO_OP)``, the atomic read (issue 13); ``rma_pull_get`` the plain
+  ``Get`` it replaced (``rma_pull_noop_vs_get`` = Get time / NO_OP time). Windows carry
+  ``accumulate_ordering=none``. ``rma_push_sharded``: the same push into a box sharded over both
+  ranks (half of it into rank 0's own window), against which ``rma_push_memory_vs_sharded`` prices
+  the memory-rank layout (the whole box on a rank that does not train).
 - ``mpi_allreduce`` (and ``mpi_allreduce_tcp``): ``MPI_Allreduce`` of S bytes over the same 2 ranks.
 - ``gloo_allreduce``: ``torch.distributed.all_reduce`` of S bytes, 2 processes on loopback.
 
@@ -218,23 +223,45 @@ def _mpi_worker(sizes_mb: Sequence[int], repeats: int) -> None:
     from parambox.runtime.world import World
 
     world, comm = World.from_env(), MPI.COMM_WORLD
-    box = open_box("rma", world, _numel(max(sizes_mb)), 1, "bench", box_ranks=[1], timeout=120)
-    ops: dict[str, dict] = {"rma_push": {}, "rma_pull": {}, "mpi_allreduce": {}}
+    numel = _numel(max(sizes_mb))
+    # The memory-rank layout (rank 1 holds the box, trains nothing), and the box sharded over both.
+    box = open_box("rma", world, numel, 1, "bench", box_ranks=[1], timeout=120)
+    sharded = open_box("rma", world, numel, 1, "bench-sharded", num_shards=2, timeout=120)
+    names = ("rma_push", "rma_pull", "rma_pull_get", "rma_push_sharded", "mpi_allreduce")
+    ops: dict[str, dict] = {name: {} for name in names}
     for mb in sizes_mb:
         n = _numel(mb)
         if world.rank == 0:
             delta, out = torch.ones(n), torch.empty(n)
-            ops["rma_push"][str(mb)] = _figure(_time(partial(box.push, delta), _reps(repeats, mb)), mb)
-            ops["rma_pull"][str(mb)] = _figure(_time(partial(box.pull, out), _reps(repeats, mb)), mb)
+            timed = {
+                "rma_push": partial(box.push, delta),
+                "rma_pull": partial(box.pull, out),  # Get_accumulate(NO_OP): the atomic read
+                "rma_pull_get": partial(_plain_get, box, out.numpy()),  # the plain Get it replaced
+                "rma_push_sharded": partial(sharded.push, delta),
+            }
+            for name, call in timed.items():
+                ops[name][str(mb)] = _figure(_time(call, _reps(repeats, mb)), mb)
         _idle_barrier(comm)  # rank 1 sleeps here while rank 0 times: its window needs no help from it
         allreduce = partial(
             _timed_collective, comm.Barrier, partial(comm.Allreduce, MPI.IN_PLACE, np.ones(n, np.float32))
         )
         allreduce()
         ops["mpi_allreduce"][str(mb)] = _figure([allreduce() for _ in range(_reps(repeats, mb))], mb)
+    sharded.close()
     box.close()
     if world.rank == 0:
         print(_MARK + json.dumps(ops), flush=True)
+
+
+def _plain_get(box, out: np.ndarray) -> None:
+    """A pull by ``MPI_Get`` (the rma box's read before issue 13), for the before/after figure."""
+    from mpi4py import MPI
+
+    target = box.box_ranks[0]  # a box of one shard: displacements are indices
+    for lo in range(0, len(out), 1 << 26):
+        hi = min(len(out), lo + (1 << 26))
+        box.win.Get([out[lo:hi], MPI.FLOAT], target, target=(lo, hi - lo, MPI.FLOAT))
+    box.win.Flush(target)
 
 
 def bench_gloo(sizes_mb: Sequence[int], repeats: int) -> dict:
@@ -293,14 +320,13 @@ def run_bench_box(
         if "error" in got:
             errors[label] = got["error"]
             continue
-        tcp_names = {
-            "rma_push": "rma_tcp_push",
-            "rma_pull": "rma_tcp_pull",
-            "mpi_allreduce": "mpi_allreduce_tcp",
-        }
         for op, figures in got.items():
-            ops[tcp_names.get(op, op) if label == "rma_tcp" else op] = figures
+            ops[_tcp_name(op) if label == "rma_tcp" else op] = figures
     return _summary(sizes_mb, repeats, ops, paired, errors, time.perf_counter() - t0)
+
+
+def _tcp_name(op: str) -> str:
+    return "mpi_allreduce_tcp" if op == "mpi_allreduce" else op.replace("rma_", "rma_tcp_", 1)
 
 
 def _summary(sizes_mb, repeats, ops, paired, errors, seconds) -> dict:
@@ -323,6 +349,12 @@ def _summary(sizes_mb, repeats, ops, paired, errors, seconds) -> dict:
         "rma_push_vs_gloo": ratio("gloo_allreduce", "rma_push"),
         "rma_tcp_push_vs_gloo": ratio("gloo_allreduce", "rma_tcp_push"),
         "rma_push_vs_mpi_allreduce": ratio("mpi_allreduce", "rma_push"),
+        # Issue 13: the atomic read against the plain Get it replaced (>= 0.85 expected), and the
+        # memory rank's push (all of it remote) against the box sharded over both ranks.
+        "rma_pull_noop_vs_get": ratio("rma_pull_get", "rma_pull"),
+        "rma_push_memory_vs_sharded": ratio("rma_push_sharded", "rma_push"),
+        "rma_tcp_pull_noop_vs_get": ratio("rma_tcp_pull_get", "rma_tcp_pull"),
+        "rma_tcp_push_memory_vs_sharded": ratio("rma_tcp_push_sharded", "rma_tcp_push"),
         "paired": paired,
         "seconds": round(seconds, 1),
     }

@@ -15,7 +15,7 @@ from parambox.errors import CommTimeout, UserError
 from parambox.runtime.world import World
 
 BACKENDS = ("shm", "rma")
-_OPTIONS = {"shm": {"stripe_bytes"}, "rma": {"num_shards", "box_ranks", "comm"}}
+_OPTIONS = {"shm": {"stripe_bytes"}, "rma": {"num_shards", "box_ranks", "memory_ranks", "comm"}}
 
 
 class BoxConfig(BaseModel):
@@ -37,13 +37,42 @@ class BoxConfig(BaseModel):
     box_ranks: list[int] | None = Field(
         None, description="rma: the ranks that hold the shards, one shard each (overrides num_shards)"
     )
+    memory_ranks: int | None = Field(
+        None,
+        ge=0,
+        description=(
+            "rma: the last K ranks hold the box (one shard each) and do no training, so that a dead "
+            "worker takes no part of the box with it (default: 1 for asynchronous strategies, else 0)"
+        ),
+    )
 
     @model_validator(mode="after")
     def _options_of_its_backend(self) -> BoxConfig:
-        for field in ("stripe_bytes", "num_shards", "box_ranks"):
+        for field in ("stripe_bytes", "num_shards", "box_ranks", "memory_ranks"):
             if getattr(self, field) is not None and field not in _OPTIONS[self.backend]:
                 raise ValueError(f"box.{field} is not an option of the {self.backend} backend")
+        if self.memory_ranks and (self.box_ranks is not None or self.num_shards is not None):
+            raise ValueError(
+                "box.memory_ranks places the shards itself: drop box.box_ranks and box.num_shards"
+            )
         return self
+
+    def resolved(self, tolerates_worker_loss: bool) -> BoxConfig:
+        """This config with ``memory_ranks`` decided: by default the box of a strategy that survives a
+        dead worker lives on one memory rank (the Soft Memory Box's memory node), since a shard on a
+        worker would die with it; elsewhere (and with an explicit placement) on the workers."""
+        if self.backend != "rma" or self.memory_ranks is not None:
+            return self
+        auto = tolerates_worker_loss and self.box_ranks is None and self.num_shards is None
+        return self.model_copy(update={"memory_ranks": 1 if auto else 0})
+
+    def needs_process_group(self, world: World) -> bool:
+        """The shm box under torchrun/srun agrees on its segment names through torch.distributed's store."""
+        import os
+
+        from parambox.runtime.spawn import PREFIX_ENV
+
+        return self.backend == "shm" and world.local_world_size > 1 and not os.environ.get(PREFIX_ENV)
 
     def options(self) -> dict[str, Any]:
         """The backend options that are set, as ``open_box`` takes them."""
@@ -176,6 +205,10 @@ class ParameterBox(ABC):
             raise UserError(f"the {self.backend} box has no process-local tensor; use pull/push/write")
         return view
 
+    def failed_ranks(self) -> list[int]:
+        """Ranks of the box that MPI knows dead (``rma`` under ``--with-ft ulfm``); empty elsewhere."""
+        return []
+
     def local_view(self) -> torch.Tensor | None:
         """The buffer itself, mapped in this process (``shm``), or None where it is remote (``rma``).
 
@@ -270,7 +303,8 @@ def open_box(
 
     ``num_counters`` defaults to ``1 + world.world_size`` (counter 0 the version, ``1 + rank`` each
     worker's steps). ``layout_hash`` (``Layout.fingerprint()``) makes attaching with another model
-    an error. Backend options: shm ``stripe_bytes``; rma ``num_shards``, ``box_ranks``, ``comm``.
+    an error. Backend options: shm ``stripe_bytes``; rma ``num_shards``, ``box_ranks``, ``memory_ranks``,
+    ``comm``.
     ``backend`` is a backend name or the run's :class:`BoxConfig` (its options, then ``options``).
     """
     if isinstance(backend, BoxConfig):
@@ -293,6 +327,11 @@ def open_box(
         return open_shm_box(
             world, numel, num_counters, name, layout_hash=layout_hash, timeout=timeout, **options
         )
+    from parambox.runtime.mpi import srun_without_mpi
+
+    reason = srun_without_mpi()
+    if reason:  # before mpi4py is imported: a singleton would leave its files in /dev/shm
+        raise UserError(reason)
     from parambox.box.rma import open_rma_box
 
     return open_rma_box(world, numel, num_counters, name, layout_hash=layout_hash, timeout=timeout, **options)

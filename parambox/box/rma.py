@@ -1,18 +1,32 @@
 """The ``rma`` box: any number of nodes, MPI-3 one-sided windows through mpi4py.
 
-Where the box lives: on the workers themselves (no dedicated server ranks). The buffer is cut into
-``num_shards`` near-equal shards (``shard_range``); shard ``k`` is the window memory of box rank
-``box_ranks[k]``, by default ``k * size // num_shards``, and ``num_shards`` defaults to every rank,
-so under ``mpiexec -n N`` each worker holds ``1/N`` of the box, as DistBelief sharded its parameter
-server and no single rank's memory or link carries all the traffic. ``num_shards=1`` puts the whole
-box on rank 0 (a classic parameter server). The int64 counters live in a small window on
+Where the box lives. ``memory_ranks=K`` (the default of the asynchronous strategies): the last K
+ranks hold the box, one shard each, and do no training - the Soft Memory Box's memory node (a dead
+worker then takes no part of the box with it; a shard on a worker would die with it, and across
+nodes a ``Flush`` to a dead rank never returns, so neither replicas nor shards on workers can be
+failed over). Otherwise on the workers themselves: the buffer is cut into ``num_shards`` near-equal
+shards (``shard_range``); shard ``k`` is the window memory of box rank ``box_ranks[k]``, by default
+``k * size // num_shards``, and ``num_shards`` defaults to every rank, so under ``mpiexec -n N`` each
+worker holds ``1/N`` of the box, as DistBelief sharded its parameter server. ``num_shards=1`` puts
+the whole box on rank 0 (a classic parameter server). The int64 counters live in a small window on
 ``box_ranks[0]``.
 
-Every rank keeps a passive-target epoch open on both windows (``Lock_all``) for the box's life:
-a push is one ``Accumulate(SUM)`` per shard it touches (MPI makes concurrent accumulates with the
-same op atomic per element), a write an ``Accumulate(REPLACE)``, a pull a ``Get``, a counter add a
-``Fetch_and_op``; ``Flush`` completes them. Works on Open MPI's shared-memory one-sided component
-and on ``OMPI_MCA_osc=rdma OMPI_MCA_btl=self,tcp``.
+By the MPI-3 book: every rank keeps a passive-target epoch open on both windows (``Lock_all``
+once) and completes each operation with ``Flush``; a push is one ``Accumulate(SUM)`` per shard it
+touches (concurrent accumulates with the same op are atomic per element); a pull is
+``Get_accumulate(NO_OP)``, the atomic read (a plain ``Get`` racing an ``Accumulate`` on the same
+location is a conflicting access, undefined); a counter add is ``Fetch_and_op``. A write is an
+``Accumulate(REPLACE)``, which MPI does not promise to be atomic against concurrent ``SUM``s (the
+``accumulate_ops`` info allows same-op or no-op only), so writes happen only where no push can run
+(the initial and the resumed center, before anyone pushes). Windows are created with
+``accumulate_ordering=none`` (Open MPI reads it as ``accumulate_order``; both are set): no ordering
+between accumulates is needed.
+
+Under ``mpiexec --with-ft ulfm`` (``runtime/mpi.py``) the box survives a worker's death: a box rank
+reports dead ranks (``failed_ranks``) and ``close`` ends with a fault-tolerant barrier. One hazard
+remains, in Open MPI rather than here: an accumulate holds a per-target lock for the whole call, so
+a rank killed *inside* one (an external SIGKILL landing in that window) can leave the others
+spinning on that target for good; parambox's own fault injection never does.
 
 mpi4py is imported here only, because importing it initialises MPI.
 """
@@ -25,12 +39,16 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
-from parambox.box.base import Handle, ParameterBox, wait_until
-from parambox.box.layout import shard_range
-from parambox.errors import CommTimeout, UserError
-from parambox.runtime.world import World
+from parambox.runtime import mpi as pbmpi
+
+pbmpi.before_import()
+from mpi4py import MPI  # noqa: E402  (importing it initialises MPI)
+
+from parambox.box.base import Handle, ParameterBox, wait_until  # noqa: E402
+from parambox.box.layout import shard_range  # noqa: E402
+from parambox.errors import CommTimeout, UserError  # noqa: E402
+from parambox.runtime.world import World  # noqa: E402
 
 # MPI counts are C ints; stay well below 2**31 elements (and bytes) per call.
 MAX_CHUNK = 1 << 26
@@ -63,15 +81,24 @@ class RmaBox(ParameterBox):
     ):
         super().__init__(name, numel, num_counters, timeout)
         self.comm = comm.Dup()  # the box's own barriers never mix with the caller's messages
+        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self.fault_tolerant = pbmpi.fault_tolerant()
         self.box_ranks = box_ranks
         self.shards = [shard_range(numel, k, len(box_ranks)) for k in range(len(box_ranks))]
         rank = self.comm.Get_rank()
+        # A process that holds no shard may exit while the box lives on (memory ranks).
+        self.outlives_processes = rank not in box_ranks
         mine = [k for k, r in enumerate(box_ranks) if r == rank]
         local = 0 if not mine else self.shards[mine[0]][1] - self.shards[mine[0]][0]
-        self.win = MPI.Win.Allocate(local * 4, 4, comm=self.comm)
+        info = _window_info()
+        self.win = MPI.Win.Allocate(local * 4, 4, info=info, comm=self.comm)
         self.counter_rank = box_ranks[0]
         ncount = num_counters if rank == self.counter_rank else 0
-        self.cwin = MPI.Win.Allocate(ncount * 8, 8, comm=self.comm)
+        self.cwin = MPI.Win.Allocate(ncount * 8, 8, info=info, comm=self.comm)
+        info.Free()
+        for win in (self.win, self.cwin):
+            win.Set_errhandler(MPI.ERRORS_RETURN)  # a window's MPI default is ERRORS_ARE_FATAL
+        self._failed: set[int] = set()
         # Window memory is not zeroed by MPI; zero it before anyone can reach it (barrier below).
         if local:
             np.frombuffer(self.win.tomemory(), dtype=np.float32)[:] = 0
@@ -99,7 +126,11 @@ class RmaBox(ParameterBox):
 
     # -- transfers --------------------------------------------------------------------------------
     def _pull_into(self, out: torch.Tensor, start: int) -> Handle:
-        return _Flush(self.win, self._rma(self.win.Get, out, start))
+        # The atomic read: pushes may run concurrently, and a Get racing them is undefined.
+        return _Flush(self.win, self._rma(self._read, out, start))
+
+    def _read(self, result: list, target_rank: int, target: tuple) -> None:
+        self.win.Get_accumulate([None, 0, MPI.FLOAT], result, target_rank, target=target, op=MPI.NO_OP)
 
     def _push_from(self, src: torch.Tensor, scale: float, start: int) -> Handle:
         if scale != 1.0:
@@ -107,7 +138,8 @@ class RmaBox(ParameterBox):
         return _Flush(self.win, self._rma(self.win.Accumulate, src, start, op=MPI.SUM), keep=src)
 
     def _write_from(self, src: torch.Tensor, start: int) -> None:
-        # REPLACE through Accumulate, not Put: atomic per element with respect to concurrent pushes.
+        # REPLACE through Accumulate, not Put: atomic per element against concurrent NO_OP reads.
+        # Callers write only where no SUM push can run (MPI promises nothing for REPLACE vs SUM).
         _Flush(self.win, self._rma(self.win.Accumulate, src, start, op=MPI.REPLACE)).wait()
 
     # -- counters ---------------------------------------------------------------------------------
@@ -129,12 +161,22 @@ class RmaBox(ParameterBox):
             self.comm.Ibarrier(), self.timeout if timeout is None else timeout, f"box {self.name!r} barrier"
         )
 
+    def failed_ranks(self) -> list[int]:
+        """Ranks of the box known dead (under ``--with-ft ulfm``; empty otherwise)."""
+        if self.fault_tolerant and not self._closed:
+            self._failed.update(pbmpi.failed_ranks(self.comm))
+        return sorted(self._failed)
+
     def close(self) -> None:
-        """Collective. If a peer does not arrive within a few seconds the windows are left to MPI's exit."""
+        """Collective over the live ranks. If a peer does not arrive in time the windows are left to
+        MPI's exit (which ``finalize_with_deadline`` bounds)."""
         if self._closed:
             return
         try:
-            self.barrier(timeout=min(self.timeout, 10.0))
+            if self.fault_tolerant:  # survivors agree; a plain barrier fails at once after a failure
+                pbmpi.ft_barrier(self.comm, min(self.timeout, 60.0), f"closing box {self.name!r}")
+            else:
+                self.barrier(timeout=min(self.timeout, 10.0))
         except CommTimeout:
             warnings.warn(
                 f"box {self.name!r}: a peer did not close the box; leaving its windows", stacklevel=2
@@ -152,7 +194,23 @@ def _wait_request(req: MPI.Request, timeout: float, what: str) -> None:
     wait_until(req.Test, timeout, lambda: f"{what}: not every rank arrived within {timeout:.0f} s")
 
 
-def _box_ranks(size: int, num_shards: int | None, box_ranks: Sequence[int] | None) -> list[int]:
+def _window_info() -> MPI.Info:
+    info = MPI.Info.Create()
+    # No ordering between accumulates is needed; Open MPI reads the standard key as accumulate_order.
+    info.Set("accumulate_ordering", "none")
+    info.Set("accumulate_order", "none")
+    return info
+
+
+def _box_ranks(
+    size: int, num_shards: int | None, box_ranks: Sequence[int] | None, memory_ranks: int | None = None
+) -> list[int]:
+    if memory_ranks:
+        if memory_ranks >= size:
+            raise UserError(
+                f"box.memory_ranks={memory_ranks}: the run has {size} ranks, and at least one must train"
+            )
+        return list(range(size - memory_ranks, size))
     if box_ranks is not None:
         ranks = [int(r) for r in box_ranks]
         if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < size for r in ranks):
@@ -195,6 +253,7 @@ def open_rma_box(
     timeout: float = 60.0,
     num_shards: int | None = None,
     box_ranks: Sequence[int] | None = None,
+    memory_ranks: int | None = None,
     comm: MPI.Comm | None = None,
 ) -> RmaBox:
     """Collective over ``comm`` (default: every rank of the run)."""
@@ -202,10 +261,10 @@ def open_rma_box(
     size = comm.Get_size()
     if comm == MPI.COMM_WORLD and size != world.world_size:
         raise UserError(
-            f"the rma box needs the run started by mpiexec or srun: MPI sees {size} rank(s), "
+            f"the rma box needs the run started by mpiexec: MPI sees {size} rank(s), "
             f"the run has {world.world_size}"
         )
-    ranks = _box_ranks(size, num_shards, box_ranks)
+    ranks = _box_ranks(size, num_shards, box_ranks, memory_ranks)
     placement = int.from_bytes(hashlib.blake2b(repr(ranks).encode(), digest_size=7).digest(), "little")
     _check_agreement(comm, name, [numel, num_counters, layout_hash, placement], timeout)
     return RmaBox(comm, name, numel, num_counters, ranks, timeout)

@@ -27,6 +27,7 @@ import torch
 
 from parambox.box.base import DONE, Handle, ParameterBox, wait_until
 from parambox.errors import CommTimeout, UserError
+from parambox.runtime.control import WorkerBoard, inherited_box_fd, rejoining
 from parambox.runtime.spawn import PREFIX_ENV, new_prefix, remove_segments  # noqa: F401  (re-exported)
 from parambox.runtime.world import World
 
@@ -41,6 +42,8 @@ _MAGIC = int.from_bytes(b"PBOXSHM1", "little")
 _H_MAGIC, _H_NUMEL, _H_NCOUNT, _H_LAYOUT, _H_STRIPE, _H_EXPECTED = 0, 1, 2, 3, 4, 5
 _H_ATTACHED, _H_REJECTED, _H_STATE, _H_BAR_COUNT, _H_BAR_GEN = 6, 7, 8, 9, 10
 _READY, _OPEN, _FAILED = 1, 2, 3
+_H_ATTACH0 = 64  # slots 64 + local rank: 1 once that local rank has attached
+_MAX_LOCAL = _PAGE // 8 - _H_ATTACH0
 # byte offsets locked with fcntl (locks need not cover real bytes of the file)
 _LOCK_META, _LOCK_COUNTERS, _LOCK_STRIPE0 = 0, 1, 64
 
@@ -174,40 +177,43 @@ def open_shm_box(
     timeout: float = 60.0,
     stripe_bytes: int = DEFAULT_STRIPE_BYTES,
 ) -> ShmBox:
-    """Local rank 0 creates the segment, the other local ranks attach; collective over the node."""
+    """Local rank 0 creates the segment, the other local ranks attach; collective over the node.
+
+    Under parambox's launcher a rank that the launcher declares dead is not waited for, and a
+    replacement (life > 0) attaches through the descriptor its launcher kept (or, while the
+    rendezvous still runs, by name; a replacement of local rank 0 takes over the creator's part).
+
+    The segment's name exists only during the rendezvous; the launcher's descriptor (see
+    ``runtime/control.py``) is what keeps a box attachable for replacements afterwards."""
     if world.num_nodes > 1:
         raise UserError(f"the shm box spans one node, this run has {world.num_nodes}; use --box rma")
     if not Path(SHM_DIR).is_dir():
         raise UserError(f"the shm box needs {SHM_DIR} (POSIX shared memory); use --box rma")
+    if world.local_world_size > _MAX_LOCAL:
+        raise UserError(f"the shm box serves at most {_MAX_LOCAL} processes per node")
     path = f"{SHM_DIR}/{_run_prefix(world, timeout)}{name}"
     want = (numel, num_counters, layout_hash)
-    if world.local_rank == 0:
+    board = WorkerBoard.from_env()
+    fd = inherited_box_fd(name) if rejoining() else None
+    if fd is None and world.local_rank == 0 and not (rejoining() and os.path.exists(path)):
         fd, mm = _create(name, path, want, max(1, stripe_bytes // 4), world.local_world_size)
         box = ShmBox(name, path, fd, mm, 0, timeout)
-        _finish_rendezvous(box, path, timeout)
+        _finish_rendezvous(box, path, timeout, board)
         return box
-    fd, mm = _attach(name, path, want, timeout)
+    if fd is None:
+        fd = _open_by_name(name, path, timeout, board)
+    fd, mm = _attach(name, path, fd, want, world.local_rank, timeout)
     box = ShmBox(name, path, fd, mm, world.local_rank, timeout)
-    hdr = box._hdr
+    if world.local_rank == 0:  # a replacement of the creator: finish what it started
+        if box._hdr[_H_STATE] == _READY:
+            _finish_rendezvous(box, path, timeout, board)
+        return box
     try:
-        state = wait_until(
-            lambda: hdr[_H_STATE] if hdr[_H_STATE] in (_OPEN, _FAILED) else 0,
-            timeout + 2.0,  # local rank 0 times out first and says why
-            lambda: f"box {name!r}: local rank 0 did not finish the rendezvous on {path} (did it die?)",
-        )
+        _await_open(box, path, timeout, board)
     except BaseException:
         _unlink_quietly(path)  # the creator may be dead: nobody else would remove the name
         box.close()
         raise
-    if state == _FAILED:
-        if hdr[_H_REJECTED]:
-            error = UserError(
-                f"box {name!r} ({_describe(hdr)}): another local process asked for a different one"
-            )
-        else:
-            error = CommTimeout(f"box {name!r}: local rank 0 gave up waiting for the other local processes")
-        box.close()
-        raise error
     return box
 
 
@@ -261,6 +267,7 @@ def _create(
         hdr = memoryview(mm)[:_PAGE].cast("q")
         hdr[_H_NUMEL], hdr[_H_NCOUNT], hdr[_H_LAYOUT] = numel, num_counters, layout_hash
         hdr[_H_STRIPE], hdr[_H_EXPECTED], hdr[_H_STATE] = stripe, expected, _READY
+        hdr[_H_ATTACH0] = 1
         hdr[_H_MAGIC] = _MAGIC  # last: attachers wait for it
         hdr.release()
         return fd, mm
@@ -271,20 +278,30 @@ def _create(
         raise
 
 
-def _finish_rendezvous(box: ShmBox, path: str, timeout: float) -> None:
-    """Creator: wait for every local process to attach, then unlink the name (the mapping stays)."""
+def _missing(hdr: memoryview, board: WorkerBoard | None) -> list[int]:
+    """Local ranks that have not attached yet and are not known dead (the launcher's board)."""
+    return [
+        r
+        for r in range(1, hdr[_H_EXPECTED])
+        if not hdr[_H_ATTACH0 + r] and not (board is not None and board.dead(r))
+    ]
+
+
+def _finish_rendezvous(box: ShmBox, path: str, timeout: float, board: WorkerBoard | None) -> None:
+    """Creator: wait for every local process to attach (or to be declared dead by the launcher: no
+    need to wait the whole timeout for it), then unlink the name (the mapping stays)."""
     hdr = box._hdr
 
     def settled():
-        return hdr[_H_REJECTED] or hdr[_H_ATTACHED] >= hdr[_H_EXPECTED] - 1
+        return hdr[_H_REJECTED] or not _missing(hdr, board)
 
     try:
         wait_until(
             settled,
             timeout,
             lambda: (
-                f"box {box.name!r}: only {1 + hdr[_H_ATTACHED]} of {hdr[_H_EXPECTED]} local processes "
-                f"attached to {path} within {timeout:.0f} s"
+                f"box {box.name!r}: local ranks {_missing(hdr, board)} did not attach to {path} "
+                f"within {timeout:.0f} s"
             ),
         )
     except BaseException:
@@ -301,6 +318,30 @@ def _finish_rendezvous(box: ShmBox, path: str, timeout: float) -> None:
     hdr[_H_STATE] = _OPEN
 
 
+def _await_open(box: ShmBox, path: str, timeout: float, board: WorkerBoard | None) -> None:
+    """An attacher: wait until the creator has seen everyone (or gave up)."""
+    hdr = box._hdr
+
+    def state() -> int:
+        if hdr[_H_STATE] in (_OPEN, _FAILED):
+            return hdr[_H_STATE]
+        if board is not None and board.dead(0):
+            raise CommTimeout(f"box {box.name!r}: local rank 0 died before it finished setting up {path}")
+        return 0
+
+    got = wait_until(
+        state,
+        timeout + 2.0,  # local rank 0 times out first and says why
+        lambda: f"box {box.name!r}: local rank 0 did not finish the rendezvous on {path} (did it die?)",
+    )
+    if got == _FAILED:
+        if hdr[_H_REJECTED]:
+            raise UserError(
+                f"box {box.name!r} ({_describe(hdr)}): another local process asked for a different one"
+            )
+        raise CommTimeout(f"box {box.name!r}: local rank 0 gave up waiting for the other local processes")
+
+
 def _describe(hdr: memoryview) -> str:
     return f"numel={hdr[_H_NUMEL]}, num_counters={hdr[_H_NCOUNT]}, layout={hdr[_H_LAYOUT]:#x}"
 
@@ -310,15 +351,16 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
 
 
-def _attach(name: str, path: str, want: tuple[int, int, int], timeout: float) -> tuple[int, mmap.mmap]:
-
+def _open_by_name(name: str, path: str, timeout: float, board: WorkerBoard | None) -> int:
     def try_open():
+        if board is not None and board.dead(0):
+            raise CommTimeout(f"box {name!r}: local rank 0 died before it created {path}")
         try:
             return os.open(path, os.O_RDWR)
         except FileNotFoundError:
             return None
 
-    fd = wait_until(
+    return wait_until(
         try_open,
         timeout,
         lambda: (
@@ -326,6 +368,12 @@ def _attach(name: str, path: str, want: tuple[int, int, int], timeout: float) ->
             f"{timeout:.0f} s, or every process had already attached)"
         ),
     )
+
+
+def _attach(
+    name: str, path: str, fd: int, want: tuple[int, int, int], local_rank: int, timeout: float
+) -> tuple[int, mmap.mmap]:
+    """Map the segment behind ``fd`` after checking its header; flags this local rank as attached."""
     try:
         wait_until(
             lambda: os.fstat(fd).st_size >= _PAGE, timeout, lambda: f"box {name!r}: {path} stayed empty"
@@ -336,12 +384,12 @@ def _attach(name: str, path: str, want: tuple[int, int, int], timeout: float) ->
             lambda: hdr[_H_MAGIC] == _MAGIC, timeout, lambda: f"box {name!r}: {path} has no box header"
         )
         have = (hdr[_H_NUMEL], hdr[_H_NCOUNT], hdr[_H_LAYOUT])
-        if have != want:
-            with _lock(fd, _LOCK_META):
+        with _lock(fd, _LOCK_META):
+            if have != want:
                 hdr[_H_REJECTED] += 1
-        else:
-            with _lock(fd, _LOCK_META):
+            elif local_rank > 0 and not hdr[_H_ATTACH0 + local_rank]:
                 hdr[_H_ATTACHED] += 1
+                hdr[_H_ATTACH0 + local_rank] = 1
         hdr.release()
         head.close()
         if have != want:

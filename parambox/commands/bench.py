@@ -8,6 +8,7 @@ Run one benchmark at a time: they share the machine's cores.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 
 from parambox.bench import BENCHES, benchmark
@@ -28,8 +29,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     cluster.add_argument("--gbps", default=None, help="link rates in Gbit/s, comma list (default 1,0.1)")
     cluster.add_argument("--setups", default=None, help="comma list of setups (default: all)")
-    cluster.add_argument(
-        "--quick", action="store_true", default=None, help="1 round of 2 steps: checks, no figures"
+    p.add_argument(
+        "--quick", action="store_true", help="a short form for tests (cluster, chaos): checks, no figures"
     )
 
 
@@ -39,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
     if any(v < 1 for v in kwargs.values()):
         raise UserError("--rounds and --steps must be at least 1")
     kwargs.update(_cluster_options(args))
+    if args.quick:
+        if "quick" not in inspect.signature(bench).parameters:
+            raise UserError(f"bench {args.which} has no --quick form")
+        kwargs["quick"] = True
     result = bench(**kwargs)
     text = json.dumps(result, indent=2)
     if args.out:
@@ -52,9 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _cluster_options(args: argparse.Namespace) -> dict:
-    given = {
-        k: getattr(args, k) for k in ("nodes", "gbps", "setups", "quick") if getattr(args, k) is not None
-    }
+    given = {k: getattr(args, k) for k in ("nodes", "gbps", "setups") if getattr(args, k) is not None}
     if given and args.which != "cluster":
         raise UserError(f"--{'/--'.join(given)} apply to bench cluster only")
     if "gbps" in given:

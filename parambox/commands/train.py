@@ -9,11 +9,17 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from parambox.config import RunConfig, build_config, load_toml, parse_set
 from parambox.errors import CommTimeout, UserError, warn
+from parambox.runtime.mpi import finalize_with_deadline, srun_without_mpi
 from parambox.runtime.world import World, under_external_launcher
+from parambox.strategies import strategy_class
 from parambox.training.checkpoint import atomic_write_json
+
+if TYPE_CHECKING:
+    from parambox.runtime.supervisor import LaunchResult
 
 WORKER_MODULE = "parambox.api.worker"  # python -m parambox.api.worker RUN_DIR [--resume]
 
@@ -38,6 +44,7 @@ FLAGS = {  # flag -> config field; each flag's type and range come from RunConfi
     "--checkpoint-every": "checkpoint_every",
     "--eval-every": "eval_every",
     "--timeout": "timeout",
+    "--max-restarts": "max_restarts",
     "--threads": "threads",
     "--box": "box",
 }
@@ -104,8 +111,12 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(
                 f"--emulate-nodes is for the local launcher; under {world.launcher} it places the workers"
             )
+        if cfg.box.needs_mpi and srun_without_mpi():  # before MPI starts: it would leave files behind
+            if world.rank == 0:
+                print(f"parambox: error: {srun_without_mpi()}", file=sys.stderr)
+            return 2
         cfg.out = cfg.out or external_run_dir(cfg)
-        if "--workers" in args._argv and cfg.workers != world.world_size and world.rank == 0:
+        if "--workers" in args._argv and processes(cfg) != world.world_size and world.rank == 0:
             warn(f"--workers {cfg.workers} ignored: the launcher started {world.world_size} processes")
     elif cfg.cluster.enabled:
         from parambox.runtime.cluster import check_environment
@@ -113,9 +124,14 @@ def run(args: argparse.Namespace) -> int:
         check_environment()  # not root, or no ip/tc: one line before anything is written
     check_references(cfg)  # a REF that does not import fails here, before any worker starts
     run_dir = prepare_run_dir(cfg, args.resume)
-    if (cfg.workers == 1 and not cfg.cluster.enabled) or under_external_launcher():
+    if (processes(cfg) == 1 and not cfg.cluster.enabled) or under_external_launcher():
         return run_worker(cfg, world, run_dir, args.resume)
     return launch(cfg, args, run_dir)
+
+
+def processes(cfg: RunConfig) -> int:
+    """The run's processes: its workers, plus the rma box's memory ranks."""
+    return cfg.workers + strategy_class(cfg.strategy, cfg.strategy_options()).extra_ranks(cfg.box)
 
 
 def external_run_dir(cfg: RunConfig) -> str:
@@ -163,22 +179,7 @@ def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path:
 
 
 def launch(cfg: RunConfig, args: argparse.Namespace, run_dir: Path) -> int:
-    from parambox.runtime.launcher import launch_local
-    from parambox.strategies import strategy_class
-
-    cls = strategy_class(cfg.strategy, cfg.strategy_options())  # the class that will really run
-    # Every worker runs the one worker entry on the run directory's config.json (as parambox.train's do).
-    argv = [str(run_dir), *(["--resume"] if args.resume else [])]
-    result = launch_local(
-        argv,
-        cfg.workers,
-        run_dir / "logs",
-        cfg.threads,
-        use_mpi=cls.needs_mpi or cfg.box.needs_mpi,
-        tolerate_loss=cls.tolerates_worker_loss,
-        module=WORKER_MODULE,
-        cluster=cfg.cluster if cfg.cluster.enabled else None,
-    )
+    result = launch_workers(cfg, run_dir, args.resume)
     if result.returncode == 130:
         print("parambox: interrupted; workers stopped", file=sys.stderr)
         return 130
@@ -190,18 +191,54 @@ def launch(cfg: RunConfig, args: argparse.Namespace, run_dir: Path) -> int:
             f"parambox: error: worker rank {rank} failed: {reason} (log: {run_dir / 'logs'})", file=sys.stderr
         )
         return 1
-    if result.lost:
-        mark_lost(run_dir, result.lost)
+    if result.returncode == 0 and not (run_dir / "summary.json").exists():
+        # Under mpiexec --with-ft ulfm the job may end 0 though rank 0, which writes the result, died.
+        print(
+            f"parambox: error: the run ended without a result: rank 0 died (log: {run_dir / 'logs'})",
+            file=sys.stderr,
+        )
+        return 1
+    if result.lost or result.restarts:
+        mark_lost(run_dir, result.lost, result.restarts)
     return result.returncode
 
 
-def mark_lost(run_dir: Path, lost: list[int]) -> None:
+def launch_workers(cfg: RunConfig, run_dir: Path, resume: bool) -> LaunchResult:
+    """Start the run's local processes on the one worker entry (``python -m parambox.api.worker
+    RUN_DIR``, which reads ``config.json``) and supervise them: the CLI's and ``parambox.train``'s."""
+    from parambox.runtime.launcher import launch_local
+
+    cls = strategy_class(cfg.strategy, cfg.strategy_options())  # the class that will really run
+    use_mpi = cls.needs_mpi or cfg.box.needs_mpi
+    if use_mpi and cfg.max_restarts:
+        warn("--max-restarts is ignored under MPI (one job): a dead rank is lost, the others carry on")
+    return launch_local(
+        [str(run_dir), *(["--resume"] if resume else [])],
+        processes(cfg),
+        run_dir / "logs",
+        cfg.threads,
+        use_mpi=use_mpi,
+        tolerate_loss=cls.tolerates_worker_loss,
+        module=WORKER_MODULE,
+        cluster=cfg.cluster if cfg.cluster.enabled else None,
+        max_restarts=0 if use_mpi else cfg.max_restarts,
+        resume_argv=[str(run_dir), "--resume"],
+        checkpoint=run_dir / "checkpoints" / "last.pt",
+    )
+
+
+def mark_lost(run_dir: Path, lost: list[int], restarts: int = 0) -> None:
+    """What only the launcher knows, into rank 0's summary: ranks lost, and restarts made."""
     path = run_dir / "summary.json"
     if path.exists():
         summary = json.loads(path.read_text())
         summary["lost_workers"] = sorted(set(summary.get("lost_workers", [])) | set(lost))
+        summary["restarts"] = restarts
         atomic_write_json(path, summary)
-    warn(f"lost worker ranks {lost}; the others finished")
+    if restarts:
+        warn(f"{restarts} restart(s) of workers")
+    if lost:
+        warn(f"lost worker ranks {lost}; the others finished")
 
 
 def run_worker(cfg: RunConfig, world: World, run_dir: Path, resume: bool) -> int:
@@ -226,7 +263,9 @@ def exit_now(code: int) -> None:
     Everything worth keeping is already on disk (checkpoints fsynced, metrics closed)."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()  # mpiexec counts a rank that exits without it as failed
+        # mpiexec counts a rank that exits without it as failed; after a rank's death under ULFM
+        # it sometimes never returns, so it gets a deadline.
+        finalize_with_deadline(code)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

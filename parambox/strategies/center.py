@@ -15,23 +15,30 @@ from parambox.box import VERSION_COUNTER, ParameterBox
 from parambox.numerics import is_finite
 from parambox.strategies.base import PhaseTimers
 
-DONE, NONFINITE, FINAL = 1, 2, 4  # status bits; each is set once, by its worker, with add_counter
+# Status bits, each set once with add_counter: DONE, NONFINITE, FINAL by the worker itself, LOST by
+# the memory rank that MPI told of the worker's death.
+DONE, NONFINITE, FINAL, LOST = 1, 2, 4, 8
 
 
 class CounterMap:
     """Indices of the box counters an asynchronous run uses (``world_size`` workers, ``extra`` more).
 
+    ``total`` steps of all workers, ``reached`` (workers at their target), ``samples`` of all
+    workers, ``ready`` (1 once rank 0 has put the initial center in the box, 2 once it has put a
+    resumed one back), ``started`` (the run's start, microseconds since the epoch).
+
     >>> m = CounterMap(2, extra=1)
     >>> m.version, m.steps(1), m.status(1), m.ident(1), m.total, m.reached, m.extra(0), m.num_counters
-    (0, 2, 4, 6, 7, 8, 9, 10)
+    (0, 2, 4, 6, 7, 8, 12, 13)
     """
 
     version = VERSION_COUNTER
 
     def __init__(self, world_size: int, extra: int = 0):
         self.world_size, self.num_extra = world_size, extra
-        self.total, self.reached = 1 + 3 * world_size, 2 + 3 * world_size
-        self.num_counters = 3 + 3 * world_size + extra
+        base = 1 + 3 * world_size
+        self.total, self.reached, self.samples, self.ready, self.started = range(base, base + 5)
+        self.num_counters = 6 + 3 * world_size + extra
 
     def steps(self, r: int) -> int:
         return 1 + r  # the box's step_counter(r)
@@ -44,7 +51,7 @@ class CounterMap:
 
     def extra(self, k: int) -> int:
         assert 0 <= k < self.num_extra
-        return 3 + 3 * self.world_size + k
+        return 6 + 3 * self.world_size + k
 
 
 class CenterClient:
@@ -74,12 +81,16 @@ class CenterClient:
             self.box.pull(out, self.start)
         return out
 
-    def push(self, delta: torch.Tensor, scale: float = 1.0, damped: bool = False) -> bool:
-        """``c <- c + scale * delta`` (times ``1/(s + 1)`` if ``damped``); False, pushing nothing, if not finite."""
+    def push(self, delta: torch.Tensor, scale: float = 1.0, damped: bool = False, count: bool = True) -> bool:
+        """``c <- c + scale * delta`` (times ``1/(s + 1)`` if ``damped``); False, pushing nothing, if not finite.
+
+        ``count=False``: a region that rides along with a counted push (Downpour's Adagrad sums)
+        bumps no version, so staleness keeps counting whole pushes."""
         if not is_finite(delta):
             return False
         with self.timers.phase("push"):
-            self.staleness = self.box.add_counter(VERSION_COUNTER, 1) - self.pulled_version
+            if count:
+                self.staleness = self.box.add_counter(VERSION_COUNTER, 1) - self.pulled_version
             if damped:
                 scale /= self.staleness + 1
             self.box.push(delta, scale, self.start)
@@ -92,10 +103,14 @@ class CenterClient:
         no pull copy), ``x -= alpha e``, and the push ``c += alpha e``: on 1M parameters here
         0.8-1.4 ms (warm/cold caches) against 1.5-1.9 ms for pull, subtract, scale, update, push. With
         ``block`` it walks the buffer in pieces of that many elements. A non-finite ``e`` stops it
-        before its piece is pushed (nothing non-finite reaches the box) and returns False.
+        before its piece is pushed (nothing non-finite reaches the box) and returns False; with
+        ``block`` a non-finite ``x`` is refused before the first piece, so an exchange is pushed
+        whole or not at all (``c`` is finite by construction, so ``x - c`` is finite where ``x`` is).
         """
         n = self.numel
         block = min(self.block or n, n)
+        if block < n and not is_finite(x):
+            return False
         if self._d is None or self._d.numel() != block or self._d.device != x.device:
             self._d = torch.empty(block, device=x.device)
             self._c = None if self._shared(x) is not None else torch.empty(block, device=x.device)

@@ -22,7 +22,7 @@ rank 0 waits until each worker has sent it, has halted, or is lost: silent for `
 (default ``--timeout``), or its process gone (same host). A worker whose loss or gradient is not
 finite sends ``HALT`` instead of the gradient and leaves the run; rank 0 checks every gradient
 again before applying it, so ``w`` stays finite.
-Messages (float32, host memory): ``[gradient | kind, version used, loss, samples]``; replies
+Messages (float32, host memory): ``[gradient | kind, version used, loss, samples, steps done]``; replies
 ``[weights | version, staleness]``. They travel over gloo also when the run's backend is nccl (a
 gloo group of their own: NCCL has no receive-from-any); GPU gradients and weights are staged
 through the host buffers.
@@ -49,7 +49,7 @@ from parambox.runtime.spawn import identity_gone, process_identity
 from parambox.strategies.base import Context, GradViews, Options, StepResult, Strategy, loss_value
 
 GRAD, FINAL, HALT = 0.0, 1.0, 2.0  # message kinds (the first element after the gradient)
-HEADER, REPLY_HEADER = 4, 2
+HEADER, REPLY_HEADER = 5, 2
 _POLL_S = 0.05
 
 
@@ -100,6 +100,8 @@ class Dogwild(Strategy):
             if self.finite(loss, grads, step):
                 with self.timers.phase("apply"):
                     self.master.apply_own()
+                self.master.samples[0] += samples
+            self.master.steps[0] = step + 1
         else:
             self.peer.end_step(loss, samples, step)
         extra = {"staleness": self.staleness}
@@ -134,7 +136,11 @@ class Dogwild(Strategy):
         if self.world.rank != 0:
             return {}
         with self.master.lock:
-            return {"optimizer": self.master.optimizer.state_dict(), "master_weights": self.master.w.clone()}
+            return {
+                "optimizer": self.master.optimizer.state_dict(),
+                "master_weights": self.master.w.clone(),
+                "worker_steps": torch.tensor([self.master.steps[r] for r in range(self.world.world_size)]),
+            }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.world.rank == 0 and "master_weights" in state:
@@ -142,6 +148,12 @@ class Dogwild(Strategy):
                 self.master.optimizer.load_state_dict(state["optimizer"])
                 self.master.w.copy_(state["master_weights"])
                 self.x.copy_(self.master.w)
+                for r, n in enumerate(state.get("worker_steps", torch.zeros(0)).tolist()):
+                    self.master.steps[r] = max(self.master.steps[r], int(n))
+
+    def total_samples(self, local: int) -> float:
+        """Rank 0: the samples of every gradient it applied (messages carry their sample count)."""
+        return float(sum(self.master.samples.values())) if self.world.rank == 0 else float(local)
 
     def summary_extra(self) -> dict[str, Any]:
         if self.world.rank != 0:
@@ -150,7 +162,7 @@ class Dogwild(Strategy):
         return {
             "lost_workers": sorted(m.lost),
             "nonfinite_workers": sorted(m.halted | ({0} if self.halted else set())),
-            "worker_steps": [m.applied[r] for r in range(self.world.world_size)],
+            "worker_steps": [m.steps[r] for r in range(self.world.world_size)],
         }
 
     def close(self) -> None:
@@ -191,6 +203,8 @@ class _Master:
         self.version = 0
         self.workers = set(range(1, n))
         self.applied = dict.fromkeys(range(n), 0)  # gradients applied per rank
+        self.steps = dict.fromkeys(range(n), 0)  # steps done per rank, as each last said
+        self.samples = dict.fromkeys(range(n), 0)  # their samples
         self.done: set[int] = set()  # sent FINAL or HALT
         self.halted: set[int] = set()
         self.lost: set[int] = set()
@@ -239,6 +253,7 @@ class _Master:
     def _handle(self, src: int) -> None:
         numel, msg = self.owner.layout.numel, self.inbox
         kind, used = float(msg[numel]), int(msg[numel + 1])
+        self.steps[src] = max(self.steps[src], int(msg[numel + 4]))
         self.heard[src] = time.monotonic()
         if kind != GRAD:
             self.done.add(src)
@@ -254,6 +269,7 @@ class _Master:
                     grad = self.staged.copy_(grad)  # GPU weights: the gradient goes over first
                 self._apply_(list(self.owner.layout.views(grad).values()))
                 self.applied[src] += 1
+                self.samples[src] += int(msg[numel + 3])
             else:
                 warn(f"rank 0: dropped a non-finite gradient from rank {src}")
             reply[:numel].copy_(self.w)
@@ -311,6 +327,7 @@ class _Peer:
             self.grads = GradViews.of_flat(owner.model, owner.layout, self.msg[:numel])
         self.reply = torch.empty(numel + REPLY_HEADER)
         self.version = 0
+        self.steps = 0
 
     def begin_step(self) -> None:
         if self.on_host:
@@ -324,18 +341,20 @@ class _Peer:
         if not self.on_host:
             owner.layout.gather_grads(owner.model, self.msg[:numel])
         if not owner.finite(loss, [self.msg[:numel]], step):
-            self._send(HALT, loss, 0)
+            self._send(HALT, loss, 0, step)
             return
         pending = dist.irecv(self.reply, src=0, group=owner.pg)  # posted first: no unexpected message
-        self._send(GRAD, loss, samples)
+        self._send(GRAD, loss, samples, step + 1)
         with owner.timers.phase("recv"):
             self._wait(pending, "waiting for fresh weights from rank 0")
         owner.x.copy_(self.reply[:numel])
         self.version, owner.staleness = int(self.reply[numel]), float(self.reply[numel + 1])
 
-    def _send(self, kind: float, loss: torch.Tensor | None, samples: int) -> None:
+    def _send(self, kind: float, loss: torch.Tensor | None, samples: int, steps: int) -> None:
         numel = self.owner.layout.numel
-        self.msg[numel:] = torch.tensor([kind, float(self.version), loss_value(loss), float(samples)])
+        self.steps = steps
+        header = [kind, float(self.version), loss_value(loss), float(samples), float(steps)]
+        self.msg[numel:] = torch.tensor(header)
         with self.owner.timers.phase("send"):
             self._wait(dist.isend(self.msg, dst=0, group=self.owner.pg), "sending a gradient")
 
@@ -345,4 +364,4 @@ class _Peer:
 
     def finish(self) -> None:
         if not self.owner.halted:  # a HALT already told rank 0 that this worker is leaving
-            self._send(FINAL, None, 0)
+            self._send(FINAL, None, 0, self.steps)

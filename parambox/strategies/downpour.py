@@ -23,7 +23,7 @@ import torch
 from pydantic import Field
 
 from parambox.box.base import wait_until
-from parambox.errors import warn
+from parambox.errors import CommTimeout, warn
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
 from parambox.strategies.base import Context, StepResult
 from parambox.strategies.center import CenterClient
@@ -55,14 +55,18 @@ class DownpourWorker:
 
     def before_step(self, step: int) -> None:
         if step % self.n_fetch == 0:
-            self.fetch()
+            # Step ``step - 1`` ended with a push iff ``step % n_push == 0``: then x == snap and
+            # there is nothing to keep (one pass over the buffers saved).
+            self.fetch(keep=step % self.n_push != 0)
 
     def after_step(self, step: int) -> bool:
         return self.push() if (step + 1) % self.n_push == 0 else True
 
-    def fetch(self) -> None:
-        """``x <- c``, keeping the local update made since the last push in ``acc``."""
-        if self.n_fetch < self.n_push or self.acc_live:
+    def fetch(self, keep: bool = True) -> None:
+        """``x <- c``, keeping the local update made since the last exchange in ``acc`` (``keep``:
+        steps were taken since the last push; any fetch between two pushes must keep them, or
+        they never reach the center)."""
+        if keep:
             self.acc.add_(self.x).sub_(self.snap)
             self.acc_live = True
         self.client.pull(self.x)
@@ -99,7 +103,7 @@ class AdagradRates:
         self.client.pull(self.pulled)
 
     def push(self) -> bool:
-        ok = self.client.push(self.local)
+        ok = self.client.push(self.local, count=False)  # rides along with the push of c
         self.pulled.add_(self.local)  # until the next fetch, our own squares count at once
         self.local.zero_()
         return ok
@@ -134,10 +138,9 @@ class Downpour(AsyncStrategy):
     def begin_step(self, step: int) -> None:
         if not self.warm:
             self._await_warmup()
-        if step % self.worker.n_fetch == 0:
-            self.worker.fetch()
-            if self.adagrad is not None:
-                self.adagrad.fetch()
+        self.worker.before_step(step)
+        if self.adagrad is not None and step % self.worker.n_fetch == 0:
+            self.adagrad.fetch()
         super().begin_step(step)
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
@@ -156,14 +159,21 @@ class Downpour(AsyncStrategy):
         return self.adagrad is None or self.adagrad.push()
 
     def _await_warmup(self) -> None:
-        """The paper's warm start: wait until rank 0 has trained ``warmup_steps`` steps alone."""
+        """The paper's warm start: wait until rank 0 has trained ``warmup_steps`` steps alone. No
+        deadline on the whole warm-up (it may take longer than ``--timeout``): only on rank 0
+        standing still, as for any lost worker."""
         m, k = self.counters, self.options.warmup_steps
+        seen = {0: (-1, 0.0, 0)}
+
+        def ready() -> bool:
+            if self.box.read_counter(m.steps(0)) >= k or self.box.read_counter(m.status(0)):
+                return True
+            if self._is_lost(0, seen):
+                raise CommTimeout(f"downpour warm-up: rank 0 stopped before step {k} (it died or stalled)")
+            return False
+
         with self.timers.phase("warmup"):
-            wait_until(
-                lambda: self.box.read_counter(m.steps(0)) >= k or self.box.read_counter(m.status(0)),
-                self.lost_after_s,
-                lambda: f"downpour warm-up: rank 0 did not reach step {k} within {self.lost_after_s:.0f} s",
-            )
+            wait_until(ready, float("inf"), lambda: "")
         self.warm = True
 
     def flush(self) -> None:

@@ -69,6 +69,7 @@ class Hybrid(AsyncStrategy):
     name = "hybrid"
     Options = HybridOptions
     tolerates_worker_loss = False  # a group's allreduce needs all its members
+    needs_process_group = True  # the groups' allreduce and broadcast
     box_name = "hybrid-center"
 
     def __init__(self, ctx: Context, options: HybridOptions):

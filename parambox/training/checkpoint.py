@@ -3,7 +3,10 @@
 ``DIR/checkpoints/last.pt`` is the commit point: a dict with ``"model"`` (the run's model as one
 state_dict with the usual names), ``"step"``, ``"world_size"``, ``"config"`` and rank 0's own
 resume state. Every other rank's state (its replica, optimizer, RNG) goes to
-``rank{r}-step{N}.pt`` first, so ``last.pt`` never points at state that is not on disk.
+``rank{r}-step{N}.pt`` first, so ``last.pt`` never points at state that is not on disk. In a
+synchronous run every rank saves the same step and ``last.pt`` commits it; in an asynchronous run
+each rank saves at its own pace (its own step), replaces only its own older file, and resumes from
+its own newest one.
 Everything loads with ``torch.load(weights_only=True)``.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -62,20 +66,45 @@ def rank_state(replica: dict, strategy_state: dict) -> dict[str, Any]:
     return {"replica": replica, "strategy": strategy_state, "torch_rng": torch.get_rng_state()}
 
 
-def save_rank_state(ckpt_dir: Path, rank: int, step: int, state: dict[str, Any]) -> None:
+def save_rank_state(ckpt_dir: Path, rank: int, step: int, state: dict[str, Any], prune: bool = False) -> None:
+    """``rank{r}-step{N}.pt``; ``prune``: then remove this rank's own older states (asynchronous runs,
+    where each rank checkpoints at its own pace and no ``last.pt`` says which step is current)."""
     atomic_save(state, ckpt_dir / f"rank{rank}-step{step}.pt")
+    if prune:
+        for old, old_step in rank_states(ckpt_dir, rank):
+            if old_step != step:
+                old.unlink(missing_ok=True)
+
+
+def rank_states(ckpt_dir: Path, rank: int) -> list[tuple[Path, int]]:
+    """This rank's state files with their steps, newest first."""
+    found = []
+    for path in ckpt_dir.glob(f"rank{rank}-step*.pt"):
+        m = re.fullmatch(rf"rank{rank}-step(\d+)\.pt", path.name)
+        if m:
+            found.append((path, int(m.group(1))))
+    return sorted(found, key=lambda f: -f[1])
 
 
 def save_last(
-    ckpt_dir: Path, step: int, model_state: dict, config: dict, world_size: int, state: dict
+    ckpt_dir: Path,
+    step: int,
+    model_state: dict,
+    config: dict,
+    world_size: int,
+    state: dict,
+    prune_others: bool = True,
 ) -> None:
+    """The commit point. ``prune_others`` (synchronous runs): every rank's state at another step is
+    garbage now. Asynchronous ranks checkpoint at their own pace: their files are theirs to replace."""
     atomic_save(
         {"model": model_state, "step": step, "world_size": world_size, "config": config, "rank0": state},
         ckpt_dir / "last.pt",
     )
-    for old in ckpt_dir.glob("rank*-step*.pt"):  # states older than the commit point are garbage now
-        if not old.name.endswith(f"-step{step}.pt"):
-            old.unlink(missing_ok=True)
+    if prune_others:
+        for old in ckpt_dir.glob("rank*-step*.pt"):
+            if not old.name.endswith(f"-step{step}.pt"):
+                old.unlink(missing_ok=True)
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -87,8 +116,11 @@ def load(path: Path) -> dict[str, Any]:
         raise UserError(f"checkpoint {path} is unreadable: {str(e).splitlines()[0][:200]}") from None
 
 
-def load_resume(ckpt_dir: Path, rank: int, world_size: int) -> tuple[int, dict[str, Any]]:
-    """(step, this rank's state) from the run's last checkpoint."""
+def load_resume(
+    ckpt_dir: Path, rank: int, world_size: int, own_pace: bool = False
+) -> tuple[int, dict[str, Any] | None]:
+    """(step, this rank's state) from the run's last checkpoint. ``own_pace`` (asynchronous runs):
+    each rank other than 0 from its own newest state, at its own step; ``(0, None)`` if it has none."""
     last = load(ckpt_dir / "last.pt")
     if not isinstance(last, dict) or "step" not in last or "model" not in last:
         raise UserError(f"checkpoint {ckpt_dir / 'last.pt'} is not a parambox checkpoint")
@@ -98,5 +130,12 @@ def load_resume(ckpt_dir: Path, rank: int, world_size: int) -> tuple[int, dict[s
             f"this run has {world_size}"
         )
     step = int(last["step"])
-    state = last["rank0"] if rank == 0 else load(ckpt_dir / f"rank{rank}-step{step}.pt")
-    return step, state
+    if rank == 0:
+        return step, last["rank0"]
+    if not own_pace:
+        return step, load(ckpt_dir / f"rank{rank}-step{step}.pt")
+    states = rank_states(ckpt_dir, rank)
+    if not states:
+        return 0, None
+    path, step = states[0]
+    return step, load(path)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from parambox.runtime.control import current_life
 from parambox.strategies.base import map_tensors
 
 
@@ -40,7 +41,12 @@ class FaultPlan:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> FaultPlan:
-        return cls.parse((os.environ if env is None else env).get("PARAMBOX_FAULT"))
+        """The plan in ``PARAMBOX_FAULT``; empty in a replacement or restarted worker (its first life
+        had the fault: a second one would only fault again)."""
+        env = os.environ if env is None else env
+        if current_life(env) > 0:
+            return cls()
+        return cls.parse(env.get("PARAMBOX_FAULT"))
 
     def __bool__(self) -> bool:
         return bool(self.faults)

@@ -15,7 +15,7 @@ from parambox.config import RunConfig
 from parambox.data import BatchSource
 from parambox.runtime import dist as pbdist
 from parambox.runtime.world import World
-from parambox.strategies import Context, Strategy, build_strategy
+from parambox.strategies import Context, Strategy, build_strategy, strategy_class
 from parambox.strategies.base import map_tensors
 from parambox.training import checkpoint
 from parambox.training.faults import FaultPlan
@@ -63,7 +63,9 @@ def _loop(run: Run, resume: bool) -> dict[str, Any] | None:
     cfg, world = run.cfg, run.world
     log = MetricsLogger(run.run_dir, world.rank, cfg.tensorboard)
     try:
-        step = restore(run) if resume else 0
+        step = run.strategy.rejoin_step()  # a replacement carries on where its predecessor was
+        if step is None:
+            step = restore(run) if resume else 0
         log.write({"kind": "world", "step": step, **world_record(world)})
         bar = Progress(cfg.steps, enabled=cfg.progress and world.rank == 0, start=step)
         samples = 0
@@ -102,7 +104,10 @@ def setup(cfg: RunConfig, world: World, run_dir: Path, callables: dict[str, Call
     torch.set_num_threads(
         cfg.threads or int(os.environ.get("PARAMBOX_THREADS", "0")) or torch.get_num_threads()
     )
-    pbdist.init_distributed(world, cfg.timeout)
+    if strategy_class(cfg.strategy, cfg.strategy_options()).needs_process_group or (
+        cfg.box.needs_process_group(world)
+    ):
+        pbdist.init_distributed(world, cfg.timeout)
     board = pbdist.ProgressBoard()
     try:
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
@@ -179,22 +184,39 @@ def evaluate(run: Run) -> dict[str, float]:
 
 
 def save_checkpoint(run: Run, step: int) -> None:
+    """Synchronous runs: every rank's state at one step, committed by rank 0's ``last.pt`` after a
+    barrier. Asynchronous runs: each rank at its own pace (no barrier: a dead peer must not block it)."""
     ckpt_dir = run.run_dir / "checkpoints"
     state = checkpoint.rank_state(run.strategy.model.state_dict(), run.strategy.state_dict())
     model = run.strategy.eval_model()
+    own_pace = run.strategy.tolerates_worker_loss
     if run.world.rank != 0:
-        checkpoint.save_rank_state(ckpt_dir, run.world.rank, step, state)
-    if run.world.world_size > 1 and not run.strategy.tolerates_worker_loss:
+        checkpoint.save_rank_state(ckpt_dir, run.world.rank, step, state, prune=own_pace)
+    if run.world.world_size > 1 and not own_pace:
         with pbdist.collective("checkpoint barrier", run.board):
             dist.barrier()
     if run.world.rank == 0:
         checkpoint.save_last(
-            ckpt_dir, step, model.state_dict(), run.cfg.model_dump(), run.world.world_size, state
+            ckpt_dir,
+            step,
+            model.state_dict(),
+            run.cfg.model_dump(),
+            run.world.world_size,
+            state,
+            prune_others=not own_pace,
         )
 
 
 def restore(run: Run) -> int:
-    step, state = checkpoint.load_resume(run.run_dir / "checkpoints", run.world.rank, run.world.world_size)
+    step, state = checkpoint.load_resume(
+        run.run_dir / "checkpoints",
+        run.world.rank,
+        run.world.world_size,
+        own_pace=run.strategy.tolerates_worker_loss,
+    )
+    if state is None:  # this rank never checkpointed (asynchronous runs): it starts over
+        run.strategy.load_state_dict({})  # (and waits, as the others do, for the restored center)
+        return 0
     run.strategy.load_model_state(state["replica"])
     run.strategy.load_state_dict(state["strategy"])
     torch.set_rng_state(state["torch_rng"])
@@ -202,14 +224,10 @@ def restore(run: Run) -> int:
 
 
 def write_summary(run: Run, step: int, wall: float, samples: int, final: dict[str, float]) -> dict | None:
-    total = torch.tensor([float(samples)])
-    if run.world.world_size > 1 and not run.strategy.tolerates_worker_loss:
-        with pbdist.collective("summary", run.board):
-            dist.all_reduce(total)
-    else:
-        total *= run.world.world_size
+    total = run.strategy.total_samples(samples)
     if run.world.rank != 0:
         return None
+    wall = run.strategy.wall_time(wall)
     cfg = run.cfg
     summary = {
         "strategy": cfg.strategy,
@@ -222,8 +240,9 @@ def write_summary(run: Run, step: int, wall: float, samples: int, final: dict[st
         **{f"final_{k}": v for k, v in final.items()},
         "final_test_loss": final.get("test_loss"),  # always there: None without a test set
         "wall_time_s": wall,
-        "samples_per_s": float(total) / max(wall, 1e-9),
+        "samples_per_s": total / max(wall, 1e-9),
         "lost_workers": [],
+        "restarts": 0,  # the local launcher counts them in (replacements or group restarts)
         "launcher": run.world.launcher,
         "num_nodes": run.world.num_nodes,
         "config": cfg.model_dump(),

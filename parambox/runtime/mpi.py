@@ -1,0 +1,130 @@
+"""MPI as parambox uses it: fault tolerance (ULFM), an end that survives dead ranks, nothing left behind.
+
+Found by the prototype study of issue 13 (Open MPI 5.0 with ULFM, mpi4py 4):
+
+- Under ``mpiexec --with-ft ulfm`` a SIGKILLed rank does not end the job; the survivors learn of it
+  from ``Comm.Get_failed()`` (within ~2-30 ms at a rank that drives MPI's progress engine).
+- The end of such a run: a fault-tolerant barrier (``Iagree``, acknowledging failures between
+  tries), then ``Win.Free`` (a plain barrier fails at once at some ranks while others still work),
+  then ``MPI_Finalize`` with a deadline: after a failure Open MPI's Finalize sometimes never returns,
+  and mpi4py's ``MPI.Finalize()`` holds the GIL, so it is called through ctypes (which releases it)
+  while a timer thread ends the process (an exit without Finalize is clean under ULFM).
+- An Open MPI 5 singleton (a process that imports mpi4py with no ``mpiexec``: e.g. under ``srun``
+  here, where PMIx cannot wire it up) leaves its 16 MiB ``/dev/shm/sm_segment.*`` file behind even
+  after a clean Finalize; it needs no shared-memory transport at all (``btl=self``). ``srun`` of
+  several tasks gives several singletons: that is detected before mpi4py is imported.
+
+Nothing here imports mpi4py at module level (importing it initialises MPI).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+
+from parambox.errors import CommTimeout
+
+FT_ENV = "OMPI_MCA_mpi_ft_enable"  # set to 1 by mpiexec --with-ft ulfm in every rank's environment
+_MPI_LAUNCHED = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "PMI_FD")
+FINALIZE_DEADLINE_S = 5.0
+
+
+def fault_tolerant(env: Mapping[str, str] | None = None) -> bool:
+    """True under ``mpiexec --with-ft ulfm``: a dead rank does not end the job."""
+    return (os.environ if env is None else env).get(FT_ENV, "").lower() in ("1", "true")
+
+
+def launched_by_mpi(env: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    return any(k in env for k in _MPI_LAUNCHED)
+
+
+def srun_without_mpi(env: Mapping[str, str] | None = None) -> str | None:
+    """The one-line reason, if ``srun`` started this process as one of several tasks that MPI cannot
+    join into one job (each would be a singleton); None otherwise. Check before importing mpi4py."""
+    env = os.environ if env is None else env
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS") or 0)
+    if tasks > 1 and "SLURM_PROCID" in env and not launched_by_mpi(env):
+        return (
+            f"srun started {tasks} tasks, but this Open MPI cannot join srun's tasks into one MPI job "
+            f"(each would run alone); for --box rma use `parambox slurm ... -- --box rma`, a batch "
+            f"script that starts the ranks with mpiexec --with-ft ulfm inside the allocation"
+        )
+    return None
+
+
+def before_import(env: dict[str, str] | None = None) -> None:
+    """Call before the first ``import mpi4py.MPI``: a process that no MPI launcher started runs alone,
+    and then needs no shared-memory transport (which would leave a 16 MiB file in /dev/shm)."""
+    env = os.environ if env is None else env
+    if not launched_by_mpi(env):
+        env.setdefault("OMPI_MCA_btl", "self")
+
+
+def failed_ranks(comm) -> list[int]:
+    """Ranks of ``comm`` known dead (empty unless fault tolerant). Drives MPI's progress engine first:
+    a rank that only does one-sided operations on shared memory would otherwise never hear of it."""
+    from mpi4py import MPI
+
+    try:
+        comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+    except MPI.Exception as e:  # a receive from any source reports unacknowledged failures
+        if e.Get_error_class() not in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING):
+            raise
+        comm.Ack_failed()
+    group = comm.Get_failed()
+    try:
+        n = group.Get_size()
+        return sorted(MPI.Group.Translate_ranks(group, list(range(n)), comm.Get_group())) if n else []
+    finally:
+        group.Free()
+
+
+def ft_barrier(comm, timeout: float, what: str) -> None:
+    """A barrier of the ranks still alive (``Iagree``): a failure makes it raise at every survivor
+    alike until acknowledged, so acknowledge and agree again. ``CommTimeout`` after ``timeout`` s."""
+    import numpy as np
+    from mpi4py import MPI
+
+    deadline = time.monotonic() + timeout
+    while True:
+        flag = np.ones(1, dtype=np.int32)
+        req = comm.Iagree(flag)
+        try:
+            while not req.Test():
+                if time.monotonic() > deadline:
+                    raise CommTimeout(f"{what}: not every live rank arrived within {timeout:.0f} s")
+                time.sleep(0.001)
+            return
+        except MPI.Exception as e:
+            if e.Get_error_class() not in (MPI.ERR_PROC_FAILED, MPI.ERR_REVOKED):
+                raise
+            comm.Ack_failed()
+
+
+def finalize_with_deadline(code: int, seconds: float = FINALIZE_DEADLINE_S) -> None:
+    """``MPI_Finalize``; if it has not returned after ``seconds``, end the process with ``code``."""
+
+    def bail() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(seconds, bail)
+    timer.daemon = True
+    timer.start()
+    _libmpi().MPI_Finalize()  # through ctypes: the GIL is released, so the timer can run
+    timer.cancel()
+
+
+def _libmpi() -> ctypes.CDLL:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            path = line.split()[-1]
+            if "/libmpi.so" in path:
+                return ctypes.CDLL(path)
+    raise RuntimeError("libmpi is not loaded")

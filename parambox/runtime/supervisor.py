@@ -1,0 +1,203 @@
+"""The local launcher's watch over its workers: failures, lost workers, replacements and restarts.
+
+Every 50 ms it polls the workers. What it does when one exits non-zero depends on the strategy:
+
+- asynchronous (``tolerate_loss``): the others carry on. With restarts left (``--max-restarts``) the
+  rank is started again at once (a *replacement*: it attaches to the box, pulls the center and
+  does its remaining steps); otherwise it is marked dead on the :class:`WorkerBoard`, so the others
+  stop waiting for it, and listed as lost. Rank 0 (the one that collects the result) dead with no
+  restart left fails the run.
+- synchronous: every worker is stopped. With restarts left the whole group starts again from the
+  last checkpoint (torchrun's behaviour: nothing before the checkpoint is lost); otherwise the run
+  fails, naming the rank that caused it.
+
+A worker's exit code 2 is a user error (bad input): restarting cannot help, so it ends the run.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from parambox.runtime.control import DEAD, EXITED, SegmentKeeper, WorkerBoard
+
+# Asynchronous runs: rank 0 exits only once every other worker is done or found lost, so a worker
+# still running this long after rank 0 succeeded is hung; it is stopped and counted as lost.
+STRAGGLER_GRACE_S = 30.0
+POLL_S = 0.05
+SCAN_EVERY_S = 0.5  # how often the launcher looks for new box segments to keep (restarts only)
+USER_ERROR = 2
+
+
+@dataclass
+class LaunchResult:
+    returncode: int
+    failed: dict[int, tuple[int, str]] = field(default_factory=dict)  # rank -> (exit code, one-line error)
+    lost: list[int] = field(default_factory=list)  # ranks that died while the run carried on
+    restarts: int = 0  # replacements (asynchronous) or group restarts (synchronous)
+
+
+@dataclass
+class Starters:
+    """How the supervisor starts processes: every rank (``group(life, resume)``) or one (``rank(r, life, env, fds)``)."""
+
+    group: Callable[[int, bool], list[subprocess.Popen]]
+    rank: Callable[[int, int, dict[str, str], list[int]], subprocess.Popen]
+    stop: Callable[[list[subprocess.Popen]], None]
+    can_resume: Callable[[], bool] = lambda: False  # a checkpoint exists to restart the group from
+
+
+class Supervisor:
+    """Watches the workers of one local run (see the module docstring)."""
+
+    def __init__(
+        self,
+        procs: list[subprocess.Popen],
+        log_dir: Path,
+        tolerate_loss: bool,
+        *,
+        board: WorkerBoard | None = None,
+        starters: Starters | None = None,
+        max_restarts: int = 0,
+        keeper: SegmentKeeper | None = None,
+        muted: threading.Event | None = None,
+    ):
+        self.procs, self.log_dir, self.tolerate_loss = procs, log_dir, tolerate_loss
+        self.board, self.starters, self.keeper = board, starters, keeper
+        self.muted = muted  # set on failure: the other ranks' output is symptoms from then on
+        self.max_restarts = max_restarts if starters is not None else 0
+        self.result = LaunchResult(0)
+        self.finished: set[int] = set()
+        self._interrupted: list[int] = []
+        self._rank0_done_at: float | None = None
+        self._scanned_at = 0.0
+
+    def run(self) -> LaunchResult:
+        old = signal.signal(signal.SIGINT, lambda *_: self._interrupted.append(1))
+        try:
+            while not self._poll():
+                time.sleep(POLL_S)
+            return self.result
+        finally:
+            signal.signal(signal.SIGINT, old)
+
+    # -- one look at the workers ------------------------------------------------------------------------
+    def _poll(self) -> bool:
+        """True when the run is over (``self.result`` says how)."""
+        if self._interrupted:
+            self.result.returncode = 130
+            return True
+        self._keep_segments()
+        codes = [p.poll() for p in self.procs]
+        if self.tolerate_loss and len(self.procs) > 1 and codes[0] == 0 and self._stragglers(codes):
+            return True
+        for rank, code in enumerate(codes):
+            if code is None or rank in self.finished:
+                continue
+            if code == 0:
+                self._finished(rank, EXITED)
+            elif self.tolerate_loss and self._replace_or_lose(rank, code):
+                continue
+            elif not self.tolerate_loss and self._restart_group(code):
+                return False
+            else:
+                self._fail(rank)
+                return True
+        return all(c is not None for c in codes) and len(self.finished) == len(self.procs)
+
+    def _finished(self, rank: int, state: int) -> None:
+        self.finished.add(rank)
+        if self.board is not None:
+            self.board.set_state(rank, state)
+
+    def _stragglers(self, codes: list[int | None]) -> bool:
+        self._rank0_done_at = self._rank0_done_at or time.monotonic()
+        if time.monotonic() - self._rank0_done_at <= STRAGGLER_GRACE_S:
+            return False
+        self.result.lost += [r for r, c in enumerate(codes) if c is None and r not in self.result.lost]
+        return True
+
+    # -- asynchronous: replace a dead worker, or go on without it ----------------------------------------
+    def _replace_or_lose(self, rank: int, code: int) -> bool:
+        """True if the run goes on (the rank was replaced, or is lost and is not rank 0)."""
+        if code != USER_ERROR and self._restarts_left() and self._rank0_running(rank):
+            self._keep_segments(force=True)
+            life = self.board.begin_life(rank) if self.board is not None else self.result.restarts + 1
+            extra = self.keeper.env() if self.keeper is not None else {}
+            fds = list(self.keeper.fds.values()) if self.keeper is not None else []
+            self.procs[rank] = self.starters.rank(rank, life, extra, fds)
+            self.result.restarts += 1
+            return True
+        if rank == 0:
+            return False
+        self._finished(rank, DEAD)
+        self.result.lost.append(rank)
+        return True
+
+    def _rank0_running(self, rank: int) -> bool:
+        # Once rank 0 has written the result, a replacement would train for nothing.
+        return rank == 0 or self.procs[0].poll() is None
+
+    def _restarts_left(self) -> bool:
+        return self.result.restarts < self.max_restarts
+
+    def _keep_segments(self, force: bool = False) -> None:
+        if self.keeper is None or not self.max_restarts:
+            return
+        now = time.monotonic()
+        if force or now - self._scanned_at > SCAN_EVERY_S:
+            self._scanned_at = now
+            self.keeper.scan(p.pid for p in self.procs if p.poll() is None)
+
+    # -- synchronous: restart everyone from the last checkpoint -------------------------------------------
+    def _restart_group(self, code: int) -> bool:
+        if code == USER_ERROR or not self._restarts_left():
+            return False
+        self.starters.stop(self.procs)
+        self.result.restarts += 1
+        self.procs[:] = self.starters.group(self.result.restarts, self.starters.can_resume())
+        self.finished.clear()
+        return True
+
+    def _fail(self, first: int) -> None:
+        if self.muted is not None:
+            self.muted.set()
+        rank = root_cause(self.procs, self.log_dir, first)
+        code = self.procs[rank].returncode
+        self.result.failed[rank] = (code, worker_error(self.log_dir, rank, code))
+        self.result.returncode = 1
+
+
+# Errors a rank reports when a *peer* failed: they are symptoms, not the cause.
+_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "timed out", "ranks not arrived")
+
+
+def root_cause(procs: list[subprocess.Popen], log_dir: Path, first: int) -> int:
+    """The rank that failed first in cause, not in time: when one worker dies, its peers fail a
+    moment later with "connection closed" and may be seen first. Wait briefly for the others, then
+    prefer a rank killed by a signal, then one whose error is not such a symptom."""
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+    for r in failed:
+        if procs[r].returncode < 0:
+            return r
+    for r in failed:
+        if not any(s in worker_error(log_dir, r, procs[r].returncode) for s in _SYMPTOMS):
+            return r
+    return first
+
+
+def worker_error(log_dir: Path, rank: int, code: int) -> str:
+    err = log_dir / f"rank{rank}.err"
+    if err.exists() and err.read_text().strip():
+        return err.read_text().strip().splitlines()[0]
+    if code < 0:
+        return f"killed by signal {signal.Signals(-code).name}"
+    return f"exited with code {code}"

@@ -1,0 +1,191 @@
+"""Tier (c): the rma box across ranks that die, on MPI's own fault tolerance (ULFM), and MPI's files.
+
+The box lives on a memory rank that trains nothing (``box.memory_ranks``, default 1 for the
+asynchronous strategies), so a dead worker takes no part of it; ``mpiexec --with-ft ulfm`` keeps the
+job alive and tells the memory rank, which marks the worker lost. Every file Open MPI makes goes to
+a private directory that a reaper removes, also after a SIGKILL of the launcher (issue 13).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from parambox.runtime.spawn import find_mpiexec
+from tests.conftest import MPI_ENV, ROOT, run_cli, summary
+from tests.test_restarts import start
+
+FAST = ["--model", "mlp", "--eval-every", "0", "--no-progress", "--threads", "1"]
+SHM = Path("/dev/shm")
+
+
+def _private_dirs() -> set[str]:
+    return {p.name for p in SHM.glob("pb_mpi.*")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_rma_box_locally_survives_a_killed_worker(tmp_path):
+    """The issue's Must show: `--box rma --workers 3` with rank 1 killed at step 300."""
+    out = tmp_path / "run"
+    args = [
+        "train",
+        "--strategy",
+        "easgd",
+        "--box",
+        "rma",
+        "--workers",
+        "3",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
+    run_cli(*args, env={**MPI_ENV, "PARAMBOX_FAULT": "1:300:kill"}, timeout=230)
+    s = summary(out)
+    assert (s["lost_workers"], s["memory_ranks"], s["workers"]) == ([1], 1, 3)
+    assert s["worker_steps"] == [600, 300, 600]
+    assert s["final_test_accuracy"] >= 0.93, s["final_test_accuracy"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_rma_box_under_mpiexec_with_ft_ulfm(tmp_path):
+    """The issue's Must show: `mpiexec --with-ft ulfm -n 3 ... --box rma`, rank 1 killed at step 300
+    (2 workers and the memory rank)."""
+    out = tmp_path / "run"
+    prefix = [find_mpiexec() or "mpiexec", "--with-ft", "ulfm", "-n", "3", "--oversubscribe"]
+    args = ["train", "--strategy", "easgd", "--box", "rma", "--out", str(out), "--no-progress"]
+    proc = run_cli(*args, prefix=prefix, env={**MPI_ENV, "PARAMBOX_FAULT": "1:300:kill"}, timeout=230)
+    s = summary(out)
+    assert (s["lost_workers"], s["worker_steps"], s["launcher"]) == ([1], [600, 300], "mpi")
+    assert s["final_test_accuracy"] >= 0.93, s["final_test_accuracy"]
+    assert "worker rank 1 is lost" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_open_mpi_files_live_in_a_private_directory_that_goes(tmp_path):
+    """While the job runs its shared-memory files are in /dev/shm/pb_mpi.*; when it ends they are gone."""
+    before = _private_dirs()
+    out = tmp_path / "run"
+    launcher = start(
+        "train", "--strategy", "easgd", "--box", "rma", "--steps", "100000", *FAST, "--out", str(out)
+    )
+    deadline = time.monotonic() + 90
+    while not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").stat().st_size == 0:
+        assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()[1][-2000:]
+        time.sleep(0.2)
+    ranks = [
+        p
+        for p in psutil.Process(launcher.pid).children(recursive=True)
+        if "parambox" in " ".join(p.cmdline())
+    ]
+    maps = "".join(Path(f"/proc/{p.pid}/maps").read_text() for p in ranks).splitlines()
+    mapped = {line.split()[-1] for line in maps if "sm_segment" in line}
+    private = _private_dirs() - before
+    assert (
+        len(private) == 1 and mapped and all(m.startswith(f"/dev/shm/{next(iter(private))}/") for m in mapped)
+    )
+    launcher.send_signal(signal.SIGINT)
+    launcher.communicate(timeout=30)
+    assert _private_dirs() - before == set()
+
+
+@pytest.mark.timeout(120)
+def test_sigkilled_launcher_under_mpi_leaves_no_rank_and_no_file(tmp_path):
+    before = _private_dirs()
+    out = tmp_path / "run"
+    launcher = start(
+        "train", "--strategy", "easgd", "--box", "rma", "--steps", "100000", *FAST, "--out", str(out)
+    )
+    deadline = time.monotonic() + 90
+    while not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").stat().st_size == 0:
+        assert time.monotonic() < deadline and launcher.poll() is None
+        time.sleep(0.2)
+    job = psutil.Process(launcher.pid).children(recursive=True)
+    os.killpg(launcher.pid, signal.SIGKILL)
+    launcher.wait(10)
+    _, alive = psutil.wait_procs(job, timeout=15)
+    assert not alive, alive
+    deadline = time.monotonic() + 10
+    while _private_dirs() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _private_dirs() - before == set()
+
+
+@pytest.mark.timeout(60)
+def test_srun_with_the_rma_box_says_so_in_one_line(tmp_path):
+    """srun here starts singletons (its PMIx cannot wire this Open MPI up): one line, exit 2, and MPI
+    is never initialised (it would leave a 16 MiB segment in /dev/shm)."""
+    srun = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2"}
+    srun |= {"SLURM_JOB_ID": "7", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_STEP_NUM_NODES": "1"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    before = {p.name for p in SHM.iterdir()}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "parambox",
+            "train",
+            "--strategy",
+            "easgd",
+            "--box",
+            "rma",
+            "--out",
+            str(tmp_path / "r"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env={**env, **srun},
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "parambox slurm" in lines[0] and "mpiexec --with-ft ulfm" in lines[0], (
+        proc.stderr
+    )
+    assert not any(n.startswith("sm_segment") for n in {p.name for p in SHM.iterdir()} - before)
+
+
+def test_slurm_script_for_the_rma_box_runs_mpiexec_inside_the_allocation():
+    text = run_cli("slurm", "--", "--strategy", "easgd", "--box", "rma").stdout
+    assert '"$mpiexec" --with-ft ulfm -n "$SLURM_NTASKS"' in text and "srun" not in text
+    assert "pb_mpi.XXXXXX" in text and "trap 'rm -rf \"$private\"' EXIT" in text
+    assert "\nsrun " in run_cli("slurm", "--", "--strategy", "easgd").stdout  # shm or collectives: srun
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    shutil.which("sbatch") is None or shutil.which("sinfo") is None,
+    reason="no SLURM here (../shared/tools/slurm-up.sh starts one)",
+)
+def test_slurm_submit_with_the_rma_box_runs_to_the_end(tmp_path):
+    """The issue's Must show: `parambox slurm --submit -- --strategy easgd --box rma` on the one-node SLURM."""
+    before = _private_dirs()
+    out = tmp_path / "run"
+    args = ["slurm", "--submit", "--wait", "--script", str(tmp_path / "job.sbatch"), "--"]
+    args += ["--strategy", "easgd", "--box", "rma", "--steps", "60", *FAST, "--out", str(out)]
+    run_cli(*args, timeout=290)
+    s = summary(out)
+    assert s["launcher"] == "mpi" and s["worker_steps"] == [60] and s["memory_ranks"] == 1
+    assert _private_dirs() - before == set()
+
+
+@pytest.mark.timeout(120)
+def test_a_user_error_under_mpi_leaves_nothing(tmp_path):
+    """Every rank fails with the same bad input: one line, exit 2, and Open MPI's files are gone."""
+    before = _private_dirs()
+    proc = run_cli(
+        "train", "--strategy", "hogwild", "--box", "rma", *FAST, "--out", str(tmp_path / "r"), check=False
+    )
+    assert proc.returncode == 2 and "use --box shm" in proc.stderr and "Traceback" not in proc.stderr
+    assert _private_dirs() - before == set()

@@ -1,0 +1,227 @@
+"""Tier (c): dead workers replaced (asynchronous), groups restarted from a checkpoint (synchronous), a
+worker killed during start-up stalling nobody, and nothing left in /dev/shm even when the launcher is
+SIGKILLed while it holds the box for replacements (issue 13)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT, final_weights, max_abs_diff, run_cli, summary
+
+FAST = ["--model", "mlp", "--eval-every", "0", "--no-progress", "--threads", "1"]
+SHM = Path("/dev/shm")
+
+
+def _shm() -> set[str]:
+    # Open MPI's own files of other sessions' runs come and go: judge only parambox's names.
+    return {p.name for p in SHM.iterdir() if p.name.startswith("pb")} if SHM.is_dir() else set()
+
+
+def start(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "parambox", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+        start_new_session=True,
+    )
+
+
+def worker(launcher: subprocess.Popen, rank: int, timeout: float = 60) -> psutil.Process:
+    """The launcher's child that runs ``rank`` (its RANK in the environment)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in psutil.Process(launcher.pid).children():
+            try:
+                if child.environ().get("RANK") == str(rank):
+                    return child
+            except psutil.Error:
+                continue
+        time.sleep(0.02)
+    raise AssertionError(f"no worker of rank {rank} appeared")
+
+
+@pytest.mark.timeout(170)
+def test_max_restarts_replaces_a_killed_worker(tmp_path):
+    """The issue's Must show: --max-restarts 1, a worker SIGKILLed mid-run: replaced, nobody lost,
+    the restart counted, accuracy >= 0.93 (the default digits run)."""
+    out = tmp_path / "run"
+    args = ["train", "--strategy", "easgd", "--max-restarts", "1", "--out", str(out), "--no-progress"]
+    proc = run_cli(*args, env={"PARAMBOX_FAULT": "1:300:kill"})
+    s = summary(out)
+    assert (s["restarts"], s["lost_workers"], s["worker_steps"]) == (1, [], [600, 600])
+    assert s["final_test_accuracy"] >= 0.93, s["final_test_accuracy"]
+    assert "1 restart(s)" in proc.stderr
+
+
+@pytest.mark.timeout(170)
+def test_rank0_is_replaced_too(tmp_path):
+    """Rank 0 collects the result: its replacement carries on, waits for the others and writes it."""
+    out = tmp_path / "run"
+    args = [
+        "train",
+        "--strategy",
+        "downpour",
+        "--steps",
+        "200",
+        "--max-restarts",
+        "1",
+        *FAST,
+        "--out",
+        str(out),
+    ]
+    run_cli(*args, env={"PARAMBOX_FAULT": "0:100:kill"})
+    s = summary(out)
+    assert (s["restarts"], s["lost_workers"], s["worker_steps"]) == (1, [], [200, 200])
+    assert s["final_test_accuracy"] >= 0.8
+
+
+@pytest.mark.timeout(170)
+def test_sync_restart_resumes_from_the_checkpoint_bit_exact(tmp_path):
+    """torchrun's behaviour: the group restarts from the last checkpoint; nothing before it is lost,
+    and the result is the uninterrupted run's, bit for bit."""
+    args = [
+        "train",
+        "--strategy",
+        "allreduce",
+        "--steps",
+        "40",
+        "--checkpoint-every",
+        "10",
+        "--batch-size",
+        "16",
+    ]
+    run_cli(*args, *FAST, "--out", str(tmp_path / "full"))
+    cut = tmp_path / "cut"
+    run_cli(*args, *FAST, "--out", str(cut), "--max-restarts", "1", env={"PARAMBOX_FAULT": "1:25:kill"})
+    s = summary(cut)
+    assert (s["steps"], s["restarts"]) == (40, 1)
+    assert max_abs_diff(final_weights(cut), final_weights(tmp_path / "full")) == 0.0
+
+
+@pytest.mark.timeout(120)
+def test_sync_run_without_restarts_left_fails_naming_the_rank(tmp_path):
+    proc = run_cli(
+        "train",
+        "--strategy",
+        "allreduce",
+        "--steps",
+        "100000",
+        *FAST,
+        "--out",
+        str(tmp_path / "r"),
+        env={"PARAMBOX_FAULT": "1:10:kill"},
+        check=False,
+    )
+    assert proc.returncode == 1 and "worker rank 1 failed: killed by signal SIGKILL" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_sync_easgd_is_not_loss_tolerant(tmp_path):
+    """easgd with sync=true runs over collectives: a dead worker fails the run at once (issue 13, 4)."""
+    t0 = time.monotonic()
+    proc = run_cli(
+        "train",
+        "--strategy",
+        "easgd",
+        "--set",
+        "easgd.sync=true",
+        "--steps",
+        "100000",
+        *FAST,
+        "--out",
+        str(tmp_path / "r"),
+        env={"PARAMBOX_FAULT": "1:10:kill"},
+        check=False,
+    )
+    assert proc.returncode == 1 and "worker rank 1 failed: killed by signal SIGKILL" in proc.stderr
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.timeout(120)
+def test_sigkilled_launcher_holding_the_box_leaves_nothing(tmp_path):
+    """With --max-restarts the launcher keeps a descriptor of the box for replacements; SIGKILL of the
+    launcher still leaves no worker and nothing in /dev/shm."""
+    before = _shm()
+    out = tmp_path / "r"
+    args = [
+        "train",
+        "--strategy",
+        "easgd",
+        "--steps",
+        "1000000",
+        "--max-restarts",
+        "3",
+        *FAST,
+        "--out",
+        str(out),
+    ]
+    launcher = start(*args)
+    deadline = time.monotonic() + 90
+    while not (out / "metrics.rank1.jsonl").exists() or (out / "metrics.rank1.jsonl").stat().st_size == 0:
+        assert time.monotonic() < deadline and launcher.poll() is None
+        time.sleep(0.2)
+    workers = psutil.Process(launcher.pid).children()
+    held = [os.readlink(f"/proc/{launcher.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{launcher.pid}/fd")]
+    assert any(t.startswith("/dev/shm/pb_") and t.endswith("(deleted)") for t in held), held
+    os.killpg(launcher.pid, signal.SIGKILL)
+    launcher.wait(10)
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive
+    assert _shm() - before == set()
+
+
+def _startup_kill(tmp_path: Path, delay: float, args: list[str]) -> tuple[float, subprocess.Popen, str]:
+    out = tmp_path / f"kill{delay}-{time.monotonic_ns()}"
+    launcher = start(*args, "--out", str(out))
+    t0 = time.monotonic()
+    victim = worker(launcher, 2)
+    time.sleep(max(0.0, victim.create_time() + delay - time.time()))
+    victim.kill()
+    _, err = launcher.communicate(timeout=150)
+    return time.monotonic() - t0, launcher, err + f"\n{out}"
+
+
+STARTUP = [
+    "train",
+    "--strategy",
+    "easgd",
+    "--workers",
+    "3",
+    "--steps",
+    "200",
+    "--eval-every",
+    "0",
+    "--no-progress",
+]
+REPEATS = int(os.environ.get("PARAMBOX_STARTUP_REPEATS", "1"))  # the issue's figure: 3
+
+
+@pytest.fixture(scope="module")
+def undisturbed_s(tmp_path_factory) -> float:
+    out = tmp_path_factory.mktemp("undisturbed") / "run"
+    t0 = time.monotonic()
+    run_cli(*STARTUP, "--out", str(out))
+    return time.monotonic() - t0
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("delay", [1.0, 3.0, 6.0])
+def test_worker_killed_during_startup_stalls_nobody(tmp_path, undisturbed_s, delay):
+    """One of 3 easgd workers SIGKILLed 1, 3 or 6 s after it was spawned (before or while the box is
+    set up): exit 0, the lost rank named, within an undisturbed run's time plus 30 s."""
+    for _ in range(REPEATS):
+        took, proc, err = _startup_kill(tmp_path, delay, STARTUP)
+        assert proc.returncode == 0, err[-3000:]
+        assert "lost worker ranks [2]" in err, err[-3000:]
+        assert took < undisturbed_s + 30, (took, undisturbed_s)
