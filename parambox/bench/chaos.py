@@ -36,6 +36,7 @@ from parambox.runtime import spawn
 WORKERS = 3
 FULL = {"model": "lenet", "steps": 1500, "kill_every_s": 5.0, "max_kills": 1000}
 QUICK = {"model": "mlp", "steps": 400, "kill_every_s": 2.0, "max_kills": 2}
+RETRY_S = 0.2
 SPARE_STEPS = 20  # a worker this close to its target is not killed: its replacement would only finish
 
 
@@ -88,9 +89,11 @@ def _run(
                 time.sleep(0.1)
                 if kill_every_s and len(kills) < max_kills and time.monotonic() >= next_kill:
                     victim = _kill_one(launcher, out, steps, rng)
-                    if victim is not None:
+                    if victim is None:  # nobody training yet (or all near their end): look again soon
+                        next_kill = time.monotonic() + RETRY_S
+                    else:
                         kills.append({"t": round(time.monotonic() - t0, 2), "rank": victim})
-                    next_kill += kill_every_s
+                        next_kill += kill_every_s
         finally:
             spawn.stop([launcher])
     command_s = time.monotonic() - t0

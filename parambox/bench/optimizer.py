@@ -19,10 +19,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parambox.bench.rounds import paired_ratio, timed_rounds
-from parambox.bench.sync import _build, _ddp_stepper, _plain_stepper
+from parambox.bench.sync import _build, ddp_stepper, plain_stepper
 from parambox.bench.workers import BATCH, random_batches, spawn_workers
 
-SETUPS = {"ddp": _ddp_stepper, "ceiling": _plain_stepper}
+SETUPS = {"ddp": ddp_stepper, "ceiling": plain_stepper}
 
 
 def _optimizer_stepper():

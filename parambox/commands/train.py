@@ -284,7 +284,8 @@ def report_failure(e: BaseException, world: World, run_dir: Path, echo: bool = T
     logs = Path(os.environ.get("PARAMBOX_LOG_DIR") or run_dir / "logs")
     logs.mkdir(parents=True, exist_ok=True)
     (logs / f"rank{world.rank}.err").write_text(line + "\n\n" + traceback.format_exc())
-    if echo and world.launcher != "local":  # our launcher quotes the .err file itself: one line in all
+    ours = world.launcher == "local" or "PARAMBOX_LOG_DIR" in os.environ  # also our mpiexec's ranks
+    if echo and not ours:  # our launcher quotes the .err file itself: one line in all
         print(line if world.world_size == 1 else f"[rank {world.rank}] {line}", file=sys.stderr)
     if os.environ.get("PARAMBOX_DEBUG"):
         traceback.print_exc()

@@ -198,6 +198,11 @@ def worker_error(log_dir: Path, rank: int, code: int) -> str:
     err = log_dir / f"rank{rank}.err"
     if err.exists() and err.read_text().strip():
         return err.read_text().strip().splitlines()[0]
+    if code == USER_ERROR:  # under mpiexec (one process for all ranks) another rank may have said why
+        for other in sorted(log_dir.glob("rank*.err")):
+            lines = other.read_text().strip().splitlines()
+            if lines and lines[0].startswith("parambox: error: "):
+                return lines[0]
     if code < 0:
         return f"killed by signal {signal.Signals(-code).name}"
     return f"exited with code {code}"
