@@ -24,6 +24,8 @@ BAD = [
     (["--box", "nvme"], "'box.backend'"),
     (["--set", "box.num_shards=2"], "box.num_shards is not an option of the shm backend"),
     (["--box", "rma", "--set", "box.num_shards=0"], "'box.num_shards'"),
+    (["--strategy", "single", "--workers", "3"], "'single' runs one process, not 3"),  # before any spawn
+    (["--strategy", "pipeline", "--workers", "1"], "'pipeline' needs at least 2 workers"),
 ]
 
 
@@ -34,6 +36,13 @@ def test_bad_input_is_one_line_exit_2(args, message, capsys, tmp_path):
     assert code == 2
     assert message in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_single_needs_no_workers_flag(tmp_path):
+    out = tmp_path / "r"
+    assert main(["train", "--strategy", "single", "--steps", "3", "--eval-every", "0", "--no-progress",
+                 "--out", str(out)]) == 0  # fmt: skip
+    assert (out / "summary.json").exists()
 
 
 def test_bad_toml(tmp_path, capsys):

@@ -58,7 +58,7 @@ def test_strategy_worker_limits_are_checked():
     single, pipeline = strategy_class("single"), strategy_class("pipeline")
     assert single.accepts_workers(1) and not single.accepts_workers(2)
     assert pipeline.accepts_workers(2) and not pipeline.accepts_workers(1)
-    with pytest.raises(UserError, match="'single' runs one process, but 2 were started"):
+    with pytest.raises(UserError, match="'single' runs one process, not 2"):
         single.check_workers(2)
     with pytest.raises(UserError, match="needs at least 2 workers"):
         pipeline.check_workers(1)

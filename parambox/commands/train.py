@@ -106,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
     world = World.from_env()
     if world.launcher == "local":  # spawned by our own launcher, which prepared the run directory
         return run_worker(cfg, world, Path(cfg.out), args.resume)
+    cls = strategy_class(cfg.strategy, cfg.strategy_options())
+    if cls.max_workers == 1 and "workers" not in cfg.model_fields_set:
+        cfg.workers = 1  # `--strategy single` needs no `--workers 1`
     if under_external_launcher():
         if cfg.cluster.enabled and "PARAMBOX_NUM_NODES" not in os.environ:  # not one of our nodes' ranks
             raise UserError(
@@ -122,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
         from parambox.runtime.cluster import check_environment
 
         check_environment()  # not root, or no ip/tc: one line before anything is written
+    if not under_external_launcher():
+        cls.check_workers(cfg.workers)  # before any process starts
     check_references(cfg)  # a REF that does not import fails here, before any worker starts
     run_dir = prepare_run_dir(cfg, args.resume)
     if (processes(cfg) == 1 and not cfg.cluster.enabled) or under_external_launcher():

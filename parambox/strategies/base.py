@@ -105,7 +105,7 @@ class Strategy:
         if cls.accepts_workers(n):
             return
         if cls.max_workers == 1:
-            raise UserError(f"strategy {cls.name!r} runs one process, but {n} were started")
+            raise UserError(f"strategy {cls.name!r} runs one process, not {n}")
         if n < cls.min_workers:
             raise UserError(f"strategy {cls.name!r} needs at least {cls.min_workers} workers, got {n}")
         raise UserError(f"strategy {cls.name!r} runs at most {cls.max_workers} workers, got {n}")
