@@ -69,6 +69,11 @@ class RunConfig(BaseModel):
         description="local launcher: replace dead workers (asynchronous) or restart all from the last "
         "checkpoint (synchronous), at most this many times",
     )
+    warm_spare: bool = Field(
+        True,
+        description="with max_restarts, an asynchronous run keeps one worker process warmed up (torch "
+        "imported, data loaded) to replace the next dead worker at once",
+    )
     threads: int | None = Field(None, ge=1, description="torch threads per worker; default cores / workers")
     augment: bool | None = Field(
         None, description="train-time augmentation; default: on where the data set has one"

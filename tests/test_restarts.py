@@ -4,6 +4,7 @@ SIGKILLed while it holds the box for replacements (issue 13)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -62,6 +63,12 @@ def test_max_restarts_replaces_a_killed_worker(tmp_path):
     assert (s["restarts"], s["lost_workers"], s["worker_steps"]) == (1, [], [600, 600])
     assert s["final_test_accuracy"] >= 0.93, s["final_test_accuracy"]
     assert "1 restart(s)" in proc.stderr
+    lives = [
+        r
+        for r in map(json.loads, (out / "metrics.rank1.jsonl").read_text().splitlines())
+        if r["kind"] == "world"
+    ]
+    assert [(r["life"], r["from_spare"]) for r in lives] == [(0, False), (1, True)]  # a warm spare took over
 
 
 @pytest.mark.timeout(170)

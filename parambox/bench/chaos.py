@@ -1,19 +1,22 @@
 """``parambox bench chaos``: an asynchronous run that keeps losing workers, against the same run without faults.
 
-Two runs of ``parambox train --strategy easgd --workers 3`` (digits, LeNet; ``--quick``: the MLP and
+Runs of ``parambox train --strategy easgd --workers 3`` (digits, LeNet; ``--quick``: the MLP and
 fewer steps), one after the other, as a user starts them:
 
 - ``clean``: no fault;
 - ``chaos``: ``--max-restarts`` high, and a kill loop that SIGKILLs a random worker process every
-  ``kill_every_s`` seconds (any rank, rank 0 included; not one within a few steps of its end), each
-  replaced by the launcher: the replacement attaches to the box, pulls the center and carries on
-  with the steps its predecessor had not done, while the others never stop.
+  ``kill_every_s`` seconds while at least two train (any rank, rank 0 included; not one within a
+  few steps of its end), each replaced by the launcher from its warm spare (a worker process that
+  has already imported torch and loaded the data): the replacement attaches to the box, pulls the
+  center and carries on with the steps its predecessor had not done, while the others never stop;
+- ``chaos_without_spare`` (not in ``--quick``): the same with ``warm_spare=false``, every
+  replacement a new interpreter.
 
 Reported: each run's training time, whole-command time, samples/s (every worker's samples over the
-training time) and final test accuracy; the chaos run's kills, restarts and lost workers; and the
+training time) and final test accuracy; the chaos runs' kills, restarts and lost workers; and the
 throughput retained, ``chaos samples/s / clean samples/s`` (torchft reports 97.7 % in its CPU chaos
-run, with per-step recovery inside live processes; here a replacement is a new process, so each
-kill costs about one process start-up of one worker's time).
+run, with per-step recovery inside live processes; here a replacement is another process, so each
+kill still costs a worker its steps since its last push and the replacement's set-up).
 """
 
 from __future__ import annotations
@@ -52,14 +55,16 @@ def run_bench_chaos(
     args += ["--steps", str(setup["steps"]), "--eval-every", "0", "--no-progress"]
     with tempfile.TemporaryDirectory() as tmp:
         clean = _run(args, Path(tmp) / "clean")
-        chaos = _run(
-            [*args, "--max-restarts", "1000"],
-            Path(tmp) / "chaos",
-            kill_every_s=setup["kill_every_s"],
-            max_kills=setup["max_kills"],
-            steps=setup["steps"],
-            rng=random.Random(seed),
-        )
+        kill = {
+            "kill_every_s": setup["kill_every_s"],
+            "max_kills": setup["max_kills"],
+            "steps": setup["steps"],
+        }
+        chaos = _run([*args, "--max-restarts", "1000"], Path(tmp) / "chaos", rng=random.Random(seed), **kill)
+        cold = None
+        if not quick:  # the same kills, every replacement a new interpreter (no warm spare)
+            cold_args = [*args, "--max-restarts", "1000", "--set", "warm_spare=false"]
+            cold = _run(cold_args, Path(tmp) / "cold", rng=random.Random(seed), **kill)
     return {
         "strategy": "easgd",
         "workers": WORKERS,
@@ -68,6 +73,9 @@ def run_bench_chaos(
         "chaos": chaos,
         "throughput_retained": chaos["samples_per_s"] / max(clean["samples_per_s"], 1e-9),
         "command_time_ratio": clean["command_s"] / max(chaos["command_s"], 1e-9),
+        "chaos_without_spare": cold,
+        "throughput_retained_without_spare": cold
+        and cold["samples_per_s"] / max(clean["samples_per_s"], 1e-9),
     }
 
 

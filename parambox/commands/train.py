@@ -227,6 +227,7 @@ def launch_workers(cfg: RunConfig, run_dir: Path, resume: bool) -> LaunchResult:
         module=WORKER_MODULE,
         cluster=cfg.cluster if cfg.cluster.enabled else None,
         max_restarts=0 if use_mpi else cfg.max_restarts,
+        warm_spare=cfg.warm_spare,
         resume_argv=[str(run_dir), "--resume"],
         checkpoint=run_dir / "checkpoints" / "last.pt",
     )

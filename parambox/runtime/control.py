@@ -34,6 +34,8 @@ BOARD_ENV = "PARAMBOX_BOARD_FD"  # the board's descriptor in a worker
 LIFE_ENV = "PARAMBOX_LIFE"  # 0 in a worker's first life, k in its k-th replacement (or group restart)
 BOX_FDS_ENV = "PARAMBOX_BOX_FDS"  # "name:fd,..." shared-memory boxes a replacement attaches to
 REJOIN_ENV = "PARAMBOX_REJOIN"  # "1" in a replacement that joins a run in progress
+SPARE_FLAG = "--spare"  # the worker entry waits, warmed up, to be told which dead rank it replaces
+SPARE_ENV = "PARAMBOX_FROM_SPARE"  # "1" in a replacement that was a warm spare
 
 RUNNING, DEAD, EXITED = 0, 1, 2
 _MAGIC = int.from_bytes(b"PBXBOARD", "little")
@@ -124,6 +126,17 @@ def current_life(env: Mapping[str, str] | None = None) -> int:
 def rejoining(env: Mapping[str, str] | None = None) -> bool:
     """This process replaces a dead worker of a run that goes on (not a restart of the whole group)."""
     return (os.environ if env is None else env).get(REJOIN_ENV) == "1"
+
+
+def reopen_box_fds(env: dict[str, str], owner: int) -> dict[str, str]:
+    """``env`` with the box descriptors it names (``owner``'s, the launcher's) opened in this process,
+    through ``/proc/<owner>/fd``: how a spare, started before the boxes existed, gets them."""
+    items = []
+    for item in env.get(BOX_FDS_ENV, "").split(","):
+        box, _, fd = item.rpartition(":")
+        if box and fd.isdigit():
+            items.append(f"{box}:{os.open(f'/proc/{owner}/fd/{fd}', os.O_RDWR)}")
+    return {**env, SPARE_ENV: "1", **({BOX_FDS_ENV: ",".join(items)} if items else {})}
 
 
 def inherited_box_fd(name: str, env: Mapping[str, str] | None = None) -> int | None:

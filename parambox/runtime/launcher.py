@@ -12,6 +12,7 @@ from it which peers are dead through the board of ``runtime/control.py``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from parambox.runtime import spawn
 from parambox.runtime.cluster import ClusterConfig
-from parambox.runtime.control import LIFE_ENV, REJOIN_ENV, RUNNING, SegmentKeeper, WorkerBoard
+from parambox.runtime.control import LIFE_ENV, REJOIN_ENV, RUNNING, SPARE_FLAG, SegmentKeeper, WorkerBoard
 from parambox.runtime.supervisor import LaunchResult, Starters, Supervisor, worker_error
 
 __all__ = ["LaunchResult", "launch_local", "threads_per_worker", "worker_error"]
@@ -42,14 +43,16 @@ def launch_local(
     module: str = "parambox",
     cluster: ClusterConfig | None = None,
     max_restarts: int = 0,
+    warm_spare: bool = True,
     resume_argv: list[str] | None = None,
     checkpoint: Path | None = None,
 ) -> LaunchResult:
     """Run ``python -m <module> <argv>`` as ``num_workers`` ranks and supervise them.
 
     ``cluster``: on the nodes of an emulated cluster that lives exactly as long as they do.
-    ``max_restarts``: replacements of dead workers (``tolerate_loss``) or restarts of the whole group
-    (synchronous), with ``resume_argv`` once ``checkpoint`` exists. Not under MPI (one job)."""
+    ``max_restarts``: replacements of dead workers (``tolerate_loss``; from a ``warm_spare`` process
+    where there is one) or restarts of the whole group (synchronous), with ``resume_argv`` once
+    ``checkpoint`` exists. Not under MPI (one job)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     prefix = spawn.new_prefix()
     n_threads = threads_per_worker(num_workers, threads)
@@ -63,7 +66,7 @@ def launch_local(
             mpi_command = net.mpi_launch if net is not None else None
             return _launch_mpi(cmd, num_workers, env, log_dir, tolerate_loss, mpi_command)
         resume_cmd = [sys.executable, "-m", module, *(resume_argv or argv)]
-        restart = (max_restarts, resume_cmd, checkpoint)
+        restart = (max_restarts, resume_cmd, checkpoint, warm_spare)
         placement = net.placement(num_workers) if net is not None else None
         return _launch_processes(cmd, num_workers, env, log_dir, tolerate_loss, restart, prefix, placement)
 
@@ -92,12 +95,12 @@ def _launch_processes(
     env: dict[str, str],
     log_dir: Path,
     tolerate_loss: bool,
-    restart: tuple[int, list[str], Path | None],
+    restart: tuple[int, list[str], Path | None, bool],
     prefix: str,
     placement: spawn.Placement | None = None,
 ) -> LaunchResult:
     """``n`` worker processes, the board that tells them who is dead, and replacements or restarts."""
-    max_restarts, resume_cmd, checkpoint = restart
+    max_restarts, resume_cmd, checkpoint, warm_spare = restart
     board, keeper = WorkerBoard.create(n), SegmentKeeper(prefix)
     env = dict(env, **board.env())
     # Set once a rank failed: what the others print then (a closed store's C++ warnings, "connection
@@ -117,10 +120,16 @@ def _launch_processes(
 
     def one(rank: int, life: int, extra: dict[str, str], fds: list[int]) -> subprocess.Popen:
         renv = dict(env, **extra, **{LIFE_ENV: str(life), REJOIN_ENV: "1"})
-        return ranks.start(cmd, rank, renv, [board.fd, *fds])
+        proc = ranks.take_spare(rank, renv) or ranks.start(cmd, rank, renv, [board.fd, *fds])
+        if warm_spare:
+            ranks.keep_spare(cmd, env, [board.fd])  # the next one warms up while this one works
+        return proc
 
     starters = Starters(group, one, spawn.stop, lambda: checkpoint is not None and checkpoint.exists())
     procs = ranks.start_all(cmd, env, [board.fd])
+    warm_spare = warm_spare and bool(max_restarts) and tolerate_loss and placement is None
+    if warm_spare:
+        ranks.keep_spare(cmd, env, [board.fd])
     try:
         supervisor = Supervisor(
             procs,
@@ -135,17 +144,25 @@ def _launch_processes(
         return supervisor.run()
     finally:
         spawn.stop(procs)
+        ranks.drop_spare()
         keeper.close()
         board.close()
 
 
 @dataclass
 class _Ranks:
-    """Starts the run's ranks: where (``placement``: on an emulated node) and how their output shows."""
+    """Starts the run's ranks: where (``placement``: on an emulated node) and how their output shows.
+
+    A *spare* (asynchronous runs with ``--max-restarts``, not on an emulated cluster) is a worker
+    process started ahead of need (``python -m parambox.api.worker RUN_DIR --spare``): it has imported
+    torch and parambox and loaded the run's data, and waits on its stdin to be told which dead rank it
+    replaces (its whole environment, as a JSON line). A replacement then costs no interpreter start-up,
+    which is most of what a cold one costs (torch's import alone takes ~1.5 s here)."""
 
     n: int
     placement: spawn.Placement | None
     muted: threading.Event
+    spare: tuple[subprocess.Popen, list[str]] | None = None  # the process, and its output's label
 
     def start_all(self, cmd: list[str], env: dict[str, str], fds: list[int]) -> list[subprocess.Popen]:
         procs: list[subprocess.Popen] = []
@@ -164,10 +181,42 @@ class _Ranks:
             cmd, renv = self.placement(rank, list(cmd), renv)
         if rank == 0:
             return spawn.start(cmd, renv, pass_fds=fds)
-        p = spawn.start(cmd, renv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=fds)
+        return self._piped(cmd, renv, fds, [str(rank)])
+
+    def _piped(
+        self, cmd: list[str], env: dict[str, str], fds: list[int], label: list[str], **popen
+    ) -> subprocess.Popen:
+        p = spawn.start(cmd, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=fds, **popen)
         for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-            threading.Thread(target=_pump, args=(stream, sink, rank, self.muted), daemon=True).start()
+            threading.Thread(target=_pump, args=(stream, sink, label, self.muted), daemon=True).start()
         return p
+
+    def keep_spare(self, cmd: list[str], env: dict[str, str], fds: list[int]) -> None:
+        if self.spare is None or self.spare[0].poll() is not None:
+            label = ["spare"]
+            self.spare = (self._piped([*cmd, SPARE_FLAG], env, fds, label, stdin=subprocess.PIPE), label)
+
+    def take_spare(self, rank: int, env: dict[str, str]) -> subprocess.Popen | None:
+        """The spare, told to be ``rank`` with ``env`` (it reopens the box descriptors named there
+        through ``/proc/<launcher>/fd``); None when there is none alive."""
+        if self.spare is None or self.spare[0].poll() is not None:
+            return None
+        (proc, label), self.spare = self.spare, None
+        try:
+            proc.stdin.write(
+                (json.dumps(spawn.rank_env(env, rank, self.n, local_launcher=True)) + "\n").encode()
+            )
+            proc.stdin.close()
+        except OSError:  # it died just now
+            spawn.stop([proc])
+            return None
+        label[0] = str(rank)
+        return proc
+
+    def drop_spare(self) -> None:
+        if self.spare is not None:
+            spawn.stop([self.spare[0]])
+            self.spare = None
 
 
 # Under --with-ft ulfm every rank's Open MPI warns that its shared-memory one-sided component is
@@ -196,9 +245,9 @@ def _emit(lines: list[bytes]) -> None:
         sys.stderr.flush()
 
 
-def _pump(stream, sink, rank: int, muted: threading.Event) -> None:
+def _pump(stream, sink, label: list[str], muted: threading.Event) -> None:
     for raw in iter(stream.readline, b""):
         if muted.is_set():
             continue  # keep draining, so the rank never blocks on a full pipe
-        sink.write(f"[rank {rank}] {raw.decode(errors='replace')}")
+        sink.write(f"[rank {label[0]}] {raw.decode(errors='replace')}")
         sink.flush()

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from parambox.config import RunConfig
 from parambox.data import BatchSource
 from parambox.runtime import dist as pbdist
+from parambox.runtime.control import SPARE_ENV, current_life
 from parambox.runtime.world import World
 from parambox.strategies import Context, Strategy, build_strategy, strategy_class
 from parambox.strategies.base import map_tensors
@@ -95,9 +96,13 @@ def _loop(run: Run, resume: bool) -> dict[str, Any] | None:
 
 
 def world_record(world: World) -> dict[str, Any]:
-    """Where this rank ran: the first line of its metrics file."""
+    """Where this rank ran, and in which life (a replacement: from a warm spare or not): the first line
+    of its metrics file in each life."""
     keys = ("rank", "world_size", "local_rank", "local_world_size", "node_rank", "num_nodes", "launcher")
-    return {k: getattr(world, k) for k in keys}
+    return {k: getattr(world, k) for k in keys} | {
+        "life": current_life(),
+        "from_spare": os.environ.get(SPARE_ENV) == "1",
+    }
 
 
 def setup(cfg: RunConfig, world: World, run_dir: Path, callables: dict[str, Callable] | None = None) -> Run:
