@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from pydantic import Field, model_validator
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import parameters_to_vector
 
 from parambox.box import Layout
 from parambox.errors import warn
@@ -127,7 +127,11 @@ class Diloco(Strategy):
         self.theta.grad = mean[:numel].clone()
         self.outer.step()
         with torch.no_grad():
-            vector_to_parameters(self.theta.detach(), self.params)
+            # copies (torch's vector_to_parameters would make the parameters views of theta)
+            for p, value in zip(
+                self.params, torch.split(self.theta.detach(), [p.numel() for p in self.params])
+            ):
+                p.copy_(value.view_as(p))
             if float(slots.sum()) > 0:
                 offset = numel
                 for b in self.buffers:
@@ -157,6 +161,7 @@ class Diloco(Strategy):
             **super().state_dict(),
             "outer": self.outer.state_dict(),
             "theta": self.theta.detach().clone(),
+            "round_steps": self.round_steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -165,6 +170,7 @@ class Diloco(Strategy):
             self.theta.data.copy_(state["theta"])
         if "outer" in state:
             self.outer.load_state_dict(state["outer"])
+        self.round_steps = int(state.get("round_steps", 0))
 
     def summary_extra(self) -> dict[str, Any]:
         return {"nonfinite_workers": sorted(self.nonfinite)}
@@ -313,6 +319,7 @@ class AsyncDiloco(AsyncStrategy):
             for r in range(self.num_workers)
             if r != self.world.rank
             and not self.box.read_counter(self.counters.status(r)) & (DONE | LOST | NONFINITE)
+            and not (self.board is not None and self.board.dead(r))
         ]
         return local_steps(self.s_per_step, others, h)
 
