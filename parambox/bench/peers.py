@@ -84,7 +84,9 @@ def torchft_diloco_stepper(
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=world_size) if rank == 0 else None
-    address = _broadcast_text(lighthouse.address() if lighthouse else "")
+    # the lighthouse names itself by host name; it listens on loopback only
+    port = lighthouse.address().rsplit(":", 1)[1] if lighthouse else ""
+    address = _broadcast_text(f"http://127.0.0.1:{port}" if lighthouse else "")
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this replica group's
     inner = make_optimizer(model.parameters())
     nesterov = outer_momentum > 0
