@@ -130,3 +130,16 @@ def test_default_digits_run_reaches_095(preset, tmp_path):
     s = summary(out)
     assert s["final_test_accuracy"] >= 0.95, s["final_test_accuracy"]
     assert s["config"]["optimizer"] == "adamw"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_async_diloco_replaces_a_killed_worker_with_max_restarts(tmp_path):
+    """The replacement pulls theta, starts a fresh round and does the steps its predecessor had not."""
+    out = tmp_path / "run"
+    sets = ["--set", "diloco.asynchronous=true", "--set", "diloco.inner_steps=10", "--max-restarts", "1"]
+    args = ["train", "--strategy", "diloco", *sets, "--steps", "200", "--out", str(out), *FAST]
+    run_cli(*args, env={"PARAMBOX_FAULT": "1:60:kill"})
+    s = summary(out)
+    assert (s["restarts"], s["lost_workers"], s["worker_steps"]) == (1, [], [200, 200])
+    assert s["final_test_accuracy"] >= 0.8
