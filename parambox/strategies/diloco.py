@@ -41,7 +41,7 @@ from pydantic import Field, model_validator
 from torch.nn.utils import parameters_to_vector
 
 from parambox.box import Layout
-from parambox.errors import warn
+from parambox.errors import UserError, warn
 from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
 from parambox.strategies.base import Context, StepResult, Strategy, loss_value, trainable
@@ -66,6 +66,9 @@ class DilocoOptions(AsyncOptions):
         if self.buffer_size is not None and self.momentum_activation > 1 / self.buffer_size:
             raise ValueError("diloco.momentum_activation must be at most 1 / diloco.buffer_size")
         return self
+
+
+ASYNC_ONLY = {"buffer_size", "momentum_activation", "dynamic_inner_steps", "termination", "lost_after_s"}
 
 
 class Diloco(Strategy):
@@ -94,6 +97,11 @@ class Diloco(Strategy):
         self.outer = torch.optim.SGD([self.theta], lr=options.outer_lr, momentum=mu, nesterov=mu > 0)
         self.round_steps = 0
         self.nonfinite: set[int] = set()
+        ignored = sorted(ASYNC_ONLY & options.model_fields_set)
+        if ignored:
+            warn(
+                f"diloco: {', '.join(ignored)} apply to the asynchronous form only (diloco.asynchronous=true)"
+            )
 
     def begin_step(self, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -258,6 +266,8 @@ class AsyncDiloco(AsyncStrategy):
         super().__init__(ctx, options, extra_numel=2 * numel, extra_counters=1 + ctx.world.world_size)
         self.optimizer = ctx.make_optimizer(self.params)
         n = options.buffer_size or self.num_workers
+        if options.momentum_activation > 1 / n:
+            raise UserError(f"diloco.momentum_activation must be at most 1 / buffer_size = {1 / n:g}")
         self.outer = DelayedNesterov(
             self.box,
             self.numel,
