@@ -112,6 +112,7 @@ def torchft_diloco_stepper(
     )
     diloco = DiLoCo(manager, [model], inner, outer, sync_every=sync_every)
     diloco.__enter__()
+    stores = [store]
 
     def step(batch, i):
         x, y = batch
@@ -122,6 +123,7 @@ def torchft_diloco_stepper(
     def close():
         diloco.__exit__(None, None, None)
         manager.shutdown(wait=False)
+        stores.clear()  # the replica group's store lives until here: the Manager holds only its port
         dist.barrier()  # nobody's lighthouse goes before the others are done with it
         if lighthouse is not None:
             lighthouse.shutdown()
