@@ -54,7 +54,7 @@ class RunConfig(BaseModel):
     steps: int = Field(600, ge=1, description="optimizer steps per worker")
     batch_size: int = Field(32, ge=1, description="per-worker batch size")
     lr: float = Field(0.03, gt=0)
-    optimizer: Literal["sgd", "adam", "adagrad"] = "sgd"
+    optimizer: Literal["sgd", "adam", "adamw", "adagrad"] = "sgd"
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     seed: int = Field(0, ge=0)

@@ -58,7 +58,7 @@ class DistributedOptimizer:
     the center weights). Under torchrun, srun or mpiexec it joins the launcher's process group, or
     uses the one you initialised. Any data-parallel strategy: ``allreduce``, ``ps-sync``,
     ``weight-avg``, ``box-sync``, ``downpour``, ``easgd``, ``eamsgd``, ``dynsgd``, ``hogwild``,
-    ``dogwild``, ``hybrid``.
+    ``dogwild``, ``hybrid``, ``diloco``.
 
     >>> model = nn.Linear(4, 2)
     >>> with DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), "easgd") as opt:

@@ -255,3 +255,26 @@ def digits_downpour_adagrad() -> dict[str, Any]:
         "momentum": 0.0,  # Adagrad replaces the local optimizer
         "options": {"downpour": {"n_fetch": 1, "n_push": 1, "adagrad": True}},
     }
+
+
+@register
+def digits_diloco() -> dict[str, Any]:
+    """DiLoCo on the default run: AdamW inner steps as the paper (lr 1e-3), every 10 steps an outer
+    Nesterov step (lr 0.7, momentum 0.9) on the averaged pseudo-gradient, over allreduce (test accuracy
+    0.958-0.972 over seeds 0-2; 0.947 with 20 inner steps)."""
+    return {
+        **digits_allreduce(),
+        "strategy": "diloco",
+        "optimizer": "adamw",
+        "lr": 0.001,
+        "options": {"diloco": {"inner_steps": 10, "outer_lr": 0.7, "outer_momentum": 0.9}},
+    }
+
+
+@register
+def digits_diloco_async() -> dict[str, Any]:
+    """Asynchronous DiLoCo on the default run over the box: each worker pushes its pseudo-gradient when
+    its round ends; Delayed Nesterov (momentum every 2 arrivals) and DyLU (H from each worker's speed).
+    Its accuracy depends on the arrival order: 0.92-0.97 over runs (about half reach 0.95)."""
+    base = digits_diloco()
+    return {**base, "options": {"diloco": {**base["options"]["diloco"], "asynchronous": True}}}

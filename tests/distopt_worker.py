@@ -159,6 +159,8 @@ def anymodel(strategies: list[str], out: Path) -> None:
         strategy, _, form = run.partition("+")
         options = {"tau": 2} if strategy in ("easgd", "eamsgd", "hybrid") else {}
         options.update({"sync": True} if form == "sync" else {})
+        if strategy == "diloco":  # "diloco+async": the asynchronous form over the box
+            options.update(inner_steps=2, asynchronous=form == "async")
         model = build(AnyNet, rank)
         with parambox.DistributedOptimizer(model, make_sgd(model), strategy, options, timeout=60) as opt:
             for step in range(ANYMODEL_STEPS):

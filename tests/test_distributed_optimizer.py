@@ -41,6 +41,7 @@ DATA_PARALLEL = [
     "hogwild",
     "dogwild",
     "hybrid",
+    "diloco",
 ]
 
 
@@ -228,13 +229,13 @@ def test_easgd_every_rank_holds_the_same_model_after_close(numerics_runs):
 def anymodel_runs(tmp_path_factory) -> Path:
     """Every data-parallel strategy in turn, in one torchrun job whose script owns the process group."""
     out = tmp_path_factory.mktemp("anymodel")
-    runs = [*DATA_PARALLEL, "easgd+sync"]
+    runs = [*DATA_PARALLEL, "easgd+sync", "diloco+async"]
     torchrun("tests/distopt_worker.py", "anymodel", ",".join(runs), str(out), timeout=400)
     return out
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("strategy", [*DATA_PARALLEL, "easgd+sync"])
+@pytest.mark.parametrize("strategy", [*DATA_PARALLEL, "easgd+sync", "diloco+async"])
 def test_any_module_through_every_strategy(strategy, anymodel_runs):
     """AnyNet (BatchNorm, tied weight, frozen layer, a branch used every third step), SGD with momentum
     and weight decay: every rank ends with the same model, the frozen layer untouched, the tie kept,
@@ -247,7 +248,7 @@ def test_any_module_through_every_strategy(strategy, anymodel_runs):
     assert max_diff(state, runs[1]["state"]) == 0.0
     before = [run["buffers_before_close"] for run in runs]
     for name, value in before[0].items():
-        mean = value.is_floating_point() and strategy == "weight-avg"
+        mean = value.is_floating_point() and strategy in ("weight-avg", "diloco")  # averaged with the weights
         assert torch.allclose(state[name], (value + before[1][name]) / 2 if mean else value, atol=1e-7)
     assert all(run["tied"] for run in runs)
     assert all(torch.equal(state[k], init[k]) for k in init if k.startswith("frozen."))

@@ -27,6 +27,7 @@ MULTI_PROCESS_TESTS = {
     "dynsgd": "test_async_train.py::test_default_digits_run_reaches_093",
     "hogwild": "test_hogwild_dogwild.py::test_hogwild_rule_each_worker_steps_the_shared_weights_with_its_own_momentum",
     "dogwild": "test_hogwild_dogwild.py::test_dogwild_rule_plain_sgd_applies_every_gradient",
+    "diloco": "test_diloco.py::test_sync_diloco_with_lr_1_and_no_momentum_is_weight_avg",
     "hybrid": "test_hybrid.py::test_hybrid_rule_allreduce_in_group_then_elastic_exchange_of_the_leaders",
     "pipeline": "test_pipeline.py::test_pipeline_gpipe_two_stages_four_microbatches_matches_single",
     "pipeline-dp": "test_pipeline.py::test_pipeline_dp_two_stages_two_groups_matches_single_at_double_batch",

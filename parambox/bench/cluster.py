@@ -73,18 +73,32 @@ class Setup:
         if self.make is not None:
             return self.make(world, steps)
         from parambox.box import BoxConfig
-        from parambox.models import build_model
         from parambox.strategies import Context, build_strategy
         from parambox.training.losses import default_loss
 
-        torch.manual_seed(0)
-        model = build_model("cnn", (3, 32, 32), 10)
-        make_optimizer = lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM)  # noqa: E731
-        ctx = Context(
-            world, model, make_optimizer, default_loss, steps, 300.0, box=BoxConfig(backend=self.box)
-        )
+        # No memory rank: one worker per node trains in every setup (an asynchronous strategy would
+        # otherwise give the last node's rank to holding the box).
+        box = BoxConfig(backend=self.box, **({"memory_ranks": 0} if self.box == "rma" else {}))
+        ctx = Context(world, _cnn(), _make_sgd, default_loss, steps, 300.0, box=box)
         strategy = build_strategy(self.strategy, ctx, dict(self.options))
         return strategy.step, strategy.close
+
+
+def _cnn():
+    from parambox.models import build_model
+
+    torch.manual_seed(0)
+    return build_model("cnn", (3, 32, 32), 10)
+
+
+def _make_sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def _post_local_sgd(world, steps: int):
+    from parambox.bench.peers import post_local_sgd_stepper
+
+    return post_local_sgd_stepper(_cnn(), _make_sgd, period=4)
 
 
 def strategy_setup(name: str, box: str = "shm", what: str = "", **options: Any) -> Setup:
@@ -101,12 +115,23 @@ SETUPS: dict[str, Setup] = {
     "easgd-tau4": strategy_setup("easgd", box="rma", tau=4),
     "easgd-tau16": strategy_setup("easgd", box="rma", tau=16),
     "downpour": strategy_setup("downpour", box="rma"),
+    "post-local-sgd": Setup(
+        "torch PostLocalSGDOptimizer (period 4: weight-avg's peer)", make=_post_local_sgd
+    ),
+    "diloco": strategy_setup("diloco", inner_steps=16),
+    "diloco-async": strategy_setup(
+        "diloco",
+        box="rma",
+        what="parambox diloco, asynchronous over the rma box (Delayed Nesterov, DyLU, inner_steps 16)",
+        inner_steps=16,
+        asynchronous=True,
+    ),
     "hybrid": strategy_setup(
         "hybrid", box="rma", what="parambox hybrid (groups = nodes: with 1 worker per node, EASGD tau 4)"
     ),
     "ceiling": Setup("the same processes, never communicating", make=lambda world, steps: plain_stepper()),
 }
-REFERENCES = ("ddp", "ceiling")  # not candidates for best_setup
+REFERENCES = ("ddp", "ceiling", "post-local-sgd")  # not parambox's: not candidates for best_setup
 LOOPBACK_SETUPS = ["ddp", "ceiling"]
 
 
@@ -252,6 +277,10 @@ def summarize(data: dict, loopback: dict[str, list[float]]) -> dict[str, Any]:
         return {n: paired_ratio(per_round[n], per_round[ref]) for n in names if n != ref and ref in per_round}
 
     out["ratio_vs_ddp"], out["ratio_vs_ceiling"] = ratios("ddp"), ratios("ceiling")
+    if {"weight-avg", "post-local-sgd"} <= set(per_round):
+        out["ratio_weight_avg_vs_post_local_sgd"] = paired_ratio(
+            per_round["weight-avg"], per_round["post-local-sgd"]
+        )
     if {"ddp", "ceiling"} <= set(per_round) and {"ddp", "ceiling"} <= set(loopback):
         on_link = paired_ratio(per_round["ddp"], per_round["ceiling"])
         out["ddp_vs_loopback"] = on_link / paired_ratio(loopback["ddp"], loopback["ceiling"])

@@ -28,7 +28,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--nodes", type=int, default=None, help="emulated nodes, one worker each (default 2)"
     )
     cluster.add_argument("--gbps", default=None, help="link rates in Gbit/s, comma list (default 1,0.1)")
-    cluster.add_argument("--setups", default=None, help="comma list of setups (default: all)")
+    cluster.add_argument("--setups", default=None, help="comma list of setups (cluster, sync; default: all)")
     p.add_argument(
         "--quick", action="store_true", help="a short form for tests (cluster, chaos): checks, no figures"
     )
@@ -58,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _cluster_options(args: argparse.Namespace) -> dict:
     given = {k: getattr(args, k) for k in ("nodes", "gbps", "setups") if getattr(args, k) is not None}
-    if given and args.which != "cluster":
+    if args.which == "sync" and set(given) == {"setups"}:
+        pass  # bench sync picks setups too
+    elif given and args.which != "cluster":
         raise UserError(f"--{'/--'.join(given)} apply to bench cluster only")
     if "gbps" in given:
         try:

@@ -26,6 +26,7 @@ STRATEGIES: dict[str, str] = {
     "hogwild": "parambox.strategies.hogwild:Hogwild",
     "dogwild": "parambox.strategies.dogwild:Dogwild",
     "hybrid": "parambox.strategies.hybrid:Hybrid",
+    "diloco": "parambox.strategies.diloco:Diloco",
     "pipeline": "parambox.strategies.pipeline:Pipeline",
     "pipeline-dp": "parambox.strategies.pipeline:PipelineDataParallel",
     "sandblaster": "parambox.strategies.sandblaster:Sandblaster",

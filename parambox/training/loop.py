@@ -160,6 +160,8 @@ def make_optimizer_factory(cfg: RunConfig):
             return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         if cfg.optimizer == "adam":
             return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        if cfg.optimizer == "adamw":  # decoupled weight decay (--weight-decay), DiLoCo's inner optimizer
+            return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         return torch.optim.Adagrad(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     return make
