@@ -101,6 +101,7 @@ class PortionFarm:
         # result from a rank proves it has received everything sent to it before.
         self.sends: dict[int, list[tuple[dist.Work, torch.Tensor]]] = {r: [] for r in remote}
         self.portion_time: dict[int, list[float]] = {}  # rank -> [seconds, portions] after its first
+        self.bytes_in = 0  # message bytes the coordinator received (results), over the run
         self.receiver: threading.Thread | None = None
         if remote:
             self.receiver = threading.Thread(target=self._receive, name="sandblaster-rx", daemon=True)
@@ -123,6 +124,7 @@ class PortionFarm:
                 if buf[0] == BYE:
                     left -= 1
                 else:
+                    self.bytes_in += buf.numel() * buf.element_size()
                     self.results.put((src, buf))
         except Exception as e:  # the main thread turns this into a clear error
             self.results.put((-1, e))

@@ -170,7 +170,8 @@ class Sandblaster(Strategy):
         self.g: torch.Tensor | None = None
         self.data_loss = self.last_data_loss = float("nan")
         self.batch_key: list[float] | None = None
-        self.totals = {"evals": 0, "backups": 0, "backup_wins": 0}  # over the run, for summary.json
+        # Over the run, for summary.json; bytes_to_coordinator: message bytes rank 0 received.
+        self.totals = {"evals": 0, "backups": 0, "backup_wins": 0, "bytes_to_coordinator": 0}
         remote = list(range(1, self.world.world_size))
         self.farm = PortionFarm(remote, self.numel, self.ctx.timeout_s, opts.backup, self.group)
         if opts.coordinator_computes:
@@ -181,6 +182,7 @@ class Sandblaster(Strategy):
             (batch, bounds),
             {"evals": 0.0, "batch_s": 0.0, "backups": 0.0, "backup_wins": 0.0},
         )
+        bytes0 = self.farm.bytes_in
         w = parameters_to_vector(self.params).detach().clone()
         key = _fingerprint(batch)
         if self.f is None or self.batch_key is None or not _same(key, self.batch_key):
@@ -200,7 +202,9 @@ class Sandblaster(Strategy):
         stats = self.step_stats
         for k in ("evals", "backups", "backup_wins"):
             self.totals[k] += int(stats[k])
+        self.totals["bytes_to_coordinator"] += self.farm.bytes_in - bytes0
         extra = {"objective": objective, "step_size": t, **stats}
+        extra["bytes_to_coordinator"] = float(self.farm.bytes_in - bytes0)
         extra["batch_s"] = stats["batch_s"] / max(stats["evals"], 1.0)
         extra.update({f"portion_s_rank{r}": s for r, s in self.farm.mean_portion_seconds().items()})
         return StepResult(loss, batch_size(batch), self.timers.pop(), extra)
