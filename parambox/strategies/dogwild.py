@@ -373,6 +373,8 @@ class _Master:
         with self.changed:
             self.closing = True
             self.changed.notify_all()
+            self.owner.x.copy_(self.w)  # rank 0's replica ends as every worker's: the result
+            self.used_version = self.version
         deadline = time.monotonic() + self.owner.lost_after_s
         for r, t in self.senders.items():
             if r not in self.lost:
