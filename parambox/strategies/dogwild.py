@@ -463,6 +463,9 @@ class _Peer:
             self._send(HALT, loss, 0, step)
             return
         self._send(GRAD, loss, samples, step + 1)
+        if self.on_host:  # the message is in flight: no .grad may point into it until begin_step
+            for p in owner.params:
+                p.grad = None
 
     def _settle(self, k: int) -> None:
         """Wait until message buffer ``k``'s last send has been taken (back-pressure)."""
