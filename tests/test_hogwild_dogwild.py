@@ -204,12 +204,15 @@ def test_dogwild_nan_worker_is_reported_and_its_gradient_never_applied(tmp_path)
 
 @pytest.mark.timeout(60)
 def test_dogwild_killed_worker_is_found_lost(tmp_path):
-    """Rank 1 dies at its step 1, after its step 0 was applied: rank 0 sees its process gone and
-    finishes without it."""
+    """Rank 1 dies at its step 1: rank 0 sees its process gone and finishes without it. Workers do
+    not wait for their sends, so the step-0 gradient, in flight when it died, may or may not have
+    arrived: the weights hold exactly the gradients rank 0 counted (closed form either way)."""
     res = run_forked(maker(Dogwild, DogwildOptions()), tmp_path, faults={1: ("kill", 1)})
     assert set(res) == {0} and res[0]["lost_workers"] == [1]
-    assert torch.equal(torch.tensor(res[0]["weights"]), W0.flatten() - LR * (STEPS * grad(0) + grad(1)))
-    assert res[0]["worker_steps"] == [STEPS, 1]
+    got = res[0]["worker_steps"]
+    assert got[0] == STEPS and got[1] in (0, 1)
+    expected = W0.flatten() - LR * (STEPS * grad(0) + got[1] * grad(1))
+    assert torch.equal(torch.tensor(res[0]["weights"]), expected)
 
 
 @pytest.mark.timeout(60)
