@@ -241,7 +241,8 @@ def test_dogwild_master_shares_every_update_with_all_workers(tmp_path):
 def test_dogwild_worker_never_waits_for_weights(tmp_path):
     """Rank 0's weights messages each leave 1 s late: the worker still does its steps at once, on the
     weights it has (the old protocol waited for a reply every step: >= 3 s), and all gradients land."""
-    res = run_forked(maker(Dogwild, DogwildOptions()), tmp_path, faults={0: ("slow_broadcast", 1.0)})
+    opts = DogwildOptions(max_ahead=None)  # the default bound (1) would wait from step 2 on
+    res = run_forked(maker(Dogwild, opts), tmp_path, faults={0: ("slow_broadcast", 1.0)})
     assert res[1]["loop_s"] < 0.8, res[1]["loop_s"]
     expected = W0.flatten() - LR * STEPS * (grad(0) + grad(1))
     assert torch.equal(torch.tensor(res[0]["weights"]), expected)

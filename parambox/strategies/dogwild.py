@@ -12,8 +12,12 @@ every gradient live on rank 0; every process computes on a replica ``x``.
 
 A worker's step: adopt the newest weights received so far (if newer than ``x``: no wait), compute
 ``g`` on ``x``, ``isend`` it to rank 0 (two-sided torch.distributed point-to-point over gloo) and go
-on. It never waits for weights: a thread of its own receives the broadcasts into two buffers (one
-being filled, the newest complete one), and ``begin_step`` copies the newest into ``x``. Gradients
+on. There is no per-step wait for weights: a thread of its own receives the broadcasts into two
+buffers (one being filled, the newest complete one), and ``begin_step`` copies the newest into ``x``.
+Staleness is bounded (``max_ahead``, default 1): a worker waits only when more than that many of its
+gradients are missing from the newest weights it holds (each broadcast says how many of that
+worker's gradients rank 0 has taken), so a fast worker overlaps a step with its gradient's round
+trip but never runs away from the master; ``max_ahead=none`` never waits. Gradients
 go out from two alternating message buffers (backward accumulates straight into them), so a send
 overlaps the next step's computation; a worker waits only when rank 0 has not yet taken the
 gradient it sent two steps ago (back-pressure, which bounds staleness when the master falls behind).
@@ -38,7 +42,7 @@ weights to every worker that is still there, so every replica ends equal to the 
 applying it, so ``w`` stays finite.
 
 Messages (float32, host memory): ``[gradient | kind, version used, loss, samples, steps done]``;
-broadcasts ``[weights | version, staleness, final]``. They travel over gloo also when the run's
+broadcasts ``[weights | version, staleness, final, gradients taken from this worker]``. They travel over gloo also when the run's
 backend is nccl (a gloo group of their own: NCCL has no receive-from-any); GPU gradients and weights
 are staged through the host buffers.
 """
@@ -64,7 +68,7 @@ from parambox.runtime.spawn import identity_gone, process_identity
 from parambox.strategies.base import Context, GradViews, Options, StepResult, Strategy, loss_value
 
 GRAD, FINAL, HALT = 0.0, 1.0, 2.0  # message kinds (the first element after the gradient)
-HEADER, BCAST_HEADER = 5, 3
+HEADER, BCAST_HEADER = 5, 4
 _POLL_S = 0.05
 _FOREVER = timedelta(days=365)  # a worker's broadcast receiver: rank 0 may rightly stay quiet for long
 
@@ -72,6 +76,14 @@ _FOREVER = timedelta(days=365)  # a worker's broadcast receiver: rank 0 may righ
 class DogwildOptions(Options):
     lost_after_s: float | None = Field(
         None, gt=0, description="a worker silent this long is lost (default: --timeout)"
+    )
+    max_ahead: int | None = Field(
+        1,
+        ge=0,
+        description=(
+            "a worker waits for weights only when more than this many of its gradients are not in "
+            "the newest weights it has (bounded staleness); none: it never waits"
+        ),
     )
 
 
@@ -232,6 +244,7 @@ class _Master:
         self.steps = dict.fromkeys(range(n), 0)  # steps done per rank, as each last said
         self.samples = dict.fromkeys(range(n), 0)  # their samples
         self.last_staleness = dict.fromkeys(range(n), 0)  # of each rank's last applied gradient
+        self.taken = dict.fromkeys(range(n), 0)  # gradient messages received per rank (applied or not)
         self.broadcasts = dict.fromkeys(self.workers, 0)  # weight messages sent per worker
         self.done: set[int] = set()  # sent FINAL or HALT
         self.halted: set[int] = set()
@@ -310,6 +323,8 @@ class _Master:
                 self.samples[src] += int(msg[numel + 3])
             else:
                 warn(f"rank 0: dropped a non-finite gradient from rank {src}")
+                self.publish()  # the sender's count moved: its bounded wait must hear of it
+            self.taken[src] += 1
 
     # -- one sender per worker ------------------------------------------------------------------------------
     def _broadcast_to(self, r: int) -> None:
@@ -331,7 +346,8 @@ class _Master:
                     return
                 final = self.closing
                 buf[:numel].copy_(self.w)
-                buf[numel:] = torch.tensor([float(self.version), float(self.last_staleness[r]), float(final)])
+                header = [self.version, self.last_staleness[r], final, self.taken[r]]
+                buf[numel:] = torch.tensor([float(v) for v in header])
                 sent = self.version
             if not self._send(buf, r) or final:
                 return
@@ -405,6 +421,9 @@ class _Peer:
         self.newest: int | None = None  # the inbox buffer holding the newest complete broadcast
         self.lock = threading.Lock()
         self.final = threading.Event()
+        self.arrived = threading.Event()  # a broadcast came since the last look
+        self.sent = 0  # gradients sent
+        self.acked = 0  # of which the newest weights adopted hold (or rank 0 dropped)
         self.error: str | None = None
         self.version = 0  # the version of the weights in x
         self.adopted = 0  # broadcasts copied into x
@@ -423,6 +442,7 @@ class _Peer:
                 final = bool(self.inbox[k][numel + 2])
                 with self.lock:
                     self.newest, k = k, 1 - k
+                self.arrived.set()
                 if final:
                     self.final.set()
                     return
@@ -439,6 +459,7 @@ class _Peer:
             buf = self.inbox[self.newest]
             version = int(buf[numel])
             owner.staleness = float(buf[numel + 1])
+            self.acked = int(buf[numel + 3])
             if version != self.version:
                 owner.x.copy_(buf[:numel])
                 self.version = version
@@ -447,6 +468,10 @@ class _Peer:
     # -- the step ----------------------------------------------------------------------------------------
     def begin_step(self) -> None:
         self._adopt()
+        ahead = self.owner.options.max_ahead
+        if ahead is not None and self.sent - self.acked > ahead:
+            with self.owner.timers.phase("wait_weights"):
+                self._await_weights(ahead)
         k = self.cur
         self._settle(k)
         if self.on_host:
@@ -454,6 +479,17 @@ class _Peer:
             self.grads[k].rebind_()
         else:
             self.owner.model.zero_grad(set_to_none=True)
+
+    def _await_weights(self, ahead: int) -> None:
+        """Bounded staleness: until the newest weights hold all but ``ahead`` of this worker's gradients."""
+        deadline = time.monotonic() + self.owner.ctx.timeout_s
+        while self.sent - self.acked > ahead:
+            self.arrived.wait(_POLL_S)
+            self.arrived.clear()
+            self._adopt()
+            if self.error is not None or time.monotonic() > deadline:
+                why = self.error or f"none came in {self.owner.ctx.timeout_s:.0f} s"
+                raise CommTimeout(f"dogwild: waiting for weights from rank 0 ({why})")
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> None:
         owner, numel, msg = self.owner, self.owner.layout.numel, self.msgs[self.cur]
@@ -463,6 +499,7 @@ class _Peer:
             self._send(HALT, loss, 0, step)
             return
         self._send(GRAD, loss, samples, step + 1)
+        self.sent += 1
         if self.on_host:  # the message is in flight: no .grad may point into it until begin_step
             for p in owner.params:
                 p.grad = None
