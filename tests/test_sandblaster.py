@@ -14,6 +14,13 @@ from parambox.data import load_dataset
 from parambox.models import build_model
 from parambox.strategies.sandblaster.lbfgs import LBFGSHistory, LineSearch, lbfgs_iteration
 from parambox.strategies.sandblaster.portions import PortionScheduler
+from parambox.strategies.sandblaster.shards import (
+    G,
+    LocalOps,
+    ShardedHistory,
+    W,
+    sharded_lbfgs_iteration,
+)
 from tests.conftest import final_weights, run_cli, summary
 
 
@@ -131,6 +138,25 @@ def test_armijo_reaches_torch_strong_wolfe_minimum():
     assert f == pytest.approx(float(objective(w_torch.detach())), abs=1e-7)
 
 
+@pytest.mark.parametrize("line_search", ["none", "armijo"])
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_sharded_iteration_is_lbfgs_iteration_on_shards(line_search, num_shards):
+    """The coordinator's vector operations on shards give lbfgs.py's iterates (up to the order in
+    which a dot product's shard sums are added), history wrap-around included."""
+    _, evaluate = _logistic_problem(1e-2)
+    ls = LineSearch(line_search)
+    w, hist = torch.zeros(10), LBFGSHistory(3)
+    f, g = evaluate(w)
+    ops, shist = LocalOps(torch.zeros(10), evaluate, num_shards, history_size=3), ShardedHistory(3)
+    f_s = ops.evaluate(W, G)
+    for i in range(12):
+        w, f, g, t, n = lbfgs_iteration(evaluate, w, f, g, hist, lr=0.5, first=i == 0, line_search=ls)
+        f_s, t_s, n_s = sharded_lbfgs_iteration(ops, f_s, shist, lr=0.5, first=i == 0, line_search=ls)
+        assert (n_s, len(shist)) == (n, len(hist)) and t_s == pytest.approx(t, rel=1e-5), i
+        assert torch.allclose(ops.gather(W), w, atol=1e-6) and torch.allclose(ops.gather(G), g, atol=1e-6), i
+        assert f_s == pytest.approx(f, abs=1e-7)
+
+
 # -- tier (c): the distributed run -----------------------------------------------------------------
 def _train_objective(state: dict[str, torch.Tensor], weight_decay: float) -> float:
     ds = load_dataset("digits")
@@ -188,6 +214,34 @@ def test_two_workers_reach_torch_lbfgs_training_loss_and_90_percent(two_workers)
     ds = load_dataset("digits")
     init = build_model("logreg", ds.input_shape, ds.num_classes).state_dict()
     assert _steps(two_workers)[0]["loss"] == pytest.approx(_train_objective(init, 0.0), abs=1e-5)
+
+
+def _bytes_bound(steps: list[dict], num_portions: int, history_size: int, holders: int) -> list[float]:
+    """What a step may send the coordinator, counted from scalars alone: per evaluation at most two
+    copies of every portion's result (5 float32) and the weight-decay dot product, per iteration the
+    two-loop recursion's and the step's reductions (one float64 per remote holder each)."""
+    per_eval = 2 * num_portions * 5 * 4 + 8 * holders
+    per_iteration = 8 * holders * (2 * history_size + 6)
+    return [r["evals"] * per_eval + per_iteration for r in steps]
+
+
+@pytest.mark.timeout(150)
+def test_only_scalars_reach_the_coordinator_whatever_the_model_size(tmp_path):
+    """bytes_to_coordinator per L-BFGS iteration: within a bound made of scalars alone, the same bound
+    for logreg (650 parameters) and lenet (21,386), and below one lenet gradient (85 kB; before the
+    shards every portion brought one)."""
+    for model in ("logreg", "lenet"):
+        out = tmp_path / model
+        run_cli(
+            "train", "--preset", "digits-sandblaster", "--model", model, "--steps", "3", "--eval-every", "0",
+            "--no-progress", "--threads", "1", "--out", str(out),
+        )  # fmt: skip
+        steps, s = _steps(out), summary(out)
+        got = [r["bytes_to_coordinator"] for r in steps]
+        assert all(0 < b <= bound for b, bound in zip(got, _bytes_bound(steps, 16, 10, 1))), got
+        assert max(got) < 21386 * 4
+        assert s["sandblaster_bytes_to_coordinator"] == sum(got)
+        assert s["sandblaster_shard_holders"] == [0, 1]
 
 
 @pytest.mark.slow

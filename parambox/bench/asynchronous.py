@@ -11,9 +11,11 @@ setups:
   ``model.share_memory()`` exactly as the example does and rank 1 maps the very same storages:
   ``share_memory()`` leaves each storage in a POSIX shared-memory file held open by rank 0, whose
   descriptor rank 1 opens through ``/proc/<pid>/fd/<fd>`` (``UntypedStorage.from_file(shared=True)``).
-- ``hogwild``, ``easgd-tau1``, ``easgd-tau4``, ``downpour`` (``n_push`` 1): parambox's own strategy
-  classes, built through ``build_strategy(name, ctx, options)`` as ``parambox train`` builds them,
-  over the ``shm`` box. A strategy that is not in this build is left out.
+- ``hogwild``, ``easgd-tau1``, ``easgd-tau4``, ``downpour`` (``n_push`` 1), ``dogwild``: parambox's own
+  strategy classes, built through ``build_strategy(name, ctx, options)`` as ``parambox train`` builds
+  them, over the ``shm`` box (dogwild over gloo messages: rank 0 is the master and trains too). A
+  strategy that is not in this build is left out. ``ratio_dogwild_vs_hogwild`` (target 0.8): what
+  the messages (weights broadcast to every worker, gradients to the master) cost against shared memory.
 
 Every setup runs in the same two processes; within a round each runs the same number of timed
 steps between two barriers, one after the other, the order rotating each round. The ratios are
@@ -52,12 +54,14 @@ STRATEGY_SETUPS = {  # setup -> (strategy, options)
     "easgd-tau1": ("easgd", {"tau": 1}),
     "easgd-tau4": ("easgd", {"tau": 4}),
     "downpour": ("downpour", {"n_push": 1, "n_fetch": 1}),
+    "dogwild": ("dogwild", {}),
 }
 RATIOS = {  # key -> (numerator, denominator, target or None)
     "ratio_hogwild_vs_plain": ("hogwild", "plain", 1.0),
     "ratio_easgd_tau4_vs_hogwild": ("easgd-tau4", "hogwild", 0.95),
     "ratio_easgd_tau1_vs_hogwild": ("easgd-tau1", "hogwild", 0.95),
     "ratio_downpour_vs_hogwild": ("downpour", "hogwild", None),
+    "ratio_dogwild_vs_hogwild": ("dogwild", "hogwild", 0.8),
     "ratio_rma_memory_vs_sharded": ("easgd-rma-memory", "easgd-rma-sharded", None),
 }
 PLAIN_SHARING = (
@@ -111,7 +115,12 @@ def _strategy_stepper(setup: str, world, steps: int):
     name, options = STRATEGY_SETUPS[setup]
     ctx = Context(world, _build(), _make_optimizer, default_loss, steps, 300.0)
     strategy = build_strategy(name, ctx, options)
-    return (lambda batch, i: strategy.step(batch, i).loss), strategy.close, None
+
+    def close() -> None:  # the protocol's end (dogwild's threads and final weights), then release
+        strategy.finish()
+        strategy.close()
+
+    return (lambda batch, i: strategy.step(batch, i).loss), close, None
 
 
 def available_setups() -> list[str]:

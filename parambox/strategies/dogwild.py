@@ -1,31 +1,50 @@
-"""``dogwild``: a master holds the weights, applies each worker's gradient as it arrives, sends weights back.
+"""``dogwild``: a master applies each gradient as it arrives and shares the new weights with every worker.
 
-The message-passing counterpart of the box strategies (Dogwild: distributed Hogwild by messages).
+The message-passing counterpart of the box strategies (Dogwild: distributed Hogwild by messages), as
+the survey describes it: "the master process updates the global weights whenever it receives
+gradients from the slave processes concurrently, and shares the updated weights with all the slave
+processes at once. Each slave process updates the most recently received weights with the gradients
+which is explored by itself, and sends the gradients to the master."
+
 Rank 0 is the master and trains too, so ``--workers N`` gives N processes computing gradients (the
 default digits run with 2 workers has two). The weights ``w`` and the one optimizer that applies
 every gradient live on rank 0; every process computes on a replica ``x``.
 
-A worker's step: compute ``g`` on ``x``, ``isend`` it to rank 0 (two-sided torch.distributed
-point-to-point over gloo), wait for the weights rank 0 sends back after applying ``g``, ``x <- w``.
+A worker's step: adopt the newest weights received so far (if newer than ``x``: no wait), compute
+``g`` on ``x``, ``isend`` it to rank 0 (two-sided torch.distributed point-to-point over gloo) and go
+on. There is no per-step wait for weights: a thread of its own receives the broadcasts into two
+buffers (one being filled, the newest complete one), and ``begin_step`` copies the newest into ``x``.
+Staleness is bounded (``max_ahead``, default 1): a worker waits only when more than that many of its
+gradients are missing from the newest weights it holds (each broadcast says how many of that
+worker's gradients rank 0 has taken), so a fast worker overlaps a step with its gradient's round
+trip but never runs away from the master; ``max_ahead=none`` never waits. Gradients
+go out from two alternating message buffers (backward accumulates straight into them), so a send
+overlaps the next step's computation; a worker waits only when rank 0 has not yet taken the
+gradient it sent two steps ago (back-pressure, which bounds staleness when the master falls behind).
 
-Rank 0 serves in a thread: it blocks in ``irecv(src=None)`` (receive from any source; gloo cannot
-poll a pending receive), applies the gradient with the optimizer (``optimizer.step()`` on ``w``),
-and ``isend``s the fresh weights, with the version and the gradient's staleness, to that worker.
-Between its own forward/backward passes rank 0's main thread applies its own gradient the same way
-and refreshes its replica; a lock keeps the two threads from stepping the optimizer together. The
-replica is not ``w`` itself, so a gradient applied mid-backward never invalidates autograd's saved
-tensors. Optimizer state (momentum) exists once, on rank 0, so no learning-rate scaling is needed
-beyond what staleness asks for (about one update here: the others' gradients applied meanwhile).
+Rank 0 serves in threads. One blocks in ``irecv(src=None)`` (receive from any source; gloo cannot
+poll a pending receive) and applies each gradient with the optimizer (``optimizer.step()`` on ``w``,
+the version goes up). One sender per worker shares the weights: whenever the version moved, it copies
+``w`` (under the lock) and sends it, with the version and the staleness of that worker's last
+applied gradient. Updates that land while a send is in flight are coalesced: the next send carries
+the newest weights, so a slow link or a slow worker gets fewer, fresher messages and never a queue.
+Rank 0's main thread applies its own gradient the same way between its forward/backward passes and
+refreshes its replica; a lock keeps the threads from stepping the optimizer together. The replica
+is not ``w`` itself, so a gradient applied mid-backward never invalidates autograd's saved tensors.
+Optimizer state (momentum) exists once, on rank 0.
 
-Termination: every process does its steps. A worker's last message is ``FINAL``; in ``finish``
-rank 0 waits until each worker has sent it, has halted, or is lost: silent for ``lost_after_s``
-(default ``--timeout``), or its process gone (same host). A worker whose loss or gradient is not
-finite sends ``HALT`` instead of the gradient and leaves the run; rank 0 checks every gradient
-again before applying it, so ``w`` stays finite.
-Messages (float32, host memory): ``[gradient | kind, version used, loss, samples, steps done]``; replies
-``[weights | version, staleness]``. They travel over gloo also when the run's backend is nccl (a
-gloo group of their own: NCCL has no receive-from-any); GPU gradients and weights are staged
-through the host buffers.
+Termination: every process does its steps. A worker's last message is ``FINAL``; in ``finish`` rank 0
+waits until each worker has sent it, has halted, or is lost: silent for ``lost_after_s`` (default
+``--timeout``), its process gone (same host), or a send to it failed. Then it sends the final
+weights to every worker that is still there, so every replica ends equal to the result; a worker's
+``finish`` waits for them (up to ``--timeout``). A worker whose loss or gradient is not finite sends
+``HALT`` instead of the gradient and leaves the run; rank 0 checks every gradient again before
+applying it, so ``w`` stays finite.
+
+Messages (float32, host memory): ``[gradient | kind, version used, loss, samples, steps done]``;
+broadcasts ``[weights | version, staleness, final, gradients taken from this worker]``. They travel over gloo also when the run's
+backend is nccl (a gloo group of their own: NCCL has no receive-from-any); GPU gradients and weights
+are staged through the host buffers.
 """
 
 from __future__ import annotations
@@ -43,24 +62,33 @@ from pydantic import Field
 from torch import nn
 
 from parambox.box import Layout
-from parambox.errors import warn
+from parambox.errors import CommTimeout, warn
 from parambox.numerics import is_finite
 from parambox.runtime.spawn import identity_gone, process_identity
 from parambox.strategies.base import Context, GradViews, Options, StepResult, Strategy, loss_value
 
 GRAD, FINAL, HALT = 0.0, 1.0, 2.0  # message kinds (the first element after the gradient)
-HEADER, REPLY_HEADER = 5, 2
+HEADER, BCAST_HEADER = 5, 4
 _POLL_S = 0.05
+_FOREVER = timedelta(days=365)  # a worker's broadcast receiver: rank 0 may rightly stay quiet for long
 
 
 class DogwildOptions(Options):
     lost_after_s: float | None = Field(
         None, gt=0, description="a worker silent this long is lost (default: --timeout)"
     )
+    max_ahead: int | None = Field(
+        1,
+        ge=0,
+        description=(
+            "a worker waits for weights only when more than this many of its gradients are not in "
+            "the newest weights it has (bounded staleness); none: it never waits"
+        ),
+    )
 
 
 class Dogwild(Strategy):
-    """Rank 0 applies gradients as they come and answers with weights; the others send gradients.
+    """Rank 0 applies gradients as they come and shares the weights with all; the others send gradients.
 
     >>> # parambox train --strategy dogwild --workers 3   (rank 0 + 2 workers, all computing)
     """
@@ -86,7 +114,7 @@ class Dogwild(Strategy):
         if self.world.rank == 0:
             self.master = _Master(self, idents)
         else:
-            self.peer = _Peer(self)
+            self.peer = _Peer(self, idents[0])
 
     def begin_step(self, step: int) -> None:
         if self.world.rank == 0:
@@ -121,7 +149,8 @@ class Dogwild(Strategy):
         return self.halted or step >= self.ctx.steps
 
     def finish(self) -> None:
-        """Workers say FINAL; rank 0 serves until every worker is done, halted or lost."""
+        """Workers say FINAL; rank 0 serves until every worker is done, halted or lost, then sends each
+        the final weights, which the workers wait for."""
         if self.world.rank == 0:
             self.master.wait_for_workers()
         else:
@@ -144,12 +173,14 @@ class Dogwild(Strategy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.world.rank == 0 and "master_weights" in state:
-            with self.master.lock:
-                self.master.optimizer.load_state_dict(state["optimizer"])
-                self.master.w.copy_(state["master_weights"])
-                self.x.copy_(self.master.w)
+            m = self.master
+            with m.lock:
+                m.optimizer.load_state_dict(state["optimizer"])
+                m.w.copy_(state["master_weights"])
+                self.x.copy_(m.w)
                 for r, n in enumerate(state.get("worker_steps", torch.zeros(0)).tolist()):
-                    self.master.steps[r] = max(self.master.steps[r], int(n))
+                    m.steps[r] = max(m.steps[r], int(n))
+                m.publish()  # the restored weights go out to every worker at once
 
     def total_samples(self, local: int) -> float:
         """Rank 0: the samples of every gradient it applied (messages carry their sample count)."""
@@ -163,6 +194,7 @@ class Dogwild(Strategy):
             "lost_workers": sorted(m.lost),
             "nonfinite_workers": sorted(m.halted | ({0} if self.halted else set())),
             "worker_steps": [m.steps[r] for r in range(self.world.world_size)],
+            "weights_broadcasts": [m.broadcasts[r] for r in sorted(m.broadcasts)],
         }
 
     def close(self) -> None:
@@ -178,7 +210,7 @@ def _message_group(world_size: int) -> dist.ProcessGroup | None:
 
 
 def _identities(world_size: int, group: dist.ProcessGroup | None) -> list[int]:
-    """Every rank's host hash and pid, so that rank 0 can tell a dead local worker from a slow one."""
+    """Every rank's host hash and pid, so that a rank can tell a dead local peer from a slow one."""
     if world_size == 1:
         return [process_identity()]
     mine = torch.tensor([process_identity()], dtype=torch.int64)
@@ -187,8 +219,12 @@ def _identities(world_size: int, group: dist.ProcessGroup | None) -> list[int]:
     return [int(t) for t in out]
 
 
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
 class _Master:
-    """Rank 0's side: the weights ``w``, the optimizer, the serving thread, the end of the run."""
+    """Rank 0's side: the weights ``w``, the optimizer, the receiving thread, one sender per worker."""
 
     def __init__(self, owner: Dogwild, idents: list[int]):
         self.owner, self.idents = owner, idents
@@ -200,24 +236,38 @@ class _Master:
         self.optimizer = owner.ctx.make_optimizer(self.server_params)
         self.result = copy.deepcopy(self.server)  # what evaluation sees: a copy taken under the lock
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # the version moved, or the run is closing
         self.version = 0
+        self.closing = False
         self.workers = set(range(1, n))
         self.applied = dict.fromkeys(range(n), 0)  # gradients applied per rank
         self.steps = dict.fromkeys(range(n), 0)  # steps done per rank, as each last said
         self.samples = dict.fromkeys(range(n), 0)  # their samples
+        self.last_staleness = dict.fromkeys(range(n), 0)  # of each rank's last applied gradient
+        self.taken = dict.fromkeys(range(n), 0)  # gradient messages received per rank (applied or not)
+        self.broadcasts = dict.fromkeys(self.workers, 0)  # weight messages sent per worker
         self.done: set[int] = set()  # sent FINAL or HALT
         self.halted: set[int] = set()
         self.lost: set[int] = set()
         self.heard = {r: time.monotonic() for r in self.workers}
         self.inbox = torch.empty(numel + HEADER)
         self.staged = None if self.w.device.type == "cpu" else torch.empty_like(self.w)
-        self.replies = {r: torch.empty(numel + REPLY_HEADER) for r in self.workers}
-        self.sends: dict[int, dist.Work] = {}
         self.used_version = 0  # the version rank 0's own replica holds
         self.error: str | None = None
         self.thread = threading.Thread(target=self._serve, name="dogwild-server", daemon=True)
+        self.senders = {
+            r: threading.Thread(target=self._broadcast_to, args=(r,), name=f"dogwild-send-{r}", daemon=True)
+            for r in self.workers
+        }
         if self.workers:
             self.thread.start()
+            for t in self.senders.values():
+                t.start()
+
+    def publish(self) -> None:
+        """``w`` changed: the senders share it (the caller holds the lock)."""
+        self.version += 1
+        self.changed.notify_all()
 
     def _apply_(self, grads: list[torch.Tensor]) -> None:
         """One optimizer step on ``w`` with these gradients (the caller holds the lock)."""
@@ -226,7 +276,7 @@ class _Master:
         self.optimizer.step()
         for p in self.server_params:
             p.grad = None
-        self.version += 1
+        self.publish()
 
     def apply_own(self) -> None:
         """Rank 0's own gradient, then its replica catches up with ``w``."""
@@ -239,7 +289,7 @@ class _Master:
             self.used_version = self.version
         owner.model.zero_grad(set_to_none=True)
 
-    # -- the serving thread ---------------------------------------------------------------------------
+    # -- the receiving thread ---------------------------------------------------------------------------
     def _serve(self) -> None:
         try:
             while self.workers - self.done - self.lost:
@@ -248,7 +298,7 @@ class _Master:
                 work.wait(timeout=timedelta(seconds=self.owner.lost_after_s))
                 self._handle(work._source_rank())
         except Exception as e:  # a timeout (every live worker silent) or a broken connection
-            self.error = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self.error = _first_line(e)
 
     def _handle(self, src: int) -> None:
         numel, msg = self.owner.layout.numel, self.inbox
@@ -256,55 +306,95 @@ class _Master:
         self.steps[src] = max(self.steps[src], int(msg[numel + 4]))
         self.heard[src] = time.monotonic()
         if kind != GRAD:
-            self.done.add(src)
-            if kind == HALT:
-                self.halted.add(src)
+            with self.lock:
+                self.done.add(src)
+                if kind == HALT:
+                    self.halted.add(src)
+                self.changed.notify_all()
             return
-        grad, reply = msg[:numel], self.replies[src]
-        self._wait_send(src)
+        grad = msg[:numel]
         with self.lock:
-            staleness = self.version - used
             if is_finite(grad):  # workers check before sending; this keeps w finite regardless
                 if self.staged is not None:
                     grad = self.staged.copy_(grad)  # GPU weights: the gradient goes over first
+                self.last_staleness[src] = self.version - used
                 self._apply_(list(self.owner.layout.views(grad).values()))
                 self.applied[src] += 1
                 self.samples[src] += int(msg[numel + 3])
             else:
                 warn(f"rank 0: dropped a non-finite gradient from rank {src}")
-            reply[:numel].copy_(self.w)
-            reply[numel], reply[numel + 1] = float(self.version), float(staleness)
-        try:
-            self.sends[src] = dist.isend(reply, dst=src, group=self.owner.pg)
-        except RuntimeError:  # gloo refuses at once when the worker's connection is gone
-            self._mark_lost(src)
+                self.publish()  # the sender's count moved: its bounded wait must hear of it
+            self.taken[src] += 1
 
-    def _wait_send(self, dst: int) -> None:
-        work = self.sends.pop(dst, None)
-        if work is not None:
-            try:
-                work.wait(timeout=timedelta(seconds=self.owner.lost_after_s))
-            except RuntimeError:
-                self._mark_lost(dst)
+    # -- one sender per worker ------------------------------------------------------------------------------
+    def _broadcast_to(self, r: int) -> None:
+        """Send worker ``r`` the newest weights whenever they moved (one message in flight: updates
+        that land meanwhile are coalesced into the next); after the end, the final weights once."""
+        numel = self.owner.layout.numel
+        buf = torch.empty(numel + BCAST_HEADER)
+        sent = 0  # every rank starts from the same weights: version 0 need not travel
+
+        def news() -> bool:
+            if r in self.lost or self.closing:
+                return True
+            return r not in self.done and self.version != sent
+
+        while True:
+            with self.changed:
+                self.changed.wait_for(news)
+                if r in self.lost:
+                    return
+                final = self.closing
+                buf[:numel].copy_(self.w)
+                header = [self.version, self.last_staleness[r], final, self.taken[r]]
+                buf[numel:] = torch.tensor([float(v) for v in header])
+                sent = self.version
+            if not self._send(buf, r) or final:
+                return
+
+    def _send(self, buf: torch.Tensor, r: int) -> bool:
+        """One broadcast message to ``r``; False (and ``r`` is lost) if it cannot be delivered."""
+        try:
+            work = dist.isend(buf, dst=r, group=self.owner.pg)
+            work.wait(timeout=timedelta(seconds=self.owner.lost_after_s))
+        except RuntimeError:  # gloo refuses at once when the worker's connection is gone
+            with self.lock:
+                self._mark_lost(r)
+            return False
+        self.broadcasts[r] += 1
+        return True
 
     def _mark_lost(self, r: int) -> None:
         if r not in self.lost and r not in self.done:
             self.lost.add(r)
+            self.changed.notify_all()
             warn(f"worker rank {r} is lost (it died or stalled); finishing without it")
 
     # -- the end --------------------------------------------------------------------------------------
     def wait_for_workers(self) -> None:
-        """Until every worker has finished, halted or is lost. A serving thread left blocked on a lost
-        worker is a daemon: destroying the process group under it is safe, and nobody will send to it."""
+        """Until every worker has finished, halted or is lost; then the final weights to each worker
+        still there. A thread left blocked on a lost worker is a daemon: destroying the process group
+        under it is safe, and nobody will send to it."""
         while self.workers - self.done - self.lost:
             self.thread.join(_POLL_S)
             now, gave_up = time.monotonic(), not self.thread.is_alive()
-            for r in sorted(self.workers - self.done - self.lost):
-                if gave_up or identity_gone(self.idents[r]) or now - self.heard[r] > self.owner.lost_after_s:
-                    self._mark_lost(r)
-        if not self.thread.is_alive():
-            for dst in list(self.sends):
-                self._wait_send(dst)
+            with self.lock:
+                for r in sorted(self.workers - self.done - self.lost):
+                    if (
+                        gave_up
+                        or identity_gone(self.idents[r])
+                        or now - self.heard[r] > self.owner.lost_after_s
+                    ):
+                        self._mark_lost(r)
+        with self.changed:
+            self.closing = True
+            self.changed.notify_all()
+            self.owner.x.copy_(self.w)  # rank 0's replica ends as every worker's: the result
+            self.used_version = self.version
+        deadline = time.monotonic() + self.owner.lost_after_s
+        for r, t in self.senders.items():
+            if r not in self.lost:
+                t.join(max(0.0, deadline - time.monotonic()))
 
     def snapshot(self) -> nn.Module:
         with self.lock, torch.no_grad():
@@ -316,52 +406,136 @@ class _Master:
 
 
 class _Peer:
-    """A worker's side: one gradient out, one reply back, per step."""
+    """A worker's side: gradients out without waiting, the newest weights in as they come."""
 
-    def __init__(self, owner: Dogwild):
-        self.owner = owner
+    def __init__(self, owner: Dogwild, master_ident: int):
+        self.owner, self.master_ident = owner, master_ident
         numel = owner.layout.numel
-        self.msg = torch.zeros(numel + HEADER)
+        self.msgs = [torch.zeros(numel + HEADER) for _ in range(2)]  # alternate: one may be in flight
+        self.sends: list[dist.Work | None] = [None, None]
+        self.cur = 0
         self.on_host = owner.x.device.type == "cpu"
         if self.on_host:  # backward accumulates straight into the message
-            self.grads = GradViews.of_flat(owner.model, owner.layout, self.msg[:numel])
-        self.reply = torch.empty(numel + REPLY_HEADER)
-        self.version = 0
+            self.grads = [GradViews.of_flat(owner.model, owner.layout, m[:numel]) for m in self.msgs]
+        self.inbox = [torch.empty(numel + BCAST_HEADER) for _ in range(2)]
+        self.newest: int | None = None  # the inbox buffer holding the newest complete broadcast
+        self.lock = threading.Lock()
+        self.final = threading.Event()
+        self.arrived = threading.Event()  # a broadcast came since the last look
+        self.sent = 0  # gradients sent
+        self.acked = 0  # of which the newest weights adopted hold (or rank 0 dropped)
+        self.error: str | None = None
+        self.version = 0  # the version of the weights in x
+        self.adopted = 0  # broadcasts copied into x
         self.steps = 0
+        self.receiver = threading.Thread(target=self._receive, name="dogwild-receive", daemon=True)
+        self.receiver.start()
 
+    # -- the receiving thread -----------------------------------------------------------------------
+    def _receive(self) -> None:
+        """Broadcasts from rank 0 into the buffer that is not the newest, until the final one."""
+        numel, k = self.owner.layout.numel, 0
+        try:
+            while True:
+                work = dist.irecv(self.inbox[k], src=0, group=self.owner.pg)
+                work.wait(timeout=_FOREVER)  # rank 0 is quiet while nothing changes; a dead one errs
+                final = bool(self.inbox[k][numel + 2])
+                with self.lock:
+                    self.newest, k = k, 1 - k
+                self.arrived.set()
+                if final:
+                    self.final.set()
+                    return
+        except Exception as e:
+            self.error = _first_line(e)
+            self.final.set()
+
+    def _adopt(self) -> None:
+        """``x`` := the newest weights received, if they are newer (never waits for any)."""
+        owner, numel = self.owner, self.owner.layout.numel
+        with self.lock:
+            if self.newest is None:
+                return
+            buf = self.inbox[self.newest]
+            version = int(buf[numel])
+            owner.staleness = float(buf[numel + 1])
+            self.acked = int(buf[numel + 3])
+            if version != self.version:
+                owner.x.copy_(buf[:numel])
+                self.version = version
+                self.adopted += 1
+
+    # -- the step ----------------------------------------------------------------------------------------
     def begin_step(self) -> None:
+        self._adopt()
+        ahead = self.owner.options.max_ahead
+        if ahead is not None and self.sent - self.acked > ahead:
+            with self.owner.timers.phase("wait_weights"):
+                self._await_weights(ahead)
+        k = self.cur
+        self._settle(k)
         if self.on_host:
-            self.msg.zero_()
-            self.grads.rebind_()
+            self.msgs[k].zero_()
+            self.grads[k].rebind_()
         else:
             self.owner.model.zero_grad(set_to_none=True)
 
+    def _await_weights(self, ahead: int) -> None:
+        """Bounded staleness: until the newest weights hold all but ``ahead`` of this worker's gradients."""
+        deadline = time.monotonic() + self.owner.ctx.timeout_s
+        while self.sent - self.acked > ahead:
+            self.arrived.wait(_POLL_S)
+            self.arrived.clear()
+            self._adopt()
+            if self.error is not None or time.monotonic() > deadline:
+                why = self.error or f"none came in {self.owner.ctx.timeout_s:.0f} s"
+                raise CommTimeout(f"dogwild: waiting for weights from rank 0 ({why})")
+
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> None:
-        owner, numel = self.owner, self.owner.layout.numel
+        owner, numel, msg = self.owner, self.owner.layout.numel, self.msgs[self.cur]
         if not self.on_host:
-            owner.layout.gather_grads(owner.model, self.msg[:numel])
-        if not owner.finite(loss, [self.msg[:numel]], step):
+            owner.layout.gather_grads(owner.model, msg[:numel])
+        if not owner.finite(loss, [msg[:numel]], step):
             self._send(HALT, loss, 0, step)
             return
-        pending = dist.irecv(self.reply, src=0, group=owner.pg)  # posted first: no unexpected message
         self._send(GRAD, loss, samples, step + 1)
-        with owner.timers.phase("recv"):
-            self._wait(pending, "waiting for fresh weights from rank 0")
-        owner.x.copy_(self.reply[:numel])
-        self.version, owner.staleness = int(self.reply[numel]), float(self.reply[numel + 1])
+        self.sent += 1
+        if self.on_host:  # the message is in flight: no .grad may point into it until begin_step
+            for p in owner.params:
+                p.grad = None
+
+    def _settle(self, k: int) -> None:
+        """Wait until message buffer ``k``'s last send has been taken (back-pressure)."""
+        work, self.sends[k] = self.sends[k], None
+        if work is not None:
+            with self.owner.timers.phase("send"), self.owner.collective("dogwild sending a gradient"):
+                work.wait(timeout=timedelta(seconds=self.owner.ctx.timeout_s))
 
     def _send(self, kind: float, loss: torch.Tensor | None, samples: int, steps: int) -> None:
-        numel = self.owner.layout.numel
+        """The message in the current buffer goes out; the next step fills the other one."""
+        numel, k = self.owner.layout.numel, self.cur
         self.steps = steps
         header = [kind, float(self.version), loss_value(loss), float(samples), float(steps)]
-        self.msg[numel:] = torch.tensor(header)
-        with self.owner.timers.phase("send"):
-            self._wait(dist.isend(self.msg, dst=0, group=self.owner.pg), "sending a gradient")
+        self.msgs[k][numel:] = torch.tensor(header)
+        with self.owner.collective("dogwild sending a gradient"):
+            self.sends[k] = dist.isend(self.msgs[k], dst=0, group=self.owner.pg)
+        self.cur = 1 - k
 
-    def _wait(self, work: dist.Work, phase: str) -> None:
-        with self.owner.collective(f"dogwild {phase}"):
-            work.wait(timeout=timedelta(seconds=self.owner.ctx.timeout_s))
-
+    # -- the end -------------------------------------------------------------------------------------
     def finish(self) -> None:
-        if not self.owner.halted:  # a HALT already told rank 0 that this worker is leaving
+        """Say FINAL (a HALT already said this worker is leaving), then wait for the final weights."""
+        owner = self.owner
+        if not owner.halted:
+            self._settle(self.cur)
             self._send(FINAL, None, 0, self.steps)
+        for k in range(2):
+            self._settle(k)
+        deadline = time.monotonic() + owner.ctx.timeout_s
+        with owner.timers.phase("final_weights"):
+            while not self.final.wait(_POLL_S):
+                if identity_gone(self.master_ident) or time.monotonic() > deadline:
+                    break
+        if self.error is not None or not self.final.is_set():
+            why = self.error or f"none came in {owner.ctx.timeout_s:.0f} s"
+            raise CommTimeout(f"dogwild finish: no final weights from rank 0 ({why})")
+        self._adopt()

@@ -6,10 +6,14 @@ of its own with a replica of the model. Both answer into one queue, so the coord
 into that queue. The coordinator's main thread never computes: it hands out the next portion the
 moment a worker is free.
 
-Messages: a task ``[kind, evaluation, portion, flag]`` to a worker, followed by the weights when its
-copy is older than the evaluation (flag 1); back ``[evaluation, portion, loss sum, samples,
-seconds, gradient sum...]``. A result of an evaluation that is over, or of a portion a copy has
-already returned, is dropped: the first result wins.
+Messages: a task (``TASK_FIELDS`` float64 then one flag per portion: ``[kind, evaluation, portion,
+args...]``) to a worker; back ``[evaluation, portion, loss sum, samples, seconds]``: scalars only.
+The portion's gradient stays where it was computed (``PortionGrads``) until the coordinator says
+which portions each worker won; then the winners' sum goes to the shard holders
+(``strategy.py``), never to the coordinator. The weights of an evaluation reach the workers from
+the shards the same way (an all-gather among the holders, who are the workers). A result of an
+evaluation that is over, or of a portion a copy has already returned, is dropped: the first result
+wins.
 """
 
 from __future__ import annotations
@@ -29,23 +33,46 @@ from torch.nn.utils import vector_to_parameters
 from parambox.errors import CommTimeout
 from parambox.strategies.sandblaster.portions import PortionScheduler, compute_portion
 
-TASK, WEIGHTS, RESULT = 11, 12, 13  # message tags
-COMPUTE, END_STEP = 0.0, 1.0  # task kinds
-HEADER = 2  # evaluation, portion; compute_portion's output follows
+TASK, REPLY, RESULT = 11, 12, 13  # message tags
+COMPUTE, END_STEP = 0.0, 1.0  # task kinds (the vector operations' kinds are in strategy.py)
+TASK_FIELDS = 8  # kind, evaluation, portion or op, five arguments; then one flag per portion
+HEADER = 2  # evaluation, portion; loss sum, samples, seconds follow
+RESULT_LEN = HEADER + 3
 BYE = -1.0  # a result's evaluation field when a worker leaves
 EVAL_IDS = 2**24  # evaluation numbers travel as float32: exact below this
 
 
 @dataclass
 class Evaluation:
-    """Sums over one pass of the batch, and how the pass went."""
+    """Sums over one pass of the batch, which worker's result counted for each portion, how it went."""
 
     loss_sum: float
     samples: int
-    grad_sum: torch.Tensor  # float64
+    winners: dict[int, int]  # portion -> the rank whose result was first (0: the coordinator's thread)
     seconds: float
     backups: int
     backup_wins: int
+
+
+class PortionGrads:
+    """A worker's portion gradients, kept until the coordinator says which of them count."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.grads: dict[tuple[int, int], torch.Tensor] = {}
+
+    def put(self, eval_id: int, portion: int, grad: torch.Tensor) -> None:
+        with self.lock:
+            self.grads[(eval_id, portion)] = grad
+
+    def take_sum(self, eval_id: int, portions: list[int], numel: int) -> torch.Tensor:
+        """The float64 sum of this evaluation's ``portions``; every gradient of it (and older) goes."""
+        total = torch.zeros(numel, dtype=torch.float64)
+        with self.lock:
+            for p in portions:
+                total += self.grads[(eval_id, p)].double()
+            self.grads = {k: v for k, v in self.grads.items() if k[0] > eval_id}
+        return total
 
 
 class LocalWorker:
@@ -55,6 +82,7 @@ class LocalWorker:
         self.model = copy.deepcopy(model)  # the main thread's model may change while this computes
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.loss_fn, self.results, self.slow_factor = loss_fn, results, slow_factor
+        self.grads = PortionGrads()
         self.tasks: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="sandblaster-local", daemon=True)
         self.thread.start()
@@ -69,7 +97,8 @@ class LocalWorker:
                 if weights is not None:
                     vector_to_parameters(weights.to(self.params[0].device), self.params)
                 out = compute_portion(self.model, self.loss_fn, batch, bounds[portion], self.slow_factor)
-                self.results.put((0, torch.cat([torch.tensor([float(eval_id), float(portion)]), out])))
+                self.grads.put(eval_id, portion, out[3:])
+                self.results.put((0, torch.cat([torch.tensor([float(eval_id), float(portion)]), out[:3]])))
             except Exception as e:  # the main thread raises it
                 self.results.put((-1, e))
                 return
@@ -85,12 +114,12 @@ class PortionFarm:
     def __init__(
         self,
         remote: list[int],
-        numel: int,
+        num_portions: int,
         timeout_s: float,
         backup: bool = True,
         group: dist.ProcessGroup | None = None,
     ):
-        self.remote, self.numel, self.timeout_s, self.backup = remote, numel, timeout_s, backup
+        self.remote, self.num_portions, self.timeout_s, self.backup = remote, num_portions, timeout_s, backup
         self.group = group  # a gloo group (None: the default group, gloo on CPU)
         self.results: queue.Queue = queue.Queue()
         self.local: LocalWorker | None = None
@@ -101,6 +130,7 @@ class PortionFarm:
         # result from a rank proves it has received everything sent to it before.
         self.sends: dict[int, list[tuple[dist.Work, torch.Tensor]]] = {r: [] for r in remote}
         self.portion_time: dict[int, list[float]] = {}  # rank -> [seconds, portions] after its first
+        self.bytes_in = 0  # message bytes the coordinator received (results, operation replies), over the run
         self.receiver: threading.Thread | None = None
         if remote:
             self.receiver = threading.Thread(target=self._receive, name="sandblaster-rx", daemon=True)
@@ -118,11 +148,12 @@ class PortionFarm:
         left = len(self.remote)
         try:
             while left:
-                buf = torch.empty(HEADER + 3 + self.numel)
+                buf = torch.empty(RESULT_LEN)
                 src = dist.recv(buf, tag=RESULT, group=self.group)
                 if buf[0] == BYE:
                     left -= 1
                 else:
+                    self.bytes_in += buf.numel() * buf.element_size()
                     self.results.put((src, buf))
         except Exception as e:  # the main thread turns this into a clear error
             self.results.put((-1, e))
@@ -133,23 +164,26 @@ class PortionFarm:
         t0 = time.perf_counter()
         self.eval_id = (self.eval_id + 1) % EVAL_IDS
         sched = PortionScheduler(len(batch[1]), backup=self.backup)
-        total = torch.zeros(2 + self.numel, dtype=torch.float64)  # loss sum, samples, gradient sum
+        total = torch.zeros(2, dtype=torch.float64)  # loss sum, samples
+        winners: dict[int, int] = {}
         free = [r for r in self.workers if r not in self.busy]
         while not sched.done:
             self._dispatch(sched, free, weights, batch)
-            self._collect(sched, total, free)
+            self._collect(sched, total, free, winners)
         return Evaluation(
             float(total[0]),
             int(total[1]),
-            total[2:],
+            winners,
             time.perf_counter() - t0,
             sched.backups,
             sched.backup_wins,
         )
 
     def _dispatch(
-        self, sched: PortionScheduler, free: list[int], weights: torch.Tensor, batch: tuple
+        self, sched: PortionScheduler, free: list[int], weights: torch.Tensor | None, batch: tuple
     ) -> None:
+        """Portions to free workers; the remote ones hold this evaluation's weights already (the
+        all-gather among the holders), the coordinator's thread gets them with its first task."""
         while free:
             portion = sched.next_for(free[0])
             if portion is None:
@@ -161,13 +195,11 @@ class PortionFarm:
             if r == 0:
                 self.local.submit(self.eval_id, portion, weights if fresh else None, batch)
                 continue
-            self._send(
-                torch.tensor([COMPUTE, self.eval_id, portion, float(fresh)], dtype=torch.float64), r, TASK
-            )
-            if fresh:
-                self._send(weights, r, WEIGHTS)
+            self.send_task(r, [COMPUTE, self.eval_id, portion])
 
-    def _collect(self, sched: PortionScheduler, total: torch.Tensor, free: list[int]) -> None:
+    def _collect(
+        self, sched: PortionScheduler, total: torch.Tensor, free: list[int], winners: dict[int, int]
+    ) -> None:
         """Wait for one result, then take every other that has arrived."""
         block = True
         while True:
@@ -185,20 +217,32 @@ class PortionFarm:
             self._delivered(src)
             self.busy.discard(src)
             free.append(src)
-            self._record(sched, total, src, int(buf[0]), int(buf[1]), buf[HEADER:])
+            self._record(sched, total, winners, src, int(buf[0]), int(buf[1]), buf[HEADER:])
 
-    def _record(self, sched, total: torch.Tensor, rank: int, eval_id: int, portion: int, out: torch.Tensor):
+    def _record(self, sched, total, winners, rank: int, eval_id: int, portion: int, out: torch.Tensor):
         seconds = self.portion_time.setdefault(rank, [0.0, -1])  # the first portion pays set-up costs
         if seconds[1] >= 0:
             seconds[0] += float(out[2])
         seconds[1] += 1
         if eval_id == self.eval_id and sched.complete(rank, portion):
-            total[:2] += out[:2].double()
-            total[2:] += out[3:].double()
+            total += out[:2].double()
+            winners[portion] = rank
 
     # -- messages -------------------------------------------------------------------------------
+    def send_task(self, dst: int, fields: list[float], flags: list[float] | None = None) -> None:
+        """``[fields... | per-portion flags]`` as one float64 task message (fixed length)."""
+        task = torch.zeros(TASK_FIELDS + self.num_portions, dtype=torch.float64)
+        task[: len(fields)] = torch.tensor(fields, dtype=torch.float64)
+        if flags is not None:
+            task[TASK_FIELDS : TASK_FIELDS + len(flags)] = torch.tensor(flags, dtype=torch.float64)
+        self._send(task, dst, TASK)
+
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self.sends[dst].append((dist.isend(tensor, dst, tag=tag, group=self.group), tensor))
+
+    def delivered(self, r: int) -> None:
+        """A message from ``r`` came: it has received everything sent to it before."""
+        self._delivered(r)
 
     def _delivered(self, r: int) -> None:
         for work, _ in self.sends.get(r, []):
@@ -208,7 +252,7 @@ class PortionFarm:
     def end_step(self, loss: float) -> None:
         """Tell every rank the step is over (a busy one reads it after its current portion)."""
         for r in self.remote:
-            self._send(torch.tensor([END_STEP, 0.0, 0.0, loss], dtype=torch.float64), r, TASK)
+            self.send_task(r, [END_STEP, 0.0, 0.0, loss])
 
     def mean_portion_seconds(self) -> dict[int, float]:
         return {r: s / n for r, (s, n) in sorted(self.portion_time.items()) if n > 0}

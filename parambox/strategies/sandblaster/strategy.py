@@ -1,17 +1,31 @@
 """``sandblaster``: DistBelief's batch method, distributed L-BFGS driven by a coordinator.
 
-Every rank holds the batch (in DistBelief the data lives with the workers); what travels is
-small commands, weights and gradients. For each evaluation of the objective the coordinator
-(rank 0) cuts the batch into ``num_portions`` portions, more than there are workers, and hands
-them one at a time to whichever worker is free, so fast workers take more. When no fresh portion
-is left, a worker that falls idle gets a copy of a portion still running elsewhere (a *backup
-task*) and the first result wins: one slow machine does not hold the batch up. The coordinator
-sums the gradients, adds the weight-decay term and runs L-BFGS (``lbfgs.py``: two-loop recursion,
-Armijo line search or none); a line search may evaluate several points per step. By default the
-coordinator also computes portions between dispatches: on a small machine every core counts.
+Every rank holds the batch (in DistBelief the data lives with the workers). For each evaluation of
+the objective the coordinator (rank 0) cuts the batch into ``num_portions`` portions, more than
+there are workers, and hands them one at a time to whichever worker is free, so fast workers take
+more. When no fresh portion is left, a worker that falls idle gets a copy of a portion still running
+elsewhere (a *backup task*) and the first result wins: one slow machine does not hold the batch up.
+By default the coordinator also computes portions between dispatches: on a small machine every
+core counts.
 
-The dispatch policy is ``portions.py``, the coordinator's messaging ``farm.py``; this module holds
-the L-BFGS step and the workers' side. ``--set sandblaster.slow_worker=RANK:FACTOR`` makes one worker
+The vectors live on the shards, and only scalars travel to the coordinator (DistBelief's central
+point). The shard holders are the computing workers (rank 0's thread among them unless
+``coordinator_computes=false``); holder ``k`` keeps shard ``k`` of the iterate, the gradient, the
+direction and the L-BFGS history (``shards.py``). The coordinator runs L-BFGS (two-loop recursion,
+Armijo line search or none) as a sequence of vector operations it sends to the holders (``axpby``;
+``dot``, ``amax``, ``asum``, answered by one float per holder). An evaluation: the holders all-gather
+the point to evaluate (every worker needs the whole model to compute a portion); portions go out
+and come back as ``[loss sum, samples, seconds]``; then the coordinator tells each worker which of
+its portions won, the workers all-reduce the winners' gradient sums among themselves, and each holder
+keeps its shard, scaled and with the weight-decay term added. ``bytes_to_coordinator`` (per step in
+metrics.jsonl, over the run in summary.json) counts what rank 0 receives as the coordinator: results
+and operation replies, a few dozen bytes per portion and operation, whatever the model's size. (With
+``coordinator_computes=true``, rank 0 is also a worker and a holder, and takes part in those
+collectives as every worker does; with ``false`` it receives nothing else.) A collective waits for a
+slow worker's portion in flight, at most one portion per evaluation.
+
+The dispatch policy is ``portions.py``, the coordinator's messaging ``farm.py``, the sharded L-BFGS
+``shards.py``; this module holds the L-BFGS step and the workers' side. ``--set sandblaster.slow_worker=RANK:FACTOR`` makes one worker
 take FACTOR times as long per portion (it sleeps), to show the backups at work.
 """
 
@@ -24,11 +38,34 @@ import torch.distributed as dist
 from pydantic import Field, field_validator
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from parambox.box.layout import shard_range
 from parambox.errors import UserError
 from parambox.strategies.base import Context, Options, StepResult, Strategy, batch_size, map_tensors
-from parambox.strategies.sandblaster.farm import BYE, END_STEP, HEADER, RESULT, TASK, WEIGHTS, PortionFarm
-from parambox.strategies.sandblaster.lbfgs import LBFGSHistory, LineSearch, lbfgs_iteration
+from parambox.strategies.sandblaster.farm import (
+    BYE,
+    COMPUTE,
+    END_STEP,
+    REPLY,
+    RESULT,
+    RESULT_LEN,
+    TASK,
+    TASK_FIELDS,
+    PortionFarm,
+    PortionGrads,
+)
+from parambox.strategies.sandblaster.lbfgs import LineSearch
 from parambox.strategies.sandblaster.portions import compute_portion, portion_bounds
+from parambox.strategies.sandblaster.shards import (
+    G,
+    ShardedHistory,
+    ShardStore,
+    W,
+    num_slots,
+    sharded_lbfgs_iteration,
+)
+
+GATHER, REDUCE, AXPBY, REDUCTION = 2.0, 3.0, 4.0, 5.0  # task kinds: the vector operations
+REDUCTIONS = ("dot", "amax", "asum")
 
 
 def parse_slow_worker(spec: str) -> tuple[int, float]:
@@ -90,6 +127,18 @@ class Sandblaster(Strategy):
         self.group = None
         if dist.is_initialized() and dist.get_backend() != "gloo":
             self.group = dist.new_group(backend="gloo")
+        n = self.world.world_size
+        self.holders = list(range(n)) if options.coordinator_computes else list(range(1, n))
+        self.hgroup = self.group
+        if len(self.holders) < n:  # the coordinator holds no shard: the workers' own group
+            self.hgroup = dist.new_group(self.holders, backend="gloo")
+        self.bounds = [shard_range(self.numel, k, len(self.holders)) for k in range(len(self.holders))]
+        self.store: ShardStore | None = None
+        if self.world.rank in self.holders:
+            start, stop = self.bounds[self.holders.index(self.world.rank)]
+            self.store = ShardStore(start, stop, num_slots(options.history_size))
+            self.store.v[W].copy_(parameters_to_vector(self.params).detach().cpu()[start:stop])
+        self.grads = PortionGrads()  # a remote worker's portion gradients
         self.farm: PortionFarm | None = None
         if self.world.rank == 0:
             self._init_coordinator()
@@ -115,45 +164,113 @@ class Sandblaster(Strategy):
         return self._serve(batch, bounds)
 
     def _serve(self, batch: Any, bounds: list[tuple[int, int]]) -> StepResult:
-        """A worker: compute the portions the coordinator sends until it ends the step."""
-        task, computed, busy = torch.empty(4, dtype=torch.float64), 0, 0.0
-        weights = torch.empty(self.numel)
+        """A worker: compute the portions and run the vector operations the coordinator sends, in
+        order, until it ends the step."""
+        task = torch.empty(TASK_FIELDS + self.options.num_portions, dtype=torch.float64)
+        computed, busy = 0, 0.0
         while True:
             with self.timers.phase("wait_task"), self.collective("sandblaster task"):
                 dist.recv(task, src=0, tag=TASK, group=self.group)
-            kind, eval_id, portion, flag = task.tolist()
+            kind, eval_id, portion, *args = task[:TASK_FIELDS].tolist()
             if kind == END_STEP:
                 extra = {"portions_computed": float(computed), "compute_s": busy}
-                return StepResult(flag, 0, self.timers.pop(), extra)
-            if flag:  # the weights of this evaluation follow
-                with self.timers.phase("weights"), self.collective("sandblaster weights"):
-                    dist.recv(weights, src=0, tag=WEIGHTS, group=self.group)
-                vector_to_parameters(weights.to(self.params[0].device), self.params)
+                return StepResult(args[0], 0, self.timers.pop(), extra)
+            if kind != COMPUTE:
+                self._vector_op(kind, int(eval_id), int(portion), args, task[TASK_FIELDS:])
+                continue
             out = compute_portion(
                 self.model, self.ctx.loss_fn, batch, bounds[int(portion)], self._my_slow_factor()
             )
+            self.grads.put(int(eval_id), int(portion), out[3:])
             computed, busy = computed + 1, busy + float(out[2])
             with self.timers.phase("send_result"), self.collective("sandblaster result"):
                 dist.send(
-                    torch.cat([torch.tensor([eval_id, portion]), out]), dst=0, tag=RESULT, group=self.group
+                    torch.cat([torch.tensor([eval_id, portion]), out[:3]]),
+                    dst=0,
+                    tag=RESULT,
+                    group=self.group,
                 )
+
+    def _vector_op(self, kind: float, eval_id: int, op: int, args: list[float], flags: torch.Tensor) -> None:
+        """One operation on this holder's shards (a worker; the coordinator calls the parts itself)."""
+        store = self.store
+        if kind == GATHER:
+            with self.timers.phase("gather"):
+                full = self.all_gather(int(args[0]))
+            vector_to_parameters(full.to(self.params[0].device), self.params)
+        elif kind == REDUCE:
+            won = [p for p, f in enumerate(flags.tolist()) if f]
+            with self.timers.phase("reduce"):
+                self.reduce(self.grads, eval_id, won, int(args[0]), int(args[1]), args[2], args[3])
+        elif kind == AXPBY:
+            c, alpha, a, beta, b = args
+            store.axpby(int(c), alpha, int(a), beta, int(b))
+        else:
+            value = torch.tensor(
+                [store.reduce(REDUCTIONS[op], int(args[0]), int(args[1]))], dtype=torch.float64
+            )
+            with self.collective("sandblaster reply"):
+                dist.send(value, dst=0, tag=REPLY, group=self.group)
+
+    # -- collectives among the shard holders ---------------------------------------------------------
+    def all_gather(self, slot: int, everyone: bool = False) -> torch.Tensor:
+        """The whole vector in ``slot`` from the holders' shards (collective over the holders, or with
+        ``everyone`` over every rank, where a rank that holds no shard contributes nothing)."""
+        sizes = [b - a for a, b in self.bounds]
+        width = max(sizes)
+        mine = torch.zeros(width)
+        if self.store is not None:
+            mine[: self.store.v.shape[1]] = self.store.v[slot]
+        members = list(range(self.world.world_size)) if everyone else self.holders
+        if len(members) == 1:
+            parts = [mine]
+        else:
+            parts = [torch.empty(width) for _ in members]
+            with self.collective("sandblaster all-gather"):
+                dist.all_gather(parts, mine, group=self.group if everyone else self.hgroup)
+        by_rank = dict(zip(members, parts))
+        return torch.cat([by_rank[r][:n] for r, n in zip(self.holders, sizes)])
+
+    def reduce(
+        self, grads: PortionGrads, eval_id: int, won: list[int], dst: int, src: int, samples: float, wd: float
+    ) -> None:
+        """Shard of ``dst`` := (the sum of every worker's winning portion gradients) / samples + wd * ``src``:
+        the winners' sums are all-reduced among the holders, each keeps its shard."""
+        total = grads.take_sum(eval_id, won, self.numel)
+        if len(self.holders) > 1:
+            with self.collective("sandblaster gradient all-reduce"):
+                dist.all_reduce(total, group=self.hgroup)
+        store = self.store
+        mean = (total[store.start : store.stop] / samples).float()
+        store.v[dst].copy_(mean + wd * store.v[src])
 
     def finish(self) -> None:
         if self.world.rank == 0:
             with self.collective("sandblaster shutdown"):
                 self.farm.close()
         else:  # tells the coordinator's receiving thread that this rank sends nothing more
-            bye = torch.zeros(HEADER + 3 + self.numel)
+            bye = torch.zeros(RESULT_LEN)
             bye[0] = BYE
             with self.collective("sandblaster bye"):
                 dist.send(bye, dst=0, tag=RESULT, group=self.group)
+
+    def eval_model(self) -> torch.nn.Module | None:
+        """The iterate, gathered from the shards into rank 0's model (collective: every rank calls it)."""
+        w = self.all_gather(W, everyone=True)
+        if self.world.rank != 0:
+            return None
+        vector_to_parameters(w.to(self.params[0].device), self.params)
+        return self.model
 
     def summary_extra(self) -> dict[str, Any]:
         if self.farm is None:
             return {}
         per_rank = self.farm.mean_portion_seconds()
+        per_iteration = self.totals["bytes_to_coordinator"] / max(self.iteration, 1)
         return {f"sandblaster_{k}": v for k, v in self.totals.items()} | {
-            "sandblaster_portion_s": {str(r): s for r, s in per_rank.items()}
+            "sandblaster_bytes_to_coordinator_per_iteration": per_iteration,
+            "sandblaster_shard_holders": self.holders,
+            "sandblaster_portion_s": {str(r): s for r, s in per_rank.items()},
         }
 
     def close(self) -> None:
@@ -163,80 +280,140 @@ class Sandblaster(Strategy):
     # -- the coordinator ------------------------------------------------------------------------
     def _init_coordinator(self) -> None:
         opts = self.options
-        self.history = LBFGSHistory(opts.history_size)
+        self.history = ShardedHistory(opts.history_size)
         self.line_search = LineSearch(opts.line_search, max_evals=opts.max_evals)
         self.iteration = 0
         self.f: float | None = None
-        self.g: torch.Tensor | None = None
         self.data_loss = self.last_data_loss = float("nan")
         self.batch_key: list[float] | None = None
-        self.totals = {"evals": 0, "backups": 0, "backup_wins": 0}  # over the run, for summary.json
+        # Over the run, for summary.json; bytes_to_coordinator: message bytes rank 0 received.
+        self.totals = {"evals": 0, "backups": 0, "backup_wins": 0, "bytes_to_coordinator": 0}
         remote = list(range(1, self.world.world_size))
-        self.farm = PortionFarm(remote, self.numel, self.ctx.timeout_s, opts.backup, self.group)
+        self.farm = PortionFarm(remote, opts.num_portions, self.ctx.timeout_s, opts.backup, self.group)
         if opts.coordinator_computes:
             self.farm.add_local(self.model, self.ctx.loss_fn, self._my_slow_factor())
+        self.ops = _HolderOps(self)
 
     def _coordinate(self, batch: Any, bounds: list[tuple[int, int]]) -> StepResult:
         self.batch, self.step_stats = (
             (batch, bounds),
             {"evals": 0.0, "batch_s": 0.0, "backups": 0.0, "backup_wins": 0.0},
         )
-        w = parameters_to_vector(self.params).detach().clone()
+        bytes0 = self._bytes_in()
         key = _fingerprint(batch)
         if self.f is None or self.batch_key is None or not _same(key, self.batch_key):
-            self.f, self.g = self._evaluate(w)  # a new batch: f and g at w on it
+            self.f = self.ops.evaluate(W, G)  # a new batch: f and g at w on it
             self.data_loss = self.last_data_loss
         self.batch_key = key
         loss, objective = self.data_loss, self.f
-        w, self.f, self.g, t, _ = lbfgs_iteration(
-            self._evaluate, w, self.f, self.g, self.history,
+        self.f, t, _ = sharded_lbfgs_iteration(
+            self.ops, self.f, self.history,
             lr=self.options.lr, first=self.iteration == 0, line_search=self.line_search,
         )  # fmt: skip
         if t > 0:  # the last point evaluated is the one accepted
             self.data_loss = self.last_data_loss
-        vector_to_parameters(w, self.params)
         self.iteration += 1
         self.farm.end_step(loss)
         stats = self.step_stats
         for k in ("evals", "backups", "backup_wins"):
             self.totals[k] += int(stats[k])
+        moved = self._bytes_in() - bytes0
+        self.totals["bytes_to_coordinator"] += moved
         extra = {"objective": objective, "step_size": t, **stats}
+        extra["bytes_to_coordinator"] = float(moved)
         extra["batch_s"] = stats["batch_s"] / max(stats["evals"], 1.0)
         extra.update({f"portion_s_rank{r}": s for r, s in self.farm.mean_portion_seconds().items()})
         return StepResult(loss, batch_size(batch), self.timers.pop(), extra)
 
-    def _evaluate(self, w: torch.Tensor) -> tuple[float, torch.Tensor]:
-        """The objective (mean loss + weight decay) and its gradient at ``w``: one farmed-out pass."""
-        ev = self.farm.evaluate(w.detach().to("cpu", copy=True), self.batch)  # must not change: sent
-        stats = self.step_stats
+    def _bytes_in(self) -> int:
+        """Message bytes rank 0 has received as the coordinator: portion results and replies."""
+        return self.farm.bytes_in + self.ops.bytes_in
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {} if self.store is None else {"shard": self.store.state_dict()}
+        if self.world.rank == 0:
+            state.update(
+                history=self.history.state_dict(),
+                iteration=self.iteration,
+                f=self.f,
+                data_loss=self.data_loss,
+                batch_key=self.batch_key,
+            )
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        if self.store is not None and "shard" in state:
+            self.store.load_state_dict(state["shard"])
+        if self.world.rank == 0 and "history" in state:
+            self.history.load_state_dict(state["history"])
+            self.iteration = int(state["iteration"])
+            self.f, self.data_loss = state["f"], float(state["data_loss"])
+            self.batch_key = state["batch_key"]
+
+
+class _HolderOps:
+    """The coordinator's :class:`~parambox.strategies.sandblaster.shards.Ops`: each operation goes to
+    every remote holder as a task (in order with the portions), runs on rank 0's own shard here, and
+    the reductions come back as one float64 per holder."""
+
+    def __init__(self, sb: Sandblaster):
+        self.sb, self.farm = sb, sb.farm
+        self.remote = [r for r in sb.holders if r != 0]
+        self.local = sb.store  # rank 0's shard, if it holds one
+        self.bytes_in = 0  # the replies' bytes (the farm's receiving thread counts the results')
+
+    def axpby(self, c: int, alpha: float, a: int, beta: float, b: int) -> None:
+        for r in self.remote:
+            self.farm.send_task(r, [AXPBY, 0, 0, c, alpha, a, beta, b])
+        if self.local is not None:
+            self.local.axpby(c, alpha, a, beta, b)
+
+    def _reduction(self, op: str, a: int, b: int = 0) -> list[float]:
+        for r in self.remote:
+            self.farm.send_task(r, [REDUCTION, 0, REDUCTIONS.index(op), a, b])
+        values = [] if self.local is None else [self.local.reduce(op, a, b)]
+        reply = torch.empty(1, dtype=torch.float64)
+        for r in self.remote:
+            with self.sb.collective(f"sandblaster {op} reply"):
+                dist.recv(reply, src=r, tag=REPLY, group=self.sb.group)
+            self.bytes_in += reply.numel() * reply.element_size()
+            self.farm.delivered(r)
+            values.append(float(reply))
+        return values
+
+    def dot(self, a: int, b: int) -> float:
+        return sum(self._reduction("dot", a, b))
+
+    def amax(self, a: int) -> float:
+        return max(self._reduction("amax", a))
+
+    def asum(self, a: int) -> float:
+        return sum(self._reduction("asum", a))
+
+    def evaluate(self, src: int, dst: int) -> float:
+        """The objective (mean loss + weight decay) at ``src``; its gradient into ``dst`` on the shards."""
+        sb, farm = self.sb, self.farm
+        for r in self.remote:
+            farm.send_task(r, [GATHER, 0, 0, src])
+        weights = sb.all_gather(src) if self.local is not None else None  # the coordinator's thread's
+        ev = farm.evaluate(weights, sb.batch)
+        eval_id, num = farm.eval_id, sb.options.num_portions
+        for r in self.remote:
+            flags = [float(ev.winners.get(p) == r) for p in range(num)]
+            farm.send_task(r, [REDUCE, eval_id, 0, dst, src, ev.samples, sb.weight_decay], flags)
+        if self.local is not None:
+            won = [p for p, r in sorted(ev.winners.items()) if r == 0]
+            sb.reduce(farm.local.grads, eval_id, won, dst, src, ev.samples, sb.weight_decay)
+        stats = sb.step_stats
         stats["evals"] += 1
         stats["batch_s"] += ev.seconds
         stats["backups"] += ev.backups
         stats["backup_wins"] += ev.backup_wins
-        self.last_data_loss = ev.loss_sum / ev.samples
-        g = (ev.grad_sum / ev.samples).to(w.dtype).to(w.device) + self.weight_decay * w
-        return self.last_data_loss + 0.5 * self.weight_decay * float(w.dot(w)), g
-
-    # -- checkpoints ----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        if self.world.rank != 0:
-            return {}
-        return {
-            "history": self.history.state_dict(),
-            "iteration": self.iteration,
-            "f": self.f,
-            "g": self.g,
-            "data_loss": self.data_loss,
-            "batch_key": self.batch_key,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.world.rank != 0 or not state:
-            return
-        self.history.load_state_dict(state["history"])
-        self.iteration = int(state["iteration"])
-        self.f, self.g, self.data_loss = state["f"], state["g"], float(state["data_loss"])
-        self.batch_key = state["batch_key"]
+        sb.last_data_loss = ev.loss_sum / ev.samples
+        return sb.last_data_loss + 0.5 * sb.weight_decay * self.dot(src, src)
 
 
 def _fingerprint(batch: Any) -> list[float]:
