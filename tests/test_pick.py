@@ -116,6 +116,22 @@ def test_attribution_sums_to_the_log_time_ratio_and_names_what_dominates():
     assert pm.reason(pm.predict(1000, None, top.cost), top, "top", None).startswith("convergence per sample")
 
 
+def test_time_to_target_leaves_out_the_evaluation_pauses(tmp_path):
+    from parambox.studies.pick.runs import Measured
+
+    # steps every 10 ms, evaluations after steps 2 and 4 taking 50 ms each; the second reaches 0.9.
+    steps = [
+        {"step": 1, "time": 0.01},
+        {"step": 2, "time": 0.02},
+        {"step": 3, "time": 0.08},
+        {"step": 4, "time": 0.09},
+    ]
+    evals = [{"step": 2, "time": 0.07, "test_accuracy": 0.5}, {"step": 4, "time": 0.14, "test_accuracy": 0.9}]
+    m = Measured(tmp_path, steps, evals)
+    assert m.time_to(0.9) == pytest.approx((0.04, 0.14))
+    assert m.time_to(0.95) is None
+
+
 def test_validation_ratios_and_confidence():
     v = summarize_validation({"a": 6.0, "b": 5.0, "allreduce": 12.0}, "a", "allreduce")
     assert v["best_measured"] == "b"

@@ -2,9 +2,9 @@
 on the launcher and emulated cluster of the base config, read back from their ``metrics.jsonl``.
 
 A probe runs its few steps to the end. A run *to the target* evaluates every few steps and is stopped
-(its whole process group, as Ctrl-C would) once rank 0 logs a test accuracy at or above the target;
-its time to target is that evaluation's ``time`` (seconds since the run's own clock started: start-up
-excluded, evaluations included). ``run_to_target`` is the one function validation depends on, so
+(Ctrl-C to its launcher) once rank 0 logs a test accuracy at or above the target. Its time to target
+is the training time until the step before that evaluation: the run's own clock (start-up excluded)
+less rank 0's evaluation pauses, the basis the predictions are on too (``reached_wall_s`` keeps them). ``run_to_target`` is the one function validation depends on, so
 the time-to-accuracy study can take its place.
 """
 
@@ -36,7 +36,8 @@ class Measured:
     steps: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
     error: str | None = None
-    reached_s: float | None = None  # seconds to the target accuracy (runs to the target)
+    reached_s: float | None = None  # training seconds to the target accuracy, evaluations left out
+    reached_wall_s: float | None = None  # the same with the evaluations' pauses in
 
     @property
     def samples_per_step(self) -> float | None:
@@ -55,6 +56,22 @@ class Measured:
     def samples_to(self, target: float) -> float | None:
         c = self.curve("test_accuracy")
         return samples_to_accuracy(c.samples, c.values, target)
+
+    def time_to(self, target: float) -> tuple[float, float] | None:
+        """(training seconds, seconds) to the first evaluation at ``target``: the first leaves out rank 0's
+        evaluation pauses before it (each from the step record to the eval record after it), as the
+        predictions do; None when no evaluation got there."""
+        hit = next((e for e in self.evals if e.get("test_accuracy", 0.0) >= target), None)
+        if hit is None:
+            return None
+        step_time = {r["step"]: r["time"] for r in self.steps}
+        at = step_time.get(hit["step"], hit["time"])
+        pauses = sum(
+            e["time"] - step_time[e["step"]]
+            for e in self.evals
+            if e["step"] < hit["step"] and e["step"] in step_time
+        )
+        return at - pauses, hit["time"]
 
     def staleness(self) -> float | None:
         values = [r["staleness"] for r in self.steps if isinstance(r.get("staleness"), int | float)]
@@ -101,14 +118,15 @@ def _run(config: dict[str, Any], run_dir: Path, timeout_s: float, target: float 
         # A session of its own: stopping it stops the run's workers (and its cluster) too.
         proc = spawn.start(cmd, env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            code = _wait(proc, run_dir, target, time.monotonic() + timeout_s, out)
+            code = _wait(proc, run_dir, target, time.monotonic() + timeout_s)
             if proc.poll() is None:
                 interrupt(proc)
         finally:
             spawn.stop([proc])
     out.steps, out.evals = read_metrics(run_dir)
-    if target is not None and out.reached_s is None:
-        out.reached_s = next((e["time"] for e in out.evals if e.get("test_accuracy", 0) >= target), None)
+    reached = out.time_to(target) if target is not None else None
+    if reached is not None:
+        out.reached_s, out.reached_wall_s = reached
     if code == "timeout":
         out.error = f"ran past {timeout_s:.0f} s"
     elif code not in (0, "reached"):
@@ -128,16 +146,14 @@ def interrupt(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         pass  # the caller's spawn.stop finishes the job
 
 
-def _wait(proc, run_dir: Path, target: float | None, deadline: float, out: Measured):
+def _wait(proc, run_dir: Path, target: float | None, deadline: float):
     while True:
         code = proc.poll()
         if code is not None:
             return code
         if target is not None:
             _, evals = read_metrics(run_dir)
-            hit = next((e for e in evals if e.get("test_accuracy", 0) >= target), None)
-            if hit is not None:
-                out.reached_s = hit["time"]
+            if any(e.get("test_accuracy", 0.0) >= target for e in evals):
                 return "reached"
         if time.monotonic() > deadline:
             return "timeout"

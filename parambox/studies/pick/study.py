@@ -103,6 +103,7 @@ def run_pick(s: PickSettings, say: Say = print) -> dict[str, Any]:
             "strategy": REFERENCE,
             "samples_to_target": s_ref,
             "time_to_target_s": ref.reached_s,
+            "time_to_target_with_evaluations_s": ref.reached_wall_s,
             "run_dir": str(ref.run_dir),
         },
         "model": {"time": "samples to target / samples per second", "assumptions": ASSUMPTIONS},
@@ -160,6 +161,10 @@ def _reference(s: PickSettings, base: dict[str, Any]) -> runs.Measured:
     if ref.error:
         raise UserError(
             f"the reference run ({REFERENCE}) failed: {ref.error} (log: {ref.run_dir / 'train.log'})"
+        )
+    if not any("test_accuracy" in e for e in ref.evals):
+        raise UserError(
+            "the workload's evaluations report no test accuracy: pick needs a classifier's accuracy"
         )
     if ref.samples_to(s.target) is None:
         best = max((e.get("test_accuracy", 0.0) for e in ref.evals), default=0.0)
@@ -284,6 +289,7 @@ def _validated(label: str, p: pm.Prediction | None, m: runs.Measured) -> dict[st
     return {
         "setup": label,
         "measured_s": m.reached_s,
+        "measured_with_evaluations_s": m.reached_wall_s,
         "predicted_s": None if p is None else p.seconds,
         "steps": m.steps[-1]["step"] if m.steps else 0,
         "error": m.error,
