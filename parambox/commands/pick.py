@@ -40,7 +40,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     a("--quick", action="store_true", help="short probes (8 steps) for tests: the JSON's keys, no figures")
     a("--probe-steps", type=int, help="steps of each probe (default 40)")
     a("--eval-every", type=int, help="steps between evaluations of every run (default 4)")
-    a("--run-timeout", type=float, default=900.0, help="seconds one run may take (default 900)")
+    a("--run-timeout", type=float, default=900.0, help="seconds a run to the target may take (default 900)")
+    a("--probe-timeout", type=float, default=180.0, help="seconds a probe may take (default 180)")
     a("--emulate-nodes", type=int, metavar="N", help="every run on N emulated nodes (needs root)")
     a("--link-gbps", type=float, metavar="G", help="the emulated nodes' links in Gbit/s")
     a("--preset", default="digits-allreduce", help="the workload's base config (default digits-allreduce)")
@@ -62,8 +63,9 @@ def settings_from_args(args: argparse.Namespace):
     for key, value in sizes.items():
         if value is not None and value < 1:
             raise UserError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
-    if args.run_timeout <= 0:
-        raise UserError(f"--run-timeout must be > 0, got {args.run_timeout}")
+    for flag, value in (("--run-timeout", args.run_timeout), ("--probe-timeout", args.probe_timeout)):
+        if not value > 0:
+            raise UserError(f"{flag} must be > 0, got {value}")
     flags = {f: getattr(args, f) for f in RUN_FLAGS if getattr(args, f) is not None}
     cluster = {"nodes": args.emulate_nodes, "link_gbps": args.link_gbps}
     flags["cluster"] = {k: v for k, v in cluster.items() if v is not None}
@@ -83,6 +85,7 @@ def settings_from_args(args: argparse.Namespace):
         strategies=only,
         validate=args.validate,
         run_timeout_s=args.run_timeout,
+        probe_timeout_s=args.probe_timeout,
         **sizes,
     )
 

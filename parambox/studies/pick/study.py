@@ -49,6 +49,7 @@ class PickSettings:
     validate: bool = False
     num_validated: int = 3
     run_timeout_s: float = 900.0
+    probe_timeout_s: float = 180.0  # a probe is a few dozen steps: one that hangs is given up soon
 
     @property
     def probe_workers(self) -> int:
@@ -185,7 +186,7 @@ def _probe(s: PickSettings, base: dict[str, Any], cand: Candidate) -> tuple[Cand
 
     def probe(c: Candidate) -> runs.Measured:
         cfg = merge(c.config(base), {"steps": s.probe_steps})
-        return runs.run_probe(cfg, s.out / "probes" / c.slug, s.run_timeout_s)
+        return runs.run_probe(cfg, s.out / "probes" / c.slug, s.probe_timeout_s)
 
     measured = probe(cand)
     if measured.error and "--box rma" in measured.error and cand.box is None:
