@@ -173,10 +173,17 @@ def _accepts(name: str, n: int) -> bool:
     return strategy_class(name).accepts_workers(n)
 
 
-def test_candidate_config_keeps_the_users_own_options_table():
-    base = {"strategy": "allreduce", "options": {"easgd": {"alpha": 0.2}}, "box": {"backend": "shm"}}
-    cfg = Candidate("easgd", {"tau": 4, "alpha": 0.1}, box="rma").config(base)
-    assert cfg["strategy"] == "easgd" and cfg["options"]["easgd"] == {"tau": 4, "alpha": 0.2}
+def test_candidate_settings_come_from_presets_of_the_same_workload_and_the_user_wins():
+    base = {"model": "lenet", "data": "digits", "lr": 0.03, "momentum": 0.9, "options": {}}
+    hogwild = registry_candidates(2, ["hogwild"], base)
+    assert hogwild == [Candidate("hogwild", {}, {"lr": 0.015})]  # its preset halves the default run's lr
+    assert registry_candidates(2, ["hogwild"], {**base, "model": "mlp"}) == [Candidate("hogwild")]
+    mine = hogwild[0].overridden({"n_push": 2}, fixed={"lr"})
+    assert mine == Candidate("hogwild", {"n_push": 2}) and mine.label == "hogwild n_push=2"
+    cfg = Candidate("easgd", {"tau": 4}, {"lr": 0.01}, box="rma").config(
+        {"strategy": "allreduce", "lr": 0.03, "options": {}, "box": {"backend": "shm"}}
+    )
+    assert cfg["strategy"] == "easgd" and cfg["options"]["easgd"] == {"tau": 4} and cfg["lr"] == 0.01
     assert cfg["box"]["backend"] == "rma"
     assert Candidate("easgd", {"sync": True, "tau": 4}).label == "easgd sync=true tau=4"
 

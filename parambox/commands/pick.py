@@ -69,7 +69,11 @@ def settings_from_args(args: argparse.Namespace):
     flags = {f: getattr(args, f) for f in RUN_FLAGS if getattr(args, f) is not None}
     cluster = {"nodes": args.emulate_nodes, "link_gbps": args.link_gbps}
     flags["cluster"] = {k: v for k, v in cluster.items() if v is not None}
-    base = merge(merge(preset(args.preset), flags), parse_set(args.set))
+    overrides = parse_set(args.set)
+    fixed = {f for f in flags if f != "cluster"} | {
+        k for k in overrides if k not in ("options", "box", "cluster")
+    }
+    base = merge(merge(preset(args.preset), flags), overrides)
     base = build_config(base).model_dump(exclude_defaults=False)  # flags' types and ranges, once
     defaults = QUICK if args.quick else {"probe_steps": 40, "eval_every": 4}
     sizes = {k: v if v is not None else defaults[k] for k, v in sizes.items()}
@@ -86,6 +90,7 @@ def settings_from_args(args: argparse.Namespace):
         validate=args.validate,
         run_timeout_s=args.run_timeout,
         probe_timeout_s=args.probe_timeout,
+        fixed=fixed,
         **sizes,
     )
 

@@ -248,4 +248,7 @@ def reason(p: Prediction, top: Prediction | None, top_label: str, staleness: flo
         return f"{what}: needs {math.exp(parts['convergence']):.2f}x {top_label}'s samples{extra}; {slower}"
     top_part = top.cost.comm_s if why == "communication" else top.cost.compute_s
     mine = c.comm_s if why == "communication" else c.compute_s
-    return f"{why}: {1e3 * mine:.1f} ms/step against {1e3 * top_part:.1f}; {own}; {slower}"
+    return (
+        f"{why}: {1e3 * mine:.1f} ms/step against {1e3 * top_part:.1f} for {top_label} "
+        f"(of {1e3 * c.step_s:.1f} and {1e3 * top.cost.step_s:.1f}); {slower}"
+    )

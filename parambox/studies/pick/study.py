@@ -16,7 +16,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ class PickSettings:
     num_validated: int = 3
     run_timeout_s: float = 900.0
     probe_timeout_s: float = 180.0  # a probe is a few dozen steps: one that hangs is given up soon
+    fixed: set[str] = field(default_factory=set)  # run fields the user set: no preset overrides them
 
     @property
     def probe_workers(self) -> int:
@@ -65,16 +66,17 @@ def run_pick(s: PickSettings, say: Say = print) -> dict[str, Any]:
     t0 = time.perf_counter()
     n = s.probe_workers
     base = _base(s, n)
-    candidates = _with_user_options(registry_candidates(n, s.strategies), base, s.workers)
+    candidates = _with_user_options(registry_candidates(n, s.strategies, base), base, s)
+    reference = Candidate(REFERENCE).overridden(base["options"].get(REFERENCE, {}), s.fixed)
     if not candidates:
         raise UserError(f"no registered strategy runs {s.workers} workers ({n} probed)")
     say(f"reference: {REFERENCE} x{n} until test accuracy {s.target:g}")
-    ref = _reference(s, base)
+    ref = _reference(s, base, reference)
     s_ref = ref.samples_to(s.target)
     ref_curve = ref.curve("test_loss")
     entries, excluded = [], []
     for i, cand in enumerate(candidates, 1):
-        if cand.strategy == REFERENCE and not cand.options:
+        if cand == reference:
             measured, ratio = ref, pm.Ratio(1.0, 1.0, 1.0, [1.0])
         else:
             say(f"probe [{i}/{len(candidates)}] {cand.label}")
@@ -115,7 +117,7 @@ def run_pick(s: PickSettings, say: Say = print) -> dict[str, Any]:
         "confident": _confident(ranking),
     }
     if s.validate:
-        result["validation"] = validate(s, base, ranking, entries, ref, say)
+        result["validation"] = validate(s, base, ranking, entries, ref, reference, say)
     result["wall_time_s"] = time.perf_counter() - t0
     return result
 
@@ -133,16 +135,15 @@ def _base(s: PickSettings, n: int) -> dict[str, Any]:
     return base
 
 
-def _with_user_options(candidates: list[Candidate], base: dict[str, Any], workers: int) -> list[Candidate]:
-    """The candidates that accept ``workers`` too, the user's own ``[strategy]`` table over each
-    preset's (``--set easgd.tau=8``), once each."""
+def _with_user_options(candidates: list[Candidate], base: dict[str, Any], s: PickSettings) -> list[Candidate]:
+    """The candidates that accept N workers too, with the user's own ``[strategy]`` table over each
+    preset's (``--set easgd.tau=8``) and the user's run fields over theirs (``--lr``), once each."""
     from parambox.strategies import strategy_class
 
     out: list[Candidate] = []
     for c in candidates:
-        own = base.get("options", {}).get(c.strategy, {})
-        c = Candidate(c.strategy, {**c.options, **own}, c.box)
-        if strategy_class(c.strategy).accepts_workers(workers) and c not in out:
+        c = c.overridden(base.get("options", {}).get(c.strategy, {}), s.fixed)
+        if strategy_class(c.strategy).accepts_workers(s.workers) and c not in out:
             out.append(c)
     return out
 
@@ -156,8 +157,8 @@ def _topology(c: Candidate) -> str:
     return getattr(cls, "comm_topology", "box" if cls.tolerates_worker_loss else "ring")
 
 
-def _reference(s: PickSettings, base: dict[str, Any]) -> runs.Measured:
-    cfg = Candidate(REFERENCE).config(base)
+def _reference(s: PickSettings, base: dict[str, Any], reference: Candidate) -> runs.Measured:
+    cfg = reference.config(base)
     ref = runs.run_to_target(cfg, s.out / "reference", s.target, s.run_timeout_s)
     if ref.error:
         raise UserError(
@@ -196,7 +197,13 @@ def _probe(s: PickSettings, base: dict[str, Any], cand: Candidate) -> tuple[Cand
 
 
 def _describe(c: Candidate) -> dict[str, Any]:
-    return {"strategy": c.strategy, "options": dict(c.options), "setup": c.label, "box": c.box}
+    return {
+        "strategy": c.strategy,
+        "options": dict(c.options),
+        "settings": dict(c.settings),
+        "setup": c.label,
+        "box": c.box,
+    }
 
 
 def _rank(entries: list[tuple[Candidate, runs.Measured, pm.Prediction]]) -> list[dict[str, Any]]:
@@ -248,6 +255,7 @@ def validate(
     ranking: list[dict[str, Any]],
     entries: list[tuple[Candidate, runs.Measured, pm.Prediction]],
     ref: runs.Measured,
+    reference: Candidate,
     say: Say,
 ) -> dict[str, Any]:
     """Train the top ``num_validated`` and the reference to the target; the reference's run to the target
@@ -255,7 +263,7 @@ def validate(
     from parambox.config import merge
 
     by_label = {c.label: (c, p) for c, _, p in entries}
-    ref_label = Candidate(REFERENCE).label
+    ref_label = reference.label
     chosen = [r["setup"] for r in ranking if r["predicted_s"] is not None][: s.num_validated]
     measured: dict[str, float | None] = {}
     details = []
