@@ -147,14 +147,41 @@ def interrupt(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
 
 
 def _wait(proc, run_dir: Path, target: float | None, deadline: float):
+    reached = _EvalWatch(run_dir / "metrics.jsonl", target)
     while True:
         code = proc.poll()
         if code is not None:
             return code
-        if target is not None:
-            _, evals = read_metrics(run_dir)
-            if any(e.get("test_accuracy", 0.0) >= target for e in evals):
-                return "reached"
+        if target is not None and reached():
+            return "reached"
         if time.monotonic() > deadline:
             return "timeout"
         time.sleep(POLL_S)
+
+
+class _EvalWatch:
+    """Has rank 0 logged an evaluation at the target yet? Reads only what was appended since the last
+    look, and parses only eval lines: the workers share the cores with this loop."""
+
+    def __init__(self, path: Path, target: float | None):
+        self.path, self.target, self.offset, self.partial = path, target, 0, b""
+
+    def __call__(self) -> bool:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return False
+        self.offset += len(chunk)
+        *lines, self.partial = (self.partial + chunk).split(b"\n")
+        for line in lines:
+            if b'"eval"' in line:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                hit = rec.get("kind") == "eval" and rec.get("test_accuracy", 0.0) >= self.target
+                if hit and rec.get("step", 0) > 0:
+                    return True
+        return False
