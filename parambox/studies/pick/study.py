@@ -234,6 +234,7 @@ def _rank(entries: list[tuple[Candidate, runs.Measured, pm.Prediction]]) -> list
                 "samples_per_step": p.cost.samples_per_step,
                 "samples_per_s": p.cost.samples_per_s,
                 "staleness": stale,
+                "probe_samples": (measured.curve("test_loss").samples or [None])[-1],
                 "run_dir": str(measured.run_dir),
             }
         )
@@ -283,7 +284,8 @@ def validate(
     if ref_label not in measured:
         measured[ref_label] = ref.reached_s
         details.append(_validated(ref_label, None, ref))
-    return summarize_validation(measured, chosen[0], ref_label) | {"runs": details, "targets": TARGETS}
+    top = chosen[0] if chosen else None  # None: no candidate had a prediction
+    return summarize_validation(measured, top, ref_label) | {"runs": details, "targets": TARGETS}
 
 
 def _step_cap(base_steps: int, p: pm.Prediction) -> int:
@@ -306,7 +308,9 @@ def _validated(label: str, p: pm.Prediction | None, m: runs.Measured) -> dict[st
     }
 
 
-def summarize_validation(measured: dict[str, float | None], top: str, reference: str) -> dict[str, Any]:
+def summarize_validation(
+    measured: dict[str, float | None], top: str | None, reference: str
+) -> dict[str, Any]:
     """``measured_s`` per setup and the two ratios (None where a run did not reach the target).
 
     >>> v = summarize_validation({"a": 6.0, "b": 5.0, "allreduce": 12.0}, "a", "allreduce")
