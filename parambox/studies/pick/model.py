@@ -233,7 +233,10 @@ def reason(p: Prediction, top: Prediction | None, top_label: str, staleness: flo
     c = p.cost
     own = f"{1e3 * c.step_s:.1f} ms/step ({1e3 * c.comm_s:.1f} communication)"
     if p.seconds is None:
-        return f"convergence per sample: its probe's test loss never fell below the reference's first evaluation; {own}"
+        return (
+            "convergence per sample: its probe's test loss never fell below the reference's first "
+            f"evaluation; {own}"
+        )
     if top is None:
         conv = p.ratio.estimate if p.ratio else 1.0
         return (

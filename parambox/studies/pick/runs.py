@@ -4,8 +4,9 @@ on the launcher and emulated cluster of the base config, read back from their ``
 A probe runs its few steps to the end. A run *to the target* evaluates every few steps and is stopped
 (Ctrl-C to its launcher) once rank 0 logs a test accuracy at or above the target. Its time to target
 is the training time until the step before that evaluation: the run's own clock (start-up excluded)
-less rank 0's evaluation pauses, the basis the predictions are on too (``reached_wall_s`` keeps them). ``run_to_target`` is the one function validation depends on, so
-the time-to-accuracy study can take its place.
+less rank 0's evaluation pauses, the basis the predictions are on too (``reached_wall_s`` keeps them).
+``run_to_target`` is the one function validation depends on, so the time-to-accuracy study can take
+its place.
 """
 
 from __future__ import annotations

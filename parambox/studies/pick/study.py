@@ -171,8 +171,8 @@ def _reference(s: PickSettings, base: dict[str, Any], reference: Candidate) -> r
     if ref.samples_to(s.target) is None:
         best = max((e.get("test_accuracy", 0.0) for e in ref.evals), default=0.0)
         raise UserError(
-            f"the reference run ({REFERENCE}) did not reach test accuracy {s.target:g} in {cfg['steps']} steps "
-            f"(best {best:.3f}); lower --target-accuracy or raise --steps"
+            f"the reference run ({REFERENCE}) did not reach test accuracy {s.target:g} in {cfg['steps']} "
+            f"steps (best {best:.3f}); lower --target-accuracy or raise --steps"
         )
     if len(ref.curve("test_loss").samples) < 2:
         raise UserError(
@@ -274,9 +274,7 @@ def validate(
             m = ref
         else:
             steps = _step_cap(base["steps"], p)
-            say(
-                f"validate [{i}/{len(chosen)}] {label} until test accuracy {s.target:g} (at most {steps} steps)"
-            )
+            say(f"validate [{i}/{len(chosen)}] {label} to accuracy {s.target:g} (at most {steps} steps)")
             cfg = merge(cand.config(base), {"steps": steps})
             m = runs.run_to_target(cfg, s.out / "validation" / cand.slug, s.target, s.run_timeout_s)
         measured[label] = m.reached_s
