@@ -7,11 +7,12 @@ import json
 import math
 
 import pytest
-from conftest import run_cli
 
 from parambox.studies.pick import model as pm
 from parambox.studies.pick.candidates import Candidate, registry_candidates
 from parambox.studies.pick.study import _confident, _step_cap, summarize_validation
+from tests.conftest import run_cli
+from tests.test_cluster import live_namespaces, needs_root, root_state
 
 REF = pm.Curve([100.0, 200.0, 300.0, 400.0, 500.0], [2.0, 1.2, 0.8, 0.6, 0.5])
 
@@ -238,3 +239,22 @@ def test_pick_quick_validate_json(tmp_path):
     assert {"measured_s", "top_pick_vs_best_measured", "top_pick_vs_allreduce"} <= set(v)
     assert result["ranking"][0]["setup"] in v["measured_s"] and "allreduce" in v["measured_s"]
     assert all(t is None or t > 0 for t in v["measured_s"].values())
+
+
+@needs_root
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pick_quick_on_the_emulated_cluster_leaves_nothing(tmp_path):
+    """The same on 2 emulated nodes at 0.1 Gbit/s: the runs are on the cluster, which is gone after."""
+    before, namespaces = root_state(), live_namespaces()
+    out = tmp_path / "pick"
+    proc = run_cli(
+        "pick", "--workers", "2", "--target-accuracy", "0.8", "--quick", "--json", "--emulate-nodes", "2",
+        "--link-gbps", "0.1", "--strategies", "allreduce,weight-avg", "--out", str(out), timeout=280,
+    )  # fmt: skip
+    result = json.loads(proc.stdout)
+    assert result["cluster"]["nodes"] == 2 and result["cluster"]["link_gbps"] == 0.1
+    assert [r["strategy"] for r in result["ranking"]] != [] and "validation" not in result
+    world = json.loads((out / "reference" / "metrics.jsonl").read_text().splitlines()[0])
+    assert world["num_nodes"] == 2
+    assert root_state() == before and live_namespaces() <= namespaces
