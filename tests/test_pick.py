@@ -35,23 +35,24 @@ def test_samples_to_accuracy_is_the_first_evaluation_at_the_target():
 
 
 def test_convergence_ratio_is_reference_samples_over_probe_samples_at_the_same_loss():
-    # The probe reaches at 100 and 200 samples what the reference reached at 200 and 300: e = 2 and 1.5.
-    probe = pm.Curve([50.0, 100.0, 200.0], [1.6, 1.2, 0.8])
-    r = pm.convergence_ratio(REF, probe)
-    assert r.points == pytest.approx([2.0, 1.5])  # only the second half of the probe (>= 100 samples)
-    assert (r.estimate, r.low, r.high) == pytest.approx((1.75, 1.5, 2.0))
+    # The reference went from 2.0 to 0.5: evaluations count below 2.0 - 0.2 * 1.5 = 1.7. The probe
+    # reaches at 50, 100 and 200 samples what the reference reached at 150, 200 and 300: e = 3, 2, 1.5.
+    assert pm.progress_level(REF, 0.2) == pytest.approx(1.7)
+    r = pm.convergence_ratio(REF, pm.Curve([25.0, 50.0, 100.0, 200.0], [1.9, 1.6, 1.2, 0.8]))
+    assert r.points == pytest.approx([3.0, 2.0, 1.5])  # not the first: 1.9 is on the plateau
+    assert (r.estimate, r.low, r.high) == pytest.approx((2.0, 1.5, 3.0))
     assert not r.censored
 
 
 def test_convergence_ratio_of_the_reference_against_itself_is_one():
     r = pm.convergence_ratio(REF, pm.Curve(REF.samples[:3], REF.values[:3]))
-    assert r.estimate == pytest.approx(1.0) and r.low == pytest.approx(1.0)
+    assert r.points == pytest.approx([1.0, 1.0])
 
 
 def test_convergence_ratio_censored_and_uninformative_probes():
     better = pm.convergence_ratio(REF, pm.Curve([100.0], [0.1]))  # below anything the reference reached
     assert better.censored and better.estimate == pytest.approx(5.0)  # at least 500 / 100
-    assert pm.convergence_ratio(REF, pm.Curve([100.0, 200.0], [2.5, 2.1])) is None  # never below 2.0
+    assert pm.convergence_ratio(REF, pm.Curve([100.0, 200.0], [2.5, 1.8])) is None  # still on the plateau
     assert pm.convergence_ratio(REF, pm.Curve([], [])) is None
 
 

@@ -24,7 +24,8 @@ from parambox.errors import UserError
 
 RUN_FLAGS = ("model", "data", "loss", "metrics", "collate", "data_path", "batch_size", "lr", "optimizer")
 RUN_FLAGS += ("momentum", "steps", "seed", "threads", "box")
-QUICK = {"probe_steps": 8, "eval_every": 2}
+QUICK = {"probe_fraction": 0.5, "eval_every": 2}
+DEFAULTS = {"probe_fraction": 0.75, "eval_every": 4}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -37,8 +38,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     a("--validate", action="store_true", help="train the top three and allreduce to the target")
     a("--json", action="store_true", help="print one JSON object on stdout (progress on stderr)")
     a("--out", type=Path, help="directory for pick.json and the runs (default picks/pick-TIME)")
-    a("--quick", action="store_true", help="short probes (8 steps) for tests: the JSON's keys, no figures")
-    a("--probe-steps", type=int, help="steps of each probe (default 40)")
+    a("--quick", action="store_true", help="shorter probes for tests: the JSON's keys, no figures")
+    a("--probe-steps", type=int, help="steps of each probe (default: 3/4 of the reference's to the target)")
+    a("--probe-fraction", type=float, help="a probe's steps as a fraction of the reference's (default 0.75)")
     a("--eval-every", type=int, help="steps between evaluations of every run (default 4)")
     a("--run-timeout", type=float, default=900.0, help="seconds a run to the target may take (default 900)")
     a("--probe-timeout", type=float, default=180.0, help="seconds a probe may take (default 180)")
@@ -59,10 +61,10 @@ def settings_from_args(args: argparse.Namespace):
         raise UserError(f"--workers must be >= 1, got {args.workers}")
     if not 0 < args.target_accuracy <= 1:
         raise UserError(f"--target-accuracy must be within (0, 1], got {args.target_accuracy}")
-    sizes = {"probe_steps": args.probe_steps, "eval_every": args.eval_every}
-    for key, value in sizes.items():
-        if value is not None and value < 1:
-            raise UserError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
+    sizes = {"probe_fraction": args.probe_fraction, "eval_every": args.eval_every}
+    for key, value in {**sizes, "probe_steps": args.probe_steps}.items():
+        if value is not None and not value > 0:
+            raise UserError(f"--{key.replace('_', '-')} must be > 0, got {value}")
     for flag, value in (("--run-timeout", args.run_timeout), ("--probe-timeout", args.probe_timeout)):
         if not value > 0:
             raise UserError(f"{flag} must be > 0, got {value}")
@@ -75,9 +77,9 @@ def settings_from_args(args: argparse.Namespace):
     }
     base = merge(merge(preset(args.preset), flags), overrides)
     base = build_config(base).model_dump(exclude_defaults=False)  # flags' types and ranges, once
-    defaults = QUICK if args.quick else {"probe_steps": 40, "eval_every": 4}
+    defaults = QUICK if args.quick else DEFAULTS
     sizes = {k: v if v is not None else defaults[k] for k, v in sizes.items()}
-    if sizes["eval_every"] > sizes["probe_steps"] // 2:
+    if args.probe_steps is not None and sizes["eval_every"] > args.probe_steps // 2:
         raise UserError("--eval-every must leave at least two evaluations in a probe (<= --probe-steps / 2)")
     only = [x.strip() for x in args.strategies.split(",") if x.strip()] if args.strategies else None
     out = args.out or Path(f"picks/pick-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -91,6 +93,7 @@ def settings_from_args(args: argparse.Namespace):
         run_timeout_s=args.run_timeout,
         probe_timeout_s=args.probe_timeout,
         fixed=fixed,
+        probe_steps=args.probe_steps,
         **sizes,
     )
 
@@ -138,7 +141,7 @@ def print_result(result: dict) -> None:
         title=f"time to test accuracy {result['target_accuracy']:g} with {result['workers']} workers "
         f"(probed with {result['probe_workers']})"
     )
-    for h in ("#", "setup", "predicted s", "band s", "x ref. samples", "ms/step (comm)", "reason"):
+    for h in ("#", "setup", "predicted s", "band s", "x ref. samples", "ms/step", "comm ms"):
         table.add_column(h)
     for r in result["ranking"]:
         conv = r["convergence_vs_reference"]
@@ -148,11 +151,13 @@ def print_result(result: dict) -> None:
             sec(r["predicted_s"]),
             f"{sec(r['predicted_low_s'])}-{sec(r['predicted_high_s'])}",
             "-" if not conv else f"{1 / conv:.2f}",
-            f"{r['step_ms']:.1f} ({r['comm_ms']:.1f})",
-            r["reason"],
+            f"{r['step_ms']:.1f}",
+            f"{r['comm_ms']:.1f}",
         )
     console = Console()
     console.print(table)
+    for r in result["ranking"]:
+        print(f"{r['rank']}. {r['setup']}: {r['reason']}")
     for x in result["excluded"]:
         print(f"excluded: {x['setup']}: {x['reason']}")
     if not result["confident"]:

@@ -10,14 +10,16 @@ time to target = samples to target / samples per second
   T_comm(N) / T_comm(n) and the samples per step by N / n; compute per step stays (weak scaling).
 - **Samples to target** come from one *reference* run (``allreduce``) trained until its test accuracy
   first reaches the target: it gives S_ref, the global samples that took, and its test loss against
-  samples. A candidate's probe records its test loss against samples over a short horizon h. Its
-  *convergence per sample* relative to the reference is e = s_ref(L_c(h)) / h: the samples the
-  reference needed to reach the loss the candidate reached in h samples, over h (both curves as
-  running minima, linearly interpolated between evaluations). e is computed at every evaluation in
-  the second half of the probe; the median is the estimate, the smallest and largest give the band.
-  The candidate needs S_ref / e samples: the model assumes the ratio measured early holds to the
-  target. That is its main uncertainty, and the output says so: the band, the fraction of S_ref the
-  probe covered, and whether the top pick's band overlaps the runner-up's.
+  samples. A candidate's *probe* trains until its test loss has come ``STOP_PROGRESS`` (60 %) of
+  the way the reference's went (first evaluation to target), or for a fraction of the reference's
+  steps. Its *convergence per sample* relative to the reference is e = s_ref(L_c(h)) / h: the samples
+  the reference needed to reach the loss the candidate reached in h samples, over h (both curves as
+  running minima, linearly interpolated between evaluations), at every evaluation of the probe past
+  ``MIN_PROGRESS`` (20 %) of that way (before it, on a plateau, a loss says little about samples);
+  the median is the estimate, the smallest and largest give the band. The candidate needs S_ref / e
+  samples: the model assumes the ratio measured on the way holds to the target. That is its main
+  uncertainty, and the output says so: the band, the samples the probe covered, and whether the top
+  pick's band overlaps the runner-up's.
 
 >>> ref = Curve([100, 200, 300, 400], [2.0, 1.0, 0.6, 0.4])
 >>> samples_to_reach(ref, 1.0), samples_to_reach(ref, 0.8)
@@ -33,6 +35,12 @@ import statistics
 from dataclasses import dataclass, field
 
 from parambox.perfmodel.topology import Network, comm_time_s
+
+# A probe's evaluations count once its loss has come this far of the way the reference went to the
+# target; probes stop (``STOP_PROGRESS``) once it has come that far, or after a fraction of the
+# reference's steps to the target.
+MIN_PROGRESS = 0.2
+STOP_PROGRESS = 0.6
 
 
 @dataclass
@@ -83,25 +91,33 @@ class Ratio:
     censored: bool = False
 
 
-def convergence_ratio(reference: Curve, probe: Curve, from_fraction: float = 0.5) -> Ratio | None:
-    """e = s_ref(L_probe(h)) / h at each evaluation h of the probe's later part (``from_fraction`` of
-    its horizon on; at least the last one). None when the probe never got below the reference's
-    first evaluation: no ratio can be read off (it learns too slowly to compare)."""
-    if not probe.samples:
+def progress_level(reference: Curve, fraction: float) -> float:
+    """The loss ``fraction`` of the way from the reference's first evaluation to its best (at the target).
+
+    >>> progress_level(Curve([1, 2, 3], [2.0, 1.0, 0.5]), 0.2)
+    1.7
+    """
+    first, best = reference.values[0], running_min(reference.values)[-1]
+    return first - fraction * (first - best)
+
+
+def convergence_ratio(reference: Curve, probe: Curve, min_progress: float = MIN_PROGRESS) -> Ratio | None:
+    """e = s_ref(L_probe(h)) / h at each evaluation h of the probe whose loss (running minimum) has come
+    ``min_progress`` of the way the reference went to the target. Before that a curve is often on a
+    plateau, where the same loss is reached at very different sample counts: no information. None when
+    no evaluation of the probe got that far (it learns too slowly to compare)."""
+    if not probe.samples or not reference.samples:
         return None
     env = running_min(probe.values)
-    horizon = probe.samples[-1]
-    picked = [i for i, s in enumerate(probe.samples) if s >= from_fraction * horizon] or [len(env) - 1]
+    level = progress_level(reference, min_progress)
     points, censored = [], False
-    for i in picked:
-        if not math.isfinite(env[i]) or probe.samples[i] <= 0:
+    for s, loss in zip(probe.samples, env):
+        if not math.isfinite(loss) or s <= 0 or loss > level:
             continue
-        s_ref = samples_to_reach(reference, env[i])
+        s_ref = samples_to_reach(reference, loss)
         if s_ref is None:  # better than the reference ever got: at least its whole run
             s_ref, censored = float(reference.samples[-1]), True
-        elif s_ref == reference.samples[0] and env[i] >= reference.values[0]:
-            continue  # not below the reference's first evaluation: no information
-        points.append(s_ref / probe.samples[i])
+        points.append(s_ref / s)
     if not points:
         return None
     return Ratio(statistics.median(points), min(points), max(points), points, censored)

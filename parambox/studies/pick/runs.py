@@ -1,8 +1,8 @@
 """The runs ``parambox pick`` makes: plain ``parambox train`` subprocesses, as a user would type them,
 on the launcher and emulated cluster of the base config, read back from their ``metrics.jsonl``.
 
-A probe runs its few steps to the end. A run *to the target* evaluates every few steps and is stopped
-(Ctrl-C to its launcher) once rank 0 logs a test accuracy at or above the target. Its time to target
+A probe is stopped (Ctrl-C to its launcher) once rank 0 logs a test loss at its stop level, a run *to
+the target* once rank 0 logs a test accuracy at or above the target (else they end with their steps). Its time to target
 is the training time until the step before that evaluation: the run's own clock (start-up excluded)
 less rank 0's evaluation pauses, the basis the predictions are on too (``reached_wall_s`` keeps them).
 ``run_to_target`` is the one function validation depends on, so the time-to-accuracy study can take
@@ -12,12 +12,14 @@ its place.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,17 +100,21 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return steps, evals
 
 
-def run_probe(config: dict[str, Any], run_dir: Path, timeout_s: float) -> Measured:
-    """Train ``config`` to its last step."""
-    return _run(config, run_dir, timeout_s, None)
+def run_probe(config: dict[str, Any], run_dir: Path, timeout_s: float, stop_loss: float) -> Measured:
+    """Train ``config`` until rank 0's test loss falls to ``stop_loss`` (or its steps run out)."""
+    return _run(config, run_dir, timeout_s, lambda e: e.get("test_loss", math.inf) <= stop_loss)
 
 
 def run_to_target(config: dict[str, Any], run_dir: Path, target: float, timeout_s: float) -> Measured:
     """Train ``config`` until rank 0's test accuracy reaches ``target`` (or its steps run out)."""
-    return _run(config, run_dir, timeout_s, target)
+    out = _run(config, run_dir, timeout_s, lambda e: e.get("test_accuracy", 0.0) >= target)
+    reached = out.time_to(target)
+    if reached is not None:
+        out.reached_s, out.reached_wall_s = reached
+    return out
 
 
-def _run(config: dict[str, Any], run_dir: Path, timeout_s: float, target: float | None) -> Measured:
+def _run(config: dict[str, Any], run_dir: Path, timeout_s: float, done: Callable[[dict], bool]) -> Measured:
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
@@ -119,15 +125,12 @@ def _run(config: dict[str, Any], run_dir: Path, timeout_s: float, target: float 
         # A session of its own: stopping it stops the run's workers (and its cluster) too.
         proc = spawn.start(cmd, env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            code = _wait(proc, run_dir, target, time.monotonic() + timeout_s)
+            code = _wait(proc, _EvalWatch(run_dir / "metrics.jsonl", done), time.monotonic() + timeout_s)
             if proc.poll() is None:
                 interrupt(proc)
         finally:
             spawn.stop([proc])
     out.steps, out.evals = read_metrics(run_dir)
-    reached = out.time_to(target) if target is not None else None
-    if reached is not None:
-        out.reached_s, out.reached_wall_s = reached
     if code == "timeout":
         out.error = f"ran past {timeout_s:.0f} s"
     elif code not in (0, "reached"):
@@ -147,13 +150,12 @@ def interrupt(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         pass  # the caller's spawn.stop finishes the job
 
 
-def _wait(proc, run_dir: Path, target: float | None, deadline: float):
-    reached = _EvalWatch(run_dir / "metrics.jsonl", target)
+def _wait(proc, reached: _EvalWatch, deadline: float):
     while True:
         code = proc.poll()
         if code is not None:
             return code
-        if target is not None and reached():
+        if reached():
             return "reached"
         if time.monotonic() > deadline:
             return "timeout"
@@ -161,11 +163,11 @@ def _wait(proc, run_dir: Path, target: float | None, deadline: float):
 
 
 class _EvalWatch:
-    """Has rank 0 logged an evaluation at the target yet? Reads only what was appended since the last
-    look, and parses only eval lines: the workers share the cores with this loop."""
+    """Has rank 0 logged an evaluation that is ``done`` yet? Reads only what was appended since the
+    last look, and parses only eval lines: the workers share the cores with this loop."""
 
-    def __init__(self, path: Path, target: float | None):
-        self.path, self.target, self.offset, self.partial = path, target, 0, b""
+    def __init__(self, path: Path, done: Callable[[dict], bool]):
+        self.path, self.done, self.offset, self.partial = path, done, 0, b""
 
     def __call__(self) -> bool:
         try:
@@ -182,7 +184,6 @@ class _EvalWatch:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                hit = rec.get("kind") == "eval" and rec.get("test_accuracy", 0.0) >= self.target
-                if hit and rec.get("step", 0) > 0:
+                if rec.get("kind") == "eval" and rec.get("step", 0) > 0 and self.done(rec):
                     return True
         return False

@@ -2,8 +2,9 @@
 
 1. The *reference* (``allreduce``) trains until its test accuracy reaches the target: samples to the
    target S_ref and its test loss against samples (it is also ``allreduce``'s own probe).
-2. Every other candidate (:mod:`parambox.studies.pick.candidates`) gets a short *probe*: a few dozen
-   steps on the same launcher and cluster, evaluated every few steps.
+2. Every other candidate (:mod:`parambox.studies.pick.candidates`) gets a *probe* on the same launcher
+   and cluster, evaluated every few steps: until its test loss has come 60 % of the way the
+   reference's went, or for 3/4 of the reference's steps to the target.
 3. :mod:`parambox.studies.pick.model` turns each probe into a predicted time to the target (with a
    band), and the candidates are ranked, each with the reason for its rank.
 4. ``validate``: the top three and the reference are trained to the target and their measured times
@@ -43,7 +44,8 @@ class PickSettings:
     target: float
     base: dict[str, Any]
     out: Path
-    probe_steps: int = 40
+    probe_steps: int | None = None  # None: probe_fraction of the reference's steps to the target
+    probe_fraction: float = 0.75
     eval_every: int = 4
     strategies: list[str] | None = None
     validate: bool = False
@@ -74,18 +76,20 @@ def run_pick(s: PickSettings, say: Say = print) -> dict[str, Any]:
     ref = _reference(s, base, reference)
     s_ref = ref.samples_to(s.target)
     ref_curve = ref.curve("test_loss")
+    probe_steps = s.probe_steps or max(2 * s.eval_every, math.ceil(s.probe_fraction * ref.steps[-1]["step"]))
+    stop_loss = pm.progress_level(ref_curve, pm.STOP_PROGRESS)
     entries, excluded = [], []
     for i, cand in enumerate(candidates, 1):
         if cand == reference:
             measured, ratio = ref, pm.Ratio(1.0, 1.0, 1.0, [1.0])
         else:
             say(f"probe [{i}/{len(candidates)}] {cand.label}")
-            cand, measured = _probe(s, base, cand)
+            cand, measured = _probe(s, base, cand, probe_steps, stop_loss)
             if measured.error:
                 excluded.append({**_describe(cand), "reason": f"cannot run here: {measured.error}"})
                 continue
             ratio = pm.convergence_ratio(ref_curve, measured.curve("test_loss"))
-        cost = measured.cost(warmup=max(2, s.probe_steps // 10))
+        cost = measured.cost(warmup=max(2, len(measured.steps) // 10))
         if cost is None:
             excluded.append({**_describe(cand), "reason": "too few steps in its probe to time one"})
             continue
@@ -110,7 +114,8 @@ def run_pick(s: PickSettings, say: Say = print) -> dict[str, Any]:
             "run_dir": str(ref.run_dir),
         },
         "model": {"time": "samples to target / samples per second", "assumptions": ASSUMPTIONS},
-        "probe_steps": s.probe_steps,
+        "probe_steps": probe_steps,
+        "probe_stop_test_loss": stop_loss,
         "eval_every": s.eval_every,
         "ranking": ranking,
         "excluded": excluded,
@@ -181,13 +186,15 @@ def _reference(s: PickSettings, base: dict[str, Any], reference: Candidate) -> r
     return ref
 
 
-def _probe(s: PickSettings, base: dict[str, Any], cand: Candidate) -> tuple[Candidate, runs.Measured]:
+def _probe(
+    s: PickSettings, base: dict[str, Any], cand: Candidate, steps: int, stop_loss: float
+) -> tuple[Candidate, runs.Measured]:
     """The probe; a strategy whose shm box cannot span the cluster's nodes is probed again on rma."""
     from parambox.config import merge
 
     def probe(c: Candidate) -> runs.Measured:
-        cfg = merge(c.config(base), {"steps": s.probe_steps})
-        return runs.run_probe(cfg, s.out / "probes" / c.slug, s.probe_timeout_s)
+        cfg = merge(c.config(base), {"steps": steps})
+        return runs.run_probe(cfg, s.out / "probes" / c.slug, s.probe_timeout_s, stop_loss)
 
     measured = probe(cand)
     if measured.error and "--box rma" in measured.error and cand.box is None:
