@@ -24,8 +24,8 @@ from parambox.errors import UserError
 
 RUN_FLAGS = ("model", "data", "loss", "metrics", "collate", "data_path", "batch_size", "lr", "optimizer")
 RUN_FLAGS += ("momentum", "steps", "seed", "threads", "box")
-QUICK = {"probe_fraction": 0.5, "eval_every": 2}
-DEFAULTS = {"probe_fraction": 0.75, "eval_every": 4}
+QUICK = {"probe_fraction": 1.0, "eval_every": 2}
+DEFAULTS = {"probe_fraction": 1.0, "eval_every": 4}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -38,9 +38,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     a("--validate", action="store_true", help="train the top three and allreduce to the target")
     a("--json", action="store_true", help="print one JSON object on stdout (progress on stderr)")
     a("--out", type=Path, help="directory for pick.json and the runs (default picks/pick-TIME)")
-    a("--quick", action="store_true", help="shorter probes for tests: the JSON's keys, no figures")
-    a("--probe-steps", type=int, help="steps of each probe (default: 3/4 of the reference's to the target)")
-    a("--probe-fraction", type=float, help="a probe's steps as a fraction of the reference's (default 0.75)")
+    a(
+        "--quick",
+        action="store_true",
+        help="for tests: evaluations every 2 steps, only the top pick validated",
+    )
+    a("--probe-steps", type=int, help="steps of each probe (default: the reference's to the target)")
+    a("--probe-fraction", type=float, help="a probe's steps as a fraction of the reference's (default 1)")
     a("--eval-every", type=int, help="steps between evaluations of every run (default 4)")
     a("--run-timeout", type=float, default=900.0, help="seconds a run to the target may take (default 900)")
     a("--probe-timeout", type=float, default=180.0, help="seconds a probe may take (default 180)")
@@ -94,6 +98,7 @@ def settings_from_args(args: argparse.Namespace):
         probe_timeout_s=args.probe_timeout,
         fixed=fixed,
         probe_steps=args.probe_steps,
+        num_validated=1 if args.quick else 3,
         **sizes,
     )
 

@@ -10,9 +10,9 @@ time to target = samples to target / samples per second
   T_comm(N) / T_comm(n) and the samples per step by N / n; compute per step stays (weak scaling).
 - **Samples to target** come from one *reference* run (``allreduce``) trained until its test accuracy
   first reaches the target: it gives S_ref, the global samples that took, and its test loss against
-  samples. A candidate's *probe* trains until its test loss has come ``STOP_PROGRESS`` (60 %) of
-  the way the reference's went (first evaluation to target), or for a fraction of the reference's
-  steps. Its *convergence per sample* relative to the reference is e = s_ref(L_c(h)) / h: the samples
+  samples. A candidate's *probe* trains until its test loss has come ``STOP_PROGRESS`` (half) of
+  the way the reference's went (first evaluation to target), or for as many steps as the reference
+  took. Its *convergence per sample* relative to the reference is e = s_ref(L_c(h)) / h: the samples
   the reference needed to reach the loss the candidate reached in h samples, over h (both curves as
   running minima, linearly interpolated between evaluations), at every evaluation of the probe past
   ``MIN_PROGRESS`` (20 %) of that way (before it, on a plateau, a loss says little about samples);
@@ -40,7 +40,7 @@ from parambox.perfmodel.topology import Network, comm_time_s
 # target; probes stop (``STOP_PROGRESS``) once it has come that far, or after a fraction of the
 # reference's steps to the target.
 MIN_PROGRESS = 0.2
-STOP_PROGRESS = 0.6
+STOP_PROGRESS = 0.5
 
 
 @dataclass

@@ -3,8 +3,9 @@
 1. The *reference* (``allreduce``) trains until its test accuracy reaches the target: samples to the
    target S_ref and its test loss against samples (it is also ``allreduce``'s own probe).
 2. Every other candidate (:mod:`parambox.studies.pick.candidates`) gets a *probe* on the same launcher
-   and cluster, evaluated every few steps: until its test loss has come 60 % of the way the
-   reference's went, or for 3/4 of the reference's steps to the target.
+   and cluster, evaluated every few steps: until its test loss has come half the way the
+   reference's went, or for as many steps as the reference took. Learning curves that sit on a plateau
+   before they fall need that much; one that falls early stops early.
 3. :mod:`parambox.studies.pick.model` turns each probe into a predicted time to the target (with a
    band), and the candidates are ranked, each with the reason for its rank.
 4. ``validate``: the top three and the reference are trained to the target and their measured times
@@ -45,7 +46,7 @@ class PickSettings:
     base: dict[str, Any]
     out: Path
     probe_steps: int | None = None  # None: probe_fraction of the reference's steps to the target
-    probe_fraction: float = 0.75
+    probe_fraction: float = 1.0
     eval_every: int = 4
     strategies: list[str] | None = None
     validate: bool = False
