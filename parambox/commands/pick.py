@@ -86,6 +86,10 @@ def settings_from_args(args: argparse.Namespace):
     if args.probe_steps is not None and sizes["eval_every"] > args.probe_steps // 2:
         raise UserError("--eval-every must leave at least two evaluations in a probe (<= --probe-steps / 2)")
     only = [x.strip() for x in args.strategies.split(",") if x.strip()] if args.strategies else None
+    if only:
+        from parambox.studies.pick.candidates import registry_candidates
+
+        registry_candidates(args.workers, only)  # unknown names: one line, before anything is written
     out = args.out or Path(f"picks/pick-{time.strftime('%Y%m%d-%H%M%S')}")
     return PickSettings(
         workers=args.workers,
