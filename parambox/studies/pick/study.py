@@ -289,7 +289,7 @@ def validate(
         details.append(_validated(label, p, m))
     if ref_label not in measured:
         measured[ref_label] = ref.reached_s
-        details.append(_validated(ref_label, None, ref))
+        details.append(_validated(ref_label, by_label.get(ref_label, (None, None))[1], ref))
     top = chosen[0] if chosen else None  # None: no candidate had a prediction
     return summarize_validation(measured, top, ref_label) | {"runs": details, "targets": TARGETS}
 
@@ -308,6 +308,9 @@ def _validated(label: str, p: pm.Prediction | None, m: runs.Measured) -> dict[st
         "measured_s": m.reached_s,
         "measured_with_evaluations_s": m.reached_wall_s,
         "predicted_s": None if p is None else p.seconds,
+        "measured_over_predicted": None
+        if p is None or not p.seconds or m.reached_s is None
+        else m.reached_s / p.seconds,
         "steps": m.steps[-1]["step"] if m.steps else 0,
         "error": m.error,
         "run_dir": str(m.run_dir),
