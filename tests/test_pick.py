@@ -41,6 +41,9 @@ def test_convergence_ratio_is_reference_samples_over_probe_samples_at_the_same_l
     r = pm.convergence_ratio(REF, pm.Curve([25.0, 50.0, 100.0, 200.0], [1.9, 1.6, 1.2, 0.8]))
     assert r.points == pytest.approx([3.0, 2.0, 1.5])  # not the first: 1.9 is on the plateau
     assert (r.estimate, r.low, r.high) == pytest.approx((2.0, 1.5, 3.0))
+    # The estimate is the median of the last three: a ratio that drifts counts where it ended up.
+    drifting = pm.convergence_ratio(REF, pm.Curve([40.0, 50.0, 100.0, 200.0], [1.6, 1.2, 0.8, 0.6]))
+    assert drifting.points == pytest.approx([3.75, 4.0, 3.0, 2.0]) and drifting.estimate == pytest.approx(3.0)
     assert not r.censored
 
 

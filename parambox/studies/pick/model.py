@@ -10,13 +10,14 @@ time to target = samples to target / samples per second
   T_comm(N) / T_comm(n) and the samples per step by N / n; compute per step stays (weak scaling).
 - **Samples to target** come from one *reference* run (``allreduce``) trained until its test accuracy
   first reaches the target: it gives S_ref, the global samples that took, and its test loss against
-  samples. A candidate's *probe* trains until its test loss has come ``STOP_PROGRESS`` (half) of
+  samples. A candidate's *probe* trains until its test loss has come ``STOP_PROGRESS`` (70 %) of
   the way the reference's went (first evaluation to target), or for as many steps as the reference
   took. Its *convergence per sample* relative to the reference is e = s_ref(L_c(h)) / h: the samples
   the reference needed to reach the loss the candidate reached in h samples, over h (both curves as
   running minima, linearly interpolated between evaluations), at every evaluation of the probe past
   ``MIN_PROGRESS`` (20 %) of that way (before it, on a plateau, a loss says little about samples);
-  the median is the estimate, the smallest and largest give the band. The candidate needs S_ref / e
+  the median of the last three (the most progress) is the estimate, the smallest and largest of all
+  give the band. The candidate needs S_ref / e
   samples: the model assumes the ratio measured on the way holds to the target. That is its main
   uncertainty, and the output says so: the band, the samples the probe covered, and whether the top
   pick's band overlaps the runner-up's.
@@ -40,7 +41,8 @@ from parambox.perfmodel.topology import Network, comm_time_s
 # target; probes stop (``STOP_PROGRESS``) once it has come that far, or after a fraction of the
 # reference's steps to the target.
 MIN_PROGRESS = 0.2
-STOP_PROGRESS = 0.5
+STOP_PROGRESS = 0.7
+LAST_POINTS = 3  # the estimate: the median of the ratios nearest the target
 
 
 @dataclass
@@ -120,7 +122,9 @@ def convergence_ratio(reference: Curve, probe: Curve, min_progress: float = MIN_
         points.append(s_ref / s)
     if not points:
         return None
-    return Ratio(statistics.median(points), min(points), max(points), points, censored)
+    # The ratio drifts on the way (Adagrad is quick early and slows down): the points with the most
+    # progress speak for the rest of the way; all of them give the band.
+    return Ratio(statistics.median(points[-LAST_POINTS:]), min(points), max(points), points, censored)
 
 
 @dataclass
@@ -260,7 +264,7 @@ def reason(p: Prediction, top: Prediction | None, top_label: str, staleness: flo
         )
     parts = attribution(p, top)
     why = max(parts, key=lambda k: parts[k])
-    slower = f"{math.exp(sum(parts.values())):.2f}x {top_label}'s time"
+    slower = f"{math.exp(sum(parts.values())):.2f}x {top_label}'s time"  # top_label: "the top pick"
     if why == "convergence":
         what = "staleness" if staleness else "convergence per sample"
         extra = f", mean staleness {staleness:.2f}" if staleness else ""

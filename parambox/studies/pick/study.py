@@ -3,7 +3,7 @@
 1. The *reference* (``allreduce``) trains until its test accuracy reaches the target: samples to the
    target S_ref and its test loss against samples (it is also ``allreduce``'s own probe).
 2. Every other candidate (:mod:`parambox.studies.pick.candidates`) gets a *probe* on the same launcher
-   and cluster, evaluated every few steps: until its test loss has come half the way the
+   and cluster, evaluated every few steps: until its test loss has come 70 % of the way the
    reference's went, or for as many steps as the reference took. Learning curves that sit on a plateau
    before they fall need that much; one that falls early stops early.
 3. :mod:`parambox.studies.pick.model` turns each probe into a predicted time to the target (with a
@@ -216,13 +216,13 @@ def _describe(c: Candidate) -> dict[str, Any]:
 
 def _rank(entries: list[tuple[Candidate, runs.Measured, pm.Prediction]]) -> list[dict[str, Any]]:
     order = pm.rank_order([p for _, _, p in entries])
-    top_cand, _, top = entries[order[0]]
+    _, _, top = entries[order[0]]
     out = []
     for rank, i in enumerate(order, 1):
         cand, measured, p = entries[i]
         first = rank == 1
         stale = measured.staleness()
-        why = pm.reason(p, None if first else top, top_cand.label, stale)
+        why = pm.reason(p, None if first else top, "the top pick", stale)
         r = p.ratio
         out.append(
             {
