@@ -1,4 +1,4 @@
-"""The command line: ``parambox train | sweep | bench | report | predict | export | slurm | info``.
+"""The command line: ``parambox train | sweep | bench | report | pick | predict | export | slurm | info``.
 
 Thin by design: each command lives in its own module with ``configure(parser)`` and ``run(args) -> int``.
 A ``UserError`` (or pydantic ``ValidationError``) anywhere becomes one line on stderr and exit code 2.
@@ -21,6 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "benchmarks measured side by side (sync, box, async, local, cluster, optimizer, api)",
     ),
     "report": ("parambox.commands.report", "plots and tables from run directories"),
+    "pick": (
+        "parambox.commands.pick",
+        "which strategy reaches a target accuracy first with N workers: probes, predictions, ranking",
+    ),
     "predict": ("parambox.commands.predict", "analytic scalability model: speedup and n_peak per topology"),
     "export": ("parambox.commands.export", "a run's model as ONNX, checked by onnxruntime"),
     "slurm": ("parambox.commands.slurm", "write (or submit) a SLURM batch script for a training run"),

@@ -28,6 +28,7 @@ from parambox.strategies.base import (
 
 class ParameterServerSync(Strategy):
     name = "ps-sync"
+    comm_topology = "ps"  # perfmodel's: rank 0's link carries every gradient in and every copy out (pick)
 
     def __init__(self, ctx: Context, options: Options):
         super().__init__(ctx, options)

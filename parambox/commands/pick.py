@@ -1,0 +1,179 @@
+"""``parambox pick``: which strategy reaches --target-accuracy first with --workers N, predicted from
+short probes of every applicable strategy on this launcher (or emulated cluster), ranked with reasons.
+
+A reference run (allreduce) trains until its test accuracy reaches the target; every other strategy
+of the registry that accepts N workers is probed for a few dozen steps (its presets' options). Each
+prediction is samples to target / samples per second: the samples from how fast the probe's test loss
+fell against the reference's (convergence per sample, with a band), the rate from the probe's time
+per step (compute and communication). --validate trains the top three to the target and reports the
+measured times. The runs live in --out (probes/, validation/, reference/) beside pick.json.
+
+    parambox pick --workers 2 --target-accuracy 0.95 --validate --json
+    parambox pick --workers 2 --target-accuracy 0.95 --emulate-nodes 2 --link-gbps 0.1 --validate
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from parambox.errors import UserError
+
+RUN_FLAGS = ("model", "data", "loss", "metrics", "collate", "data_path", "batch_size", "lr", "optimizer")
+RUN_FLAGS += ("momentum", "steps", "seed", "threads", "box")
+QUICK = {"probe_fraction": 1.0, "eval_every": 2}
+DEFAULTS = {"probe_fraction": 1.0, "eval_every": 4}
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    a = p.add_argument
+    a("--workers", type=int, required=True, help="the worker count to choose a strategy for")
+    a("--target-accuracy", type=float, required=True, help="test accuracy to reach, within (0, 1]")
+    a("--strategies", help="comma list: consider only these (default: every registered strategy)")
+    a("--validate", action="store_true", help="train the top three and allreduce to the target")
+    a("--json", action="store_true", help="print one JSON object on stdout (progress on stderr)")
+    a("--out", type=Path, help="directory for pick.json and the runs (default picks/pick-TIME)")
+    a(
+        "--quick",
+        action="store_true",
+        help="for tests: evaluations every 2 steps, only the top pick validated",
+    )
+    a("--probe-steps", type=int, help="steps of each probe (default: the reference's to the target)")
+    a("--probe-fraction", type=float, help="a probe's steps as a fraction of the reference's (default 1)")
+    a("--eval-every", type=int, help="steps between evaluations of every run (default 4)")
+    a("--run-timeout", type=float, default=900.0, help="seconds a run to the target may take (default 900)")
+    a("--probe-timeout", type=float, default=180.0, help="seconds a probe may take (default 180)")
+    a("--emulate-nodes", type=int, metavar="N", help="every run on N emulated nodes (needs root)")
+    a("--link-gbps", type=float, metavar="G", help="the emulated nodes' links in Gbit/s")
+    a("--preset", default="digits-allreduce", help="the workload's base config (default digits-allreduce)")
+    for field in RUN_FLAGS:
+        a(f"--{field.replace('_', '-')}", dest=field, default=None, help="as for parambox train")
+    a("--set", action="append", default=[], metavar="KEY=VALUE", help="override any run field, as for train")
+
+
+def settings_from_args(args: argparse.Namespace):
+    from parambox.config import build_config, merge, parse_set
+    from parambox.presets import preset
+    from parambox.studies.pick import PickSettings
+
+    if args.workers < 1:
+        raise UserError(f"--workers must be >= 1, got {args.workers}")
+    if not 0 < args.target_accuracy <= 1:
+        raise UserError(f"--target-accuracy must be within (0, 1], got {args.target_accuracy}")
+    sizes = {"probe_fraction": args.probe_fraction, "eval_every": args.eval_every}
+    for key, value in {**sizes, "probe_steps": args.probe_steps}.items():
+        if value is not None and not value > 0:
+            raise UserError(f"--{key.replace('_', '-')} must be > 0, got {value}")
+    for flag, value in (("--run-timeout", args.run_timeout), ("--probe-timeout", args.probe_timeout)):
+        if not value > 0:
+            raise UserError(f"{flag} must be > 0, got {value}")
+    flags = {f: getattr(args, f) for f in RUN_FLAGS if getattr(args, f) is not None}
+    cluster = {"nodes": args.emulate_nodes, "link_gbps": args.link_gbps}
+    flags["cluster"] = {k: v for k, v in cluster.items() if v is not None}
+    overrides = parse_set(args.set)
+    fixed = {f for f in flags if f != "cluster"} | {
+        k for k in overrides if k not in ("options", "box", "cluster")
+    }
+    base = merge(merge(preset(args.preset), flags), overrides)
+    base = build_config(base).model_dump(exclude_defaults=False)  # flags' types and ranges, once
+    defaults = QUICK if args.quick else DEFAULTS
+    sizes = {k: v if v is not None else defaults[k] for k, v in sizes.items()}
+    if args.probe_steps is not None and sizes["eval_every"] > args.probe_steps // 2:
+        raise UserError("--eval-every must leave at least two evaluations in a probe (<= --probe-steps / 2)")
+    only = [x.strip() for x in args.strategies.split(",") if x.strip()] if args.strategies else None
+    if only:
+        from parambox.studies.pick.candidates import registry_candidates
+
+        registry_candidates(args.workers, only)  # unknown names: one line, before anything is written
+    out = args.out or Path(f"picks/pick-{time.strftime('%Y%m%d-%H%M%S')}")
+    return PickSettings(
+        workers=args.workers,
+        target=args.target_accuracy,
+        base=base,
+        out=out,
+        strategies=only,
+        validate=args.validate,
+        run_timeout_s=args.run_timeout,
+        probe_timeout_s=args.probe_timeout,
+        fixed=fixed,
+        probe_steps=args.probe_steps,
+        num_validated=1 if args.quick else 3,
+        **sizes,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from parambox.commands.train import check_references
+    from parambox.config import build_config
+    from parambox.studies.pick import run_pick
+
+    s = settings_from_args(args)
+    cfg = build_config(s.base)
+    if cfg.cluster.enabled:
+        from parambox.runtime.cluster import check_environment
+
+        check_environment()  # not root, or no ip/tc: one line before anything runs
+    check_references(cfg)  # a --model/--data/--loss REF that does not import: one line, now
+    s.base = cfg.model_dump()  # references made absolute: the runs start in their own directories
+    try:
+        s.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {s.out}: cannot create ({e.strerror})") from None
+
+    def say(text: str) -> None:
+        print(f"parambox pick: {text}", file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    result = run_pick(s, say)
+    text = json.dumps(result, indent=2, allow_nan=False)
+    (s.out / "pick.json").write_text(text + "\n")
+    if args.json:
+        print(text)
+    else:
+        print_result(result)
+        print(f"details: {s.out / 'pick.json'}")
+    return 0
+
+
+def print_result(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def sec(x) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    table = Table(
+        title=f"time to test accuracy {result['target_accuracy']:g} with {result['workers']} workers "
+        f"(probed with {result['probe_workers']})"
+    )
+    for h in ("#", "setup", "predicted s", "band s", "x ref. samples", "ms/step", "comm ms"):
+        table.add_column(h)
+    for r in result["ranking"]:
+        conv = r["convergence_vs_reference"]
+        table.add_row(
+            str(r["rank"]),
+            r["setup"],
+            sec(r["predicted_s"]),
+            f"{sec(r['predicted_low_s'])}-{sec(r['predicted_high_s'])}",
+            "-" if not conv else f"{1 / conv:.2f}",
+            f"{r['step_ms']:.1f}",
+            f"{r['comm_ms']:.1f}",
+        )
+    console = Console()
+    console.print(table)
+    for r in result["ranking"]:
+        print(f"{r['rank']}. {r['setup']}: {r['reason']}")
+    for x in result["excluded"]:
+        print(f"excluded: {x['setup']}: {x['reason']}")
+    if not result["confident"]:
+        print("note: the top pick's band overlaps the runner-up's: the two are too close to call from probes")
+    v = result.get("validation")
+    if v:
+        for label, t in v["measured_s"].items():
+            print(f"measured: {label}: {sec(t)} s" + ("" if t is not None else " (did not reach the target)"))
+        for key in ("top_pick_vs_best_measured", "top_pick_vs_allreduce"):
+            print(f"{key}: {'-' if v[key] is None else format(v[key], '.2f')}")

@@ -1,0 +1,189 @@
+"""The runs ``parambox pick`` makes: plain ``parambox train`` subprocesses, as a user would type them,
+on the launcher and emulated cluster of the base config, read back from their ``metrics.jsonl``.
+
+A probe is stopped (Ctrl-C to its launcher) once rank 0 logs a test loss at its stop level, a run *to
+the target* once rank 0 logs a test accuracy at or above the target (else they end with their steps). Its time to target
+is the training time until the step before that evaluation: the run's own clock (start-up excluded)
+less rank 0's evaluation pauses, the basis the predictions are on too (``reached_wall_s`` keeps them).
+``run_to_target`` is the one function validation depends on, so the time-to-accuracy study can take
+its place.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parambox.runtime import spawn
+from parambox.studies.pick.model import Curve, StepCost, samples_to_accuracy, step_cost
+from parambox.studies.runs import _last_error, _terminate_as_interrupt, train_args
+
+POLL_S = 0.1
+
+
+@dataclass
+class Measured:
+    """What one run gave: its step records and evaluations, read from ``metrics.jsonl``."""
+
+    run_dir: Path
+    steps: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+    error: str | None = None
+    reached_s: float | None = None  # training seconds to the target accuracy, evaluations left out
+    reached_wall_s: float | None = None  # the same with the evaluations' pauses in
+
+    @property
+    def samples_per_step(self) -> float | None:
+        last = self.steps[-1] if self.steps else None
+        return last and last["samples_per_s"] * last["time"] / last["step"]
+
+    def curve(self, metric: str) -> Curve:
+        """``metric`` of every evaluation (step > 0) against global samples."""
+        per_step = self.samples_per_step or 0.0
+        pts = [(e["step"] * per_step, e[metric]) for e in self.evals if e.get(metric) is not None]
+        return Curve([p[0] for p in pts], [float(p[1]) for p in pts])
+
+    def cost(self, warmup: int) -> StepCost | None:
+        return step_cost(self.steps, {e["step"] for e in self.evals}, warmup)
+
+    def samples_to(self, target: float) -> float | None:
+        c = self.curve("test_accuracy")
+        return samples_to_accuracy(c.samples, c.values, target)
+
+    def time_to(self, target: float) -> tuple[float, float] | None:
+        """(training seconds, seconds) to the first evaluation at ``target``: the first leaves out rank 0's
+        evaluation pauses before it (each from the step record to the eval record after it), as the
+        predictions do; None when no evaluation got there."""
+        hit = next((e for e in self.evals if e.get("test_accuracy", 0.0) >= target), None)
+        if hit is None:
+            return None
+        step_time = {r["step"]: r["time"] for r in self.steps}
+        at = step_time.get(hit["step"], hit["time"])
+        pauses = sum(
+            e["time"] - step_time[e["step"]]
+            for e in self.evals
+            if e["step"] < hit["step"] and e["step"] in step_time
+        )
+        return at - pauses, hit["time"]
+
+    def staleness(self) -> float | None:
+        values = [r["staleness"] for r in self.steps if isinstance(r.get("staleness"), int | float)]
+        return sum(values) / len(values) if values else None
+
+
+def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """Rank 0's step and eval records so far (a half-written last line is skipped)."""
+    steps, evals = [], []
+    try:
+        text = (run_dir / "metrics.jsonl").read_text(errors="replace")
+    except FileNotFoundError:
+        return steps, evals
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("kind") == "step":
+            steps.append(rec)
+        elif rec.get("kind") == "eval" and rec.get("step", 0) > 0:
+            evals.append(rec)
+    return steps, evals
+
+
+def run_probe(config: dict[str, Any], run_dir: Path, timeout_s: float, stop_loss: float) -> Measured:
+    """Train ``config`` until rank 0's test loss falls to ``stop_loss`` (or its steps run out)."""
+    return _run(config, run_dir, timeout_s, lambda e: e.get("test_loss", math.inf) <= stop_loss)
+
+
+def run_to_target(config: dict[str, Any], run_dir: Path, target: float, timeout_s: float) -> Measured:
+    """Train ``config`` until rank 0's test accuracy reaches ``target`` (or its steps run out)."""
+    out = _run(config, run_dir, timeout_s, lambda e: e.get("test_accuracy", 0.0) >= target)
+    reached = out.time_to(target)
+    if reached is not None:
+        out.reached_s, out.reached_wall_s = reached
+    return out
+
+
+def _run(config: dict[str, Any], run_dir: Path, timeout_s: float, done: Callable[[dict], bool]) -> Measured:
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "parambox", *train_args(config, run_dir)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    out = Measured(run_dir)
+    with _terminate_as_interrupt(), open(run_dir / "train.log", "w") as log:
+        # A session of its own: stopping it stops the run's workers (and its cluster) too.
+        proc = spawn.start(cmd, env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            code = _wait(proc, _EvalWatch(run_dir / "metrics.jsonl", done), time.monotonic() + timeout_s)
+            if proc.poll() is None:
+                interrupt(proc)
+        finally:
+            spawn.stop([proc])
+    out.steps, out.evals = read_metrics(run_dir)
+    if code == "timeout":
+        out.error = f"ran past {timeout_s:.0f} s"
+    elif code not in (0, "reached"):
+        out.error = _last_error(run_dir / "train.log", code)
+    elif not out.steps:
+        out.error = "no step records"
+    return out
+
+
+def interrupt(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """Ctrl-C to the launcher alone: it stops its workers, removes their shared memory and takes its
+    emulated cluster down, as after a user's Ctrl-C (a SIGTERM to the whole group would leave that undone)."""
+    try:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(grace_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass  # the caller's spawn.stop finishes the job
+
+
+def _wait(proc, reached: _EvalWatch, deadline: float):
+    while True:
+        code = proc.poll()
+        if code is not None:
+            return code
+        if reached():
+            return "reached"
+        if time.monotonic() > deadline:
+            return "timeout"
+        time.sleep(POLL_S)
+
+
+class _EvalWatch:
+    """Has rank 0 logged an evaluation that is ``done`` yet? Reads only what was appended since the
+    last look, and parses only eval lines: the workers share the cores with this loop."""
+
+    def __init__(self, path: Path, done: Callable[[dict], bool]):
+        self.path, self.done, self.offset, self.partial = path, done, 0, b""
+
+    def __call__(self) -> bool:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return False
+        self.offset += len(chunk)
+        *lines, self.partial = (self.partial + chunk).split(b"\n")
+        for line in lines:
+            if b'"eval"' in line:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if rec.get("kind") == "eval" and rec.get("step", 0) > 0 and self.done(rec):
+                    return True
+        return False

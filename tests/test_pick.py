@@ -1,0 +1,263 @@
+"""``parambox pick``: (a) the prediction model's maths on plain numbers, candidates from the registry;
+(c) the command run as a user runs it (--quick: the JSON's keys), and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from parambox.studies.pick import model as pm
+from parambox.studies.pick.candidates import Candidate, registry_candidates
+from parambox.studies.pick.study import _confident, _step_cap, summarize_validation
+from tests.conftest import run_cli
+from tests.test_cluster import live_namespaces, needs_root, root_state
+
+REF = pm.Curve([100.0, 200.0, 300.0, 400.0, 500.0], [2.0, 1.2, 0.8, 0.6, 0.5])
+
+
+# -- (a) the maths -----------------------------------------------------------------------------------
+
+
+def test_samples_to_reach_interpolates_on_the_running_minimum():
+    noisy = pm.Curve([100, 200, 300, 400], [2.0, 1.0, 1.5, 0.5])  # 1.5 is noise: the best so far is 1.0
+    assert pm.running_min(noisy.values) == [2.0, 1.0, 1.0, 0.5]
+    assert pm.samples_to_reach(noisy, 1.0) == 200.0
+    assert pm.samples_to_reach(noisy, 0.75) == pytest.approx(350.0)  # halfway from 1.0 to 0.5
+    assert pm.samples_to_reach(noisy, 3.0) == 100.0  # already below at the first evaluation
+    assert pm.samples_to_reach(noisy, 0.4) is None
+
+
+def test_samples_to_accuracy_is_the_first_evaluation_at_the_target():
+    assert pm.samples_to_accuracy([10, 20, 30], [0.5, 0.96, 0.94], 0.95) == 20.0
+    assert pm.samples_to_accuracy([10, 20], [0.5, 0.9], 0.95) is None
+
+
+def test_convergence_ratio_is_reference_samples_over_probe_samples_at_the_same_loss():
+    # The reference went from 2.0 to 0.5: evaluations count below 2.0 - 0.2 * 1.5 = 1.7. The probe
+    # reaches at 50, 100 and 200 samples what the reference reached at 150, 200 and 300: e = 3, 2, 1.5.
+    assert pm.progress_level(REF, 0.2) == pytest.approx(1.7)
+    r = pm.convergence_ratio(REF, pm.Curve([25.0, 50.0, 100.0, 200.0], [1.9, 1.6, 1.2, 0.8]))
+    assert r.points == pytest.approx([3.0, 2.0, 1.5])  # not the first: 1.9 is on the plateau
+    assert (r.estimate, r.low, r.high) == pytest.approx((2.0, 1.5, 3.0))
+    # The estimate is the median of the last three: a ratio that drifts counts where it ended up.
+    drifting = pm.convergence_ratio(REF, pm.Curve([40.0, 50.0, 100.0, 200.0], [1.6, 1.2, 0.8, 0.6]))
+    assert drifting.points == pytest.approx([3.75, 4.0, 3.0, 2.0]) and drifting.estimate == pytest.approx(3.0)
+    assert not r.censored
+
+
+def test_convergence_ratio_of_the_reference_against_itself_is_one():
+    r = pm.convergence_ratio(REF, pm.Curve(REF.samples[:3], REF.values[:3]))
+    assert r.points == pytest.approx([1.0, 1.0])
+
+
+def test_convergence_ratio_censored_and_uninformative_probes():
+    better = pm.convergence_ratio(REF, pm.Curve([100.0], [0.1]))  # below anything the reference reached
+    assert better.censored and better.estimate == pytest.approx(5.0)  # at least 500 / 100
+    assert pm.convergence_ratio(REF, pm.Curve([100.0, 200.0], [2.5, 1.8])) is None  # still on the plateau
+    assert pm.convergence_ratio(REF, pm.Curve([], [])) is None
+
+
+def test_step_cost_leaves_out_warmup_and_the_steps_after_an_evaluation():
+    # steps 1..8 every 10 ms, but the step after the evaluation at step 4 took 60 ms; comm 4 ms per step;
+    # 2 workers x 32 samples per step.
+    times, t = [], 0.0
+    for step in range(1, 9):
+        t += 0.060 if step == 5 else 0.010
+        times.append(t)
+    records = [
+        {"step": s, "time": t, "comm": {"allreduce": 0.004}, "samples_per_s": 64 * s / t}
+        for s, t in zip(range(1, 9), times)
+    ]
+    cost = pm.step_cost(records, eval_steps={4}, warmup=2)
+    assert cost.step_s == pytest.approx(0.010)
+    assert cost.comm_s == pytest.approx(0.004) and cost.compute_s == pytest.approx(0.006)
+    assert cost.samples_per_step == pytest.approx(64.0)
+    assert cost.samples_per_s == pytest.approx(6400.0)
+    assert pm.step_cost(records[:2], set(), warmup=2) is None
+
+
+@pytest.mark.parametrize(
+    ("topology", "factor"),
+    [("ring", (2 * 7 / 8) / (2 * 1 / 2)), ("ps", 4.0), ("tree", 3.0), ("box", (2 + 2 * 7 / 4) / (2 + 2 / 4))],
+)
+def test_scale_cost_uses_the_perfmodel_bandwidth_term(topology, factor):
+    cost = pm.StepCost(0.010, 0.004, 64.0)
+    scaled = pm.scale_cost(cost, topology, 2, 8)
+    assert scaled.comm_s == pytest.approx(0.004 * factor)
+    assert scaled.compute_s == pytest.approx(0.006)
+    assert scaled.samples_per_step == pytest.approx(256.0)
+    assert pm.scale_cost(cost, topology, 2, 2) is cost
+
+
+def test_predict_is_reference_samples_over_ratio_over_rate_with_the_band():
+    cost = pm.StepCost(0.02, 0.01, 64.0)  # 3200 samples/s
+    p = pm.predict(6400.0, pm.Ratio(0.8, 0.5, 1.0), cost)
+    assert p.samples == pytest.approx(8000.0)
+    assert (p.seconds, p.low_s, p.high_s) == pytest.approx((2.5, 2.0, 4.0))
+    assert pm.predict(6400.0, None, cost).seconds is None
+
+
+def test_rank_order_puts_the_unpredicted_last():
+    cost = pm.StepCost(0.01, 0.0, 10.0)
+    ps = [pm.predict(100, pm.Ratio(e, e, e), cost) for e in (0.5, 2.0)] + [pm.predict(100, None, cost)]
+    ps.insert(0, pm.predict(100, None, cost))
+    assert pm.rank_order(ps) == [2, 1, 0, 3]
+
+
+def test_attribution_sums_to_the_log_time_ratio_and_names_what_dominates():
+    top = pm.predict(1000, pm.Ratio(1, 1, 1), pm.StepCost(0.010, 0.002, 64))
+    chatty = pm.predict(1000, pm.Ratio(1, 1, 1), pm.StepCost(0.030, 0.022, 64))  # same compute, more comm
+    stale = pm.predict(1000, pm.Ratio(0.4, 0.3, 0.5), pm.StepCost(0.010, 0.002, 64))
+    for p in (chatty, stale):
+        parts = pm.attribution(p, top)
+        assert sum(parts.values()) == pytest.approx(math.log(p.seconds / top.seconds))
+    assert pm.attribution(chatty, top)["compute"] == pytest.approx(0.0)
+    assert pm.reason(chatty, top, "top", None).startswith("communication: 22.0 ms/step against 2.0")
+    assert pm.reason(stale, top, "top", 1.5).startswith("staleness: needs 2.50x top's samples")
+    assert pm.reason(stale, top, "top", None).startswith("convergence per sample: needs 2.50x")
+    assert pm.reason(top, None, "", None).startswith("fastest: compute dominates")
+    assert pm.reason(pm.predict(1000, None, top.cost), top, "top", None).startswith("convergence per sample")
+
+
+def test_time_to_target_leaves_out_the_evaluation_pauses(tmp_path):
+    from parambox.studies.pick.runs import Measured
+
+    # steps every 10 ms, evaluations after steps 2 and 4 taking 50 ms each; the second reaches 0.9.
+    steps = [
+        {"step": 1, "time": 0.01},
+        {"step": 2, "time": 0.02},
+        {"step": 3, "time": 0.08},
+        {"step": 4, "time": 0.09},
+    ]
+    evals = [{"step": 2, "time": 0.07, "test_accuracy": 0.5}, {"step": 4, "time": 0.14, "test_accuracy": 0.9}]
+    m = Measured(tmp_path, steps, evals)
+    assert m.time_to(0.9) == pytest.approx((0.04, 0.14))
+    assert m.time_to(0.95) is None
+
+
+def test_validation_ratios_and_confidence():
+    v = summarize_validation({"a": 6.0, "b": 5.0, "allreduce": 12.0}, "a", "allreduce")
+    assert v["best_measured"] == "b"
+    assert v["top_pick_vs_best_measured"] == pytest.approx(1.2)
+    assert v["top_pick_vs_allreduce"] == pytest.approx(0.5)
+    missed = summarize_validation({"a": None, "allreduce": 12.0}, "a", "allreduce")
+    assert missed["top_pick_vs_best_measured"] is None and missed["top_pick_vs_allreduce"] is None
+    rows = [{"predicted_s": 1.0, "predicted_low_s": 0.8, "predicted_high_s": 1.2}]
+    assert _confident(rows + [{"predicted_s": 2.0, "predicted_low_s": 1.5, "predicted_high_s": 3.0}])
+    assert not _confident(rows + [{"predicted_s": 1.3, "predicted_low_s": 1.1, "predicted_high_s": 3.0}])
+    p = pm.predict(640.0, pm.Ratio(1, 1, 1), pm.StepCost(0.01, 0.0, 64.0))  # 10 steps; high 0.1 s
+    assert _step_cap(600, p) == 600 and _step_cap(5, p) == 20 and _step_cap(1, p) == 10
+
+
+# -- candidates: the registry, nothing named ----------------------------------------------------------
+
+
+def test_candidates_come_from_the_registry_and_their_presets(monkeypatch):
+    from parambox import presets
+    from parambox.strategies import STRATEGIES
+
+    names = {c.strategy for c in registry_candidates(2)}
+    assert names == {n for n in STRATEGIES if _accepts(n, 2)}
+    assert "single" not in names
+    assert Candidate("weight-avg", {"period": 4}) in registry_candidates(2, ["weight-avg"])
+    # A strategy added later (its registry line and its preset) joins with no code in pick naming it.
+    monkeypatch.setitem(STRATEGIES, "newcomer", "parambox.strategies.weight_avg:WeightAveraging")
+    monkeypatch.setitem(
+        presets.PRESETS,
+        "digits-newcomer",
+        lambda: {"strategy": "newcomer", "options": {"newcomer": {"period": 8}}},
+    )
+    assert registry_candidates(2, ["newcomer"]) == [Candidate("newcomer", {"period": 8})]
+
+
+def _accepts(name: str, n: int) -> bool:
+    from parambox.strategies import strategy_class
+
+    return strategy_class(name).accepts_workers(n)
+
+
+def test_candidate_settings_come_from_presets_of_the_same_workload_and_the_user_wins():
+    base = {"model": "lenet", "data": "digits", "lr": 0.03, "momentum": 0.9, "options": {}}
+    hogwild = registry_candidates(2, ["hogwild"], base)
+    assert hogwild == [Candidate("hogwild", {}, {"lr": 0.015})]  # its preset halves the default run's lr
+    assert registry_candidates(2, ["hogwild"], {**base, "model": "mlp"}) == [Candidate("hogwild")]
+    mine = hogwild[0].overridden({"n_push": 2}, fixed={"lr"})
+    assert mine == Candidate("hogwild", {"n_push": 2}) and mine.label == "hogwild n_push=2"
+    cfg = Candidate("easgd", {"tau": 4}, {"lr": 0.01}, box="rma").config(
+        {"strategy": "allreduce", "lr": 0.03, "options": {}, "box": {"backend": "shm"}}
+    )
+    assert cfg["strategy"] == "easgd" and cfg["options"]["easgd"] == {"tau": 4} and cfg["lr"] == 0.01
+    assert cfg["box"]["backend"] == "rma"
+    assert Candidate("easgd", {"sync": True, "tau": 4}).label == "easgd sync=true tau=4"
+
+
+# -- (c) the command ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--workers", "0", "--target-accuracy", "0.9"], "--workers must be >= 1"),
+        (["--workers", "2", "--target-accuracy", "1.5"], "--target-accuracy must be within"),
+        (
+            ["--workers", "2", "--target-accuracy", "0.9", "--strategies", "nope"],
+            "--strategies: unknown nope",
+        ),
+        (["--workers", "2", "--target-accuracy", "0.9", "--model", "nomodule:f"], "nomodule"),
+        (
+            ["--workers", "2", "--target-accuracy", "0.9", "--probe-steps", "4", "--eval-every", "3"],
+            "--eval-every",
+        ),
+    ],
+)
+def test_pick_user_errors_are_one_line(tmp_path, capsys, args, message):
+    from parambox.cli import main
+
+    assert main(["pick", *args, "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "p").exists()  # nothing ran, nothing was written
+
+
+@pytest.mark.timeout(300)
+def test_pick_quick_validate_json(tmp_path):
+    """The suite's form of the Must show: 2 workers on loopback, three candidates, --validate."""
+    out = tmp_path / "pick"
+    proc = run_cli(
+        "pick", "--workers", "2", "--target-accuracy", "0.8", "--quick", "--validate", "--json",
+        "--strategies", "allreduce,weight-avg,dynsgd", "--out", str(out),
+        timeout=280,
+    )  # fmt: skip
+    result = json.loads(proc.stdout)
+    assert json.loads((out / "pick.json").read_text()) == result
+    assert {"ranking", "excluded", "reference", "confident", "validation", "model"} <= set(result)
+    assert result["workers"] == result["probe_workers"] == 2
+    setups = {r["setup"] for r in result["ranking"]}
+    assert {"allreduce", "weight-avg period=4"} <= setups
+    for r in result["ranking"]:
+        assert {"strategy", "options", "predicted_s", "reason"} <= set(r) and r["reason"]
+    v = result["validation"]
+    assert {"measured_s", "top_pick_vs_best_measured", "top_pick_vs_allreduce"} <= set(v)
+    assert result["ranking"][0]["setup"] in v["measured_s"] and "allreduce" in v["measured_s"]
+    assert all(t is None or t > 0 for t in v["measured_s"].values())
+
+
+@needs_root
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pick_quick_on_the_emulated_cluster_leaves_nothing(tmp_path):
+    """The same on 2 emulated nodes at 0.1 Gbit/s: the runs are on the cluster, which is gone after."""
+    before, namespaces = root_state(), live_namespaces()
+    out = tmp_path / "pick"
+    proc = run_cli(
+        "pick", "--workers", "2", "--target-accuracy", "0.8", "--quick", "--json", "--emulate-nodes", "2",
+        "--link-gbps", "0.1", "--strategies", "allreduce,weight-avg", "--out", str(out), timeout=280,
+    )  # fmt: skip
+    result = json.loads(proc.stdout)
+    assert result["cluster"]["nodes"] == 2 and result["cluster"]["link_gbps"] == 0.1
+    assert [r["strategy"] for r in result["ranking"]] != [] and "validation" not in result
+    world = json.loads((out / "reference" / "metrics.jsonl").read_text().splitlines()[0])
+    assert world["num_nodes"] == 2
+    assert root_state() == before and live_namespaces() <= namespaces
