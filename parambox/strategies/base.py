@@ -84,6 +84,9 @@ class Strategy:
     # ``end_step``, so ``DistributedOptimizer`` can drive it inside a user's own loop. Pipeline
     # parallelism and L-BFGS must own forward/backward: they override ``step`` and set this.
     owns_forward_backward: ClassVar[bool] = False
+    # The exchange in perfmodel's terms ("ring", "tree", "ps", "box"), for `parambox pick`'s scaling
+    # model; None: the box for strategies that survive a lost worker, a ring allreduce for the others.
+    comm_topology: ClassVar[str | None] = None
 
     @classmethod
     def resolve(cls, options: Options) -> type[Strategy]:

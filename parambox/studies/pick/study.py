@@ -160,7 +160,7 @@ def _topology(c: Candidate) -> str:
     from parambox.strategies import strategy_class
 
     cls = strategy_class(c.strategy, c.options)
-    return getattr(cls, "comm_topology", "box" if cls.tolerates_worker_loss else "ring")
+    return cls.comm_topology or ("box" if cls.tolerates_worker_loss else "ring")
 
 
 def _reference(s: PickSettings, base: dict[str, Any], reference: Candidate) -> runs.Measured:
