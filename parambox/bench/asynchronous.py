@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parambox.bench.rounds import paired_ratio, timed_rounds
-from parambox.bench.workers import BATCH, random_batches, spawn_workers
+from parambox.bench.rounds import paired_ratio
+from parambox.bench.workers import BATCH, close_setups, random_batches, run_setups, spawn_workers
 from parambox.numerics import is_finite
 from parambox.runtime import spawn
 from parambox.runtime.spawn import find_mpiexec
@@ -141,18 +141,10 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
             s: _plain_stepper(world, out.parent) if s == "plain" else _strategy_stepper(s, world, total)
             for s in setups
         }
-        per_round, losses = timed_rounds(
-            {s: step for s, (step, _, _) in steppers.items()},
-            random_batches(world.rank),
-            rounds,
-            steps,
-            warmup,
-            world.world_size * BATCH,
-            dist.barrier,
-        )
+        measured = run_setups(steppers, world, rounds, steps, warmup)
+        per_round, losses = measured.per_round, measured.outputs
         shared = {s: _same_on_both_ranks(steppers[s][2]) for s in setups if steppers[s][2] is not None}
-        for _, close, _ in steppers.values():
-            close()
+        close_setups(steppers)
         nonfinite = [s for s, v in losses.items() if not is_finite(v)]
         if world.rank == 0:
             out.write_text(json.dumps({"per_round": per_round, "nonfinite": nonfinite, "shared": shared}))

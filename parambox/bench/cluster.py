@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parambox.bench.rounds import paired_ratio, run_rounds
+from parambox.bench.rounds import paired_ratio
 from parambox.bench.sync import ddp_stepper, plain_stepper
-from parambox.bench.workers import BATCH, random_batches, spawn_workers
+from parambox.bench.workers import BATCH, close_setups, run_setups, spawn_workers
 
 LR, MOMENTUM = 0.01, 0.9
 StepperFactory = Callable[[Any, int], tuple[Callable, Callable]]  # (world, total steps) -> (step, close)
@@ -160,18 +160,8 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
         total = warmup + rounds * steps
         steppers = {name: SETUPS[name].build(world, total) for name in setups}
         meter = _link_meter()
-        result = run_rounds(
-            {name: step for name, (step, _) in steppers.items()},
-            random_batches(world.rank),
-            rounds,
-            steps,
-            warmup,
-            world.world_size * BATCH,
-            dist.barrier,
-            meter,
-        )
-        for _, close in steppers.values():
-            close()
+        result = run_setups(steppers, world, rounds, steps, warmup, meter)
+        close_setups(steppers)
         link = _gather_means(result.metered, setups) if meter else None
         if world.rank == 0:
             comm = {name: _comm_per_step(result.outputs[name][warmup:]) for name in setups}

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parambox.bench.rounds import paired_ratio, timed_rounds
+from parambox.bench.rounds import paired_ratio
 from parambox.bench.sync import _build, ddp_stepper, plain_stepper
-from parambox.bench.workers import BATCH, random_batches, spawn_workers
+from parambox.bench.workers import BATCH, close_setups, run_setups, spawn_workers
 
 SETUPS = {"ddp": ddp_stepper, "ceiling": plain_stepper}
 
@@ -51,17 +51,8 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
     try:
         makers = {**SETUPS, "optimizer": _optimizer_stepper}
         steppers = {name: makers[name]() for name in setups}
-        per_round, _ = timed_rounds(
-            {name: step for name, (step, _) in steppers.items()},
-            random_batches(world.rank),
-            rounds,
-            steps,
-            warmup,
-            world.world_size * BATCH,
-            dist.barrier,
-        )
-        for _, close in steppers.values():
-            close()
+        per_round = run_setups(steppers, world, rounds, steps, warmup).per_round
+        close_setups(steppers)
         if world.rank == 0:
             out.write_text(json.dumps(per_round))
     finally:

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parambox.bench.rounds import paired_ratio, timed_rounds
-from parambox.bench.workers import BATCH, random_batches, spawn_workers
+from parambox.bench.rounds import paired_ratio
+from parambox.bench.workers import BATCH, close_setups, run_setups, spawn_workers
 
 SETUPS = ["ddp", "ceiling", "post-local-sgd", "torchft-diloco"]  # the steppers that are not parambox's
 PERIOD = 4  # weight-avg's period, PostLocalSGD's, and diloco's inner steps (with torchft's sync_every)
@@ -108,17 +108,8 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
     dist.init_process_group("gloo", rank=world.rank, world_size=world.world_size)
     try:
         steppers = {name: make_stepper(name, world, warmup + rounds * steps) for name in setups}
-        per_round, _ = timed_rounds(
-            {name: step for name, (step, _) in steppers.items()},
-            random_batches(world.rank),
-            rounds,
-            steps,
-            warmup,
-            world.world_size * BATCH,
-            dist.barrier,
-        )
-        for _, close in steppers.values():
-            close()
+        per_round = run_setups(steppers, world, rounds, steps, warmup).per_round
+        close_setups(steppers)
         if world.rank == 0:
             out.write_text(json.dumps(per_round))
     finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,9 @@ import torch
 from parambox.runtime import spawn
 
 if TYPE_CHECKING:
+    from parambox.bench.rounds import Rounds
     from parambox.runtime.cluster import EmulatedCluster
+    from parambox.runtime.world import World
 
 BATCH = 64
 
@@ -27,6 +30,25 @@ def random_batches(rank: int, count: int = 8) -> list[tuple[torch.Tensor, torch.
         (torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
         for _ in range(count)
     ]
+
+
+def run_setups(
+    steppers: Mapping[str, tuple], world: World, rounds: int, steps: int, warmup: int, meter=None
+) -> Rounds:
+    """The timed rounds (``bench.rounds``) of every setup, ``steppers``: name -> (step, close, ...), on this
+    rank's random batches, all ranks released together by the default process group's barrier."""
+    import torch.distributed as dist
+
+    from parambox.bench.rounds import run_rounds
+
+    step_of = {name: setup[0] for name, setup in steppers.items()}
+    batches = random_batches(world.rank)
+    return run_rounds(step_of, batches, rounds, steps, warmup, world.world_size * BATCH, dist.barrier, meter)
+
+
+def close_setups(steppers: Mapping[str, tuple]) -> None:
+    for setup in steppers.values():
+        setup[1]()
 
 
 def spawn_workers(
