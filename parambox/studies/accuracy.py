@@ -126,7 +126,9 @@ def plan(
 
     unknown = [s for s in setups if s not in SETUPS or SETUPS[s].strategy is None]
     if unknown:
-        raise UserError(f"time to accuracy: unknown setups {unknown}; choose from {', '.join(default_setups())}")
+        raise UserError(
+            f"time to accuracy: unknown setups {unknown}; choose from {', '.join(default_setups())}"
+        )
     planned = []
     for g in gbps:
         cluster = {"nodes": nodes, "link_gbps": g} if g is not None else None
