@@ -658,6 +658,15 @@ def assess(c: Claim, ctx: Ctx, selected: bool) -> dict[str, Any]:
             "why": why,
             "plot": None,
         }
+    except Exception as e:  # noqa: BLE001  a bug in one claim's reading must not cost the others' results
+        why = f"measurement failed: {type(e).__name__}: {e}"
+        return entry | {
+            "run": ctx.self_command(c.id),
+            "measured": None,
+            "verdict": SKIPPED,
+            "why": why,
+            "plot": None,
+        }
     verdict, why = c.verdict(measured)
     assert verdict in VERDICTS, verdict
     return entry | {"run": run, "measured": measured, "verdict": verdict, "why": why, "plot": plot}
@@ -674,14 +683,15 @@ def run_reproduce(out: str | Path, quick: bool = False, only: list[str] | None =
     except OSError as e:
         raise UserError(f"--out {out}: cannot create it ({e.strerror})") from None
     ctx = Ctx(out, quick, os.geteuid() == 0)
-    claims = []
+    claims: list[dict[str, Any]] = []
+    result = {"quick": quick, "root": ctx.root, "claims": claims}
     for c in CLAIMS:
         selected = only is None or c.id in only
         if selected:
             print(f"reproduce: {c.id}", file=sys.stderr, flush=True)
         claims.append(assess(c, ctx, selected))
-    result = {"quick": quick, "root": ctx.root, "claims": claims}
-    (out / "claims.json").write_text(json.dumps(result, indent=2))
+        # After every claim, so an interrupted run keeps what it measured.
+        (out / "claims.json").write_text(json.dumps(result, indent=2))
     write_page(result, out)
     return result
 
