@@ -658,7 +658,7 @@ def assess(c: Claim, ctx: Ctx, selected: bool) -> dict[str, Any]:
             "why": why,
             "plot": None,
         }
-    except Exception as e:  # noqa: BLE001  a bug in one claim's reading must not cost the others' results
+    except Exception as e:  # a bug in one claim's reading must not cost the others' results
         why = f"measurement failed: {type(e).__name__}: {e}"
         return entry | {
             "run": ctx.self_command(c.id),
