@@ -163,7 +163,7 @@ def verdict_neuron(m: dict[str, Any]) -> tuple[str, str]:
 def measure_grid(ctx: Ctx):
     d = ctx.dir("grid")
     if ctx.quick:
-        grid = ["--workers", "1", "--batch-size", "16", "--lr", "0.05,0.1", "--samples", "320"]
+        grid = ["--workers", "1", "--batch-size", "16", "--lr", "0.1", "--samples", "320"]
     else:
         grid = ["--workers", "1,2", "--batch-size", "16,32", "--lr", "0.05,0.1,0.2", "--samples", "6144"]
     args = ["sweep", *grid, "--out", str(d)]
