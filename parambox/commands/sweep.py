@@ -206,7 +206,7 @@ def run_scaling(args: argparse.Namespace) -> int:
     return 0 if all(r["status"] == "ok" for r in results["runs"]) else 1
 
 
-QUICK_TTA = {"data": "digits", "steps": 60, "eval_every": 10}
+QUICK_TTA = {"data": "digits", "steps": 200, "eval_every": 20}
 
 
 def run_time_to_accuracy(args: argparse.Namespace) -> int:
