@@ -24,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -689,7 +690,8 @@ def run_reproduce(out: str | Path, quick: bool = False, only: list[str] | None =
         selected = only is None or c.id in only
         if selected:
             print(f"reproduce: {c.id}", file=sys.stderr, flush=True)
-        claims.append(assess(c, ctx, selected))
+        t0 = time.perf_counter()
+        claims.append(assess(c, ctx, selected) | {"seconds": round(time.perf_counter() - t0, 1)})
         # After every claim, so an interrupted run keeps what it measured.
         (out / "claims.json").write_text(json.dumps(result, indent=2))
     write_page(result, out)
