@@ -712,7 +712,24 @@ def write_page(result: dict[str, Any], out: Path) -> None:
     )
     header, rows = table_rows(result)
     figures = [(f"{c['id']}: {c['claim']}", out / c["plot"]) for c in result["claims"] if c["plot"]]
+    tables = [t for t in (tau_table(result),) if t is not None]
     md = [f"# {title}", "", markdown_table(header, rows), ""]
+    md += [f"## {cap}\n\n{markdown_table(h, r)}\n" for cap, h, r in tables]
     md += [f"## {cap}\n\n![{cap}]({p.relative_to(out)})\n" for cap, p in figures]
     (out / "index.md").write_text("\n".join(md))
-    (out / "index.html").write_text(html_page(title, header, rows, figures, base=out))
+    (out / "index.html").write_text(html_page(title, header, rows, figures, base=out, tables=tables))
+
+
+def tau_table(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]]] | None:
+    """The EASGD paper's tau table: final test accuracy (%) per method and tau, if it was measured."""
+    claim = next((c for c in result["claims"] if c["id"] == "easgd-tau"), None)
+    if claim is None or not claim["measured"]:
+        return None
+    m = claim["measured"]
+    header = ["method (lr)"] + [f"tau {t}" for t in m["taus"]]
+    rows = [
+        [f"{method} ({m['lr'][method]:g})"] + [f"{acc[str(t)]:.1f}" for t in m["taus"]]
+        for method, acc in m["test_accuracy_pct"].items()
+    ]
+    caption = f"Test accuracy (%) after {m['steps']} steps, {m['workers']} workers, by tau"
+    return caption, header, rows
