@@ -334,7 +334,7 @@ def measure_hybrid(ctx: Ctx):
     }
     measured = {
         "workers": 4,
-        "groups": "2 groups of 2 (a node each), EASGD tau 4 between them",
+        "groups": "2 synchronous groups of 2 (ShmCaffe-H's nodes; on loopback), EASGD tau 4 between them",
         "steps": steps,
         "seeds": seeds,
         "final_test_accuracy": acc,
