@@ -74,6 +74,8 @@ def test_learning_rate_rule_and_plan():
     assert [r.name for r in runs][:2] == ["1gbps-allreduce-s0", "1gbps-allreduce-s1"]
     assert runs[0].config["cluster"] == {"nodes": 2, "link_gbps": 1.0} and "cluster" not in runs[-1].config
     assert runs[2].config["strategy"] == "downpour" and runs[2].config["lr"] == 0.02
+    rma = plan(base, ["easgd-tau4"], [1.0], [0], nodes=2)[0].config["box"]
+    assert rma == {"backend": "rma", "memory_ranks": 0}  # one worker per node: no memory rank
     with pytest.raises(UserError, match="unknown setups"):
         plan(base, ["ddp"], [1.0], [0], nodes=2)
 

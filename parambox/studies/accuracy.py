@@ -136,6 +136,10 @@ def plan(
             setup = SETUPS[name]
             for seed in seeds:
                 cfg = merge(base, setup.train_config())
+                if cfg["box"].get("backend") == "rma":
+                    # The box sharded over the workers, as bench cluster runs it: no memory rank,
+                    # which would be a third process on two one-worker nodes.
+                    cfg["box"] = {"memory_ranks": 0, **cfg["box"]}
                 cfg = merge(cfg, {"seed": seed, "lr": lr_for(setup.strategy, base["lr"], base["workers"])})
                 if cluster:
                     cfg["cluster"] = cluster
