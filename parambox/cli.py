@@ -1,4 +1,5 @@
-"""The command line: ``parambox train | sweep | bench | report | pick | predict | export | slurm | info``.
+"""The command line: ``parambox train | sweep | bench | reproduce | report | pick | predict | export | slurm |
+info``.
 
 Thin by design: each command lives in its own module with ``configure(parser)`` and ``run(args) -> int``.
 A ``UserError`` (or pydantic ``ValidationError``) anywhere becomes one line on stderr and exit code 2.
@@ -19,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": (
         "parambox.commands.bench",
         "benchmarks measured side by side (sync, box, async, local, cluster, optimizer, api)",
+    ),
+    "reproduce": (
+        "parambox.commands.reproduce",
+        "re-measure the seeds' claims: claims.json with verdicts, index.html",
     ),
     "report": ("parambox.commands.report", "plots and tables from run directories"),
     "pick": (

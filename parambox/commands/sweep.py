@@ -22,7 +22,12 @@ the step function, 2/4/8/16 workers simulated in one process, gradient- and weig
 against real runs at 2 and 4 workers (``--cross-check-steps``; ``--no-cross-check`` skips them).
 ``--study scaling`` is the scaling study (§6; preset ``scaling-study``, ps-sync): 1..N workers per
 ``--strategy``, loss and accuracy against time, gather/average/broadcast time per worker count and
-time to ``--target-accuracy``. See ``parambox.studies.neuron`` and ``parambox.studies.scaling``.
+time to ``--target-accuracy``. ``--study time-to-accuracy`` (preset ``time-to-accuracy``: LeNet on
+MNIST, 2 workers) trains every strategy setup of ``bench cluster`` (``--setups``) with each of
+``--seeds`` (default 0,1,2) on 2 emulated nodes at each of ``--gbps`` (default 1,0.1; needs root) and
+reports the median training seconds to ``--target-accuracy`` (default 0.98) per setup, and the best
+setup against ``allreduce``; ``--quick`` is a short form on digits (target 0.8, 1 seed, 1 Gbit/s).
+See ``parambox.studies.neuron``, ``parambox.studies.scaling`` and ``parambox.studies.accuracy``.
 
     parambox sweep --workers 1,2 --batch-size 16,32,64 --lr 0.05,0.1,0.2 --out sweeps/digits
 """
@@ -39,7 +44,7 @@ from parambox.errors import UserError, warn
 from parambox.numerics import is_finite
 from parambox.presets import preset
 
-STUDIES = ("grid", "neuron", "scaling")
+STUDIES = ("grid", "neuron", "scaling", "time-to-accuracy")
 CROSS_CHECK_STEPS = 1000
 
 
@@ -47,7 +52,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.description = __doc__  # `parambox sweep --help` explains the metric, the files and the studies
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument(
-        "--study", choices=STUDIES, default="grid", help="grid (default), neuron (§3), scaling (§6)"
+        "--study",
+        choices=STUDIES,
+        default="grid",
+        help="grid (default), neuron (§3), scaling (§6), time-to-accuracy (issue 11)",
     )
     p.add_argument("--preset", help="base run config (default: digits-sweep, neuron-study or scaling-study)")
     p.add_argument("--strategy", help="comma list of strategies (default: the preset's)")
@@ -73,6 +81,11 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--emulate-nodes", type=int, metavar="N", help="every run on N emulated nodes (needs root)"
     )
     p.add_argument("--link-gbps", type=float, metavar="G", help="the emulated nodes' links in Gbit/s")
+    tta = p.add_argument_group("--study time-to-accuracy")
+    tta.add_argument("--setups", help="comma list of bench cluster setups (default: every strategy setup)")
+    tta.add_argument("--gbps", help="comma list of link rates in Gbit/s (default 1,0.1)")
+    tta.add_argument("--seeds", help="comma list of seeds (default 0,1,2)")
+    tta.add_argument("--quick", action="store_true", help="short form: digits, target 0.8, 1 seed, 1 Gbit/s")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any run field")
     p.add_argument("--out", type=Path, help="output directory (default sweeps/STUDY-TIME); rerun to resume")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds one training run may take")
@@ -91,10 +104,14 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} must be at least 1, got {value}")
     if args.study != "neuron" and (not args.cross_check or args.cross_check_steps != CROSS_CHECK_STEPS):
         warn("--no-cross-check and --cross-check-steps apply to --study neuron only")
+    if args.study != "time-to-accuracy" and (args.setups or args.gbps or args.seeds or args.quick):
+        raise UserError("--setups, --gbps, --seeds and --quick apply to --study time-to-accuracy only")
     if args.study == "neuron":
         return run_neuron(args)
     if args.study == "scaling":
         return run_scaling(args)
+    if args.study == "time-to-accuracy":
+        return run_time_to_accuracy(args)
     if args.target_accuracy is not None:
         raise UserError("--target-accuracy applies to --study scaling; a grid uses --loss-threshold")
     return run_grid(args)
@@ -189,6 +206,50 @@ def run_scaling(args: argparse.Namespace) -> int:
     return 0 if all(r["status"] == "ok" for r in results["runs"]) else 1
 
 
+QUICK_TTA = {"data": "digits", "steps": 200, "eval_every": 20}
+
+
+def run_time_to_accuracy(args: argparse.Namespace) -> int:
+    """``parambox sweep --study time-to-accuracy``."""
+    from parambox.studies.accuracy import run_time_to_accuracy as study
+    from parambox.studies.accuracy import table_markdown
+
+    if args.emulate_nodes is not None or args.link_gbps is not None:
+        raise UserError("--study time-to-accuracy builds its own cluster: use --gbps, not --link-gbps")
+    if args.workers or args.strategy or args.loss_threshold is not None:
+        raise UserError("--study time-to-accuracy takes --setups (not --strategy/--workers/--loss-threshold)")
+    base = base_config(args, "time-to-accuracy")
+    if args.quick:
+        base = merge(base, QUICK_TTA)
+    for flag, key, kind in (("--lr", "lr", float), ("--batch-size", "batch_size", int)):
+        text = getattr(args, key)
+        if text:
+            values = parse_list(text, kind, flag)
+            if len(values) > 1:
+                raise UserError(f"--study time-to-accuracy takes one {flag}")
+            base[key] = values[0]
+    if args.steps:
+        base["steps"] = args.steps
+    target = args.target_accuracy if args.target_accuracy is not None else (0.8 if args.quick else 0.98)
+    if not 0 < target <= 1:
+        raise UserError(f"--target-accuracy must be within (0, 1], got {target}")
+    quick_setups = "allreduce,weight-avg" if args.quick else None
+    setups = args.setups or quick_setups
+    results = study(
+        args.out,
+        base,
+        setups=parse_list(setups, str, "--setups") if setups else None,
+        gbps=parse_list(args.gbps or ("1" if args.quick else "1,0.1"), float, "--gbps"),
+        seeds=parse_seeds(args.seeds or ("0" if args.quick else "0,1,2")),
+        target=target,
+        nodes=base.get("workers", 2),
+        run_timeout_s=args.run_timeout,
+    )
+    print(table_markdown(results))
+    print(f"results in {Path(args.out) / 'results.json'}")
+    return 0
+
+
 # -- helpers of the three studies ------------------------------------------------------------------
 
 
@@ -205,6 +266,17 @@ def parse_list(text: str, kind: type, flag: str) -> list:
     if len(set(values)) != len(values):
         raise UserError(f"{flag} {text!r}: a value is repeated")
     return values
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]``: non-negative integers, no repeats."""
+    try:
+        seeds = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"--seeds {text!r}: expected a comma-separated list of integers") from None
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise UserError(f"--seeds {text!r}: non-negative integers, none repeated")
+    return seeds
 
 
 def base_config(args: argparse.Namespace, default_preset: str) -> dict[str, Any]:

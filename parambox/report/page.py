@@ -122,17 +122,36 @@ def write_report(
     for caption, path in figures:
         md += [f"## {caption}", "", f"![{caption}]({path.name})", ""]
     (out / "index.md").write_text("\n".join(md))
-    (out / "index.html").write_text(_html(title, header, rows, figures))
+    (out / "index.html").write_text(html_page(title, header, rows, figures))
     return out / "index.md"
 
 
-def _html(title: str, header: list[str], rows: list[list[str]], figures: list[tuple[str, Path]]) -> str:
+def html_page(
+    title: str,
+    header: list[str],
+    rows: list[list[str]],
+    figures: list[tuple[str, Path]],
+    base: Path | None = None,
+    tables: list[tuple[str, list[str], list[list[str]]]] = (),
+) -> str:
+    """A self-contained page: the title, one table, further (caption, header, rows) ``tables`` and
+    each (caption, figure); figure paths are written relative to ``base`` (the page's folder), or
+    as bare names when ``base`` is None."""
     e = html.escape
-    head = "".join(f"<th>{e(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows)
-    imgs = "".join(f'<h2>{e(c)}</h2><img src="{e(p.name)}" alt="{e(c)}">' for c, p in figures)
+
+    def table(header: list[str], rows: list[list[str]]) -> str:
+        head = "".join(f"<th>{e(h)}</th>" for h in header)
+        body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows)
+        return f"<table><tr>{head}</tr>{body}</table>"
+
+    more = "".join(f"<h2>{e(caption)}</h2>{table(h, r)}" for caption, h, r in tables)
+
+    def src(p: Path) -> str:
+        return str(p.relative_to(base)) if base is not None else p.name
+
+    imgs = "".join(f'<h2>{e(c)}</h2><img src="{e(src(p))}" alt="{e(c)}">' for c, p in figures)
     style = "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}img{max-width:100%}"
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{style}</style>"
-        f"</head><body><h1>{e(title)}</h1><table><tr>{head}</tr>{body}</table>{imgs}</body></html>\n"
+        f"</head><body><h1>{e(title)}</h1>{table(header, rows)}{more}{imgs}</body></html>\n"
     )
