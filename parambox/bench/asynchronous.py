@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parambox.bench.rounds import paired_ratio
-from parambox.bench.workers import BATCH, close_setups, random_batches, run_setups, spawn_workers
+from parambox.bench.workers import BATCH, close_setups, exit_worker, random_batches, run_setups, spawn_workers
 from parambox.numerics import is_finite
 from parambox.runtime import spawn
 from parambox.runtime.spawn import find_mpiexec
@@ -257,10 +257,9 @@ def summarize(per_round: dict[str, list[float]], nonfinite: list[str], rounds: i
 if __name__ == "__main__":
     if sys.argv[1] == "--rma-worker":
         rma_worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
-        from parambox.commands.train import exit_now
-
-        exit_now(0)
+        exit_worker()
     elif sys.argv[1] == "--worker":
         worker(
             sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6])
         )
+        exit_worker()  # gloo's threads may abort in C++ destructors at a normal exit

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from parambox.bench.rounds import paired_ratio
 from parambox.bench.sync import ddp_stepper, plain_stepper
-from parambox.bench.workers import BATCH, close_setups, run_setups, spawn_workers
+from parambox.bench.workers import BATCH, close_setups, exit_worker, run_setups, spawn_workers
 
 LR, MOMENTUM = 0.01, 0.9
 StepperFactory = Callable[[Any, int], tuple[Callable, Callable]]  # (world, total steps) -> (step, close)
@@ -301,3 +301,4 @@ if __name__ == "__main__":
         worker(
             sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6])
         )
+        exit_worker()  # gloo's threads may abort in C++ destructors at a normal exit

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from parambox.bench.rounds import paired_ratio
 from parambox.bench.sync import _build, ddp_stepper, plain_stepper
-from parambox.bench.workers import BATCH, close_setups, run_setups, spawn_workers
+from parambox.bench.workers import BATCH, close_setups, exit_worker, run_setups, spawn_workers
 
 SETUPS = {"ddp": ddp_stepper, "ceiling": plain_stepper}
 
@@ -85,3 +85,4 @@ if __name__ == "__main__":
         worker(
             sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6])
         )
+        exit_worker()  # gloo's threads may abort in C++ destructors at a normal exit

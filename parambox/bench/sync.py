@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parambox.bench.rounds import paired_ratio
-from parambox.bench.workers import BATCH, close_setups, run_setups, spawn_workers
+from parambox.bench.workers import BATCH, close_setups, exit_worker, run_setups, spawn_workers
 
 SETUPS = ["ddp", "ceiling", "post-local-sgd", "torchft-diloco"]  # the steppers that are not parambox's
 PERIOD = 4  # weight-avg's period, PostLocalSGD's, and diloco's inner steps (with torchft's sync_every)
@@ -179,3 +179,4 @@ if __name__ == "__main__":
         worker(
             sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6])
         )
+        exit_worker()  # gloo's threads may abort in C++ destructors at a normal exit

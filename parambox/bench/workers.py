@@ -51,6 +51,13 @@ def close_setups(steppers: Mapping[str, tuple]) -> None:
         setup[1]()
 
 
+def exit_worker() -> None:
+    """End a benchmark worker as the training workers end (``os._exit`` once all is written)."""
+    from parambox.commands.train import exit_now
+
+    exit_now(0)
+
+
 def spawn_workers(
     module: str, args: list[str], workers: int = 2, cluster: EmulatedCluster | None = None, mpi: bool = False
 ) -> Any:
