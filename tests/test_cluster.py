@@ -450,3 +450,14 @@ def test_world_reads_the_node_the_local_launcher_placed_it_on():
     assert got == ("local", 3, 1, 2, 1, 2)
     plain = World.from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", LOCAL_LAUNCHER_ENV: "1"})
     assert (plain.local_world_size, plain.node_rank, plain.num_nodes) == (2, 0, 1)  # loopback: one node
+
+
+def test_rma_box_on_an_emulated_cluster_has_no_memory_rank_unless_asked():
+    """A memory rank would be one process more than the nodes share evenly (the README's example)."""
+    from parambox.commands.train import processes
+    from parambox.config import build_config
+
+    on_nodes = build_config({"strategy": "easgd", "workers": 2, "box": "rma", "cluster": {"nodes": 2}})
+    assert (on_nodes.box.memory_ranks, processes(on_nodes)) == (0, 2)
+    local = build_config({"strategy": "easgd", "workers": 2, "box": "rma"})
+    assert processes(local) == 3  # the memory rank of an asynchronous strategy, off the cluster
