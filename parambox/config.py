@@ -70,9 +70,9 @@ class RunConfig(BaseModel):
         "checkpoint (synchronous), at most this many times",
     )
     warm_spare: bool = Field(
-        True,
+        False,
         description="with max_restarts, an asynchronous run keeps one worker process warmed up (torch "
-        "imported, data loaded) to replace the next dead worker at once",
+        "imported, data loaded) to replace the next dead worker at once; it pays off where cores are free",
     )
     threads: int | None = Field(None, ge=1, description="torch threads per worker; default cores / workers")
     augment: bool | None = Field(

@@ -195,9 +195,11 @@ def digits_hogwild() -> dict[str, Any]:
 
 @register
 def digits_dogwild() -> dict[str, Any]:
-    """Dogwild on the default run: rank 0 holds the weights and applies every gradient with one optimizer,
-    so the default learning rate stands."""
-    return {**digits_allreduce(), "strategy": "dogwild"}
+    """Dogwild on the default run at half its learning rate: rank 0's one optimizer takes every worker's
+    batch-32 gradient as a step of its own (twice the steps allreduce takes, each on half its batch),
+    and with momentum 0.9 and stale gradients the default rate ended 6 of 12 runs between 0.62 and 0.93
+    test accuracy (0.96-0.98 at half: 6 of 6)."""
+    return {**digits_allreduce(), "strategy": "dogwild", "lr": 0.015}
 
 
 @register

@@ -44,7 +44,12 @@ def _checkpointed(out, rank: int, at_least: int) -> bool:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "strategy,extra",
-    [("easgd", []), ("downpour", []), ("hogwild", ["--preset", "digits-hogwild"]), ("dogwild", [])],
+    [
+        ("easgd", []),
+        ("downpour", []),
+        ("hogwild", ["--preset", "digits-hogwild"]),
+        ("dogwild", ["--preset", "digits-dogwild"]),
+    ],
 )
 def test_sigkill_everything_then_resume(tmp_path, strategy, extra):
     out = tmp_path / "run"

@@ -254,7 +254,7 @@ def test_dogwild_worker_never_waits_for_weights(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize("args", [["--preset", "digits-hogwild"], ["--strategy", "dogwild"]])
+@pytest.mark.parametrize("args", [["--preset", "digits-hogwild"], ["--preset", "digits-dogwild"]])
 def test_default_digits_run_reaches_093(args, tmp_path):
     out = tmp_path / "run"
     run_cli("train", *args, "--out", str(out), "--no-progress")

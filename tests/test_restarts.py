@@ -58,6 +58,7 @@ def test_max_restarts_replaces_a_killed_worker(tmp_path):
     the restart counted, accuracy >= 0.93 (the default digits run)."""
     out = tmp_path / "run"
     args = ["train", "--strategy", "easgd", "--max-restarts", "1", "--out", str(out), "--no-progress"]
+    args += ["--set", "warm_spare=true"]
     proc = run_cli(*args, env={"PARAMBOX_FAULT": "1:300:kill"})
     s = summary(out)
     assert (s["restarts"], s["lost_workers"], s["worker_steps"]) == (1, [], [600, 600])

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from parambox.bench.rounds import paired_ratio, time_calls
+from parambox.bench.workers import exit_worker
 from parambox.runtime import spawn
 
 MIB = 1 << 20
@@ -409,6 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _mpi_worker(sizes, args.repeats)
     elif args.role == "gloo":
         _gloo_worker(sizes, args.repeats)
+        exit_worker()  # gloo's threads may abort in C++ destructors at a normal exit
     else:
         result = run_bench_box(json_out=args.json, sizes_mb=sizes, repeats=args.repeats)
         print(json.dumps(result, indent=2) if args.json else _table(result))

@@ -6,11 +6,11 @@ fewer steps), one after the other, as a user starts them:
 - ``clean``: no fault;
 - ``chaos``: ``--max-restarts`` high, and a kill loop that SIGKILLs a random worker process every
   ``kill_every_s`` seconds while at least two train (any rank, rank 0 included; not one within a
-  few steps of its end), each replaced by the launcher from its warm spare (a worker process that
-  has already imported torch and loaded the data): the replacement attaches to the box, pulls the
+  few steps of its end), each replaced by the launcher from its warm spare (``warm_spare=true``: a
+  worker process that has already imported torch and loaded the data): the replacement attaches to the box, pulls the
   center and carries on with the steps its predecessor had not done, while the others never stop;
-- ``chaos_without_spare`` (not in ``--quick``): the same with ``warm_spare=false``, every
-  replacement a new interpreter.
+- ``chaos_without_spare`` (not in ``--quick``): the same with ``warm_spare=false`` (the default),
+  every replacement a new interpreter.
 
 Reported: each run's training time, whole-command time, samples/s (every worker's samples over the
 training time) and final test accuracy; the chaos runs' kills, restarts and lost workers; and the
@@ -60,7 +60,8 @@ def run_bench_chaos(
             "max_kills": setup["max_kills"],
             "steps": setup["steps"],
         }
-        chaos = _run([*args, "--max-restarts", "1000"], Path(tmp) / "chaos", rng=random.Random(seed), **kill)
+        spare_args = [*args, "--max-restarts", "1000", "--set", "warm_spare=true"]
+        chaos = _run(spare_args, Path(tmp) / "chaos", rng=random.Random(seed), **kill)
         cold = None
         if not quick:  # the same kills, every replacement a new interpreter (no warm spare)
             cold_args = [*args, "--max-restarts", "1000", "--set", "warm_spare=false"]
@@ -131,7 +132,7 @@ def _kill_one(launcher: subprocess.Popen, out: Path, steps: int, rng: random.Ran
     workers = {}
     for child in psutil.Process(launcher.pid).children():
         try:
-            rank = int(child.environ().get("RANK", "-1"))
+            rank = _rank_of(child)
             born = child.create_time()
         except (psutil.Error, ValueError):
             continue
@@ -146,6 +147,21 @@ def _kill_one(launcher: subprocess.Popen, out: Path, steps: int, rng: random.Ran
     except psutil.Error:
         return None
     return rank
+
+
+def _rank_of(child: psutil.Process) -> int:
+    """The rank a worker process runs: its RANK at start, or, for a warm spare (started before it had
+    one: /proc shows the environment at exec), the metrics file it has open."""
+    rank = child.environ().get("RANK")
+    if rank is not None:
+        return int(rank)
+    for f in child.open_files():
+        name = Path(f.path).name
+        if name == "metrics.jsonl":
+            return 0
+        if name.startswith("metrics.rank") and name.endswith(".jsonl"):
+            return int(name[len("metrics.rank") : -len(".jsonl")])
+    return -1
 
 
 def _last_step(out: Path, rank: int) -> tuple[float, int]:

@@ -154,6 +154,10 @@ def main(argv: list[str]) -> int:
             dist.destroy_process_group()
     if rank == 0:
         print(RESULT_MARKER + json.dumps(result), flush=True)
+    if world_size > 1:
+        from parambox.commands.train import exit_now
+
+        exit_now(0)  # gloo's threads may abort in C++ destructors at a normal exit
     return 0
 
 

@@ -43,7 +43,7 @@ def launch_local(
     module: str = "parambox",
     cluster: ClusterConfig | None = None,
     max_restarts: int = 0,
-    warm_spare: bool = True,
+    warm_spare: bool = False,
     resume_argv: list[str] | None = None,
     checkpoint: Path | None = None,
 ) -> LaunchResult:
