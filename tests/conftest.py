@@ -21,6 +21,23 @@ MPI_ENV = {
 }
 
 
+def slurm_running() -> bool:
+    """A SLURM whose controller answers (``../shared/tools/slurm-up.sh`` starts one); installed but
+    stopped counts as none."""
+    import shutil
+
+    if not all(shutil.which(t) for t in ("srun", "sbatch", "scontrol")):
+        return False
+    try:
+        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return ping.returncode == 0 and "UP" in ping.stdout
+
+
+NO_SLURM = "no SLURM controller here (../shared/tools/slurm-up.sh starts one)"
+
+
 @pytest.fixture(autouse=True)
 def _kill_orphans():
     """Like hivemind's conftest: a failed multi-process test must not leave workers behind."""

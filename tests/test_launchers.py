@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from parambox.runtime.spawn import find_mpiexec
-from tests.conftest import MPI_ENV, final_weights, max_abs_diff, run_cli, summary
+from tests.conftest import MPI_ENV, NO_SLURM, final_weights, max_abs_diff, run_cli, slurm_running, summary
 
 ARGS = ["train", "--model", "mlp", "--steps", "30", "--no-progress", "--threads", "1", "--eval-every", "0"]
 
@@ -41,9 +39,7 @@ def test_mpiexec(tmp_path, local_run):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.skipif(
-    shutil.which("srun") is None, reason="no SLURM here (../shared/tools/slurm-up.sh starts one)"
-)
+@pytest.mark.skipif(not slurm_running(), reason=NO_SLURM)
 def test_srun(tmp_path, local_run):
     out = tmp_path / "run"
     run_cli(*ARGS, "--out", str(out), prefix=["srun", "-n", "2", "--overlap"], timeout=140)

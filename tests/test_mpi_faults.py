@@ -9,7 +9,6 @@ a private directory that a reaper removes, also after a SIGKILL of the launcher 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import psutil
 import pytest
 
 from parambox.runtime.spawn import find_mpiexec
-from tests.conftest import MPI_ENV, ROOT, run_cli, summary
+from tests.conftest import MPI_ENV, NO_SLURM, ROOT, run_cli, slurm_running, summary
 from tests.test_restarts import start
 
 FAST = ["--model", "mlp", "--eval-every", "0", "--no-progress", "--threads", "1"]
@@ -164,10 +163,7 @@ def test_slurm_script_for_the_rma_box_runs_mpiexec_inside_the_allocation():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(
-    shutil.which("sbatch") is None or shutil.which("sinfo") is None,
-    reason="no SLURM here (../shared/tools/slurm-up.sh starts one)",
-)
+@pytest.mark.skipif(not slurm_running(), reason=NO_SLURM)
 def test_slurm_submit_with_the_rma_box_runs_to_the_end(tmp_path):
     """The issue's Must show: `parambox slurm --submit -- --strategy easgd --box rma` on the one-node SLURM."""
     before = _private_dirs()

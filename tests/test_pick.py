@@ -135,6 +135,23 @@ def test_time_to_target_leaves_out_the_evaluation_pauses(tmp_path):
     m = Measured(tmp_path, steps, evals)
     assert m.time_to(0.9) == pytest.approx((0.04, 0.14))
     assert m.time_to(0.95) is None
+    m.lead_s = 0.5  # another rank trained half a second before rank 0 started
+    assert m.time_to(0.9) == pytest.approx((0.54, 0.64))
+
+
+def test_clock_lead_is_how_long_before_rank_0_the_first_rank_started(tmp_path):
+    from parambox.studies.runs import clock_lead
+
+    assert clock_lead(tmp_path) == 0.0  # no metrics yet
+    for name, epoch in [
+        ("metrics.jsonl", 100.75),
+        ("metrics.rank1.jsonl", 100.25),
+        ("metrics.rank2.jsonl", 101.0),
+    ]:
+        (tmp_path / name).write_text(json.dumps({"kind": "world", "rank": 0, "epoch": epoch}) + "\n{}\n")
+    assert clock_lead(tmp_path) == pytest.approx(0.5)
+    (tmp_path / "metrics.rank1.jsonl").write_text("")  # a rank that has not started: no lead from it
+    assert clock_lead(tmp_path) == 0.0
 
 
 def test_validation_ratios_and_confidence():

@@ -370,6 +370,7 @@ class AsyncStrategy(Strategy):
         if rank == 0:
             if "center" in state:
                 self.box.write(state["center"])
+            self._set_counter(m.started, time.time_ns() // 1000)  # this life's clock
             self.box.add_counter(m.ready, 1)
         else:
             self._await_ready(2)
@@ -379,10 +380,9 @@ class AsyncStrategy(Strategy):
         return float(self.box.read_counter(self.counters.samples))
 
     def wall_time(self, local: float) -> float:
-        """A replacement of rank 0 measures from the run's start, not from its own."""
-        if not (self.rejoined and self.world.rank == 0):
-            return local
-        return time.time() - self.box.read_counter(self.counters.started) / 1e6
+        """From the moment the center went into the box (this life's start: the others train from
+        then on, also while rank 0 still sets up, and a replacement of rank 0 came later still)."""
+        return max(local, time.time() - self.box.read_counter(self.counters.started) / 1e6)
 
     def summary_extra(self) -> dict[str, Any]:
         """Rank 0: the workers lost or halted on non-finite values, and every worker's step count."""

@@ -15,10 +15,14 @@ never reaches the target counts as infinitely slow: the median over seeds (``med
 
 Learning rates (``lr_for``), never tuned on the test set: synchronous and replica-averaging strategies
 (allreduce, box-sync, weight-avg, EASGD, EAMSGD, hybrid) use the base ``--lr``; strategies in which
-every worker applies its own gradient steps to one shared center (``SHARED_CENTER``: downpour,
-hogwild) divide it by the number of writers, since N asynchronous writers make the center's step N
-times the base step (MEASURED: 2 writers double the effective step; the ``digits-hogwild`` preset).
-Dogwild keeps the base rate, as its preset does (one optimizer on rank 0 applies every gradient).
+every worker's gradient steps land on one shared center (``SHARED_CENTER``: downpour, hogwild, and
+dogwild, whose one optimizer on rank 0 takes each worker's gradient as a step) divide it by the
+number of writers, since N asynchronous writers make the center's step N times the base step
+(MEASURED: 2 writers double the effective step; the ``digits-hogwild`` and ``digits-dogwild`` presets).
+
+The clock is rank 0's, started where rank 0 started training; where another rank started earlier
+(asynchronous runs do not wait for each other), its lead is added (``clock_lead``: the ``epoch`` of
+each rank's first ``world`` record), so training rank 0 did not see still counts.
 
 >>> first_crossing([(1.0, 0.5), (2.0, 0.97), (3.0, 0.99)], 0.98)
 3.0
@@ -35,10 +39,10 @@ from typing import Any
 
 from parambox.config import merge
 from parambox.errors import UserError
-from parambox.studies.runs import PlannedRun, ensure_runs, validate
+from parambox.studies.runs import PlannedRun, clock_lead, ensure_runs, validate
 
 # Strategies whose workers all step one shared center with their own gradients: lr / workers.
-SHARED_CENTER = frozenset({"downpour", "hogwild"})
+SHARED_CENTER = frozenset({"downpour", "hogwild", "dogwild"})
 
 
 def lr_for(strategy: str, base_lr: float, workers: int) -> float:
@@ -158,7 +162,8 @@ def describe(p: PlannedRun, outcome, target: float) -> dict[str, Any]:
     if outcome.error:
         return rec | {"status": "failed", "reason": outcome.error, "time_to_target_s": None}
     run = load_run(outcome.run_dir)
-    points = training_clock(run.steps, run.evals)
+    lead = clock_lead(outcome.run_dir)
+    points = [(t + lead, acc) for t, acc in training_clock(run.steps, run.evals)]
     gaps = [b[0] - a[0] for a, b in zip(points, points[1:])]
     return rec | {
         "status": "ok",

@@ -163,6 +163,27 @@ def launch_run(p: PlannedRun, run_dir: Path, timeout_s: float) -> Outcome:
     return Outcome(p.name, run_dir, True, _last_error(run_dir / "train.log", code))
 
 
+def clock_lead(run_dir: Path) -> float:
+    """Seconds by which the first rank to start training started before rank 0 (0 when none did).
+
+    Every rank's metrics clock starts at its own training start, and its first ``world`` record holds
+    that moment as ``epoch`` (Unix time). Asynchronous ranks do not wait for each other: where rank 0
+    set up last, the others trained before its clock began, and a time to target on rank 0's clock
+    leaves that out. (The ranks' wall clocks: one host here; NTP-synchronised on a cluster.)"""
+    starts: dict[str, float] = {}
+    for path in run_dir.glob("metrics*.jsonl"):
+        with open(path, errors="replace") as f:
+            try:
+                first = json.loads(f.readline())
+            except json.JSONDecodeError:
+                continue
+        if first.get("kind") == "world" and isinstance(first.get("epoch"), int | float):
+            starts[path.name] = float(first["epoch"])
+    if "metrics.jsonl" not in starts:
+        return 0.0
+    return max(0.0, starts["metrics.jsonl"] - min(starts.values()))
+
+
 def _last_error(log: Path, code: int) -> str:
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
     errors = [line for line in lines if "error" in line.lower()]

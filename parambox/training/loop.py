@@ -67,7 +67,7 @@ def _loop(run: Run, resume: bool) -> dict[str, Any] | None:
         step = run.strategy.rejoin_step()  # a replacement carries on where its predecessor was
         if step is None:
             step = restore(run) if resume else 0
-        log.write({"kind": "world", "step": step, **world_record(world)})
+        log.write({"kind": "world", "step": step, **world_record(world), "epoch": round(log.epoch, 6)})
         bar = Progress(cfg.steps, enabled=cfg.progress and world.rank == 0, start=step)
         samples = 0
         while not run.strategy.should_stop(step):

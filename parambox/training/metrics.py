@@ -20,6 +20,7 @@ class MetricsLogger:
         self.file = open(run_dir / name, "a", buffering=1 << 16)  # noqa: SIM115  (closed in close())
         self.pending = 0
         self.start = time.perf_counter()
+        self.epoch = time.time()  # the same moment in Unix time: the ranks' clocks line up by it
         self.process = psutil.Process()
         self.process.cpu_percent()  # the first call only starts the measurement
         self.tb = None

@@ -26,7 +26,7 @@ from typing import Any
 
 from parambox.runtime import spawn
 from parambox.studies.pick.model import Curve, StepCost, samples_to_accuracy, step_cost
-from parambox.studies.runs import _last_error, _terminate_as_interrupt, train_args
+from parambox.studies.runs import _last_error, _terminate_as_interrupt, clock_lead, train_args
 
 POLL_S = 0.1
 
@@ -41,6 +41,7 @@ class Measured:
     error: str | None = None
     reached_s: float | None = None  # training seconds to the target accuracy, evaluations left out
     reached_wall_s: float | None = None  # the same with the evaluations' pauses in
+    lead_s: float = 0.0  # training other ranks did before rank 0's clock started (``clock_lead``)
 
     @property
     def samples_per_step(self) -> float | None:
@@ -63,7 +64,8 @@ class Measured:
     def time_to(self, target: float) -> tuple[float, float] | None:
         """(training seconds, seconds) to the first evaluation at ``target``: the first leaves out rank 0's
         evaluation pauses before it (each from the step record to the eval record after it), as the
-        predictions do; None when no evaluation got there."""
+        predictions do; both count from the first rank's start (``lead_s``); None when no evaluation
+        got there."""
         hit = next((e for e in self.evals if e.get("test_accuracy", 0.0) >= target), None)
         if hit is None:
             return None
@@ -74,7 +76,7 @@ class Measured:
             for e in self.evals
             if e["step"] < hit["step"] and e["step"] in step_time
         )
-        return at - pauses, hit["time"]
+        return at - pauses + self.lead_s, hit["time"] + self.lead_s
 
     def staleness(self) -> float | None:
         values = [r["staleness"] for r in self.steps if isinstance(r.get("staleness"), int | float)]
@@ -131,6 +133,7 @@ def _run(config: dict[str, Any], run_dir: Path, timeout_s: float, done: Callable
         finally:
             spawn.stop([proc])
     out.steps, out.evals = read_metrics(run_dir)
+    out.lead_s = clock_lead(run_dir)
     if code == "timeout":
         out.error = f"ran past {timeout_s:.0f} s"
     elif code not in (0, "reached"):
