@@ -125,13 +125,12 @@ def test_async_diloco_survives_a_killed_worker(tmp_path):
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("preset", ["digits-diloco", "digits-diloco-async"])
 def test_default_digits_run_reaches_095(preset, tmp_path):
-    """The presets: AdamW lr 1e-3, inner_steps 10, outer lr 0.7 momentum 0.9, 600 steps, 2 workers."""
+    """The presets: AdamW lr 1e-3, inner_steps 10, outer lr 0.7 (momentum 0.9; async 0.8), 600 steps,
+    2 workers. Measured: sync 0.958-0.972 over seeds; async 0.953-0.978 in 10 of 10 runs."""
     out = tmp_path / "run"
     run_cli("train", "--preset", preset, "--eval-every", "0", "--out", str(out), "--no-progress")
     s = summary(out)
-    # The asynchronous form's result depends on the order the pushes arrive in (timing): 0.92-0.97
-    # over runs on a loaded machine, about half of them >= 0.95. The synchronous form: 0.958-0.972.
-    assert s["final_test_accuracy"] >= (0.92 if preset.endswith("async") else 0.95), s["final_test_accuracy"]
+    assert s["final_test_accuracy"] >= 0.95, s["final_test_accuracy"]
     assert s["config"]["optimizer"] == "adamw"
 
 
