@@ -40,7 +40,9 @@ WORKERS = 3
 # The clean run trains ~40 s here, so a kill every 5 s hits it ~8 times: a run under steady failures,
 # not one whose every worker is killed as soon as its replacement starts.
 FULL = {"model": "lenet", "steps": 10000, "kill_every_s": 5.0, "max_kills": 1000}
-QUICK = {"model": "mlp", "steps": 400, "kill_every_s": 2.0, "max_kills": 2}
+# The quick form's MLP trains a few seconds: with 400 steps a loaded machine's workers sometimes
+# finished before the first kill could find two of them training.
+QUICK = {"model": "mlp", "steps": 3000, "kill_every_s": 1.0, "max_kills": 2}
 RETRY_S = 0.2
 SPARE_STEPS = 20  # a worker this close to its target is not killed: its replacement would only finish
 
