@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from parambox.runtime import spawn
+from parambox.runtime.mpi import exit_now
 
 if TYPE_CHECKING:
     from parambox.bench.rounds import Rounds
@@ -53,8 +54,6 @@ def close_setups(steppers: Mapping[str, tuple]) -> None:
 
 def exit_worker() -> None:
     """End a benchmark worker as the training workers end (``os._exit`` once all is written)."""
-    from parambox.commands.train import exit_now
-
     exit_now(0)
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from parambox.config import RunConfig, build_config, load_toml, parse_set
 from parambox.errors import CommTimeout, UserError, warn
-from parambox.runtime.mpi import finalize_with_deadline, srun_without_mpi
+from parambox.runtime.mpi import exit_now, srun_without_mpi
 from parambox.runtime.world import World, under_external_launcher
 from parambox.strategies import strategy_class
 from parambox.training.checkpoint import atomic_write_json
@@ -261,20 +261,6 @@ def run_worker(cfg: RunConfig, world: World, run_dir: Path, resume: bool) -> int
     if world.world_size > 1:
         exit_now(code)
     return code
-
-
-def exit_now(code: int) -> None:
-    """End a worker without running C++ static destructors: gloo's helper threads sometimes abort
-    there ("terminate called without an active exception") even after destroy_process_group().
-    Everything worth keeping is already on disk (checkpoints fsynced, metrics closed)."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        # mpiexec counts a rank that exits without it as failed; after a rank's death under ULFM
-        # it sometimes never returns, so it gets a deadline.
-        finalize_with_deadline(code)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def report_failure(e: BaseException, world: World, run_dir: Path, echo: bool = True) -> int:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parambox.bench.rounds import time_calls
+from parambox.runtime.mpi import exit_now
 
 RESULT_MARKER = "PARAMBOX_RESULT "
 
@@ -155,8 +156,6 @@ def main(argv: list[str]) -> int:
     if rank == 0:
         print(RESULT_MARKER + json.dumps(result), flush=True)
     if world_size > 1:
-        from parambox.commands.train import exit_now
-
         exit_now(0)  # gloo's threads may abort in C++ destructors at a normal exit
     return 0
 
