@@ -15,7 +15,7 @@ The library API, for a user's own model, data, loss and script::
 In a training loop of your own, ``parambox.DistributedOptimizer(model, torch_optimizer,
 strategy="easgd")`` (see :class:`parambox.optim.DistributedOptimizer`).
 
-``parambox.train`` (see :func:`parambox.api.run.train`), ``parambox.DistributedOptimizer``, ``parambox.UserError`` (a ``ValueError``: bad
+``parambox.train`` (see :func:`parambox.api.train.train`), ``parambox.DistributedOptimizer``, ``parambox.UserError`` (a ``ValueError``: bad
 input, one line naming it) and ``parambox.STRATEGIES`` (the strategy names) are imported on first use,
 so ``import parambox`` itself loads neither torch nor pydantic.
 """
@@ -29,13 +29,13 @@ __version__ = "0.1.0"
 __all__ = ["STRATEGIES", "DistributedOptimizer", "UserError", "train"]
 
 if TYPE_CHECKING:
-    from parambox.api.run import train
+    from parambox.api.train import train
     from parambox.errors import UserError
     from parambox.optim import DistributedOptimizer
 
 # name -> (module, attribute): the public API, resolved lazily by __getattr__.
 _LAZY = {
-    "train": ("parambox.api.run", "train"),
+    "train": ("parambox.api.train", "train"),
     "UserError": ("parambox.errors", "UserError"),
     "DistributedOptimizer": ("parambox.optim", "DistributedOptimizer"),
 }

@@ -13,10 +13,10 @@ from torch.utils.data import TensorDataset, default_collate
 
 import parambox
 from parambox.data.base import GlobalBatchSampler
-from parambox.training.losses import default_loss
 from parambox.workload import refs
 from parambox.workload.evaluate import evaluate
 from parambox.workload.loader import LoaderSource
+from parambox.workload.losses import default_loss
 from parambox.workload.workload import CheckedLoss
 from tests.workloads import user_regression as user
 

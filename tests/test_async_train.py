@@ -30,7 +30,7 @@ from parambox.strategies.base import Context
 from parambox.strategies.downpour import Downpour, DownpourOptions
 from parambox.strategies.dynsgd import DynSGD, DynSGDOptions
 from parambox.strategies.easgd import EasgdOptions
-from parambox.training.losses import default_loss
+from parambox.workload.losses import default_loss
 from tests.conftest import MPI_ENV, final_weights, run_cli, summary
 
 FAST = ["--model", "mlp", "--eval-every", "0", "--no-progress", "--threads", "1"]

@@ -454,8 +454,15 @@ def test_world_reads_the_node_the_local_launcher_placed_it_on():
 
 def test_rma_box_on_an_emulated_cluster_has_no_memory_rank_unless_asked():
     """A memory rank would be one process more than the nodes share evenly (the README's example)."""
-    from parambox.commands.train import processes
     from parambox.config import build_config
+    from parambox.run.plan import CLI, Plan
+    from parambox.runtime.world import World
+    from parambox.strategies import strategy_class
+
+    def processes(cfg):
+        return Plan(
+            cfg, strategy_class(cfg.strategy, cfg.strategy_options()), World.from_env(), CLI
+        ).processes
 
     on_nodes = build_config({"strategy": "easgd", "workers": 2, "box": "rma", "cluster": {"nodes": 2}})
     assert (on_nodes.box.memory_ranks, processes(on_nodes)) == (0, 2)

@@ -13,7 +13,7 @@ import torch
 from parambox.errors import UserError
 from parambox.models import build_model
 from parambox.strategies.pipeline import stages
-from parambox.training.losses import default_loss
+from parambox.workload.losses import default_loss
 from tests.conftest import final_weights, max_abs_diff, run_cli, summary
 
 COMMON = [

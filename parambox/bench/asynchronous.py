@@ -110,7 +110,7 @@ def _plain_stepper(world, tmp: Path):
 
 def _strategy_stepper(setup: str, world, steps: int):
     from parambox.strategies import Context, build_strategy
-    from parambox.training.losses import default_loss
+    from parambox.workload.losses import default_loss
 
     name, options = STRATEGY_SETUPS[setup]
     ctx = Context(world, _build(), _make_optimizer, default_loss, steps, 300.0)
@@ -212,7 +212,7 @@ def rma_worker(memory_ranks: int, steps: int, warmup: int, out: Path) -> None:
     from parambox.box import BoxConfig
     from parambox.runtime.world import World
     from parambox.strategies import Context, build_strategy
-    from parambox.training.losses import default_loss
+    from parambox.workload.losses import default_loss
 
     torch.set_num_threads(1)
     world = World.from_env()

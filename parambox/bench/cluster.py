@@ -74,7 +74,7 @@ class Setup:
             return self.make(world, steps)
         from parambox.box import BoxConfig
         from parambox.strategies import Context, build_strategy
-        from parambox.training.losses import default_loss
+        from parambox.workload.losses import default_loss
 
         # No memory rank: one worker per node trains in every setup (an asynchronous strategy would
         # otherwise give the last node's rank to holding the box).

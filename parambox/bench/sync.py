@@ -47,7 +47,7 @@ def _make_sgd(params):
 def _strategy_stepper(name: str, world, steps: int):
     """A step function running parambox's own strategy class, as `parambox train` would."""
     from parambox.strategies import Context, build_strategy
-    from parambox.training.losses import default_loss
+    from parambox.workload.losses import default_loss
 
     model, _ = _build()
     ctx = Context(world, model, _make_sgd, default_loss, steps, 300.0)

@@ -108,8 +108,8 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from parambox.commands.train import check_references
     from parambox.config import build_config
+    from parambox.run.plan import check_references
     from parambox.studies.pick import run_pick
 
     s = settings_from_args(args)

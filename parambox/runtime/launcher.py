@@ -154,7 +154,7 @@ class _Ranks:
     """Starts the run's ranks: where (``placement``: on an emulated node) and how their output shows.
 
     A *spare* (asynchronous runs with ``--max-restarts``, not on an emulated cluster) is a worker
-    process started ahead of need (``python -m parambox.api.worker RUN_DIR --spare``): it has imported
+    process started ahead of need (``python -m parambox.run.worker RUN_DIR --spare``): it has imported
     torch and parambox and loaded the run's data, and waits on its stdin to be told which dead rank it
     replaces (its whole environment, as a JSON line). A replacement then costs no interpreter start-up,
     which is most of what a cold one costs (torch's import alone takes ~1.5 s here)."""

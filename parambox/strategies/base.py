@@ -4,7 +4,7 @@ A strategy owns one training step, ``step(batch, step) -> StepResult`` (pipeline
 L-BFGS must own forward and backward), so the loop in ``parambox.training.loop`` never branches on the
 strategy. A batch is any structure of tensors (a tensor, or tuples, lists and dicts of them) already
 on the device; the loss is the user's ``loss_fn(model, batch) -> scalar tensor`` (the default,
-``parambox.training.losses.default_loss``, is the cross-entropy of ``model(x)`` against ``y``).
+``parambox.workload.losses.default_loss``, is the cross-entropy of ``model(x)`` against ``y``).
 """
 
 from __future__ import annotations
@@ -99,22 +99,26 @@ class Strategy:
         return 0
 
     @classmethod
-    def accepts_workers(cls, n: int) -> bool:
-        return n >= cls.min_workers and (cls.max_workers is None or n <= cls.max_workers)
+    def accepts_workers(cls, n: int, options: Options | None = None) -> bool:
+        try:
+            cls.check_workers(n, options)
+        except UserError:
+            return False
+        return True
 
     @classmethod
-    def check_workers(cls, n: int) -> None:
-        """A ``UserError`` naming the strategy when it cannot run with ``n`` workers."""
-        if cls.accepts_workers(n):
-            return
-        if cls.max_workers == 1:
+    def check_workers(cls, n: int, options: Options | None = None) -> None:
+        """A ``UserError`` naming the strategy when it cannot run with ``n`` workers (and ``options``):
+        checked before any process starts."""
+        if cls.max_workers == 1 and n != 1:
             raise UserError(f"strategy {cls.name!r} runs one process, not {n}")
         if n < cls.min_workers:
             raise UserError(f"strategy {cls.name!r} needs at least {cls.min_workers} workers, got {n}")
-        raise UserError(f"strategy {cls.name!r} runs at most {cls.max_workers} workers, got {n}")
+        if cls.max_workers is not None and n > cls.max_workers:
+            raise UserError(f"strategy {cls.name!r} runs at most {cls.max_workers} workers, got {n}")
 
     def __init__(self, ctx: Context, options: Options):
-        self.check_workers(ctx.world.world_size)
+        self.check_workers(ctx.world.world_size, options)
         self.ctx = ctx
         self.world = ctx.world
         self.model = ctx.model

@@ -31,7 +31,7 @@ from pydantic import Field, model_validator
 from parambox.errors import UserError
 from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncStrategy
-from parambox.strategies.base import Context, StepResult
+from parambox.strategies.base import Context, Options, StepResult
 from parambox.strategies.easgd import EasgdOptions, make_local_step
 
 
@@ -71,6 +71,13 @@ class Hybrid(AsyncStrategy):
     tolerates_worker_loss = False  # a group's allreduce needs all its members
     needs_process_group = True  # the groups' allreduce and broadcast
     box_name = "hybrid-center"
+
+    @classmethod
+    def check_workers(cls, n: int, options: Options | None = None) -> None:
+        super().check_workers(n, options)
+        group_size = (options or cls.Options()).group_size
+        if group_size is not None:
+            build_groups(n, group_size)  # a UserError unless the groups divide the workers
 
     def __init__(self, ctx: Context, options: HybridOptions):
         world = ctx.world

@@ -21,8 +21,8 @@ from torch import nn
 
 from parambox.errors import UserError
 from parambox.strategies.base import batch_size, map_tensors
-from parambox.training.losses import default_loss
 from parambox.workload import refs
+from parambox.workload.losses import default_loss
 
 MetricsFn = Callable[[nn.Module, Any], dict[str, Any]]
 

@@ -30,8 +30,8 @@ from parambox.data.base import GlobalBatchSampler
 from parambox.errors import UserError, warn
 from parambox.models import MODELS, build_model
 from parambox.models.registry import import_builders
-from parambox.training.losses import default_loss
 from parambox.workload import loader, refs
+from parambox.workload.losses import default_loss
 
 CALLABLE_FIELDS = ("model", "data", "loss", "metrics", "collate")
 EVAL_BATCH = 1024  # test batch of the in-memory data sets

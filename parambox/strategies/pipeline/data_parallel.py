@@ -14,6 +14,7 @@ import torch.distributed as dist
 from pydantic import Field
 
 from parambox.errors import UserError
+from parambox.strategies.base import Options
 from parambox.strategies.pipeline.strategy import Pipeline, PipelineLayout, PipelineOptions
 
 
@@ -30,12 +31,15 @@ class PipelineDataParallel(Pipeline):
     name = "pipeline-dp"
     Options = PipelineDPOptions
 
+    @classmethod
+    def check_workers(cls, n: int, options: Options | None = None) -> None:
+        super().check_workers(n, options)
+        num_stages = (options or cls.Options()).num_stages
+        if n % num_stages:
+            raise UserError(f"pipeline-dp.num_stages={num_stages} must divide the number of workers ({n})")
+
     def make_layout(self) -> PipelineLayout:
         num_stages, world_size, rank = self.options.num_stages, self.world.world_size, self.world.rank
-        if world_size % num_stages:
-            raise UserError(
-                f"pipeline-dp.num_stages={num_stages} must divide the number of workers ({world_size})"
-            )
         return PipelineLayout(num_stages, rank % num_stages, rank // num_stages, world_size // num_stages)
 
     def make_groups(self) -> None:

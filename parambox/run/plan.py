@@ -1,0 +1,226 @@
+"""What a run is before any process starts: its config resolved once, the checks a launch needs, and
+its run directory. Both entry points (``parambox train`` and ``parambox.train``) come through here, and
+every message speaks the caller's language (flags for the CLI, keyword arguments for the library)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from parambox.config import RunConfig, build_config
+from parambox.errors import UserError, validation_message, warn
+from parambox.runtime.world import World, under_external_launcher
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who started the run, so that a message names what that caller typed: ``--out DIR`` on the
+    command line, ``out=...`` in a script.
+
+    >>> Caller("cli").field("out"), Caller("api").field("out")
+    ('--out DIR', 'out=...')
+    """
+
+    kind: Literal["cli", "api"]
+
+    def field(self, name: str) -> str:
+        if self.kind == "cli":
+            return f"--{name.replace('_', '-')}" + ("" if name == "resume" else " " + name.upper())
+        return "resume=True" if name == "resume" else f"{name}=..."
+
+    def given(self, name: str, value: Any) -> str:
+        """A field as this caller gave it: ``--lr 0.1`` or ``lr=0.1``."""
+        if self.kind == "cli":
+            return f"--{name.replace('_', '-')} {value}"
+        return f"{name}={value!r}"
+
+
+CLI, API = Caller("cli"), Caller("api")
+
+
+def build(*layers: dict[str, Any]) -> RunConfig:
+    """The run's config from layers (preset < file < flags or keywords < ``--set``): the one place a
+    pydantic error becomes a ``UserError`` naming the field."""
+    try:
+        return build_config(*layers)
+    except UserError:
+        raise
+    except Exception as e:
+        if type(e).__name__ == "ValidationError":
+            raise UserError(validation_message(e)) from None
+        raise
+
+
+def load_recorded(run_dir: Path) -> RunConfig:
+    """The config a run directory recorded (``config.json``), as a ``UserError`` when it is unreadable."""
+    path = run_dir / "config.json"
+    try:
+        return RunConfig(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise UserError(f"{run_dir} is not a run directory: {path} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+        raise UserError(f"{path} is not a run's config: {str(e).splitlines()[0]}") from None
+    except Exception as e:
+        if type(e).__name__ == "ValidationError":
+            raise UserError(f"{path}: {validation_message(e)}") from None
+        raise
+
+
+@dataclass
+class Plan:
+    """A resolved run: its config, the strategy class that will really run, this process's world."""
+
+    cfg: RunConfig
+    strategy_cls: type
+    world: World
+    caller: Caller
+    resume: bool = False
+
+    @property
+    def processes(self) -> int:
+        """The run's processes: its workers, plus the rma box's memory ranks."""
+        return self.cfg.workers + self.strategy_cls.extra_ranks(self.cfg.box)
+
+    @property
+    def external(self) -> bool:
+        return under_external_launcher()
+
+    @property
+    def spawns(self) -> bool:
+        """Whether this process starts worker processes (else it trains itself)."""
+        return not self.external and (self.processes > 1 or self.cfg.cluster.enabled)
+
+
+def resolve(cfg: RunConfig, caller: Caller, resume: bool = False) -> Plan:
+    """The strategy's facts applied to the config, and every check that needs no process: a worker
+    count the strategy cannot take is refused here, not seconds later in the workers."""
+    from parambox.strategies import strategy_class
+
+    if resume:
+        cfg = continue_recorded(cfg, caller)
+    options = cfg.strategy_options()
+    cls = strategy_class(cfg.strategy, options)
+    if cls.max_workers == 1 and "workers" not in cfg.model_fields_set:
+        cfg.workers = 1  # `--strategy single` needs no `--workers 1`
+    plan = Plan(cfg, cls, World.from_env(), caller, resume)
+    if plan.external:
+        _check_external(plan)
+    else:
+        cls.check_workers(cfg.workers, options)
+        if cfg.cluster.enabled:
+            from parambox.runtime.cluster import check_environment
+
+            check_environment()  # not root, or no ip/tc: one line before anything is written
+    return plan
+
+
+# What a resume may change: how long it runs, how it waits, what it logs. Everything else is the run's.
+RESUMABLE = frozenset(
+    {
+        "steps",
+        "out",
+        "timeout",
+        "progress",
+        "tensorboard",
+        "log_every",
+        "eval_every",
+        "checkpoint_every",
+        "max_restarts",
+        "warm_spare",
+        "threads",
+        "loader_workers",
+    }
+)
+
+
+def continue_recorded(cfg: RunConfig, caller: Caller) -> RunConfig:
+    """A resume continues the run its directory recorded: a given field that would change the training
+    is refused; the ones in ``RESUMABLE`` may change."""
+    if cfg.out is None:
+        raise UserError(f"{caller.field('resume')} needs {caller.field('out')}: the run directory")
+    recorded = load_recorded(Path(cfg.out))
+    changed = [f for f in sorted(cfg.model_fields_set - RESUMABLE) if getattr(cfg, f) != getattr(recorded, f)]
+    if changed:
+        f = changed[0]
+        raise UserError(
+            f"{caller.field('resume')} continues the recorded run: {caller.given(f, getattr(cfg, f))} "
+            f"differs from the recorded {getattr(recorded, f)!r} "
+            f"(it may change only {', '.join(sorted(RESUMABLE - {'out'}))})"
+        )
+    return recorded.model_copy(update={f: getattr(cfg, f) for f in cfg.model_fields_set & RESUMABLE})
+
+
+def _check_external(plan: Plan) -> None:
+    from parambox.runtime.mpi import srun_without_mpi
+
+    cfg, world = plan.cfg, plan.world
+    if cfg.cluster.enabled and "PARAMBOX_NUM_NODES" not in os.environ:  # not one of our nodes' ranks
+        raise UserError(
+            f"{plan.caller.field('emulate_nodes')} is for the local launcher; under {world.launcher} it "
+            "places the workers"
+        )
+    if cfg.box.needs_mpi and srun_without_mpi():  # before MPI starts: it would leave files behind
+        raise UserError(srun_without_mpi())
+    cfg.out = cfg.out or external_run_dir(cfg, plan.caller)
+    if "workers" in cfg.model_fields_set and plan.processes != world.world_size and world.rank == 0:
+        warn(
+            f"{plan.caller.given('workers', cfg.workers)} ignored: the launcher started {world.world_size} processes"
+        )
+
+
+def external_run_dir(cfg: RunConfig, caller: Caller = CLI) -> str:
+    """A run directory every rank agrees on without talking: named after the launcher's job id."""
+    env = os.environ
+    job = (
+        (env.get("SLURM_JOB_ID") and f"{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', 0)}")
+        or env.get("TORCHELASTIC_RUN_ID")
+        or env.get("PMIX_NAMESPACE")
+        or env.get("OMPI_MCA_orte_ess_jobid")
+    )
+    if not job:
+        raise UserError(f"under this launcher, give {caller.field('out')} (a path every rank can write)")
+    return f"runs/{cfg.strategy}-{job.replace('/', '_').replace('@', '_')}"
+
+
+def check_references(cfg: RunConfig, given: dict | None = None) -> None:
+    """Import every ``module:function`` / ``file.py:function`` the run names (but the functions
+    ``given`` in-process); a ``UserError`` naming the first that cannot be imported or is not callable."""
+    from parambox.workload import CALLABLE_FIELDS, resolve_callables
+    from parambox.workload.refs import absolute, is_reference
+
+    resolve_callables(cfg, given)
+    for field in CALLABLE_FIELDS:  # file.py:function recorded with its absolute path
+        value = getattr(cfg, field)
+        if isinstance(value, str) and is_reference(value) and field not in (given or {}):
+            setattr(cfg, field, absolute(value))
+
+
+def prepare_run_dir(plan: Plan) -> Path:
+    """The run directory, made and holding ``config.json`` (a resume keeps the recorded one)."""
+    cfg, caller = plan.cfg, plan.caller
+    if cfg.out is None:
+        if plan.resume:
+            raise UserError(f"{caller.field('resume')} needs {caller.field('out')}: the run directory")
+        cfg.out = f"runs/{cfg.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(cfg.out).resolve()
+    cfg.out = str(run_dir)
+    if plan.resume:
+        if not (run_dir / "checkpoints" / "last.pt").exists():
+            raise UserError(f"{caller.field('resume')}: {run_dir / 'checkpoints' / 'last.pt'} does not exist")
+    elif (run_dir / "summary.json").exists() or (run_dir / "checkpoints").exists():
+        raise UserError(
+            f"run directory {run_dir} already holds a run; pass {caller.field('resume')} to continue it, "
+            f"or another {caller.field('out')}"
+        )
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)  # per-rank error files land here
+        (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+    except OSError as e:
+        raise UserError(
+            f"{caller.field('out').split()[0]} {run_dir}: cannot write there ({e.strerror})"
+        ) from None
+    return run_dir

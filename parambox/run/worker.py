@@ -1,0 +1,138 @@
+"""One rank's training, and the worker entry every local run spawns:
+``python -m parambox.run.worker RUN_DIR [--resume] [--spare]``.
+
+The entry reads ``RUN_DIR/config.json`` (written by ``parambox train`` or ``parambox.train``), so no user
+flag is parsed twice; a user's functions arrive as the references the config records, the launching
+script's by ``PARAMBOX_MAIN_SCRIPT``, and the caller's ``sys.path`` additions by ``PARAMBOX_SYS_PATH``
+(see :mod:`parambox.workload.refs`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from parambox.errors import CommTimeout, UserError, validation_message
+from parambox.runtime.world import World
+
+SYS_PATH_ENV = "PARAMBOX_SYS_PATH"  # the caller's sys.path entries a worker lacks, os.pathsep-joined
+
+
+def train_rank(
+    cfg, world: World, run_dir: Path, resume: bool, callables: dict[str, Callable] | None = None
+) -> dict[str, Any] | None:
+    """Train this rank; the summary on rank 0. Any failure is first written to ``logs/rank{r}.err``
+    (one line, then the traceback) and raised again."""
+    from parambox.training.loop import train
+
+    (run_dir / "logs" / f"rank{world.rank}.err").unlink(missing_ok=True)  # an earlier life's cause
+    try:
+        return train(cfg, world, run_dir, resume, callables)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        write_failure(e, world, run_dir)
+        raise
+
+
+def failure_line(e: BaseException) -> str:
+    """The one line that names a failure: the user's error or a timeout as ``parambox: error: ...``."""
+    if isinstance(e, UserError | CommTimeout):
+        return f"parambox: error: {e}"
+    if type(e).__name__ == "ValidationError":
+        return f"parambox: error: {validation_message(e)}"
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
+def is_user_error(e: BaseException) -> bool:
+    return isinstance(e, UserError) or type(e).__name__ == "ValidationError"
+
+
+def write_failure(e: BaseException, world: World, run_dir: Path) -> None:
+    """``logs/rank{r}.err``: the line the launcher quotes, then the traceback."""
+    logs = Path(os.environ.get("PARAMBOX_LOG_DIR") or run_dir / "logs")
+    with contextlib.suppress(OSError):
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / f"rank{world.rank}.err").write_text(failure_line(e) + "\n\n" + traceback.format_exc())
+    if os.environ.get("PARAMBOX_DEBUG"):
+        traceback.print_exc()
+
+
+def run_worker(cfg, world: World, run_dir: Path, resume: bool) -> int:
+    """A spawned (or externally launched CLI) rank: train, print the summary on rank 0, exit code."""
+    from parambox.run.result import print_summary
+    from parambox.runtime.mpi import exit_now
+
+    try:
+        summary = train_rank(cfg, world, run_dir, resume)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        code = 2 if is_user_error(e) else 1
+        ours = world.launcher == "local" or "PARAMBOX_LOG_DIR" in os.environ  # also our mpiexec's ranks
+        if not ours:  # our launcher quotes the .err file itself: one line in all
+            line = failure_line(e)
+            print(line if world.world_size == 1 else f"[rank {world.rank}] {line}", file=sys.stderr)
+    else:
+        if summary is not None and cfg.progress:  # --no-progress / progress=False: quiet
+            print_summary(summary, run_dir)
+        code = 0
+    if world.world_size > 1:
+        exit_now(code)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    from parambox.run.plan import load_recorded
+    from parambox.runtime.control import SPARE_FLAG
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print("usage: python -m parambox.run.worker RUN_DIR [--resume] [--spare]", file=sys.stderr)
+        return 2
+    _extend_sys_path()
+    run_dir, resume = Path(argv[0]), "--resume" in argv[1:]
+    try:
+        cfg = load_recorded(run_dir)
+    except Exception as e:
+        write_failure(e, World.from_env(), run_dir)
+        return 2 if is_user_error(e) else 1
+    if SPARE_FLAG in argv[1:] and not _become_a_replacement(cfg):
+        return 0  # the run ended without needing this spare
+    return run_worker(cfg, World.from_env(), run_dir, resume)
+
+
+def _extend_sys_path() -> None:
+    """The caller's ``sys.path.insert(...)`` additions, so its imports work in the workers too."""
+    for entry in reversed(os.environ.get(SYS_PATH_ENV, "").split(os.pathsep)):
+        if entry and entry not in sys.path:
+            sys.path.insert(1, entry)
+
+
+def _become_a_replacement(cfg) -> bool:
+    """A spare (see ``parambox.runtime.launcher``): warm up, then wait for the launcher to say which
+    rank this process replaces. False when the launcher closed the pipe without a word."""
+    import parambox.training.loop  # noqa: F401  (torch, the strategies: the bulk of a start-up)
+    from parambox.runtime.control import reopen_box_fds
+
+    with contextlib.suppress(Exception):  # warm the data's imports and files; errors show in the real run
+        from parambox.workload import build_workload
+
+        build_workload(cfg)
+    line = sys.stdin.readline()
+    if not line.strip():
+        return False
+    env = reopen_box_fds(json.loads(line), owner=os.getppid())
+    os.environ.clear()
+    os.environ.update(env)
+    return True
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
