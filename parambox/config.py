@@ -82,6 +82,10 @@ class RunConfig(BaseModel):
     cluster: ClusterConfig = Field(
         default_factory=ClusterConfig, description="an emulated cluster for the local launcher's workers"
     )
+    target_metric: str = Field(
+        "accuracy",
+        description="the test metric (a key of metrics()) that pick, report and the accuracy studies aim at",
+    )
     tensorboard: bool = False
     progress: bool = True
     options: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-strategy options")

@@ -149,9 +149,12 @@ class DistributedOptimizer:
         self._begun = True
         self.strategy.begin_step(self.step_count)
 
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
-        """Exchange and apply this step's gradients the strategy's way (``closure``: as torch's)."""
-        loss = None
+    def step(
+        self, closure: Callable[[], torch.Tensor] | None = None, *, loss: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Exchange and apply this step's gradients the strategy's way (``closure``: as torch's).
+        ``loss``: the step's loss, for ``last_result.loss`` and the strategies that watch it (a closure's
+        return value serves the same; without either, ``last_result.loss`` is NaN)."""
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()

@@ -15,6 +15,7 @@ from torch import nn
 
 import parambox
 from parambox.errors import UserError
+from parambox.strategies import STRATEGIES, strategy_class
 from tests.conftest import ROOT
 from tests.distopt_worker import (
     ANYMODEL_STEPS,
@@ -29,19 +30,11 @@ from tests.distopt_worker import (
     uses_aux,
 )
 
+# Every registered strategy whose step is local forward/backward + exchange: the registry says which.
 DATA_PARALLEL = [
-    "allreduce",
-    "ps-sync",
-    "weight-avg",
-    "box-sync",
-    "downpour",
-    "easgd",
-    "eamsgd",
-    "dynsgd",
-    "hogwild",
-    "dogwild",
-    "hybrid",
-    "diloco",
+    name
+    for name in STRATEGIES
+    if not strategy_class(name).owns_forward_backward and strategy_class(name).max_workers != 1
 ]
 
 

@@ -18,7 +18,7 @@ COLUMNS = [
     "model",
     "data",
     "steps",
-    "final test accuracy (%)",
+    "final test {metric}",
     "final test loss",
     "wall time (s)",
     "samples/s",
@@ -37,11 +37,13 @@ def summary_rows(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
     """(header, rows) of the summary table: one row per run, a column per communication phase (mean ms/step)."""
     phases = list(dict.fromkeys(ph for r in runs for ph in r.comm_phases()))
     lost = any(r.summary.get("lost_workers") for r in runs)
-    header = COLUMNS + [f"comm {ph} (ms/step)" for ph in phases] + (["lost workers"] if lost else [])
+    metric = common_metric(runs)
+    columns = [c.format(metric=metric + (" (%)" if metric == "accuracy" else "")) for c in COLUMNS]
+    header = columns + [f"comm {ph} (ms/step)" for ph in phases] + (["lost workers"] if lost else [])
     rows = []
     for r in runs:
-        acc = r.final("test_accuracy")
-        if acc is not None and acc <= 1.0:
+        acc = r.final(f"test_{r.target_metric}")
+        if acc is not None and r.target_metric == "accuracy" and acc <= 1.0:
             acc *= 100
         row = [r.label, r.info("strategy") or "-", _num(r.info("workers"), "d"), r.info("model") or "-"]
         row += [r.info("data") or "-", _num(r.info("steps"), "d"), _num(acc, ".2f")]
@@ -53,6 +55,12 @@ def summary_rows(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
             row.append(", ".join(str(w) for w in r.summary.get("lost_workers") or []) or "-")
         rows.append([str(c) for c in row])
     return header, rows
+
+
+def common_metric(runs: list[Run]) -> str:
+    """The runs' target metric (``target_metric``), or "metric" where they aim at different ones."""
+    names = {r.target_metric for r in runs}
+    return names.pop() if len(names) == 1 else "metric"
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -76,8 +84,14 @@ def write_figures(runs: list[Run], out: Path, smoothing: float = 0.0) -> list[tu
             plots.figure_pair(runs, "loss", "step", "training loss", out / "loss.png", smoothing),
         ),
         (
-            "Test accuracy",
-            plots.figure_pair(runs, "test_accuracy", "eval", "test accuracy", out / "accuracy.png"),
+            f"Test {common_metric(runs)}",
+            plots.figure_pair(
+                runs,
+                f"test_{common_metric(runs)}",
+                "eval",
+                f"test {common_metric(runs)}",
+                out / "accuracy.png",
+            ),
         ),
         ("Test loss", plots.figure_pair(runs, "test_loss", "eval", "test loss", out / "test_loss.png")),
         ("Throughput", plots.figure_throughput(runs, out / "throughput.png")),

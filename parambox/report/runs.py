@@ -64,6 +64,11 @@ class Run:
             for ph in self.comm_phases()
         }
 
+    @property
+    def target_metric(self) -> str:
+        """The run's target metric (``target_metric``: ``accuracy`` unless the user named another)."""
+        return (self.summary.get("config") or {}).get("target_metric") or "accuracy"
+
     def final(self, key: str) -> float | None:
         """From summary.json, else from the last eval (or step) record that has ``key``."""
         if self.summary.get(f"final_{key}") is not None:

@@ -1,12 +1,15 @@
 """Update rules, one module each, registered by the name the CLI spells.
 
-Adding a strategy: write its module (a ``Strategy`` subclass with an ``Options`` model), add one line
-below, one preset in ``parambox.presets`` and one multi-process test.
+Adding a strategy: write its module (a ``Strategy`` subclass with an ``Options`` model; the facts the
+launcher, the studies and ``pick`` need are its class attributes), add one line below, one preset in
+``parambox.presets`` and one multi-process test. A strategy of a user's own, outside parambox:
+``parambox.strategies.register("mine", "my_module:MyStrategy")`` (spawned workers inherit it).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 from parambox.errors import UserError
@@ -33,13 +36,43 @@ STRATEGIES: dict[str, str] = {
 }
 
 
+# A user's strategies, "name=module:Class" joined by ";": how register() reaches spawned workers.
+USER_STRATEGIES_ENV = "PARAMBOX_STRATEGIES"
+
+
+def register(name: str, reference: str) -> None:
+    """Add strategy ``name``, the class at ``reference`` (``module:Class``, importable by the workers),
+    for this process and the workers it starts.
+
+    >>> # register("toy", "my_strategies:Toy"); parambox.train(strategy="toy", ...)
+    """
+    module, sep, attr = reference.partition(":")
+    if not (sep and module and attr) or any(c in reference + name for c in ";="):
+        raise UserError(f"register({name!r}, {reference!r}): expected a name and module:Class")
+    STRATEGIES[name] = reference
+    entries = dict(_user_entries())
+    entries[name] = reference
+    os.environ[USER_STRATEGIES_ENV] = ";".join(f"{k}={v}" for k, v in entries.items())
+
+
+def _user_entries() -> list[tuple[str, str]]:
+    text = os.environ.get(USER_STRATEGIES_ENV, "")
+    return [tuple(e.split("=", 1)) for e in text.split(";") if "=" in e]  # type: ignore[misc]
+
+
+STRATEGIES.update(dict(_user_entries()))
+
+
 def strategy_class(name: str, options: Options | dict[str, Any] | None = None) -> type[Strategy]:
     """The class registered as ``name``; given the run's ``options``, the class that really runs with
     them (``Strategy.resolve``: e.g. ``easgd`` with ``sync: true`` is the synchronous form)."""
     if name not in STRATEGIES:
         raise UserError(f"unknown strategy {name!r}; choose from {', '.join(sorted(STRATEGIES))}")
     module, attr = STRATEGIES[name].split(":")
-    cls = getattr(importlib.import_module(module), attr)
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"strategy {name!r}: cannot load {STRATEGIES[name]} ({e})") from None
     if options is None:
         return cls
     return cls.resolve(cls.Options(**options) if isinstance(options, dict) else options)
@@ -52,4 +85,13 @@ def build_strategy(name: str, ctx: Context, options: Options | dict[str, Any] | 
     return cls.resolve(opts)(ctx, opts)
 
 
-__all__ = ["Context", "Options", "STRATEGIES", "StepResult", "Strategy", "build_strategy", "strategy_class"]
+__all__ = [
+    "Context",
+    "Options",
+    "STRATEGIES",
+    "StepResult",
+    "Strategy",
+    "build_strategy",
+    "register",
+    "strategy_class",
+]

@@ -87,6 +87,12 @@ class Strategy:
     # The exchange in perfmodel's terms ("ring", "tree", "ps", "box"), for `parambox pick`'s scaling
     # model; None: the box for strategies that survive a lost worker, a ring allreduce for the others.
     comm_topology: ClassVar[str | None] = None
+    # Every worker's gradient steps land on one shared center (downpour, hogwild, dogwild): with N
+    # writers the center moves N times per step, so the studies train them at lr / N.
+    shared_center: ClassVar[bool] = False
+    # The options that set how many local steps pass between two exchanges (easgd's tau, diloco's H):
+    # what the studies' tau-H tables vary.
+    period_options: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def resolve(cls, options: Options) -> type[Strategy]:

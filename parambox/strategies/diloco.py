@@ -79,6 +79,7 @@ class Diloco(Strategy):
     """
 
     name = "diloco"
+    period_options = ("inner_steps",)
     Options = DilocoOptions
 
     @classmethod
@@ -258,6 +259,7 @@ class AsyncDiloco(AsyncStrategy):
     """Asynchronous DiLoCo over the box. ``--set diloco.asynchronous=true``"""
 
     name = "diloco"
+    period_options = ("inner_steps",)
     Options = DilocoOptions
 
     def __init__(self, ctx: Context, options: DilocoOptions):

@@ -94,6 +94,7 @@ class Dogwild(Strategy):
     """
 
     name = "dogwild"
+    shared_center = True
     comm_topology = "ps"  # every gradient into rank 0, the weights out of it to every worker
     Options = DogwildOptions
     tolerates_worker_loss = True

@@ -113,6 +113,8 @@ class Downpour(AsyncStrategy):
     """Downpour SGD. ``parambox train --strategy downpour --set downpour.n_push=4``"""
 
     name = "downpour"
+    period_options = ("n_fetch", "n_push")
+    shared_center = True
     Options = DownpourOptions
 
     def __init__(self, ctx: Context, options: DownpourOptions, damped: bool = False):

@@ -22,6 +22,7 @@ class DynSGD(Downpour):
     """Staleness-damped Downpour. ``parambox train --strategy dynsgd --set dynsgd.window=4``"""
 
     name = "dynsgd"
+    shared_center = False  # its 1/(staleness + 1) scaling already damps the N writers
     Options = DynSGDOptions
 
     def __init__(self, ctx: Context, options: DynSGDOptions):

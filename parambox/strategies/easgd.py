@@ -133,6 +133,7 @@ class ElasticAveraging(AsyncStrategy):
     """Asynchronous EASGD over the box. ``parambox train --strategy easgd --set easgd.tau=4``"""
 
     name = "easgd"
+    period_options = ("tau",)
     Options = EasgdOptions
     nesterov: ClassVar[bool] = False
 
@@ -190,6 +191,7 @@ class SyncElasticAveraging(Strategy):
     """
 
     name = "easgd"
+    period_options = ("tau",)
     Options = EasgdOptions
     tolerates_worker_loss = False  # an allreduce needs every worker
     nesterov: ClassVar[bool] = False

@@ -42,6 +42,7 @@ class Hogwild(AsyncStrategy):
     """
 
     name = "hogwild"
+    shared_center = True
     Options = HogwildOptions
     box_name = "hogwild"
 

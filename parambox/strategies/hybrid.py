@@ -67,6 +67,7 @@ class Hybrid(AsyncStrategy):
     """
 
     name = "hybrid"
+    period_options = ("tau",)
     Options = HybridOptions
     tolerates_worker_loss = False  # a group's allreduce needs all its members
     needs_process_group = True  # the groups' allreduce and broadcast

@@ -24,6 +24,7 @@ class WeightAvgOptions(Options):
 
 class WeightAveraging(Strategy):
     name = "weight-avg"
+    period_options = ("period",)
     Options = WeightAvgOptions
 
     def __init__(self, ctx: Context, options: WeightAvgOptions):

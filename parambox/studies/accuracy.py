@@ -15,7 +15,7 @@ never reaches the target counts as infinitely slow: the median over seeds (``med
 
 Learning rates (``lr_for``), never tuned on the test set: synchronous and replica-averaging strategies
 (allreduce, box-sync, weight-avg, EASGD, EAMSGD, hybrid) use the base ``--lr``; strategies in which
-every worker's gradient steps land on one shared center (``SHARED_CENTER``: downpour, hogwild, and
+every worker's gradient steps land on one shared center (``Strategy.shared_center``: downpour, hogwild, and
 dogwild, whose one optimizer on rank 0 takes each worker's gradient as a step) divide it by the
 number of writers, since N asynchronous writers make the center's step N times the base step
 (MEASURED: 2 writers double the effective step; the ``digits-hogwild`` and ``digits-dogwild`` presets).
@@ -40,11 +40,8 @@ from typing import Any
 
 from parambox.config import merge
 from parambox.errors import UserError
+from parambox.strategies import STRATEGIES, strategy_class
 from parambox.studies.runs import PlannedRun, clock_lead, ensure_runs, validate
-
-# Strategies whose workers all step one shared center with their own gradients: lr / workers.
-SHARED_CENTER = frozenset({"downpour", "hogwild", "dogwild"})
-
 
 # Strategies whose inner optimizer is part of the method: DiLoCo's AdamW at 1e-3 (its paper and the
 # digits-diloco preset); with the base SGD (lr 0.03, momentum 0.9) under the outer Nesterov step it
@@ -58,14 +55,16 @@ def lr_for(strategy: str, base_lr: float, workers: int) -> float:
     >>> lr_for("downpour", 0.03, 2), lr_for("easgd", 0.03, 2)
     (0.015, 0.03)
     """
-    return base_lr / workers if strategy in SHARED_CENTER else base_lr
+    return base_lr / workers if strategy_class(strategy).shared_center else base_lr
 
 
 # -- the maths -------------------------------------------------------------------------------------
 
 
-def training_clock(steps: list[dict], evals: list[dict]) -> list[tuple[float, float]]:
-    """(training seconds, test accuracy) at each evaluation, evaluation time taken out of the clock.
+def training_clock(
+    steps: list[dict], evals: list[dict], metric: str = "accuracy"
+) -> list[tuple[float, float]]:
+    """(training seconds, test ``metric``) at each evaluation, evaluation time taken out of the clock.
 
     ``steps``/``evals``: the rank-0 records of a run (``{"step", "time"}`` / ``{"step", "time",
     "test_accuracy"}``). An evaluation at step s ran between step s's record and its own record; the
@@ -79,7 +78,7 @@ def training_clock(steps: list[dict], evals: list[dict]) -> list[tuple[float, fl
     step_time = {r["step"]: r["time"] for r in steps if "time" in r}
     out, spent = [], 0.0
     for e in evals:
-        acc = e.get("test_accuracy")
+        acc = e.get(f"test_{metric}")
         t_step = step_time.get(e["step"])
         if acc is None or t_step is None:
             continue
@@ -133,18 +132,19 @@ def plan(
     base: dict[str, Any], setups: list[str], gbps: list[float | None], seeds: list[int], nodes: int
 ) -> list[PlannedRun]:
     """One run per (link rate, setup, seed), validated up front. ``None`` in ``gbps``: loopback."""
-    from parambox.bench.cluster import SETUPS
+    from parambox.bench.cluster import SETUPS, Setup
 
-    unknown = [s for s in setups if s not in SETUPS or SETUPS[s].strategy is None]
+    unknown = [s for s in setups if (s not in SETUPS or SETUPS[s].strategy is None) and s not in STRATEGIES]
     if unknown:
         raise UserError(
-            f"time to accuracy: unknown setups {unknown}; choose from {', '.join(default_setups())}"
+            f"time to accuracy: unknown setups {unknown}; choose from {', '.join(default_setups())} or "
+            "a strategy's name (its defaults)"
         )
     planned = []
     for g in gbps:
         cluster = {"nodes": nodes, "link_gbps": g} if g is not None else None
         for name in setups:
-            setup = SETUPS[name]
+            setup = SETUPS.get(name) or Setup(f"{name} (defaults)", strategy=name)
             for seed in seeds:
                 cfg = merge(base, setup.train_config())
                 if cfg["box"].get("backend") == "rma":
@@ -171,14 +171,15 @@ def describe(p: PlannedRun, outcome, target: float) -> dict[str, Any]:
         return rec | {"status": "failed", "reason": outcome.error, "time_to_target_s": None}
     run = load_run(outcome.run_dir)
     lead = clock_lead(outcome.run_dir)
-    points = [(t + lead, acc) for t, acc in training_clock(run.steps, run.evals)]
+    metric = p.config.get("target_metric", "accuracy")
+    points = [(t + lead, acc) for t, acc in training_clock(run.steps, run.evals, metric)]
     gaps = [b[0] - a[0] for a, b in zip(points, points[1:])]
     return rec | {
         "status": "ok",
         "curve": points,
         "time_to_target_s": first_crossing(points, target),
         "eval_granularity_s": statistics.median(gaps) if gaps else None,
-        "final_test_accuracy": run.summary.get("final_test_accuracy"),
+        "final_test_accuracy": run.summary.get(f"final_test_{metric}"),
         "samples_per_s": run.summary.get("samples_per_s"),
     }
 
@@ -224,7 +225,7 @@ def run_time_to_accuracy(
         "baseline": baseline,
         "base_lr": base["lr"],
         "lr_rule": "base lr; lr / workers for "
-        + ", ".join(sorted(SHARED_CENTER))
+        + ", ".join(sorted(n for n in STRATEGIES if strategy_class(n).shared_center))
         + "; "
         + "; ".join(f"{k}: {v}" for k, v in OWN_OPTIMIZER.items()),
         "eval_every": base.get("eval_every"),

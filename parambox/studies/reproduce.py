@@ -365,6 +365,7 @@ def verdict_hybrid(m: dict[str, Any]) -> tuple[str, str]:
 
 def measure_tau(ctx: Ctx):
     from parambox.config import merge
+    from parambox.strategies import strategy_class
     from parambox.studies.accuracy import lr_for
     from parambox.studies.runs import PlannedRun
 
@@ -377,7 +378,7 @@ def measure_tau(ctx: Ctx):
         # momentum 0.9 (lr 0.03, the default run's: about the same step once momentum has built up).
         lr, momentum = (0.03, 0.9) if method == "eamsgd" else (0.1, 0.0)
         for tau in taus:
-            opts = {"n_fetch": tau, "n_push": tau} if method == "downpour" else {"tau": tau}
+            opts = dict.fromkeys(strategy_class(method).period_options, tau)
             cfg = {
                 "strategy": method,
                 "options": {method: opts},
