@@ -111,10 +111,9 @@ def test_result_model_on_every_rank_under_torchrun(tmp_path):
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",
         "--nproc-per-node",
         "2",
-        "--master-port",
-        "0",
         str(script),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=env, cwd=tmp_path)

@@ -129,6 +129,7 @@ def _launch_local(plan: Plan, run_dir: Path):
         warm_spare=cfg.warm_spare,
         resume_argv=[str(run_dir), "--resume"],
         checkpoint=run_dir / "checkpoints" / "last.pt",
+        stall_timeout_s=cfg.timeout,
     )
 
 

@@ -46,13 +46,15 @@ def launch_local(
     warm_spare: bool = False,
     resume_argv: list[str] | None = None,
     checkpoint: Path | None = None,
+    stall_timeout_s: float = 0.0,
 ) -> LaunchResult:
     """Run ``python -m <module> <argv>`` as ``num_workers`` ranks and supervise them.
 
     ``cluster``: on the nodes of an emulated cluster that lives exactly as long as they do.
     ``max_restarts``: replacements of dead workers (``tolerate_loss``; from a ``warm_spare`` process
     where there is one) or restarts of the whole group (synchronous), with ``resume_argv`` once
-    ``checkpoint`` exists. Not under MPI (one job)."""
+    ``checkpoint`` exists. Not under MPI (one job). ``stall_timeout_s``: how long rank 0 may write
+    nothing to ``metrics.jsonl`` (beside ``log_dir``) once it is the last rank running."""
     log_dir.mkdir(parents=True, exist_ok=True)
     prefix = spawn.new_prefix()
     n_threads = threads_per_worker(num_workers, threads)
@@ -68,7 +70,10 @@ def launch_local(
         resume_cmd = [sys.executable, "-m", module, *(resume_argv or argv)]
         restart = (max_restarts, resume_cmd, checkpoint, warm_spare)
         placement = net.placement(num_workers) if net is not None else None
-        return _launch_processes(cmd, num_workers, env, log_dir, tolerate_loss, restart, prefix, placement)
+        watch = {"heartbeat": log_dir.parent / "metrics.jsonl", "stall_s": stall_timeout_s}
+        return _launch_processes(
+            cmd, num_workers, env, log_dir, tolerate_loss, restart, prefix, placement, watch
+        )
 
 
 def _launch_mpi(
@@ -98,6 +103,7 @@ def _launch_processes(
     restart: tuple[int, list[str], Path | None, bool],
     prefix: str,
     placement: spawn.Placement | None = None,
+    watch: dict | None = None,
 ) -> LaunchResult:
     """``n`` worker processes, the board that tells them who is dead, and replacements or restarts."""
     max_restarts, resume_cmd, checkpoint, warm_spare = restart
@@ -140,6 +146,7 @@ def _launch_processes(
             max_restarts=max_restarts,
             keeper=keeper,
             muted=muted,
+            **(watch or {}),
         )
         return supervisor.run()
     finally:

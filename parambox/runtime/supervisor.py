@@ -66,6 +66,8 @@ class Supervisor:
         max_restarts: int = 0,
         keeper: SegmentKeeper | None = None,
         muted: threading.Event | None = None,
+        heartbeat: Path | None = None,
+        stall_s: float = 0.0,
     ):
         self.procs, self.log_dir, self.tolerate_loss = procs, log_dir, tolerate_loss
         self.board, self.starters, self.keeper = board, starters, keeper
@@ -76,6 +78,10 @@ class Supervisor:
         self._interrupted: list[int] = []
         self._rank0_done_at: float | None = None
         self._scanned_at = 0.0
+        # Rank 0 alone, the others gone: its metrics file must keep growing (a hung rank 0 would
+        # otherwise hold the run forever, since no peer is left to time out on it).
+        self.heartbeat, self.stall_s = heartbeat, stall_s
+        self._beat: tuple[float, float] = (0.0, time.monotonic())  # (file size, when it last changed)
 
     def run(self) -> LaunchResult:
         old = signal.signal(signal.SIGINT, lambda *_: self._interrupted.append(1))
@@ -95,6 +101,8 @@ class Supervisor:
         self._keep_segments()
         codes = [p.poll() for p in self.procs]
         if self.tolerate_loss and len(self.procs) > 1 and codes[0] == 0 and self._stragglers(codes):
+            return True
+        if codes[0] is None and len(self.procs) > 1 and self._rank0_stalled(codes):
             return True
         for rank, code in enumerate(codes):
             if code is None or rank in self.finished:
@@ -122,10 +130,30 @@ class Supervisor:
         self.result.lost += [r for r, c in enumerate(codes) if c is None and r not in self.result.lost]
         return True
 
+    def _rank0_stalled(self, codes: list[int | None]) -> bool:
+        if not (self.heartbeat and self.stall_s) or any(c is None for c in codes[1:]):
+            self._beat = (self._beat[0], time.monotonic())
+            return False
+        size = float(self.heartbeat.stat().st_size) if self.heartbeat.exists() else 0.0
+        if size != self._beat[0]:
+            self._beat = (size, time.monotonic())
+            return False
+        if time.monotonic() - self._beat[1] <= self.stall_s:
+            return False
+        self.procs[0].kill()
+        self.procs[0].wait()
+        why = f"rank 0 wrote no progress for {self.stall_s:g} s after the other workers ended (timeout)"
+        self.result.failed[0] = (1, f"parambox: error: {why}")
+        self.result.returncode = 1
+        return True
+
     # -- asynchronous: replace a dead worker, or go on without it ----------------------------------------
     def _replace_or_lose(self, rank: int, code: int) -> bool:
-        """True if the run goes on (the rank was replaced, or is lost and is not rank 0)."""
-        if code != USER_ERROR and self._restarts_left() and self._rank0_running(rank):
+        """True if the run goes on (the rank was replaced, or is lost and is not rank 0). A user's error
+        on any rank ends the run with its line: the rank's data would otherwise go untrained, silently."""
+        if code == USER_ERROR:
+            return False
+        if self._restarts_left() and self._rank0_running(rank):
             self._keep_segments(force=True)
             life = self.board.begin_life(rank) if self.board is not None else self.result.restarts + 1
             extra = self.keeper.env() if self.keeper is not None else {}

@@ -133,7 +133,10 @@ def load_resume(
     if rank == 0:
         return step, last["rank0"]
     if not own_pace:
-        return step, load(ckpt_dir / f"rank{rank}-step{step}.pt")
+        own = ckpt_dir / f"rank{rank}-step{step}.pt"
+        # A stopped run (Ctrl-C) saves each rank where it stopped, which for a rank a step apart from
+        # rank 0 is not rank 0's step: it then continues from rank 0's state (a synchronous replica).
+        return step, load(own) if own.exists() else last["rank0"]
     states = rank_states(ckpt_dir, rank)
     if not states:
         return 0, None

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +54,8 @@ def train(
     try:
         run = setup(cfg, world, run_dir, callables)
         try:
-            return _loop(run, resume)
+            with stop_on_signal() as stop:
+                return _loop(run, resume, stop)
         finally:
             run.batches.close()  # a user's data: stop the background loaders
             run.strategy.close()
@@ -60,7 +64,24 @@ def train(
         pbdist.destroy_distributed()
 
 
-def _loop(run: Run, resume: bool) -> dict[str, Any] | None:
+@contextlib.contextmanager
+def stop_on_signal() -> Iterator[threading.Event]:
+    """SIGTERM (the launcher stopping the run: Ctrl-C) or SIGINT sets the event; the loop checkpoints at
+    the next step boundary and raises ``KeyboardInterrupt``, so ``--resume`` has where to continue from.
+    Only in the main thread (signal handlers can be set nowhere else)."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    old = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | None:
     cfg, world = run.cfg, run.world
     log = MetricsLogger(run.run_dir, world.rank, cfg.tensorboard)
     try:
@@ -71,6 +92,9 @@ def _loop(run: Run, resume: bool) -> dict[str, Any] | None:
         bar = Progress(cfg.steps, enabled=cfg.progress and world.rank == 0, start=step)
         samples = 0
         while not run.strategy.should_stop(step):
+            if stop.is_set():
+                save_checkpoint(run, step, barrier=False)
+                raise KeyboardInterrupt
             run.board.post(step)
             batch = run.batches.batch(step)
             if run.faults:
@@ -190,16 +214,17 @@ def evaluate(run: Run) -> dict[str, float]:
     return evaluate_model(model, w.data.test_batches(), w.metrics, w.loss, run.world.device)
 
 
-def save_checkpoint(run: Run, step: int) -> None:
+def save_checkpoint(run: Run, step: int, barrier: bool = True) -> None:
     """Synchronous runs: every rank's state at one step, committed by rank 0's ``last.pt`` after a
-    barrier. Asynchronous runs: each rank at its own pace (no barrier: a dead peer must not block it)."""
+    barrier. Asynchronous runs: each rank at its own pace (no barrier: a dead peer must not block it).
+    ``barrier=False`` (a stopped run): each rank at the step it stopped at, no waiting on the others."""
     ckpt_dir = run.run_dir / "checkpoints"
     state = checkpoint.rank_state(run.strategy.model.state_dict(), run.strategy.state_dict())
     model = run.strategy.eval_model()
     own_pace = run.strategy.tolerates_worker_loss
     if run.world.rank != 0:
         checkpoint.save_rank_state(ckpt_dir, run.world.rank, step, state, prune=own_pace)
-    if run.world.world_size > 1 and not own_pace:
+    if run.world.world_size > 1 and not own_pace and barrier:
         with pbdist.collective("checkpoint barrier", run.board):
             dist.barrier()
     if run.world.rank == 0:

@@ -1,0 +1,83 @@
+"""What the launcher hears and bounds: a user's error on any rank of an asynchronous run ends it with that
+line (exit 2), a hung rank 0 left alone is stopped, Ctrl-C leaves a checkpoint to resume from, and an
+earlier life's error file cannot name the wrong cause."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from parambox.training import checkpoint
+from tests.conftest import MPI_ENV, ROOT, run_cli
+
+QUIET = ["--eval-every", "0", "--no-progress", "--threads", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_user_error_on_rank_1_of_an_asynchronous_run_ends_it_with_exit_2(tmp_path):
+    out = tmp_path / "r"
+    args = ["--strategy", "easgd", "--workers", "2", "--model", "mlp", "--out", str(out), *QUIET]
+    run_cli("train", *args, "--steps", "20", "--checkpoint-every", "10")
+    states = sorted((out / "checkpoints").glob("rank1-step*.pt"))
+    assert states, list((out / "checkpoints").iterdir())
+    states[-1].write_bytes(b"not a checkpoint")  # rank 1's state, corrupt
+    proc = run_cli("train", "--out", str(out), "--resume", "--steps", "30", *QUIET, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "(worker rank 1)" in proc.stderr and "lost worker" not in proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_hung_rank_0_left_alone_is_stopped_at_the_timeout(tmp_path):
+    out = tmp_path / "r"
+    args = ["--strategy", "easgd", "--workers", "2", "--model", "mlp", "--out", str(out), *QUIET]
+    start = time.monotonic()
+    proc = run_cli(
+        "train", *args, "--steps", "40", "--timeout", "6", env={"PARAMBOX_FAULT": "0:5:hang"}, check=False
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "rank 0 wrote no progress for 6 s" in proc.stderr
+    assert time.monotonic() - start < 200
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["allreduce", "easgd"])
+def test_ctrl_c_leaves_a_checkpoint_that_resume_continues(strategy, tmp_path):
+    out = tmp_path / "r"
+    cmd = [sys.executable, "-m", "parambox", "train", "--strategy", strategy, "--workers", "2"]
+    cmd += ["--model", "mlp", "--steps", "100000", "--out", str(out), *QUIET]
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **MPI_ENV}, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 150
+    while not (metrics.exists() and metrics.stat().st_size > 2000) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    launcher.send_signal(signal.SIGINT)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 130, err
+    last = checkpoint.load(out / "checkpoints" / "last.pt")
+    assert last["step"] > 0
+    proc = run_cli("train", "--out", str(out), "--resume", "--steps", str(last["step"] + 5), *QUIET)
+    assert json.loads((out / "summary.json").read_text())["steps"] == last["step"] + 5, proc.stderr
+
+
+def test_an_earlier_lifes_error_file_is_removed_when_a_rank_starts(tmp_path):
+    from parambox.run.plan import build
+    from parambox.run.worker import train_rank
+    from parambox.runtime.world import World
+
+    (tmp_path / "logs").mkdir()
+    stale = tmp_path / "logs" / "rank0.err"
+    stale.write_text("parambox: error: an old cause\n")
+    cfg = build({"strategy": "single", "workers": 1, "steps": 2, "eval_every": 0, "progress": False})
+    train_rank(cfg, World.from_env({}), Path(tmp_path), resume=False)
+    assert not stale.exists()
