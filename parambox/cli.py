@@ -45,8 +45,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"parambox: error: {message}\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line as its command reads it (argparse's errors: one line, exit 2); nothing runs."""
     parser = _Parser(prog="parambox", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, (module, help_text) in COMMANDS.items():
@@ -56,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(module).configure(p)
     args = parser.parse_args(argv)
     args._argv = list(argv)  # the local launcher hands the same command to its workers
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except UserError as e:
