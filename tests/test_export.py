@@ -58,3 +58,19 @@ def test_export_of_an_in_process_model_is_one_line(tmp_path):
     proc = run_cli("export", str(tmp_path / "run"), "--onnx", str(tmp_path / "m.onnx"), check=False)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "was a function of the process that started the run" in proc.stderr
+
+
+@pytest.mark.timeout(170)
+def test_export_of_dict_batches_takes_named_inputs_in_one_file(tmp_path):
+    fns = {
+        "model": user_regression.make_named_model,
+        "data": user_regression.make_dict_items,
+        "loss": user_regression.named_inputs_loss,
+    }
+    run_dir, onnx_file = tmp_path / "run", tmp_path / "named.onnx"
+    parambox.train(**fns, out=str(run_dir), **QUICK)
+    result = json.loads(run_cli("export", str(run_dir), "--onnx", str(onnx_file), "--json").stdout)
+    assert result["inputs"] == ["features", "scale"] and result["max_abs_diff"] <= 1e-4
+    assert result["files"] == [str(onnx_file)] and list(tmp_path.glob("*.data")) == []  # one file
+    session = ort.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
+    assert sorted(i.name for i in session.get_inputs()) == ["features", "scale"]

@@ -56,7 +56,9 @@ def test_ctrl_c_leaves_a_checkpoint_that_resume_continues(strategy, tmp_path):
     out = tmp_path / "r"
     cmd = [sys.executable, "-m", "parambox", "train", "--strategy", strategy, "--workers", "2"]
     cmd += ["--model", "mlp", "--steps", "100000", "--out", str(out), *QUIET]
-    launcher = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **MPI_ENV}, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        cmd, cwd=ROOT, env={**os.environ, **MPI_ENV}, stderr=subprocess.PIPE, text=True
+    )
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 150
     while not (metrics.exists() and metrics.stat().st_size > 2000) and time.monotonic() < deadline:

@@ -19,7 +19,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from parambox.workload.export import export_onnx
+    from parambox.run.export import export_onnx
 
     if not args.run_dir.is_dir():
         raise UserError(f"run directory {args.run_dir} does not exist")
@@ -28,5 +28,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         check = f"; onnxruntime vs torch: max |diff| {result['max_abs_diff']:.2e}" if args.check else ""
-        print(f"wrote {result['onnx']} ({result['model']}, input {result['input_shape']}{check})")
+        extra = (
+            f"; with its weights in {result['files'][1]}, which must travel with it"
+            if len(result["files"]) > 1
+            else ""
+        )
+        print(f"wrote {result['onnx']} ({result['model']}, input {result['input_shape']}{check}{extra})")
     return 0

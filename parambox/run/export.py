@@ -22,38 +22,33 @@ from typing import Any
 import torch
 
 from parambox.errors import UserError
-from parambox.training import checkpoint
-from parambox.workload.workload import build_workload
 
 EXAMPLE_ITEMS = 4
 TOLERANCE = 1e-4
 
 
-def export_onnx(run_dir: Path, onnx_file: Path, check: bool = True) -> dict[str, Any]:
-    """Write ``onnx_file``; returns what was written and, with ``check``, onnxruntime's largest
-    absolute difference from torch on the example input and one more row (the dynamic batch axis)."""
-    from parambox.config import RunConfig
+LABEL_KEYS = ("label", "labels", "y", "target", "targets")  # a dict batch's keys that are no input
 
-    config_file = run_dir / "config.json"
-    if not config_file.is_file():
-        raise UserError(f"{run_dir} is not a run directory: {config_file} does not exist")
-    cfg = RunConfig(**json.loads(config_file.read_text()))
-    cfg.loader_workers = 0  # a few items, read here
-    workload = build_workload(cfg)
-    model = workload.build_model()
-    state = checkpoint.load(run_dir / "checkpoints" / "last.pt")
-    try:
-        model.load_state_dict(state["model"])
-    except (RuntimeError, KeyError) as e:
-        raise UserError(
-            f"{run_dir}: the checkpoint does not fit the model: {str(e).splitlines()[0]}"
-        ) from None
-    model.eval()
-    x = example_input(workload)
-    _export(model, x, onnx_file)
-    result: dict[str, Any] = {"onnx": str(onnx_file), "model": cfg.model, "input_shape": list(x.shape)}
+
+def export_onnx(run_dir: Path, onnx_file: Path, check: bool = True) -> dict[str, Any]:
+    """Write ``onnx_file`` (one file; a model over protobuf's 2 GB limit also writes ``FILE.data``,
+    named in the result); returns what was written and, with ``check``, onnxruntime's largest absolute
+    difference from torch on the example input and one more row (the dynamic batch axis)."""
+    from parambox.run.result import load_model_and_workload
+
+    model, workload = load_model_and_workload(run_dir)
+    inputs = example_inputs(workload)
+    files = _export(model, inputs, onnx_file)
+    first = next(iter(inputs.values()))
+    result: dict[str, Any] = {
+        "onnx": str(onnx_file),
+        "files": [str(f) for f in files],
+        "model": workload_model_name(run_dir),
+        "inputs": list(inputs),
+        "input_shape": list(first.shape),
+    }
     if check:
-        result["max_abs_diff"] = check_onnx(model, x, onnx_file)
+        result["max_abs_diff"] = check_onnx(model, inputs, onnx_file)
         if result["max_abs_diff"] > TOLERANCE:
             raise UserError(
                 f"{onnx_file}: onnxruntime differs from torch by {result['max_abs_diff']:.2e} (> {TOLERANCE})"
@@ -61,23 +56,44 @@ def export_onnx(run_dir: Path, onnx_file: Path, check: bool = True) -> dict[str,
     return result
 
 
-def example_input(workload) -> torch.Tensor:
-    """The model input of the first items of the run's test set (else its training set)."""
+def workload_model_name(run_dir: Path) -> str:
+    return json.loads((run_dir / "config.json").read_text()).get("model", "?")
+
+
+def example_inputs(workload) -> dict[str, torch.Tensor]:
+    """The model's inputs for the first items of the run's test set (else its training set), by name:
+    ``x`` for a tensor or ``(inputs, target)`` batch; a dict batch's tensors but its labels, passed to
+    the model as keyword arguments."""
     data = workload.data
     if data.has_test:
         batch = next(iter(data.test_batches()))
     else:
         batch = data.batch_source(EXAMPLE_ITEMS, 0, 1, 0, False).batch(0)
+    if isinstance(batch, dict):
+        inputs = {k: v[:EXAMPLE_ITEMS] for k, v in batch.items() if k not in LABEL_KEYS}
+        bad = [k for k, v in inputs.items() if not isinstance(v, torch.Tensor)]
+        if bad or not inputs:
+            raise UserError(
+                f"export passes a dict batch's entries but {', '.join(LABEL_KEYS)} to the model as "
+                f"keyword arguments; {', '.join(bad) or 'none'} of this run's are tensors"
+            )
+        return inputs
     x = batch[0] if isinstance(batch, tuple | list) else batch
     if not isinstance(x, torch.Tensor):
         raise UserError(
-            "export needs batches that are a tensor or (inputs, target) with a tensor of inputs; "
-            f"this run's inputs are a {type(x).__name__}"
+            "export needs batches that are a tensor, (inputs, target) with a tensor of inputs, or a dict "
+            f"of tensors; this run's inputs are a {type(x).__name__}"
         )
-    return x[:EXAMPLE_ITEMS]
+    return {"x": x[:EXAMPLE_ITEMS]}
 
 
-def _export(model: torch.nn.Module, x: torch.Tensor, onnx_file: Path) -> None:
+def _call(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    if list(inputs) == ["x"]:
+        return model(inputs["x"])
+    return model(**inputs)
+
+
+def _export(model: torch.nn.Module, inputs: dict[str, torch.Tensor], onnx_file: Path) -> list[Path]:
     try:
         import onnxscript  # noqa: F401  (torch.onnx.export's exporter needs it)
     except ImportError:
@@ -90,7 +106,19 @@ def _export(model: torch.nn.Module, x: torch.Tensor, onnx_file: Path) -> None:
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(quiet):
             warnings.simplefilter("ignore")
-            torch.onnx.export(model, (x,), str(onnx_file), dynamo=True, dynamic_shapes=({0: "batch"},))
+            positional = list(inputs) == ["x"]
+            args, kwargs = ((inputs["x"],), None) if positional else ((), dict(inputs))
+            shapes = ({0: "batch"},) if positional else {k: {0: "batch"} for k in inputs}
+            big = sum(p.numel() * p.element_size() for p in model.parameters()) > 2**31 - 2**26
+            torch.onnx.export(
+                model,
+                args,
+                str(onnx_file),
+                kwargs=kwargs,
+                dynamo=True,
+                dynamic_shapes=shapes,
+                external_data=big,  # one file unless protobuf's 2 GB limit forces a FILE.data beside it
+            )
     except UserError:
         raise
     except Exception as e:
@@ -98,17 +126,25 @@ def _export(model: torch.nn.Module, x: torch.Tensor, onnx_file: Path) -> None:
         raise UserError(f"torch.onnx.export cannot export this model: {first[:300]}") from e
     finally:
         logger.setLevel(level)
+    data = onnx_file.with_name(onnx_file.name + ".data")
+    return [onnx_file, data] if data.exists() else [onnx_file]
 
 
-def check_onnx(model: torch.nn.Module, x: torch.Tensor, onnx_file: Path) -> float:
-    """Largest absolute difference between onnxruntime and torch, on ``x`` plus one row."""
+def check_onnx(model: torch.nn.Module, inputs: dict[str, torch.Tensor], onnx_file: Path) -> float:
+    """Largest absolute difference between onnxruntime and torch, on ``inputs`` plus one row."""
     try:
         import onnxruntime
     except ImportError:
         raise UserError('checking the export needs onnxruntime: pip install "parambox[onnx]"') from None
-    x = torch.cat([x, x[:1]])  # a batch size the export never saw: the batch axis is dynamic
+    inputs = {k: torch.cat([v, v[:1]]) for k, v in inputs.items()}  # a batch size the export never saw
     session = onnxruntime.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
-    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    names = [i.name for i in session.get_inputs()]
+    feed = (
+        dict(zip(names, (v.numpy() for v in inputs.values())))
+        if list(inputs) == ["x"]
+        else {n: inputs[n].numpy() for n in names}
+    )
+    got = session.run(None, feed)[0]
     with torch.no_grad():
-        expected = model(x)
+        expected = _call(model, inputs)
     return float((torch.from_numpy(got) - expected).abs().max())

@@ -138,3 +138,41 @@ if __name__ == "__main__":
         out=out,
         box=box,
     )
+
+
+# -- dict items with named model inputs (a Hugging Face-style forward(**batch)) ---------------------
+
+
+class NamedInputsNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, features, scale):
+        return self.lin(features) * scale
+
+
+class DictItems(Dataset):
+    def __init__(self, n: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.x, self.s = torch.randn(n, 4, generator=g), torch.rand(n, 1, generator=g) + 0.5
+        self.y = self.x.sum(1, keepdim=True)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"features": self.x[i], "scale": self.s[i], "label": self.y[i]}
+
+
+def make_named_model():
+    return NamedInputsNet()
+
+
+def make_dict_items():
+    return DictItems(128, 0), DictItems(32, 1)
+
+
+def named_inputs_loss(model, batch):
+    pred = model(features=batch["features"], scale=batch["scale"])
+    return ((pred - batch["label"]) ** 2).mean()
