@@ -79,6 +79,7 @@ def test_easgd_over_the_rma_box_on_the_network_path(tmp_path):
     assert s["final_test_accuracy"] >= 0.93 and s["worker_steps"] == [600, 600]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_sharded_rma_box_is_reachable_from_the_cli(tmp_path):
     """``--set box.box_ranks=[1]``: the whole center lives on rank 1 (the local launcher uses mpiexec)."""

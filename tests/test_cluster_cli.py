@@ -30,6 +30,7 @@ def world_records(run_dir: Path, workers: int) -> list[dict]:
     return [json.loads((run_dir / n).read_text().splitlines()[0]) for n in names]
 
 
+@pytest.mark.slow
 @needs_root
 def test_train_on_two_nodes_over_gloo(tmp_path):
     before, ns_before = root_state(), live_namespaces()

@@ -31,6 +31,7 @@ def test_torchrun(tmp_path, local_run):
     _same_run(out, local_run, "torchrun")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_mpiexec(tmp_path, local_run):
     out = tmp_path / "run"

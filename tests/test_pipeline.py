@@ -98,6 +98,7 @@ def test_pipeline_gpipe_two_stages_four_microbatches_matches_single(single_32, t
     assert summary(out)["samples_per_s"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_pipeline_dp_two_stages_two_groups_matches_single_at_double_batch(single_32, tmp_path):
     """1F1B, an explicit cut, 2 pipelines at batch 16 each: single at batch 32."""

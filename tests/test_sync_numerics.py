@@ -37,7 +37,9 @@ def single_2b(tmp_path_factory):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("strategy", ["allreduce", "ps-sync", "weight-avg"])
+@pytest.mark.parametrize(
+    "strategy", ["allreduce", *(pytest.param(s, marks=pytest.mark.slow) for s in ("ps-sync", "weight-avg"))]
+)
 def test_two_workers_match_single_at_double_batch(strategy, single_2b, tmp_path):
     out = tmp_path / "run"
     run_cli(
@@ -46,6 +48,7 @@ def test_two_workers_match_single_at_double_batch(strategy, single_2b, tmp_path)
     assert max_abs_diff(final_weights(out), single_2b) <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_allreduce_with_momentum_and_small_buckets_matches_single(tmp_path):
     """Many buckets (one per parameter) and momentum: still the single-process trajectory."""
@@ -81,6 +84,7 @@ def test_allreduce_with_momentum_and_small_buckets_matches_single(tmp_path):
     assert max_abs_diff(final_weights(tmp_path / "a"), final_weights(tmp_path / "b")) <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("box,zero_copy", [("shm", "true"), ("shm", "false"), ("rma", "false")])
 def test_box_sync_matches_single_at_double_batch(box, zero_copy, single_2b, tmp_path):
