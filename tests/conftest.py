@@ -141,6 +141,22 @@ def _captured():
                 streams[key] = text.getvalue() + f.read().decode(errors="replace")
 
 
+# The synchronous numerics runs' flags (test_sync_numerics, test_pipeline): plain SGD, one thread.
+NUMERICS = ["--model", "mlp", "--data", "digits", "--steps", "20", "--optimizer", "sgd", "--momentum", "0"]
+NUMERICS += ["--lr", "0.1", "--eval-every", "0", "--no-progress", "--threads", "1"]
+
+
+@pytest.fixture(scope="session")
+def single_b32(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """One process at batch 32 over ``NUMERICS``, once per session: the final weights that 2 workers at
+    16 each (data parallel) and a pipeline at 32 must reach."""
+    out = tmp_path_factory.mktemp("single_b32") / "run"
+    run_cli(
+        "train", "--strategy", "single", "--workers", "1", "--batch-size", "32", "--out", str(out), *NUMERICS
+    )
+    return final_weights(out)
+
+
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 

@@ -4,36 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import MPI_ENV, final_weights, max_abs_diff, run_cli
+from tests.conftest import MPI_ENV, NUMERICS, final_weights, max_abs_diff, run_cli
 
-COMMON = [
-    "--model",
-    "mlp",
-    "--data",
-    "digits",
-    "--steps",
-    "20",
-    "--optimizer",
-    "sgd",
-    "--momentum",
-    "0",
-    "--lr",
-    "0.1",
-    "--eval-every",
-    "0",
-    "--no-progress",
-    "--threads",
-    "1",
-]
+COMMON = NUMERICS
 
 
-@pytest.fixture(scope="module")
-def single_2b(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single") / "run"
-    run_cli(
-        "train", "--strategy", "single", "--workers", "1", "--batch-size", "32", "--out", str(out), *COMMON
-    )
-    return final_weights(out)
+@pytest.fixture
+def single_2b(single_b32):
+    return single_b32
 
 
 @pytest.mark.timeout(120)
