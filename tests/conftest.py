@@ -92,12 +92,15 @@ def _run_in_process(args, env: dict | None) -> subprocess.CompletedProcess:
     from parambox.cli import main
 
     threads = torch.get_num_threads()  # a one-process run sets the run's threads in this process
-    with contextlib.chdir(ROOT), _environ(env or {}), _captured() as streams:
+    mpi_before = "mpi4py.MPI" in sys.modules
+    with contextlib.chdir(ROOT), _environ({"PYTHONUNBUFFERED": "1", **(env or {})}), _captured() as streams:
         try:
             code = main(list(args))
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     torch.set_num_threads(threads)
+    # Importing mpi4py initialises MPI for the rest of the session: such a run needs fresh=True.
+    assert mpi_before or "mpi4py.MPI" not in sys.modules, f"parambox {' '.join(args)} started MPI in pytest"
     return subprocess.CompletedProcess(["parambox", *args], code, streams["out"], streams["err"])
 
 
