@@ -86,6 +86,7 @@ def test_a_shm_box_across_nodes_is_one_line_naming_rma(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "use --box rma" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 @needs_root
 def test_nothing_left_after_sigkill_of_the_launchers_process_group(tmp_path):
     before = root_state()

@@ -25,6 +25,7 @@ def run_example(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_regression_example_learns(tmp_path):
     proc = run_example(

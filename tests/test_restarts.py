@@ -137,6 +137,7 @@ def test_sync_run_without_restarts_left_fails_naming_the_rank(tmp_path):
     assert proc.returncode == 1 and "worker rank 1 failed: killed by signal SIGKILL" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sync_easgd_is_not_loss_tolerant(tmp_path):
     """easgd with sync=true runs over collectives: a dead worker fails the run at once (issue 13, 4)."""
@@ -159,6 +160,7 @@ def test_sync_easgd_is_not_loss_tolerant(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigkilled_launcher_holding_the_box_leaves_nothing(tmp_path):
     """With --max-restarts the launcher keeps a descriptor of the box for replacements; SIGKILL of the

@@ -53,6 +53,7 @@ def test_script_allreduce_equals_single_at_double_batch(single_2b, tmp_path):
         assert max_abs_diff({"w": got["emb.weight"]}, {"w": got["out.weight"]}) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_script_under_torchrun_equals_single(single_2b, tmp_path):
     kind, expected = single_2b
