@@ -7,4 +7,4 @@ python -m pip install -q -e ".[dev]"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc="${OMPI_MCA_osc:-^ucx}"
 python -m ruff check parambox tests
 python -m ruff format --check parambox tests
-python -m pytest -q "$@"
+python -m pytest -q --durations=25 "$@"

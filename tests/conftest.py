@@ -1,11 +1,15 @@
-"""Shared fixtures: run the CLI as a user would, and kill any orphaned worker after each test."""
+"""Shared fixtures: run the CLI (in this process, or as a user would), and kill any orphaned worker after
+each test."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -55,18 +59,105 @@ def run_cli(
     env: dict | None = None,
     prefix: list[str] | None = None,
     check: bool = True,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
-    """``python -m parambox ARGS`` in a subprocess (optionally under a launcher given as ``prefix``)."""
+    """``parambox ARGS``: in this process by default (``cli.main``; the workers a run spawns are still
+    processes of their own), or ``python -m parambox ARGS`` in a fresh interpreter as a user runs it
+    (``fresh``, or under a launcher given as ``prefix``). ``timeout`` bounds a fresh interpreter only:
+    in this process pytest-timeout does."""
+    if prefix or fresh:
+        proc = _run_fresh(args, timeout, env, prefix)
+    else:
+        proc = _run_in_process(args, env)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"parambox {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    return proc
+
+
+def _run_fresh(
+    args, timeout: float, env: dict | None, prefix: list[str] | None
+) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     cmd = [*(prefix or []), sys.executable, "-m", "parambox", *args]
     if prefix and prefix[-1] == "-m":  # torchrun takes the module itself
         cmd = [*prefix, "parambox", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        )
-    return proc
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+
+
+def _run_in_process(args, env: dict | None) -> subprocess.CompletedProcess:
+    """``cli.main(args)`` with ``env`` set for the call, its exit code (argparse's SystemExit included),
+    and what it and its children wrote: Python's streams and file descriptors 1 and 2 alike."""
+    from parambox.cli import main
+
+    threads = torch.get_num_threads()  # a one-process run sets the run's threads in this process
+    mpi_before = "mpi4py.MPI" in sys.modules
+    with contextlib.chdir(ROOT), _environ({"PYTHONUNBUFFERED": "1", **(env or {})}), _captured() as streams:
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    torch.set_num_threads(threads)
+    # Importing mpi4py initialises MPI for the rest of the session: such a run needs fresh=True.
+    assert mpi_before or "mpi4py.MPI" not in sys.modules, f"parambox {' '.join(args)} started MPI in pytest"
+    return subprocess.CompletedProcess(["parambox", *args], code, streams["out"], streams["err"])
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _captured():
+    """Both levels, as a subprocess's pipes would see them: sys.stdout/sys.stderr (print) and the
+    descriptors (C++ warnings, children that inherit them)."""
+    streams: dict[str, str] = {}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    texts = [io.StringIO(), io.StringIO()]
+    saved_streams = sys.stdout, sys.stderr
+    saved_fds = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        sys.stdout, sys.stderr = texts
+        try:
+            yield streams
+        finally:
+            sys.stdout, sys.stderr = saved_streams
+            for fd, saved in zip((1, 2), saved_fds):
+                os.dup2(saved, fd)
+                os.close(saved)
+            for key, text, f in zip(("out", "err"), texts, (out, err)):
+                f.seek(0)
+                streams[key] = text.getvalue() + f.read().decode(errors="replace")
+
+
+# The synchronous numerics runs' flags (test_sync_numerics, test_pipeline): plain SGD, one thread.
+NUMERICS = ["--model", "mlp", "--data", "digits", "--steps", "20", "--optimizer", "sgd", "--momentum", "0"]
+NUMERICS += ["--lr", "0.1", "--eval-every", "0", "--no-progress", "--threads", "1"]
+
+
+@pytest.fixture(scope="session")
+def single_b32(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """One process at batch 32 over ``NUMERICS``, once per session: the final weights that 2 workers at
+    16 each (data parallel) and a pipeline at 32 must reach."""
+    out = tmp_path_factory.mktemp("single_b32") / "run"
+    run_cli(
+        "train", "--strategy", "single", "--workers", "1", "--batch-size", "32", "--out", str(out), *NUMERICS
+    )
+    return final_weights(out)
 
 
 def summary(run_dir: Path) -> dict:

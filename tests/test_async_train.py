@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import subprocess
 import sys
 import time
@@ -19,7 +18,6 @@ import pytest
 import torch
 from torch import nn
 
-from parambox.box import PREFIX_ENV, new_prefix
 from parambox.runtime import dist as pbdist
 from parambox.runtime import spawn, supervisor
 from parambox.runtime.dist import free_port
@@ -32,6 +30,7 @@ from parambox.strategies.dynsgd import DynSGD, DynSGDOptions
 from parambox.strategies.easgd import EasgdOptions
 from parambox.workload.losses import default_loss
 from tests.conftest import MPI_ENV, final_weights, run_cli, summary
+from tests.forked import fork_ranks, join_or_kill
 
 FAST = ["--model", "mlp", "--eval-every", "0", "--no-progress", "--threads", "1"]
 
@@ -80,6 +79,7 @@ def test_easgd_over_the_rma_box_on_the_network_path(tmp_path):
     assert s["final_test_accuracy"] >= 0.93 and s["worker_steps"] == [600, 600]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_sharded_rma_box_is_reachable_from_the_cli(tmp_path):
     """``--set box.box_ranks=[1]``: the whole center lives on rank 1 (the local launcher uses mpiexec)."""
@@ -175,27 +175,18 @@ def _worker(rank: int, n: int, make, queue, port: int, slow: dict, faults: dict)
 
 def run_forked(make, n: int = 2, slow: dict | None = None, faults: dict | None = None) -> dict[int, dict]:
     """Run ``make(ctx)``'s strategy on ``n`` forked workers; returns the results of those that do not hang."""
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
+    queue = mp.get_context("fork").Queue()
     faults = faults or {}
-    os.environ[PREFIX_ENV] = new_prefix()
-    args = (n, make, queue, free_port(), slow or {}, faults)
-    procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(n)]
+    procs = fork_ranks(_worker, n, (n, make, queue, free_port(), slow or {}, faults), wait=False)
     try:
-        for p in procs:
-            p.start()
         results = {}
         for _ in range(n - sum(kind == "hang" for kind, _ in faults.values())):
             r = queue.get(timeout=30)
             results[r["rank"]] = r
         return results
     finally:
-        os.environ.pop(PREFIX_ENV)
-        for rank, p in enumerate(procs):
-            p.join(0 if rank in faults else 5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        join_or_kill([p for rank, p in enumerate(procs) if rank not in faults], 5)
+        join_or_kill(procs, 0)  # a faulty rank may still hang
 
 
 # Lazy imports (torch.optim pulls in torch._dynamo, ~1.5 s) happen once here, not in every child.

@@ -10,6 +10,7 @@ import pytest
 from tests.conftest import run_cli
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_bench_api_smoke():
     proc = run_cli("bench", "api", "--json", "--rounds", "1", "--steps", "2")

@@ -11,6 +11,7 @@ from parambox.bench.peers import torchft_missing
 from tests.conftest import run_cli
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_sync_smoke():
     proc = run_cli("bench", "sync", "--json", "--rounds", "1", "--steps", "2")

@@ -265,7 +265,9 @@ def _skip_without_mpi(variant: str) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("check", CHECKS)
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize(
+    "variant", [v if v == "shm" else pytest.param(v, marks=pytest.mark.slow) for v in VARIANTS]
+)  # mpiexec jobs: the full suite
 def test_box_contract(variant: str, check: str) -> None:
     _skip_without_mpi(variant)
     results, output, _ = contract_run(variant)

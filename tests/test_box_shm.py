@@ -1,7 +1,7 @@
 """The shm box beyond the shared contract: in-process behaviour, permissions, and what is left in
 /dev/shm after a normal close, a SIGKILLed worker, a creator killed inside ``open_box`` and SIGINT.
 
-Run as a script this file is a helper process: ``python tests/test_box_shm.py MODE RANK SIZE``.
+The other processes are forked ranks (``tests/forked.py``): no interpreter start per helper.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ import os
 import secrets
 import signal
 import stat
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ import torch
 from parambox.box import PREFIX_ENV, Layout, open_box, remove_segments
 from parambox.errors import CommTimeout, UserError
 from parambox.runtime.world import World
+from tests.forked import fork_ranks, join_or_kill
 
 SHM = Path("/dev/shm")
 CRASH_NUMEL = 4 << 20  # 16 MB: a push takes milliseconds, so the kill lands inside one
@@ -36,22 +35,24 @@ def _world(rank: int, size: int) -> World:
 # ---------------------------------------------------------------------------------------------------
 
 
-def helper_main(mode: str, rank: int, size: int) -> None:
-    if mode == "create":  # local rank 0 of a box nobody else attaches to: waits inside open_box
-        open_box("shm", _world(0, size), 1000, 1, "lonely", timeout=60)
-        return
-    if mode == "store":  # no PARAMBOX_SHM_PREFIX: local rank 0 hands one out through the store
-        _store_worker(rank, size)
-        return
+def _create_rank(rank: int, size: int) -> None:
+    """Local rank 0 of a box nobody else attaches to: waits inside open_box (until killed)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
+    torch.set_num_threads(1)  # forked: stay out of the parent's OpenMP pool
+    open_box("shm", _world(0, size), 1000, 1, "lonely", timeout=60)
+
+
+def _crash_rank(rank: int, size: int, tmp: str) -> None:
+    """Every rank opens the box and says so (``tmp/open.RANK``); the last pushes until it is killed;
+    the others wait for ``tmp/go``, push, meet, and write the pushes the victim left (``tmp/result.RANK``)."""
+    torch.set_num_threads(1)
     box = open_box("shm", _world(rank, size), CRASH_NUMEL, 1 + size, "crash", timeout=30)
-    print("open", flush=True)
+    Path(tmp, f"open.{rank}").touch()
     if rank == size - 1:  # the victim: pushes until it is killed
         ones = torch.ones(CRASH_NUMEL)
         while True:
             box.push(ones)
-    flag = Path(os.environ["PARAMBOX_TEST_FLAG"])
-    while not flag.exists():
-        time.sleep(0.01)
+    _wait_for(Path(tmp, "go"), 60)
     for _ in range(10):
         box.push(torch.full((CRASH_NUMEL,), 2.0))
     box.add_counter(0, 1)
@@ -60,26 +61,24 @@ def helper_main(mode: str, rank: int, size: int) -> None:
     got = box.pull(torch.empty(CRASH_NUMEL)) - 2.0 * 10 * (size - 1)
     # The victim's pushes are whole, except at most the one it was killed in: every element saw
     # the same number of them, or one more.
-    print(f"result {float(got.min())} {float(got.max())}", flush=True)
+    Path(tmp, f"result.{rank}").write_text(f"{float(got.min())} {float(got.max())}")
     box.close()
 
 
-def _store_worker(rank: int, size: int) -> None:
+def _store_rank(rank: int, size: int, port: int, out_dir: str) -> None:
+    """A forked rank under an external launcher's environment; no PARAMBOX_SHM_PREFIX: local rank 0
+    hands one out through the store. Writes ``PATH SUM`` to ``out_dir/RANK``."""
     import torch.distributed as dist
 
-    addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size)
+    torch.set_num_threads(1)  # forked: stay out of the parent's OpenMP pool
+    os.environ.pop(PREFIX_ENV, None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     box = open_box("shm", World(rank, size, rank, size, launcher="torchrun"), 8, 1, "viastore", timeout=30)
     box.push(torch.ones(8))
     box.barrier()
-    print(f"{box.path} {float(box.pull(torch.empty(8)).sum())}", flush=True)
+    Path(out_dir, str(rank)).write_text(f"{box.path} {float(box.pull(torch.empty(8)).sum())}")
     box.close()
     dist.destroy_process_group()
-
-
-def _spawn(mode: str, rank: int, size: int, env: dict[str, str]) -> subprocess.Popen:
-    cmd = [sys.executable, str(Path(__file__).resolve()), mode, str(rank), str(size)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture
@@ -171,77 +170,61 @@ def test_threads_of_one_process_push_exactly(prefix: str) -> None:
 
 @pytest.mark.timeout(90)
 def test_sigkilled_worker_leaves_nothing_and_no_lock(prefix: str, tmp_path: Path) -> None:
-    flag = tmp_path / "go"
-    env = dict(os.environ, PARAMBOX_TEST_FLAG=str(flag), OMP_NUM_THREADS="1")
-    procs = [_spawn("crash", r, 2, env) for r in range(2)]  # rank 0 survives, rank 1 is killed
-    try:
-        for p in procs:
-            assert p.stdout.readline().strip() == "open", p.stderr.read()
+    procs = fork_ranks(_crash_rank, 2, (2, str(tmp_path)), wait=False, shm_prefix=prefix)
+    try:  # rank 0 survives, rank 1 is killed
+        for r in range(2):
+            _wait_for(tmp_path / f"open.{r}")
         time.sleep(0.3)
-        procs[1].send_signal(signal.SIGKILL)  # most likely inside a push, holding a stripe lock
-        procs[1].wait(10)
+        procs[1].kill()  # SIGKILL, most likely inside a push, holding a stripe lock
+        procs[1].join(10)
         assert _entries(prefix) == []
-        flag.touch()
-        for p in procs[:1]:
-            out, err = p.communicate(timeout=60)
-            assert p.returncode == 0, err
-            lo, hi = map(float, out.split()[-2:])
-            assert lo >= 1 and hi - lo <= 1, out
+        (tmp_path / "go").touch()
+        procs[0].join(60)
+        assert procs[0].exitcode == 0
+        lo, hi = map(float, (tmp_path / "result.0").read_text().split())
+        assert lo >= 1 and hi - lo <= 1, (lo, hi)
         assert _entries(prefix) == []
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        join_or_kill(procs, 0)
 
 
 @pytest.mark.timeout(60)
 def test_creator_killed_inside_open(prefix: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    creator = _spawn("create", 0, 2, env)
+    [creator] = fork_ranks(_create_rank, 1, (2,), wait=False, shm_prefix=prefix)
     try:
         path = SHM / f"{prefix}lonely"
         _wait_for(path)
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
-        creator.send_signal(signal.SIGKILL)
-        creator.wait(10)
+        creator.kill()
+        creator.join(10)
         assert _entries(prefix) == [path.name]  # killed inside open_box: the name is still there
         # A late attacher finds the header but no creator: it gives up, naming rank 0, and unlinks.
         with pytest.raises(CommTimeout, match="local rank 0"):
             open_box("shm", _world(1, 2), 1000, 1, "lonely", timeout=0.5)
         assert _entries(prefix) == []
     finally:
-        creator.kill()
-        creator.wait()
+        join_or_kill([creator], 0)
 
 
 @pytest.mark.timeout(60)
 def test_sigint_inside_open_unlinks(prefix: str) -> None:
-    creator = _spawn("create", 0, 2, dict(os.environ, OMP_NUM_THREADS="1"))
+    [creator] = fork_ranks(_create_rank, 1, (2,), wait=False, shm_prefix=prefix)
     try:
         _wait_for(SHM / f"{prefix}lonely")
-        creator.send_signal(signal.SIGINT)
-        creator.wait(20)
-        assert _entries(prefix) == []
+        os.kill(creator.pid, signal.SIGINT)
+        creator.join(20)
+        assert creator.exitcode is not None and _entries(prefix) == []
     finally:
-        creator.kill()
-        creator.wait()
+        join_or_kill([creator], 0)
 
 
 @pytest.mark.timeout(60)
-def test_prefix_through_the_store_under_an_external_launcher() -> None:
+def test_prefix_through_the_store_under_an_external_launcher(tmp_path: Path) -> None:
     from parambox.runtime.dist import free_port
 
-    env = {k: v for k, v in os.environ.items() if k != PREFIX_ENV}
-    env |= {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    procs = [_spawn("store", r, 2, env) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=50) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
-    (path0, total0), (path1, total1) = (out.split() for out, _ in outs)
+    procs = fork_ranks(_store_rank, 2, (2, free_port(), str(tmp_path)), timeout=50)
+    assert [p.exitcode for p in procs] == [0, 0]
+    (path0, total0), (path1, total1) = ((tmp_path / str(r)).read_text().split() for r in range(2))
     assert path0 == path1 and Path(path0).name.startswith("pb_") and not Path(path0).exists()
     assert float(total0) == float(total1) == 16.0
 
@@ -253,7 +236,3 @@ def test_remove_segments(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["pb_y_a"]
     with pytest.raises(ValueError):
         remove_segments("", root=str(tmp_path))
-
-
-if __name__ == "__main__":
-    helper_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -309,6 +309,7 @@ MPI_HELLO = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @needs_root
 def test_mpi_ranks_run_on_their_nodes(tmp_path):
     pytest.importorskip("mpi4py")
@@ -353,6 +354,7 @@ OWNER_MPI = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @needs_root
 def test_nothing_left_after_sigkill_during_an_mpi_job():
     """mpiexec's daemon and ranks on node 1 are not our children: the holders' sweep kills them."""

@@ -30,6 +30,7 @@ def world_records(run_dir: Path, workers: int) -> list[dict]:
     return [json.loads((run_dir / n).read_text().splitlines()[0]) for n in names]
 
 
+@pytest.mark.slow
 @needs_root
 def test_train_on_two_nodes_over_gloo(tmp_path):
     before, ns_before = root_state(), live_namespaces()
@@ -85,6 +86,7 @@ def test_a_shm_box_across_nodes_is_one_line_naming_rma(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "use --box rma" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 @needs_root
 def test_nothing_left_after_sigkill_of_the_launchers_process_group(tmp_path):
     before = root_state()

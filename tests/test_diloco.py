@@ -91,6 +91,7 @@ def test_options_are_checked():
 SGD = ["--optimizer", "sgd", "--momentum", "0", "--lr", "0.1", "--workers", "2", "--batch-size", "16"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sync_diloco_with_lr_1_and_no_momentum_is_weight_avg(tmp_path):
     """Closed form: theta - 1 * (theta - mean theta_i) = mean theta_i; 22 steps also check the last

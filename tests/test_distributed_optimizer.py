@@ -227,6 +227,7 @@ def anymodel_runs(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("strategy", [*DATA_PARALLEL, "easgd+sync", "diloco+async"])
 def test_any_module_through_every_strategy(strategy, anymodel_runs):
@@ -252,6 +253,7 @@ def test_any_module_through_every_strategy(strategy, anymodel_runs):
         assert max_diff(state, reference) <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_own_loop_example_under_torchrun():
     """Example (c): a plain PyTorch loop with DistributedOptimizer, as a user runs it."""

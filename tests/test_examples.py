@@ -25,6 +25,7 @@ def run_example(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_regression_example_learns(tmp_path):
     proc = run_example(
@@ -34,6 +35,7 @@ def test_regression_example_learns(tmp_path):
     assert mse < 0.5  # predicting the mean scores about 2.0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_transformer_lm_example_reaches_its_bound(tmp_path):
     sys.path.insert(0, str(EXAMPLES))
@@ -49,6 +51,7 @@ def test_transformer_lm_example_reaches_its_bound(tmp_path):
         assert weights["model"].endswith("transformer_lm.py:make_model")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_notebook_executes(tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")

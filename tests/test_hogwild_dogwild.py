@@ -8,7 +8,6 @@ have a closed form however the workers interleave.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -18,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from parambox.box import PREFIX_ENV, BoxConfig, new_prefix
+from parambox.box import BoxConfig
 from parambox.errors import UserError
 from parambox.runtime import dist as pbdist
 from parambox.runtime.dist import free_port
@@ -28,6 +27,7 @@ from parambox.strategies.base import Context
 from parambox.strategies.dogwild import Dogwild, DogwildOptions
 from parambox.strategies.hogwild import Hogwild, HogwildOptions
 from tests.conftest import final_weights, run_cli, summary
+from tests.forked import fork_ranks
 
 LR, STEPS = 0.125, 3
 W0 = torch.tensor([[1.0, 2.0, -1.0, 0.5]])
@@ -94,25 +94,9 @@ def _worker(rank: int, n: int, make, port: int, out_dir: str, faults: dict) -> N
 
 def run_forked(make, out_dir: Path, n: int = 2, faults: dict | None = None) -> dict[int, dict]:
     """Run ``make(ctx)``'s strategy on ``n`` forked workers; the results of those not killed."""
-    ctx = mp.get_context("fork")
     out_dir.mkdir(parents=True, exist_ok=True)
-    os.environ[PREFIX_ENV] = new_prefix()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, n, make, port, str(out_dir), faults or {})) for r in range(n)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(40)
-        return {int(f.stem): json.loads(f.read_text()) for f in out_dir.glob("*.json")}
-    finally:
-        os.environ.pop(PREFIX_ENV)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    fork_ranks(_worker, n, (n, make, free_port(), str(out_dir), faults or {}), timeout=40 * n)
+    return {int(f.stem): json.loads(f.read_text()) for f in out_dir.glob("*.json")}
 
 
 def maker(cls, options, momentum: float = 0.0, ordered: bool = False, same_data: bool = False):

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import os
 from pathlib import Path
 
 import pytest
@@ -12,7 +10,6 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from parambox.box import PREFIX_ENV, new_prefix
 from parambox.errors import UserError
 from parambox.runtime import dist as pbdist
 from parambox.runtime.dist import free_port
@@ -20,6 +17,7 @@ from parambox.runtime.world import World
 from parambox.strategies.base import Context
 from parambox.strategies.hybrid import Hybrid, HybridOptions, build_groups
 from tests.conftest import MPI_ENV, run_cli, summary
+from tests.forked import fork_ranks
 
 LR, STEPS, ALPHA = 0.125, 3, 0.5
 W0 = torch.tensor([1.0, 2.0, -1.0, 0.5])
@@ -61,21 +59,7 @@ torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
 def test_hybrid_rule_allreduce_in_group_then_elastic_exchange_of_the_leaders(tmp_path):
     """K synchronous steps on the group-mean gradient, then each leader's d = alpha (x - c), x -= d,
     c += d, broadcast in the group. Both groups reach x = w0 - lr K g, so c = x - (1 - alpha)^2 (x - w0)."""
-    ctx = mp.get_context("fork")
-    os.environ[PREFIX_ENV] = new_prefix()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path))) for r in range(4)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(60)
-    finally:
-        os.environ.pop(PREFIX_ENV)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    fork_ranks(_worker, 4, (free_port(), str(tmp_path)), timeout=60)
     res = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
     g = (ROWS[0] + ROWS[1]).flatten() / 2  # the group mean, not either member's own gradient
     x = W0 - LR * STEPS * g

@@ -13,7 +13,7 @@ ARGS = ["train", "--model", "mlp", "--steps", "30", "--no-progress", "--threads"
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("local") / "run"
-    run_cli(*ARGS, "--out", str(out))
+    run_cli(*ARGS, "--out", str(out), fresh=True)  # the local launcher as a user runs it
     return out
 
 
@@ -31,6 +31,7 @@ def test_torchrun(tmp_path, local_run):
     _same_run(out, local_run, "torchrun")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_mpiexec(tmp_path, local_run):
     out = tmp_path / "run"

@@ -69,6 +69,7 @@ def test_rma_box_under_mpiexec_with_ft_ulfm(tmp_path):
     assert "worker rank 1 is lost" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_open_mpi_files_live_in_a_private_directory_that_goes(tmp_path):
     """While the job runs its shared-memory files are in /dev/shm/pb_mpi.*; when it ends they are gone."""
@@ -97,6 +98,7 @@ def test_open_mpi_files_live_in_a_private_directory_that_goes(tmp_path):
     assert _private_dirs() - before == set()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigkilled_launcher_under_mpi_leaves_no_rank_and_no_file(tmp_path):
     before = _private_dirs()

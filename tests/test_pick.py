@@ -238,6 +238,7 @@ def test_pick_user_errors_are_one_line(tmp_path, capsys, args, message):
     assert not (tmp_path / "p").exists()  # nothing ran, nothing was written
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_pick_quick_validate_json(tmp_path):
     """The suite's form of the Must show: 2 workers on loopback, three candidates, --validate."""

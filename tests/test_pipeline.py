@@ -14,12 +14,9 @@ from parambox.errors import UserError
 from parambox.models import build_model
 from parambox.strategies.pipeline import stages
 from parambox.workload.losses import default_loss
-from tests.conftest import final_weights, max_abs_diff, run_cli, summary
+from tests.conftest import NUMERICS, final_weights, max_abs_diff, run_cli, summary
 
-COMMON = [
-    "--model", "mlp", "--data", "digits", "--steps", "20", "--optimizer", "sgd", "--momentum", "0",
-    "--lr", "0.1", "--eval-every", "0", "--no-progress", "--threads", "1",
-]  # fmt: skip
+COMMON = NUMERICS
 
 
 # -- tier (a): cutting a Sequential ------------------------------------------------------------
@@ -73,13 +70,9 @@ def test_measured_costs_leave_the_model_unchanged():
 
 
 # -- tier (c): numerics against single ----------------------------------------------------------
-@pytest.fixture(scope="module")
-def single_32(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single") / "run"
-    run_cli(
-        "train", "--strategy", "single", "--workers", "1", "--batch-size", "32", "--out", str(out), *COMMON
-    )
-    return final_weights(out)
+@pytest.fixture
+def single_32(single_b32):
+    return single_b32
 
 
 @pytest.mark.timeout(150)
@@ -98,6 +91,7 @@ def test_pipeline_gpipe_two_stages_four_microbatches_matches_single(single_32, t
     assert summary(out)["samples_per_s"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_pipeline_dp_two_stages_two_groups_matches_single_at_double_batch(single_32, tmp_path):
     """1F1B, an explicit cut, 2 pipelines at batch 16 each: single at batch 32."""

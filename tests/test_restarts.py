@@ -52,6 +52,7 @@ def worker(launcher: subprocess.Popen, rank: int, timeout: float = 60) -> psutil
     raise AssertionError(f"no worker of rank {rank} appeared")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_max_restarts_replaces_a_killed_worker(tmp_path):
     """The issue's Must show: --max-restarts 1, a worker SIGKILLed mid-run: replaced, nobody lost,
@@ -72,6 +73,7 @@ def test_max_restarts_replaces_a_killed_worker(tmp_path):
     assert [(r["life"], r["from_spare"]) for r in lives] == [(0, False), (1, True)]  # a warm spare took over
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_rank0_is_replaced_too(tmp_path):
     """Rank 0 collects the result: its replacement carries on, waits for the others and writes it."""
@@ -94,6 +96,7 @@ def test_rank0_is_replaced_too(tmp_path):
     assert s["final_test_accuracy"] >= 0.8
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_sync_restart_resumes_from_the_checkpoint_bit_exact(tmp_path):
     """torchrun's behaviour: the group restarts from the last checkpoint; nothing before it is lost,
@@ -134,6 +137,7 @@ def test_sync_run_without_restarts_left_fails_naming_the_rank(tmp_path):
     assert proc.returncode == 1 and "worker rank 1 failed: killed by signal SIGKILL" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sync_easgd_is_not_loss_tolerant(tmp_path):
     """easgd with sync=true runs over collectives: a dead worker fails the run at once (issue 13, 4)."""
@@ -156,6 +160,7 @@ def test_sync_easgd_is_not_loss_tolerant(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigkilled_launcher_holding_the_box_leaves_nothing(tmp_path):
     """With --max-restarts the launcher keeps a descriptor of the box for replacements; SIGKILL of the
@@ -219,10 +224,11 @@ REPEATS = int(os.environ.get("PARAMBOX_STARTUP_REPEATS", "1"))  # the issue's fi
 def undisturbed_s(tmp_path_factory) -> float:
     out = tmp_path_factory.mktemp("undisturbed") / "run"
     t0 = time.monotonic()
-    run_cli(*STARTUP, "--out", str(out))
+    run_cli(*STARTUP, "--out", str(out), fresh=True)  # timed as the disturbed runs are: a new interpreter
     return time.monotonic() - t0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("delay", [1.0, 3.0, 6.0])
 def test_worker_killed_during_startup_stalls_nobody(tmp_path, undisturbed_s, delay):

@@ -23,6 +23,7 @@ ARGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("strategy", ["allreduce", "weight-avg"])
 def test_sigkill_then_resume_matches_uninterrupted(strategy, tmp_path):

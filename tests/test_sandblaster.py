@@ -225,6 +225,7 @@ def _bytes_bound(steps: list[dict], num_portions: int, history_size: int, holder
     return [r["evals"] * per_eval + per_iteration for r in steps]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_only_scalars_reach_the_coordinator_whatever_the_model_size(tmp_path):
     """bytes_to_coordinator per L-BFGS iteration: within a bound made of scalars alone, the same bound

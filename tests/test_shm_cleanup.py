@@ -46,6 +46,7 @@ def test_normal_run(tmp_path, shm_before):
     assert _entries() - shm_before == set()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigkilled_worker(tmp_path, shm_before):
     proc = run_cli(
@@ -61,6 +62,7 @@ def test_sigkilled_worker(tmp_path, shm_before):
     assert _entries() - shm_before == set()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigint_to_launcher(tmp_path, shm_before):
     out = tmp_path / "r"

@@ -4,40 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import MPI_ENV, final_weights, max_abs_diff, run_cli
+from tests.conftest import MPI_ENV, NUMERICS, final_weights, max_abs_diff, run_cli
 
-COMMON = [
-    "--model",
-    "mlp",
-    "--data",
-    "digits",
-    "--steps",
-    "20",
-    "--optimizer",
-    "sgd",
-    "--momentum",
-    "0",
-    "--lr",
-    "0.1",
-    "--eval-every",
-    "0",
-    "--no-progress",
-    "--threads",
-    "1",
-]
+COMMON = NUMERICS
 
 
-@pytest.fixture(scope="module")
-def single_2b(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single") / "run"
-    run_cli(
-        "train", "--strategy", "single", "--workers", "1", "--batch-size", "32", "--out", str(out), *COMMON
-    )
-    return final_weights(out)
+@pytest.fixture
+def single_2b(single_b32):
+    return single_b32
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("strategy", ["allreduce", "ps-sync", "weight-avg"])
+@pytest.mark.parametrize(
+    "strategy", ["allreduce", *(pytest.param(s, marks=pytest.mark.slow) for s in ("ps-sync", "weight-avg"))]
+)
 def test_two_workers_match_single_at_double_batch(strategy, single_2b, tmp_path):
     out = tmp_path / "run"
     run_cli(
@@ -46,6 +26,7 @@ def test_two_workers_match_single_at_double_batch(strategy, single_2b, tmp_path)
     assert max_abs_diff(final_weights(out), single_2b) <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_allreduce_with_momentum_and_small_buckets_matches_single(tmp_path):
     """Many buckets (one per parameter) and momentum: still the single-process trajectory."""
@@ -81,6 +62,7 @@ def test_allreduce_with_momentum_and_small_buckets_matches_single(tmp_path):
     assert max_abs_diff(final_weights(tmp_path / "a"), final_weights(tmp_path / "b")) <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("box,zero_copy", [("shm", "true"), ("shm", "false"), ("rma", "false")])
 def test_box_sync_matches_single_at_double_batch(box, zero_copy, single_2b, tmp_path):

@@ -20,6 +20,7 @@ from tests.workloads import user_regression
 SCRIPT = user_regression.__file__
 REFS = ["--model", f"{SCRIPT}:make_model", "--data", f"{SCRIPT}:make_data", "--loss", f"{SCRIPT}:mse"]
 QUICK = ["--no-progress", "--eval-every", "0", "--threads", "1"]
+FAST_TIER = ("allreduce", "easgd")  # one synchronous, one over the box; the others in the full suite
 
 
 def run_script(
@@ -34,7 +35,7 @@ def run_script(
 # -- Must show: numerics of a user's model, as a script and under torchrun -----------------------------
 
 
-@pytest.fixture(scope="module", params=["plain", "tied"])
+@pytest.fixture(scope="module", params=["plain", pytest.param("tied", marks=pytest.mark.slow)])
 def single_2b(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("single") / "run"
     run_script("single", "1", "32", str(out), *(["tied"] if request.param == "tied" else []))
@@ -52,6 +53,7 @@ def test_script_allreduce_equals_single_at_double_batch(single_2b, tmp_path):
         assert max_abs_diff({"w": got["emb.weight"]}, {"w": got["out.weight"]}) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_script_under_torchrun_equals_single(single_2b, tmp_path):
     kind, expected = single_2b
@@ -63,6 +65,7 @@ def test_script_under_torchrun_equals_single(single_2b, tmp_path):
     assert max_abs_diff(final_weights(tmp_path / "run"), expected) <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("how", ["mpiexec", "rma-box"])
 def test_script_under_mpiexec_and_with_the_rma_box(how, single_2b, tmp_path):
@@ -90,7 +93,9 @@ def strategy_args(name: str) -> tuple[int, list[str]]:
 
 
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize("name", sorted(STRATEGIES))
+@pytest.mark.parametrize(
+    "name", [n if n in FAST_TIER else pytest.param(n, marks=pytest.mark.slow) for n in sorted(STRATEGIES)]
+)
 def test_every_strategy_trains_a_users_workload(name, tmp_path):
     workers, extra = strategy_args(name)
     out = tmp_path / "run"
@@ -138,7 +143,11 @@ CLI_BAD = [
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
-    "change,message,workers", CLI_BAD, ids=[c[0][0][2:] + str(i) for i, c in enumerate(CLI_BAD)]
+    "change,message,workers",
+    [  # the errors found by spawned workers (but the first): the full suite
+        pytest.param(*c, marks=[pytest.mark.slow] if c[2] > 1 and i != 2 else [], id=c[0][0][2:] + str(i))
+        for i, c in enumerate(CLI_BAD)
+    ],
 )
 def test_bad_input_from_the_cli(change, message, workers, tmp_path):
     t0 = time.monotonic()
