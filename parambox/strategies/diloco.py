@@ -46,9 +46,10 @@ from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
 from parambox.strategies.base import Context, StepResult, Strategy, loss_value, trainable
 from parambox.strategies.center import DONE, LOST, NONFINITE
+from parambox.strategies.exchange import DeltaAverager, ExchangeOptions, SumExchange
 
 
-class DilocoOptions(AsyncOptions):
+class DilocoOptions(AsyncOptions, ExchangeOptions):
     inner_steps: int = Field(20, ge=1, description="H: inner optimizer steps per round (the paper: 500)")
     outer_lr: float = Field(0.7, gt=0, description="outer SGD learning rate")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer Nesterov momentum (0: plain SGD)")
@@ -91,10 +92,23 @@ class Diloco(Strategy):
         self.buffers = [b for b in self.model.buffers() if b.is_floating_point()]
         self.optimizer = ctx.make_optimizer(self.params)
         self.numel = sum(p.numel() for p in self.params)
-        self.theta = torch.nn.Parameter(parameters_to_vector(self.params).detach().clone())
+        # theta: the parameters, then the float buffers (averaged plainly, no outer step)
+        flat = parameters_to_vector([*self.params, *self.buffers]).detach().clone()
+        self.theta = torch.nn.Parameter(flat[: self.numel])  # a view: the outer step moves `flat`
         mu = options.outer_momentum
         # torch refuses nesterov=True without momentum: momentum 0 is plain SGD.
         self.outer = torch.optim.SGD([self.theta], lr=options.outer_lr, momentum=mu, nesterov=mu > 0)
+        n = self.world.world_size
+        exchange = SumExchange(
+            flat.numel(),
+            n,
+            n,
+            options.compression,
+            options.compression_block,
+            flat.device,
+            lambda: self.collective("diloco outer step"),
+        )
+        self.averager = DeltaAverager(flat, self._outer_step_, exchange, options.overlap, self.world.rank)
         self.round_steps = 0
         self.nonfinite: set[int] = set()
         ignored = sorted(ASYNC_ONLY & options.model_fields_set)
@@ -109,53 +123,56 @@ class Diloco(Strategy):
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         self.optimizer.step()
         self.round_steps += 1
+        extra = {}
         # The same schedule as weight-avg (after steps where (step + 1) % period == 0).
         if (step + 1) % self.options.inner_steps == 0:
             self.outer_step_()
-        return StepResult(loss_value(loss), samples, self.timers.pop())
+            extra["exchange_bytes"] = float(self.averager.exchange.bytes_sent)
+        extra["exchange_wait_s"] = self.averager.exchange.pop_wait()
+        return StepResult(loss_value(loss), samples, self.timers.pop(), extra)
 
     def outer_step_(self) -> None:
-        """Average the pseudo-gradients (and the float buffers), apply the outer step, restart from theta."""
-        n, rank, numel = self.world.world_size, self.world.rank, self.numel
-        local = parameters_to_vector(self.params).detach()
-        parts = [self.theta.detach() - local, *(b.reshape(-1) for b in self.buffers)]
-        # then one slot per rank: 1 where it contributed
-        buf = torch.cat([*parts, torch.zeros(n, device=local.device)])
-        if is_finite(buf):
-            buf[numel + self._buffer_numel() + rank] = 1.0
-        else:
-            warn(f"rank {rank}: non-finite diloco round; it contributes nothing to this outer step")
-            buf.zero_()
-        if n > 1:
-            with self.timers.phase("allreduce"), self.collective("diloco outer step"):
-                dist.all_reduce(buf)
-        slots = buf[-n:]
-        self.nonfinite.update(int(r) for r in (slots == 0).nonzero().flatten())
-        mean = buf[:-n] / max(float(slots.sum()), 1.0)
-        self.theta.grad = mean[:numel].clone()
-        self.outer.step()
+        """Send this round's pseudo-gradient (and float buffers); apply the mean outer step (at once, or
+        with ``overlap`` one round late) and continue from what the averager gives back."""
+        tensors = [*self.params, *self.buffers]
+        local = parameters_to_vector(tensors).detach()
+        contribute = is_finite(local)
+        if not contribute:
+            warn(
+                f"rank {self.world.rank}: non-finite diloco round; it contributes nothing to this outer step"
+            )
+        with self.timers.phase("allreduce"):
+            x_next = self.averager.round_end_(local, contribute)
+        self.nonfinite.update(int(r) for r in (self.averager.contributors == 0).nonzero().flatten())
         with torch.no_grad():
             # copies (torch's vector_to_parameters would make the parameters views of theta)
-            for p, value in zip(
-                self.params, torch.split(self.theta.detach(), [p.numel() for p in self.params])
-            ):
-                p.copy_(value.view_as(p))
-            if float(slots.sum()) > 0:
-                offset = numel
-                for b in self.buffers:
-                    b.copy_(mean[offset : offset + b.numel()].view_as(b))
-                    offset += b.numel()
+            for t, value in zip(tensors, torch.split(x_next, [t.numel() for t in tensors])):
+                t.copy_(value.view_as(t))
         self.round_steps = 0
 
-    def _buffer_numel(self) -> int:
-        return sum(b.numel() for b in self.buffers)
+    def _outer_step_(self, mean: torch.Tensor) -> None:
+        """theta's parameters by the outer optimizer on the mean pseudo-gradient; its buffers by the mean."""
+        self.theta.grad = mean[: self.numel].clone()
+        self.outer.step()
+        self.averager.theta[self.numel :].sub_(mean[self.numel :])
 
     def finish(self) -> None:
         # A last partial round still counts (weight-avg averages at the end too); none after a full one,
         # since a zero pseudo-gradient would still move theta by the momentum.
         if self._any_pending():
             self.outer_step_()
+        if self.averager.exchange.pending:  # overlap: the last round's mean is applied now
+            with self.timers.phase("allreduce"):
+                self.averager.flush_()
+            self._load_theta()
         self.timers.pop()
+        self.averager.exchange.pop_wait()
+
+    def _load_theta(self) -> None:
+        tensors = [*self.params, *self.buffers]
+        with torch.no_grad():
+            for t, value in zip(tensors, torch.split(self.averager.theta, [t.numel() for t in tensors])):
+                t.copy_(value.view_as(t))
 
     def _any_pending(self) -> bool:
         pending = torch.tensor([float(self.round_steps)])
@@ -170,6 +187,7 @@ class Diloco(Strategy):
             "outer": self.outer.state_dict(),
             "theta": self.theta.detach().clone(),
             "round_steps": self.round_steps,
+            "averager": self.averager.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -178,6 +196,7 @@ class Diloco(Strategy):
             self.theta.data.copy_(state["theta"])
         if "outer" in state:
             self.outer.load_state_dict(state["outer"])
+        self.averager.load_state_dict(state.get("averager", {}))
         self.round_steps = int(state.get("round_steps", 0))
 
     def summary_extra(self) -> dict[str, Any]:
