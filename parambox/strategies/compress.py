@@ -5,8 +5,9 @@ is kept by the sender and added to its next message (error feedback), so nothing
 rounds, only late. ``int8`` has one float32 scale per block of ``block`` elements (max |x| / 127):
 4 + 4/block bytes per 4 bytes of float32, about 0.25x; ``bf16`` is 0.5x.
 
-A message is one ``uint8`` tensor (the codes, then the scales, then an exact float32 tail for
-counts and flags), so one collective carries it. Sums of int8 codes would overflow and their scales
+A message is one ``uint8`` tensor (an exact float32 tail for counts and flags, the int8 scales,
+then the codes: the wider types first, so each part's offset suits its type), so one collective
+carries it. Sums of int8 codes would overflow and their scales
 differ per rank, so compressed messages are gathered (``all_gather``) and every rank decodes and
 sums them in float32; uncompressed ones go through ``all_reduce`` as before.
 
@@ -93,18 +94,18 @@ class Compressor:
         parts = self._codes(y)
         if self.error is not None:
             torch.sub(y, self._decode_parts(parts), out=self.error)
-        return torch.cat([*(p.reshape(-1).view(torch.uint8) for p in parts), tail.view(torch.uint8)])
+        return torch.cat([tail.view(torch.uint8), *(p.reshape(-1).view(torch.uint8) for p in parts)])
 
     def decode(self, msg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x_hat, tail)`` of a message from any rank (same mode, numel and block)."""
         if self.mode == "none":
             return msg[: self.numel], msg[self.numel :]
-        cut = self.payload_bytes()
-        body, tail = msg[:cut], msg[cut:].view(torch.float32)
+        cut = msg.numel() - self.payload_bytes()
+        tail, body = msg[:cut].view(torch.float32), msg[cut:]
         if self.mode == "bf16":
             return body.view(torch.bfloat16).float(), tail
-        codes = body[: self.numel].view(torch.int8)
-        scales = body[self.numel :].view(torch.float32)
+        scales = body[: _F32 * self.num_blocks].view(torch.float32)
+        codes = body[_F32 * self.num_blocks :].view(torch.int8)
         return dequantize_int8(codes, scales, self.block), tail
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,9 +115,10 @@ class Compressor:
     def _codes(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.mode == "bf16":
             return (y.to(torch.bfloat16),)
-        return quantize_int8(y, self.block)
+        codes, scales = quantize_int8(y, self.block)
+        return scales, codes
 
     def _decode_parts(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
         if self.mode == "bf16":
             return parts[0].float()
-        return dequantize_int8(parts[0], parts[1], self.block)
+        return dequantize_int8(parts[1], parts[0], self.block)
