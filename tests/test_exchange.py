@@ -17,6 +17,7 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
+from parambox.box import PREFIX_ENV, new_prefix
 from parambox.runtime import dist as pbdist
 from parambox.runtime.dist import free_port
 from parambox.runtime.world import World
@@ -227,3 +228,31 @@ def test_two_workers_reach_the_closed_form(tmp_path, strategy, options):
         assert sent[0] >= 4 * DIM
     else:
         assert sent[0] < full * (0.55 if mode == "bf16" else 0.3)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_async_diloco_one_worker_reaches_the_closed_form(overlap, monkeypatch):
+    """One worker over the shm box (buffer 1: every arrival is a full Nesterov step), constant gradient:
+    the overlapped form pushes the same pseudo-gradients one round later and ends at the same theta."""
+    monkeypatch.setenv(PREFIX_ENV, new_prefix())
+    model = Linear()
+    ctx = Context(
+        World(), model, lambda p: torch.optim.SGD(p, lr=LR), lambda m, b: (m.w * b).sum(), STEPS, 30.0
+    )
+    options = {"inner_steps": PERIOD, "asynchronous": True, "overlap": overlap, "dynamic_inner_steps": False}
+    s = build_strategy("diloco", ctx, options)
+    try:
+        waits = [s.step(GRADS[0], step).extra["exchange_wait_s"] for step in range(STEPS)]
+        s.finish()
+        w = s.eval_model().w.detach()
+    finally:
+        s.close()
+    g = GRADS[0]
+    theta = nn.Parameter(W0.clone())
+    outer = torch.optim.SGD([theta], lr=0.7, momentum=0.9, nesterov=True)
+    for h in [PERIOD] * (STEPS // PERIOD) + [STEPS % PERIOD]:
+        theta.grad = h * LR * g
+        outer.step()
+    assert float((w - theta.detach()).abs().max()) <= 1e-6
+    assert min(waits) >= 0.0

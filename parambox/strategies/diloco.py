@@ -46,7 +46,13 @@ from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
 from parambox.strategies.base import Context, StepResult, Strategy, loss_value, trainable
 from parambox.strategies.center import DONE, LOST, NONFINITE
-from parambox.strategies.exchange import DeltaAverager, ExchangeOptions, SumExchange
+from parambox.strategies.exchange import (
+    Background,
+    DeltaAverager,
+    ExchangeOptions,
+    SumExchange,
+    box_compressor,
+)
 
 
 class DilocoOptions(AsyncOptions, ExchangeOptions):
@@ -299,6 +305,11 @@ class AsyncDiloco(AsyncStrategy):
             options.momentum_activation,
         )
         self.pulled = self.x.clone()  # theta as this round started: g = pulled - x
+        self.compressor = box_compressor(options, self.numel, self.x.device)
+        # overlap: the round's push and pull run in a thread while the next round computes
+        self.background = Background(ctx.timeout_s, "asynchronous diloco push") if options.overlap else None
+        self.theta_next = torch.empty_like(self.x)  # what the background pull brings
+        self.waited = 0.0
         self.round_steps = 0
         self.round_target = options.inner_steps
         self.round_start = time.perf_counter()
@@ -310,7 +321,10 @@ class AsyncDiloco(AsyncStrategy):
             self.round_steps += 1
             if self.round_steps >= self.round_target:
                 self._push_round(step)
-        extra = {"inner_steps": float(self.round_target)}
+        extra = {"inner_steps": float(self.round_target), "exchange_wait_s": self.waited}
+        if self.round_steps == 0:
+            extra["exchange_bytes"] = 4.0 * self.numel  # the box stores float32
+        self.waited = 0.0
         result = self.step_result(loss, samples)
         result.extra.update(extra)
         return result
@@ -322,8 +336,18 @@ class AsyncDiloco(AsyncStrategy):
         if not is_finite(g):
             self.halt("pseudo-gradient", step)
             return
-        self.outer.apply_(g, lambda u, scale: self.client.push(u, scale))
-        self.client.pull(self.x)
+        if self.compressor is not None:
+            g = self.compressor.round_trip(g)
+        t0 = time.perf_counter()
+        if self.background is None:
+            self.outer.apply_(g, lambda u, scale: self.client.push(u, scale))
+            self.client.pull(self.x)
+        else:  # theta after our last push, plus this round's own progress; then push it meanwhile
+            if self.background.busy:
+                self.background.wait()
+                self.x.add_(self.theta_next - self.pulled)
+            self.background.start(lambda: self._push_pull(g, self.theta_next))
+        self.waited += time.perf_counter() - t0
         self.pulled.copy_(self.x)
         self.round_steps = 0
         self.round_target = self._next_target()
@@ -352,10 +376,28 @@ class AsyncDiloco(AsyncStrategy):
         ]
         return local_steps(self.s_per_step, others, h)
 
+    def _push_pull(self, g: torch.Tensor, out: torch.Tensor) -> None:
+        """The outer step with ``g`` and the pull of the new theta (in the background thread: the box
+        directly, not the client whose timers the step reports)."""
+        self.outer.apply_(g, lambda u, scale: self.box.push(u, scale))
+        self.box.add_counter(self.counters.version, 1)
+        self.box.pull(out)
+
     def flush(self) -> None:
         # The last partial round counts too (as the synchronous form's last outer step does).
         if self.round_steps > 0:
             self._push_round(self.ctx.steps)
+        if self.background is not None and self.background.busy:
+            self.background.wait()
+            self.x.copy_(self.theta_next)
+
+    def close(self) -> None:
+        if self.background is not None and self.background.busy:
+            try:  # a halted worker's last push: let it land before the box goes
+                self.background.wait()
+            except Exception as e:
+                warn(f"rank {self.world.rank}: asynchronous diloco push failed at close: {e}")
+        super().close()
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

@@ -38,7 +38,7 @@ from parambox.strategies.base import (
     bind_flat_replica,
     loss_value,
 )
-from parambox.strategies.exchange import ExchangeOptions, SumExchange
+from parambox.strategies.exchange import ExchangeOptions, SumExchange, box_compressor
 
 DEFAULT_ALPHA = 0.1
 
@@ -146,9 +146,15 @@ class ElasticAveraging(AsyncStrategy):
         return SyncElasticMomentumAveraging if cls.nesterov else SyncElasticAveraging
 
     def __init__(self, ctx: Context, options: EasgdOptions):
+        if options.overlap:
+            raise UserError(
+                f"{self.name}.overlap needs {self.name}.sync=true (the box exchange is not overlapped)"
+            )
         super().__init__(ctx, options)
         self.local, lr = make_local_step(self, self.nesterov)
         self.alpha = options.moving_rate(lr)
+        self.compressor = box_compressor(options, self.numel, self.x.device)
+        self.c_buf = torch.empty_like(self.x) if self.compressor is not None else None
 
     def begin_step(self, step: int) -> None:
         if self.local is not None:
@@ -161,9 +167,20 @@ class ElasticAveraging(AsyncStrategy):
                 self.local.step_(self.g)
             else:
                 self.optimizer.step()
-            if (step + 1) % self.options.tau == 0 and not self.client.elastic_(self.x, self.alpha):
+            if (step + 1) % self.options.tau == 0 and not self._elastic():
                 self.halt("elastic update", step)
         return self.step_result(loss, samples)
+
+    def _elastic(self) -> bool:
+        """The elastic exchange; with compression ``c += alpha Q(e)`` (error feedback) while ``x`` moves
+        by the exact ``alpha e``."""
+        if self.compressor is None:
+            return self.client.elastic_(self.x, self.alpha)
+        e = self.x - self.client.pull(self.c_buf)
+        if not is_finite(e):
+            return False
+        self.x.sub_(e, alpha=self.alpha)
+        return self.client.push(self.compressor.round_trip(e), self.alpha)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

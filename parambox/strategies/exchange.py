@@ -23,6 +23,7 @@ both end at the same ``theta`` (tests/test_exchange.py checks the closed form).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 from pydantic import Field
 
+from parambox.errors import CommTimeout, warn
 from parambox.strategies.base import Options
 from parambox.strategies.compress import DEFAULT_BLOCK, Compression, Compressor
 
@@ -42,6 +44,19 @@ class ExchangeOptions(Options):
         "none", description="the exchange's encoding: none (float32), bf16, or int8 with per-block scales"
     )
     compression_block: int = Field(DEFAULT_BLOCK, ge=1, description="int8: elements per scale")
+
+
+def box_compressor(options: ExchangeOptions, numel: int, device: torch.device) -> Compressor | None:
+    """The encoder of a push into the box, or None. The box stores float32, so the link carries
+    float32 whatever the encoding: the pushed update is quantized (with error feedback), as a
+    transport that carried the codes would deliver it, and the bytes stay (a warning says so)."""
+    if options.compression == "none":
+        return None
+    warn(
+        f"compression={options.compression} over the box quantizes the pushed update but the box "
+        "stores and moves float32: no bytes are saved"
+    )
+    return Compressor(options.compression, numel, options.compression_block, device=device)
 
 
 class SumExchange:
@@ -202,3 +217,46 @@ class DeltaAverager:
             self.exchange.compressor.error.copy_(state["error"])
         if "pending" in state:
             self.exchange.restore((state["pending"][0], state["pending"][1]))
+
+
+class Background:
+    """One task at a time in a thread (an asynchronous round's push and pull), joined with a deadline.
+
+    >>> bg = Background(timeout_s=5.0, what="diloco push")
+    >>> bg.start(lambda: None); bg.wait() >= 0.0, bg.wait()
+    (True, 0.0)
+    """
+
+    def __init__(self, timeout_s: float, what: str):
+        self.timeout_s, self.what = timeout_s, what
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None
+
+    def start(self, task: Callable[[], None]) -> None:
+        assert self._thread is None, "one task at a time"
+        self._thread = threading.Thread(target=self._run, args=(task,), name=self.what, daemon=True)
+        self._thread.start()
+
+    def _run(self, task: Callable[[], None]) -> None:
+        try:
+            task()
+        except BaseException as e:  # handed to the waiting thread
+            self._error = e
+
+    def wait(self) -> float:
+        """Seconds blocked until the task ended (0 without one); its error, if any, is raised here."""
+        if self._thread is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self._thread.join(self.timeout_s)
+        if self._thread.is_alive():
+            raise CommTimeout(f"{self.what} did not finish within {self.timeout_s:.0f} s")
+        self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return time.perf_counter() - t0
