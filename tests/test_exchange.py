@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from parambox.box import PREFIX_ENV, new_prefix
+from parambox.errors import UserError
 from parambox.runtime import dist as pbdist
 from parambox.runtime.dist import free_port
 from parambox.runtime.world import World
@@ -26,6 +27,7 @@ from parambox.strategies.base import Context
 from parambox.strategies.compress import Compressor, dequantize_int8, quantize_int8
 from parambox.strategies.diloco import DilocoOptions
 from parambox.strategies.exchange import DeltaAverager, SumExchange
+from tests.conftest import final_weights, run_cli, summary
 
 # -- tier (a) ---------------------------------------------------------------------------------------------
 
@@ -256,3 +258,35 @@ def test_async_diloco_one_worker_reaches_the_closed_form(overlap, monkeypatch):
         outer.step()
     assert float((w - theta.detach()).abs().max()) <= 1e-6
     assert min(waits) >= 0.0
+
+
+def test_overlap_of_asynchronous_easgd_is_refused():
+    ctx = Context(World(), Linear(), lambda p: torch.optim.SGD(p, lr=LR), lambda m, b: m.w.sum(), 1, 5.0)
+    with pytest.raises(UserError, match="easgd.overlap needs easgd.sync=true"):
+        build_strategy("easgd", ctx, {"overlap": True})
+
+
+@pytest.mark.timeout(120)
+def test_metrics_show_the_wait_and_the_bytes_of_each_exchange(tmp_path):
+    """The CLI as a user runs it: every step records exchange_wait_s, every exchange its bytes (int8
+    with 256-element blocks: about a quarter of float32)."""
+    out = tmp_path / "run"
+    sets = [
+        "--set",
+        "weight-avg.period=5",
+        "--set",
+        "weight-avg.overlap=true",
+        "--set",
+        "weight-avg.compression=int8",
+    ]
+    run_cli(
+        "train", "--strategy", "weight-avg", *sets, "--model", "mlp", "--steps", "20", "--workers", "2",
+        "--eval-every", "0", "--no-progress", "--threads", "1", "--out", str(out),
+    )  # fmt: skip
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if r["kind"] == "step"]
+    assert len(steps) == 20 and all(r["exchange_wait_s"] >= 0 for r in steps)
+    sent = [r["exchange_bytes"] for r in steps if "exchange_bytes" in r]
+    numel = sum(p.numel() for p in final_weights(out).values())
+    assert len(sent) == 4 and all(0.24 * 4 * numel < b < 0.27 * 4 * numel for b in sent)
+    assert summary(out)["final_test_accuracy"] > 0.5
