@@ -290,3 +290,24 @@ def test_metrics_show_the_wait_and_the_bytes_of_each_exchange(tmp_path):
     numel = sum(p.numel() for p in final_weights(out).values())
     assert len(sent) == 4 and all(0.24 * 4 * numel < b < 0.27 * 4 * numel for b in sent)
     assert summary(out)["final_test_accuracy"] > 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_overlapped_compressed_diloco_resumes_bit_for_bit(tmp_path):
+    """A checkpoint with an exchange in flight (every 10 steps, rounds of 3) keeps its result, the
+    theta, the round's start and the error feedback: the resumed run ends as the uninterrupted one."""
+    sets = ["diloco.inner_steps=3", "diloco.overlap=true", "diloco.compression=int8"]
+    args = [*(a for s in sets for a in ("--set", s)), *RESUME_ARGS]
+    run_cli("train", "--out", str(tmp_path / "full"), *args)
+    killed = run_cli(
+        "train", "--out", str(tmp_path / "cut"), *args, env={"PARAMBOX_FAULT": "1:25:kill"}, check=False
+    )
+    assert killed.returncode != 0
+    run_cli("train", "--out", str(tmp_path / "cut"), "--resume", *args)
+    a, b = final_weights(tmp_path / "cut"), final_weights(tmp_path / "full")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
+
+
+RESUME_ARGS = ["--strategy", "diloco", "--model", "mlp", "--steps", "40", "--checkpoint-every", "10"]
+RESUME_ARGS += ["--eval-every", "0", "--no-progress", "--threads", "1", "--batch-size", "16"]
