@@ -46,9 +46,17 @@ from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
 from parambox.strategies.base import Context, StepResult, Strategy, loss_value, trainable
 from parambox.strategies.center import DONE, LOST, NONFINITE
+from parambox.strategies.delayed_nesterov import DelayedNesterov, local_steps
+from parambox.strategies.exchange import (
+    Background,
+    DeltaAverager,
+    ExchangeOptions,
+    SumExchange,
+    box_compressor,
+)
 
 
-class DilocoOptions(AsyncOptions):
+class DilocoOptions(AsyncOptions, ExchangeOptions):
     inner_steps: int = Field(20, ge=1, description="H: inner optimizer steps per round (the paper: 500)")
     outer_lr: float = Field(0.7, gt=0, description="outer SGD learning rate")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer Nesterov momentum (0: plain SGD)")
@@ -92,10 +100,23 @@ class Diloco(Strategy):
         self.buffers = [b for b in self.model.buffers() if b.is_floating_point()]
         self.optimizer = ctx.make_optimizer(self.params)
         self.numel = sum(p.numel() for p in self.params)
-        self.theta = torch.nn.Parameter(parameters_to_vector(self.params).detach().clone())
+        # theta: the parameters, then the float buffers (averaged plainly, no outer step)
+        flat = parameters_to_vector([*self.params, *self.buffers]).detach().clone()
+        self.theta = torch.nn.Parameter(flat[: self.numel])  # a view: the outer step moves `flat`
         mu = options.outer_momentum
         # torch refuses nesterov=True without momentum: momentum 0 is plain SGD.
         self.outer = torch.optim.SGD([self.theta], lr=options.outer_lr, momentum=mu, nesterov=mu > 0)
+        n = self.world.world_size
+        exchange = SumExchange(
+            flat.numel(),
+            n,
+            n,
+            options.compression,
+            options.compression_block,
+            flat.device,
+            lambda: self.collective("diloco outer step"),
+        )
+        self.averager = DeltaAverager(flat, self._outer_step_, exchange, options.overlap, self.world.rank)
         self.round_steps = 0
         self.nonfinite: set[int] = set()
         ignored = sorted(ASYNC_ONLY & options.model_fields_set)
@@ -110,53 +131,56 @@ class Diloco(Strategy):
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         self.optimizer.step()
         self.round_steps += 1
+        extra = {}
         # The same schedule as weight-avg (after steps where (step + 1) % period == 0).
         if (step + 1) % self.options.inner_steps == 0:
             self.outer_step_()
-        return StepResult(loss_value(loss), samples, self.timers.pop())
+            extra["exchange_bytes"] = float(self.averager.exchange.bytes_sent)
+        extra["exchange_wait_s"] = self.averager.exchange.pop_wait()
+        return StepResult(loss_value(loss), samples, self.timers.pop(), extra)
 
     def outer_step_(self) -> None:
-        """Average the pseudo-gradients (and the float buffers), apply the outer step, restart from theta."""
-        n, rank, numel = self.world.world_size, self.world.rank, self.numel
-        local = parameters_to_vector(self.params).detach()
-        parts = [self.theta.detach() - local, *(b.reshape(-1) for b in self.buffers)]
-        # then one slot per rank: 1 where it contributed
-        buf = torch.cat([*parts, torch.zeros(n, device=local.device)])
-        if is_finite(buf):
-            buf[numel + self._buffer_numel() + rank] = 1.0
-        else:
-            warn(f"rank {rank}: non-finite diloco round; it contributes nothing to this outer step")
-            buf.zero_()
-        if n > 1:
-            with self.timers.phase("allreduce"), self.collective("diloco outer step"):
-                dist.all_reduce(buf)
-        slots = buf[-n:]
-        self.nonfinite.update(int(r) for r in (slots == 0).nonzero().flatten())
-        mean = buf[:-n] / max(float(slots.sum()), 1.0)
-        self.theta.grad = mean[:numel].clone()
-        self.outer.step()
+        """Send this round's pseudo-gradient (and float buffers); apply the mean outer step (at once, or
+        with ``overlap`` one round late) and continue from what the averager gives back."""
+        tensors = [*self.params, *self.buffers]
+        local = parameters_to_vector(tensors).detach()
+        contribute = is_finite(local)
+        if not contribute:
+            warn(
+                f"rank {self.world.rank}: non-finite diloco round; it contributes nothing to this outer step"
+            )
+        with self.timers.phase("allreduce"):
+            x_next = self.averager.round_end_(local, contribute)
+        self.nonfinite.update(int(r) for r in (self.averager.contributors == 0).nonzero().flatten())
         with torch.no_grad():
             # copies (torch's vector_to_parameters would make the parameters views of theta)
-            for p, value in zip(
-                self.params, torch.split(self.theta.detach(), [p.numel() for p in self.params])
-            ):
-                p.copy_(value.view_as(p))
-            if float(slots.sum()) > 0:
-                offset = numel
-                for b in self.buffers:
-                    b.copy_(mean[offset : offset + b.numel()].view_as(b))
-                    offset += b.numel()
+            for t, value in zip(tensors, torch.split(x_next, [t.numel() for t in tensors])):
+                t.copy_(value.view_as(t))
         self.round_steps = 0
 
-    def _buffer_numel(self) -> int:
-        return sum(b.numel() for b in self.buffers)
+    def _outer_step_(self, mean: torch.Tensor) -> None:
+        """theta's parameters by the outer optimizer on the mean pseudo-gradient; its buffers by the mean."""
+        self.theta.grad = mean[: self.numel].clone()
+        self.outer.step()
+        self.averager.theta[self.numel :].sub_(mean[self.numel :])
 
     def finish(self) -> None:
         # A last partial round still counts (weight-avg averages at the end too); none after a full one,
         # since a zero pseudo-gradient would still move theta by the momentum.
         if self._any_pending():
             self.outer_step_()
+        if self.averager.exchange.pending:  # overlap: the last round's mean is applied now
+            with self.timers.phase("allreduce"):
+                self.averager.flush_()
+            self._load_theta()
         self.timers.pop()
+        self.averager.exchange.pop_wait()
+
+    def _load_theta(self) -> None:
+        tensors = [*self.params, *self.buffers]
+        with torch.no_grad():
+            for t, value in zip(tensors, torch.split(self.averager.theta, [t.numel() for t in tensors])):
+                t.copy_(value.view_as(t))
 
     def _any_pending(self) -> bool:
         pending = torch.tensor([float(self.round_steps)])
@@ -171,6 +195,7 @@ class Diloco(Strategy):
             "outer": self.outer.state_dict(),
             "theta": self.theta.detach().clone(),
             "round_steps": self.round_steps,
+            "averager": self.averager.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -179,80 +204,11 @@ class Diloco(Strategy):
             self.theta.data.copy_(state["theta"])
         if "outer" in state:
             self.outer.load_state_dict(state["outer"])
+        self.averager.load_state_dict(state.get("averager", {}))
         self.round_steps = int(state.get("round_steps", 0))
 
     def summary_extra(self) -> dict[str, Any]:
         return {"nonfinite_workers": sorted(self.nonfinite)}
-
-
-class DelayedNesterov:
-    """The outer step of asynchronous DiLoCo on the box: Delayed Nesterov (Liu et al. 2024, Alg. 3).
-
-    The box holds ``theta`` (at ``0``), the momentum ``m`` (at ``m_start``) and the block accumulator
-    ``a`` (at ``a_start``, the block's pseudo-gradients scaled ``1/N``), and the ticket counter. For
-    one arrival ``g`` (``apply_``)::
-
-        t <- ticket++;  a += g / N
-        if (t + 1) % N == 0:  a_blk <- a; a -= a_blk; m <- beta m + a_blk
-                              theta -= lr ((1 - c N + c) beta m + g / N)
-        else:                 theta -= lr (c beta m + g / N)
-
-    With ``c = 0`` and the ``N`` pseudo-gradients of a block all taken from the same ``theta``, a block
-    is one synchronous Nesterov step on their mean.
-
-    >>> dn = DelayedNesterov(box, numel=4, m_start=4, a_start=8, ticket=12, lr=0.7, momentum=0.9, n=2)  # doctest: +SKIP
-    >>> dn.apply_(g, push_theta=lambda u, scale: box.push(u, scale))  # doctest: +SKIP
-    """
-
-    def __init__(
-        self,
-        box: Any,
-        numel: int,
-        m_start: int,
-        a_start: int,
-        ticket: int,
-        lr: float,
-        momentum: float,
-        n: int,
-        activation: float = 0.0,
-    ):
-        self.box, self.numel, self.m_start, self.a_start, self.ticket = box, numel, m_start, a_start, ticket
-        self.lr, self.beta, self.n, self.c = lr, momentum, n, activation
-        self._m = torch.empty(numel)
-        self._a = torch.empty(numel)
-
-    def apply_(self, g: torch.Tensor, push_theta: Any) -> bool:
-        """One arrival; returns whether this arrival updated the momentum (it held a block's last ticket)."""
-        n, beta = self.n, self.beta
-        if beta == 0:  # no momentum: every arrival is its own step, scaled 1/N
-            push_theta(g, -self.lr / n)
-            return False
-        t = self.box.add_counter(self.ticket, 1)
-        self.box.push(g, 1.0 / n, self.a_start)
-        update = g / n
-        if (t + 1) % n == 0:
-            a = self.box.pull(self._a, self.a_start)
-            self.box.push(a, -1.0, self.a_start)  # leaves pushes that land meanwhile for the next block
-            m = self.box.pull(self._m, self.m_start)
-            new_m = m * beta + a
-            self.box.push(new_m - m, 1.0, self.m_start)
-            update.add_(new_m, alpha=(1 - self.c * n + self.c) * beta)
-            push_theta(update, -self.lr)
-            return True
-        if self.c > 0:
-            update.add_(self.box.pull(self._m, self.m_start), alpha=self.c * beta)
-        push_theta(update, -self.lr)
-        return False
-
-
-def local_steps(own_s: float, others_s: list[float], inner_steps: int) -> int:
-    """DyLU (Liu et al. 2024, Eq. 6): ``floor(v_w / max v * H)``, at least 1, from seconds per step.
-
-    >>> local_steps(0.02, [0.01], 20), local_steps(0.01, [0.02], 20), local_steps(0.5, [0.01], 20)
-    (10, 20, 1)
-    """
-    fastest = min([own_s, *[s for s in others_s if s > 0]])
-    return max(1, int(fastest / own_s * inner_steps + 1e-9)) if own_s > 0 else inner_steps
 
 
 class AsyncDiloco(AsyncStrategy):
@@ -282,6 +238,11 @@ class AsyncDiloco(AsyncStrategy):
             options.momentum_activation,
         )
         self.pulled = self.x.clone()  # theta as this round started: g = pulled - x
+        self.compressor = box_compressor(options, self.numel, self.x.device)
+        # overlap: the round's push and pull run in a thread while the next round computes
+        self.background = Background(ctx.timeout_s, "asynchronous diloco push") if options.overlap else None
+        self.theta_next = torch.empty_like(self.x)  # what the background pull brings
+        self.waited = 0.0
         self.round_steps = 0
         self.round_target = options.inner_steps
         self.round_start = time.perf_counter()
@@ -293,7 +254,10 @@ class AsyncDiloco(AsyncStrategy):
             self.round_steps += 1
             if self.round_steps >= self.round_target:
                 self._push_round(step)
-        extra = {"inner_steps": float(self.round_target)}
+        extra = {"inner_steps": float(self.round_target), "exchange_wait_s": self.waited}
+        if self.round_steps == 0:
+            extra["exchange_bytes"] = 4.0 * self.numel  # the box stores float32
+        self.waited = 0.0
         result = self.step_result(loss, samples)
         result.extra.update(extra)
         return result
@@ -305,8 +269,18 @@ class AsyncDiloco(AsyncStrategy):
         if not is_finite(g):
             self.halt("pseudo-gradient", step)
             return
-        self.outer.apply_(g, lambda u, scale: self.client.push(u, scale))
-        self.client.pull(self.x)
+        if self.compressor is not None:
+            g = self.compressor.round_trip(g)
+        t0 = time.perf_counter()
+        if self.background is None:
+            self.outer.apply_(g, lambda u, scale: self.client.push(u, scale))
+            self.client.pull(self.x)
+        else:  # theta after our last push, plus this round's own progress; then push it meanwhile
+            if self.background.busy:
+                self.background.wait()
+                self.x.add_(self.theta_next - self.pulled)
+            self.background.start(lambda: self._push_pull(g, self.theta_next))
+        self.waited += time.perf_counter() - t0
         self.pulled.copy_(self.x)
         self.round_steps = 0
         self.round_target = self._next_target()
@@ -335,10 +309,28 @@ class AsyncDiloco(AsyncStrategy):
         ]
         return local_steps(self.s_per_step, others, h)
 
+    def _push_pull(self, g: torch.Tensor, out: torch.Tensor) -> None:
+        """The outer step with ``g`` and the pull of the new theta (in the background thread: the box
+        directly, not the client whose timers the step reports)."""
+        self.outer.apply_(g, lambda u, scale: self.box.push(u, scale))
+        self.box.add_counter(self.counters.version, 1)
+        self.box.pull(out)
+
     def flush(self) -> None:
         # The last partial round counts too (as the synchronous form's last outer step does).
         if self.round_steps > 0:
             self._push_round(self.ctx.steps)
+        if self.background is not None and self.background.busy:
+            self.background.wait()
+            self.x.copy_(self.theta_next)
+
+    def close(self) -> None:
+        if self.background is not None and self.background.busy:
+            try:  # a halted worker's last push: let it land before the box goes
+                self.background.wait()
+            except Exception as e:
+                warn(f"rank {self.world.rank}: asynchronous diloco push failed at close: {e}")
+        super().close()
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

@@ -7,7 +7,9 @@ block by block over the flat replica (``CenterClient.elastic_``): about one pass
 
 Synchronous form (``sync: true``), over collectives, no box: every ``tau`` steps
 ``c <- c + alpha sum_i (x_i - c)`` (one allreduce of ``x_i - c``) and ``x_i <- x_i - alpha (x_i - c)``;
-every worker keeps its own identical copy of ``c``.
+every worker keeps its own identical copy of ``c``. With ``overlap`` the allreduce of exchange k runs
+in the background and ``c`` takes its sum at exchange k + 1, just before ``c`` is next read: the same
+arithmetic as without, only the wait moves (``compression`` encodes ``x_i - c``, error feedback).
 
 ``alpha`` is set directly (default 0.1) or through ``rho`` (``alpha = eta rho``). ``eamsgd`` replaces
 the local optimizer by the paper's Nesterov momentum step ``v <- delta v - eta g(x + delta v);
@@ -21,7 +23,6 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from pydantic import Field, model_validator
 from torch import nn
 
@@ -37,11 +38,12 @@ from parambox.strategies.base import (
     bind_flat_replica,
     loss_value,
 )
+from parambox.strategies.exchange import ExchangeOptions, SumExchange, box_compressor
 
 DEFAULT_ALPHA = 0.1
 
 
-class EasgdOptions(AsyncOptions):
+class EasgdOptions(AsyncOptions, ExchangeOptions):
     tau: int = Field(4, ge=1, description="local steps between two elastic exchanges")
     alpha: float | None = Field(None, gt=0, lt=1, description="elastic moving rate (default 0.1)")
     rho: float | None = Field(None, gt=0, description="elasticity; sets alpha = lr * rho")
@@ -145,9 +147,15 @@ class ElasticAveraging(AsyncStrategy):
         return SyncElasticMomentumAveraging if cls.nesterov else SyncElasticAveraging
 
     def __init__(self, ctx: Context, options: EasgdOptions):
+        if options.overlap:
+            raise UserError(
+                f"{self.name}.overlap needs {self.name}.sync=true (the box exchange is not overlapped)"
+            )
         super().__init__(ctx, options)
         self.local, lr = make_local_step(self, self.nesterov)
         self.alpha = options.moving_rate(lr)
+        self.compressor = box_compressor(options, self.numel, self.x.device)
+        self.c_buf = torch.empty_like(self.x) if self.compressor is not None else None
 
     def begin_step(self, step: int) -> None:
         if self.local is not None:
@@ -160,9 +168,20 @@ class ElasticAveraging(AsyncStrategy):
                 self.local.step_(self.g)
             else:
                 self.optimizer.step()
-            if (step + 1) % self.options.tau == 0 and not self.client.elastic_(self.x, self.alpha):
+            if (step + 1) % self.options.tau == 0 and not self._elastic():
                 self.halt("elastic update", step)
         return self.step_result(loss, samples)
+
+    def _elastic(self) -> bool:
+        """The elastic exchange; with compression ``c += alpha Q(e)`` (error feedback) while ``x`` moves
+        by the exact ``alpha e``."""
+        if self.compressor is None:
+            return self.client.elastic_(self.x, self.alpha)
+        e = self.x - self.client.pull(self.c_buf)
+        if not is_finite(e):
+            return False
+        self.x.sub_(e, alpha=self.alpha)
+        return self.client.push(self.compressor.round_trip(e), self.alpha)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -208,6 +227,15 @@ class SyncElasticAveraging(Strategy):
         self.buf = torch.zeros(self.numel + n, device=self.x.device)  # x - c, then one flag per rank
         self.local, lr = make_local_step(self, nesterov)
         self.alpha = options.moving_rate(lr)
+        self.exchange = SumExchange(
+            self.numel,
+            n,
+            n,
+            options.compression,
+            options.compression_block,
+            self.x.device,
+            lambda: self.collective("easgd elastic averaging"),
+        )
         self.halted, self.nonfinite = False, set()
         self.result: nn.Module | None = None
         if self.world.rank == 0:
@@ -228,26 +256,60 @@ class SyncElasticAveraging(Strategy):
                 self.local.step_(self.g)
             else:
                 self.optimizer.step()
+        extra = {}
         if (step + 1) % self.options.tau == 0:
             self._exchange(step)
-        extra = {"nonfinite": 1.0} if self.halted else {}
+            extra["exchange_bytes"] = float(self.exchange.bytes_sent)
+        extra["exchange_wait_s"] = self.exchange.pop_wait()
+        if self.halted:
+            extra["nonfinite"] = 1.0
         return StepResult(loss_value(loss), samples, self.timers.pop(), extra)
 
     def _exchange(self, step: int) -> None:
+        n, rank = self.world.world_size, self.world.rank
         flags = self.buf[self.numel :]
-        flags.zero_()
         with self.timers.phase("allreduce"):
-            ok = sync_elastic_(
-                self.x, self.c, self.buf, self.alpha, self._allreduce, not self.halted, flags[self.world.rank]
-            )
+            if self.options.overlap:
+                self._apply_pending()
+                e, contribute = self.buf[: self.numel], not self.halted
+                torch.sub(self.x, self.c, out=e)
+                contribute = contribute and is_finite(e)
+                if contribute:
+                    self.x.sub_(e, alpha=self.alpha)
+                else:
+                    e.zero_()
+                flags.zero_()
+                flags[rank] = 0.0 if contribute else 1.0
+                self.exchange.start(e, flags)
+                ok = contribute
+            else:
+                flags.zero_()
+                ok = sync_elastic_(
+                    self.x, self.c, self.buf, self.alpha, self._allreduce, not self.halted, flags[rank]
+                )
         if not ok and not self.halted:
             self._halt("elastic update", step)
-        self.nonfinite.update(int(r) for r in flags.nonzero().flatten())
+        self.nonfinite.update(int(r) for r in flags[:n].nonzero().flatten())
 
-    def _allreduce(self, t: torch.Tensor) -> None:
-        if self.world.world_size > 1:
-            with self.collective("easgd elastic averaging"):
-                dist.all_reduce(t)
+    def _apply_pending(self) -> None:
+        """``c <- c + alpha sum_i (x_i - c)`` of the exchange started one round ago."""
+        if self.exchange.pending:
+            total, flags = self.exchange.wait()
+            self.c.add_(total, alpha=self.alpha)
+            self.nonfinite.update(int(r) for r in flags.nonzero().flatten())
+
+    def _allreduce(self, buf: torch.Tensor) -> None:
+        """The sum over the workers of ``buf`` (``x - c``, then the flags), through the exchange's encoding."""
+        self.exchange.start(buf[: self.numel], buf[self.numel :])
+        total, flags = self.exchange.wait()
+        buf[: self.numel].copy_(total)
+        buf[self.numel :].copy_(flags)
+
+    def finish(self) -> None:
+        with self.timers.phase("allreduce"):
+            self._apply_pending()  # overlap: the last exchange's sum reaches c
+        self.timers.pop()
+        self.exchange.pop_wait()
 
     def _halt(self, what: str, step: int) -> None:
         self.halted = True

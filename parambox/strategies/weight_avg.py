@@ -3,6 +3,10 @@
 Period 1 is SHM-Learn-Dist Eq. 2.2 (with plain SGD it equals gradient averaging); longer periods
 are local SGD / post-local SGD. Optimizer state stays local to each worker.
 
+With ``overlap`` or ``compression`` the exchange is of each round's progress (``DeltaAverager``:
+``theta <- theta - mean delta``, which is the mean of the replicas), in the background and applied
+one round late with ``overlap``; without either, the weights themselves are averaged as before.
+
 Floating-point buffers (batch-norm running statistics) are averaged with the weights, in the same
 allreduce: they are part of each replica's model, estimated from that worker's data. Integer buffers
 (batch-norm's step counter) advance alike on every worker and are left alone.
@@ -15,10 +19,11 @@ import torch.distributed as dist
 from pydantic import Field
 from torch.nn.utils import parameters_to_vector
 
-from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value, trainable
+from parambox.strategies.base import Context, StepResult, Strategy, loss_value, trainable
+from parambox.strategies.exchange import DeltaAverager, ExchangeOptions, SumExchange
 
 
-class WeightAvgOptions(Options):
+class WeightAvgOptions(ExchangeOptions):
     period: int = Field(1, ge=1, description="average the weights every `period` steps")
 
 
@@ -33,6 +38,20 @@ class WeightAveraging(Strategy):
         self.buffers = [b for b in self.model.buffers() if b.is_floating_point()]
         self.optimizer = ctx.make_optimizer(self.params)
         self._average()
+        self.averager: DeltaAverager | None = None
+        if options.overlap or options.compression != "none":
+            flat = parameters_to_vector(self.params + self.buffers).detach().clone()
+            n = self.world.world_size
+            exchange = SumExchange(
+                flat.numel(),
+                n,
+                n,
+                options.compression,
+                options.compression_block,
+                flat.device,
+                lambda: self.collective("weight averaging"),
+            )
+            self.averager = DeltaAverager(flat, flat.sub_, exchange, options.overlap, self.world.rank)
 
     def _average(self) -> None:
         if self.world.world_size == 1:
@@ -51,11 +70,52 @@ class WeightAveraging(Strategy):
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         self.optimizer.step()
+        extra: dict[str, float] = {}
         if (step + 1) % self.options.period == 0:
-            self._average()
-        return StepResult(loss_value(loss), samples, self.timers.pop())
+            if self.averager is None:
+                self._average()
+                extra["exchange_bytes"] = 4.0 * sum(t.numel() for t in self.params + self.buffers)
+            else:
+                self._round_end()
+                extra["exchange_bytes"] = float(self.averager.exchange.bytes_sent)
+        extra["exchange_wait_s"] = self._waited()
+        return StepResult(loss_value(loss), samples, self.timers.pop(), extra)
+
+    def _round_end(self) -> None:
+        tensors = self.params + self.buffers
+        with self.timers.phase("allreduce"):
+            x_next = self.averager.round_end_(parameters_to_vector(tensors).detach())
+        self._copy_in(x_next)
+
+    def _copy_in(self, flat: torch.Tensor) -> None:
+        tensors = self.params + self.buffers
+        with torch.no_grad():
+            for t, value in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
+                t.copy_(value.view_as(t))
+
+    def _waited(self) -> float:
+        if self.averager is not None:
+            return self.averager.exchange.pop_wait()
+        return self.timers.seconds.get("allreduce", 0.0)  # a blocking allreduce is all wait
 
     def finish(self) -> None:
         # The result is the average of the replicas, also when the run did not end on a period.
-        self._average()
+        if self.averager is None:
+            self._average()
+        else:
+            self._round_end()  # the last (partial) round, then what is still pending
+            with self.timers.phase("allreduce"):
+                self.averager.flush_()
+            self._copy_in(self.averager.theta)
         self.timers.pop()
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if self.averager is not None:
+            state["averager"] = self.averager.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if self.averager is not None:
+            self.averager.load_state_dict(state.get("averager", {}))

@@ -1,0 +1,80 @@
+"""The outer step of asynchronous DiLoCo (Delayed Nesterov) and DyLU's local steps (Liu et al. 2024).
+
+See ``parambox/strategies/diloco.py`` for the strategy that uses them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class DelayedNesterov:
+    """The outer step of asynchronous DiLoCo on the box: Delayed Nesterov (Liu et al. 2024, Alg. 3).
+
+    The box holds ``theta`` (at ``0``), the momentum ``m`` (at ``m_start``) and the block accumulator
+    ``a`` (at ``a_start``, the block's pseudo-gradients scaled ``1/N``), and the ticket counter. For
+    one arrival ``g`` (``apply_``)::
+
+        t <- ticket++;  a += g / N
+        if (t + 1) % N == 0:  a_blk <- a; a -= a_blk; m <- beta m + a_blk
+                              theta -= lr ((1 - c N + c) beta m + g / N)
+        else:                 theta -= lr (c beta m + g / N)
+
+    With ``c = 0`` and the ``N`` pseudo-gradients of a block all taken from the same ``theta``, a block
+    is one synchronous Nesterov step on their mean.
+
+    >>> dn = DelayedNesterov(box, numel=4, m_start=4, a_start=8, ticket=12, lr=0.7, momentum=0.9, n=2)  # doctest: +SKIP
+    >>> dn.apply_(g, push_theta=lambda u, scale: box.push(u, scale))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        box: Any,
+        numel: int,
+        m_start: int,
+        a_start: int,
+        ticket: int,
+        lr: float,
+        momentum: float,
+        n: int,
+        activation: float = 0.0,
+    ):
+        self.box, self.numel, self.m_start, self.a_start, self.ticket = box, numel, m_start, a_start, ticket
+        self.lr, self.beta, self.n, self.c = lr, momentum, n, activation
+        self._m = torch.empty(numel)
+        self._a = torch.empty(numel)
+
+    def apply_(self, g: torch.Tensor, push_theta: Any) -> bool:
+        """One arrival; returns whether this arrival updated the momentum (it held a block's last ticket)."""
+        n, beta = self.n, self.beta
+        if beta == 0:  # no momentum: every arrival is its own step, scaled 1/N
+            push_theta(g, -self.lr / n)
+            return False
+        t = self.box.add_counter(self.ticket, 1)
+        self.box.push(g, 1.0 / n, self.a_start)
+        update = g / n
+        if (t + 1) % n == 0:
+            a = self.box.pull(self._a, self.a_start)
+            self.box.push(a, -1.0, self.a_start)  # leaves pushes that land meanwhile for the next block
+            m = self.box.pull(self._m, self.m_start)
+            new_m = m * beta + a
+            self.box.push(new_m - m, 1.0, self.m_start)
+            update.add_(new_m, alpha=(1 - self.c * n + self.c) * beta)
+            push_theta(update, -self.lr)
+            return True
+        if self.c > 0:
+            update.add_(self.box.pull(self._m, self.m_start), alpha=self.c * beta)
+        push_theta(update, -self.lr)
+        return False
+
+
+def local_steps(own_s: float, others_s: list[float], inner_steps: int) -> int:
+    """DyLU (Liu et al. 2024, Eq. 6): ``floor(v_w / max v * H)``, at least 1, from seconds per step.
+
+    >>> local_steps(0.02, [0.01], 20), local_steps(0.01, [0.02], 20), local_steps(0.5, [0.01], 20)
+    (10, 20, 1)
+    """
+    fastest = min([own_s, *[s for s in others_s if s > 0]])
+    return max(1, int(fastest / own_s * inner_steps + 1e-9)) if own_s > 0 else inner_steps

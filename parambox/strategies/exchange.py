@@ -1,0 +1,262 @@
+"""The periodic exchanges of weight-avg, diloco and synchronous easgd: compressed, and hidden behind compute.
+
+:class:`ExchangeOptions` adds ``overlap`` and ``compression`` to a strategy's options.
+
+:class:`SumExchange` sums one flat float32 tensor over the ranks (plus an exact float32 tail for
+counts and flags), encoded by a :class:`~parambox.strategies.compress.Compressor`. ``start`` begins
+the collective with ``async_op=True`` and returns at once; ``wait`` blocks until it is done, and
+the seconds it blocked are the step's ``exchange_wait_s``.
+
+:class:`DeltaAverager` is the exchange of a round's progress ``delta = s - x`` (the replica at the
+round's start minus now), averaged over the ranks and applied to the global weights ``theta`` by an
+outer step (weight-avg: ``theta - mean delta``; diloco: Nesterov SGD on ``mean delta``). Undelayed,
+a round ends with ``theta <- outer(theta, mean delta); x <- theta``. With ``overlap`` the mean of a
+round's delta is applied one round late, as in Streaming DiLoCo's overlapped outer step (and the
+one-step delayed DiLoCo of Kale et al. 2025), keeping the local progress made meanwhile::
+
+    delta_k = s - x;  theta <- outer(theta, mean delta_{k-1}) (waits);  start sum(delta_k)
+    x <- theta - delta_k;  s <- x
+
+With gradients that do not depend on the weights every round's delta is the same in both forms, so
+both end at the same ``theta`` (tests/test_exchange.py checks the closed form).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import Field
+
+from parambox.errors import CommTimeout, warn
+from parambox.strategies.base import Options
+from parambox.strategies.compress import DEFAULT_BLOCK, Compression, Compressor
+
+
+class ExchangeOptions(Options):
+    overlap: bool = Field(False, description="run the exchange in the background and apply it one round late")
+    compression: Compression = Field(
+        "none", description="the exchange's encoding: none (float32), bf16, or int8 with per-block scales"
+    )
+    compression_block: int = Field(DEFAULT_BLOCK, ge=1, description="int8: elements per scale")
+
+
+def box_compressor(options: ExchangeOptions, numel: int, device: torch.device) -> Compressor | None:
+    """The encoder of a push into the box, or None. The box stores float32, so the link carries
+    float32 whatever the encoding: the pushed update is quantized (with error feedback), as a
+    transport that carried the codes would deliver it, and the bytes stay (a warning says so)."""
+    if options.compression == "none":
+        return None
+    warn(
+        f"compression={options.compression} over the box quantizes the pushed update but the box "
+        "stores and moves float32: no bytes are saved"
+    )
+    return Compressor(options.compression, numel, options.compression_block, device=device)
+
+
+class SumExchange:
+    """``sum_r x_r`` (and ``sum_r tail_r``) over the default group, compressed, in the background.
+
+    >>> ex = SumExchange(numel=4, tail=1, world_size=2, compression="int8")  # doctest: +SKIP
+    >>> ex.start(delta, torch.ones(1)); ...; total, count = ex.wait()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        tail: int,
+        world_size: int,
+        compression: Compression = "none",
+        block: int = DEFAULT_BLOCK,
+        device: torch.device | None = None,
+        guard: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    ):
+        self.numel, self.tail, self.world_size, self.guard = numel, tail, world_size, guard
+        self.compressor = Compressor(compression, numel, block, device=device)
+        self.bytes_sent = 0  # this rank's last message
+        self.wait_s = 0.0  # seconds blocked in wait() since the last pop_wait()
+        self._work: Any = None
+        self._msg: torch.Tensor | None = None
+        self._gathered: list[torch.Tensor] = []
+        self._result: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def pending(self) -> bool:
+        """An exchange was started and its result not yet taken."""
+        return self._msg is not None or self._result is not None
+
+    def start(self, x: torch.Tensor, tail: torch.Tensor | None = None) -> None:
+        assert not self.pending, "one exchange at a time"
+        msg = self.compressor.encode(x, tail)
+        self._msg, self.bytes_sent = msg, msg.numel() * msg.element_size()
+        if self.world_size == 1:
+            return
+        with self.guard():
+            if self.compressor.mode == "none":
+                self._work = dist.all_reduce(msg, async_op=True)
+            else:
+                self._gathered = [torch.empty_like(msg) for _ in range(self.world_size)]
+                self._work = dist.all_gather(self._gathered, msg, async_op=True)
+
+    def complete(self) -> None:
+        """Block until the started exchange is done; its result is kept for :meth:`wait`."""
+        if self._msg is None:
+            return
+        t0 = time.perf_counter()
+        if self._work is not None:
+            with self.guard():
+                self._work.wait()
+        self.wait_s += time.perf_counter() - t0
+        msgs = [self._msg] if self.world_size == 1 or self.compressor.mode == "none" else self._gathered
+        decoded = [self.compressor.decode(m) for m in msgs]
+        total = torch.stack([d[0] for d in decoded]).sum(0) if len(decoded) > 1 else decoded[0][0].clone()
+        tail = torch.stack([d[1] for d in decoded]).sum(0) if len(decoded) > 1 else decoded[0][1].clone()
+        self._result = (total, tail)
+        self._work, self._msg, self._gathered = None, None, []
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum x, sum tail)`` of the started exchange."""
+        self.complete()
+        assert self._result is not None, "wait() without start()"
+        result, self._result = self._result, None
+        return result
+
+    def restore(self, result: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """A completed exchange saved in a checkpoint (``peek``) becomes pending again."""
+        self._result = result
+
+    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The pending exchange's result, completed now but still pending (for checkpoints)."""
+        self.complete()
+        return self._result
+
+    def pop_wait(self) -> float:
+        out, self.wait_s = self.wait_s, 0.0
+        return out
+
+
+class DeltaAverager:
+    """The mean over the ranks of a round's progress, applied to ``theta`` by ``outer_step(mean)``.
+
+    ``theta`` is the flat global state (parameters, then float buffers); ``outer_step`` updates it in
+    place from the mean delta. ``round_end_(x)`` returns the replica to continue from; ``flags``
+    (one float per rank, summed) say who contributed: a rank whose delta is not finite sends zeros.
+    """
+
+    def __init__(
+        self,
+        theta: torch.Tensor,
+        outer_step: Callable[[torch.Tensor], None],
+        exchange: SumExchange,
+        overlap: bool,
+        rank: int,
+    ):
+        self.theta, self.outer_step, self.exchange, self.overlap, self.rank = (
+            theta,
+            outer_step,
+            exchange,
+            overlap,
+            rank,
+        )
+        self.start_of_round = theta.clone()  # s
+        self.contributors = torch.ones(exchange.world_size)  # the last applied exchange's flags
+
+    def round_end_(self, x: torch.Tensor, contribute: bool = True) -> torch.Tensor:
+        """End a round at replica ``x``; returns the replica the next round starts from."""
+        delta = self.start_of_round - x
+        flags = torch.zeros(self.exchange.world_size, device=x.device)
+        if contribute:
+            flags[self.rank] = 1.0
+        else:
+            delta.zero_()
+            if self.exchange.compressor.error is not None:  # nor an old error: the flag says "nothing"
+                self.exchange.compressor.error.zero_()
+        if self.overlap:
+            self._apply_pending()
+            self.exchange.start(delta, flags)
+            x_next = self.theta - delta if contribute else self.theta.clone()
+        else:
+            self.exchange.start(delta, flags)
+            self._apply_pending()
+            x_next = self.theta.clone()
+        self.start_of_round.copy_(x_next)
+        return x_next
+
+    def flush_(self) -> None:
+        """Apply what is still pending (the end of the run)."""
+        self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        if not self.exchange.pending:
+            return
+        total, flags = self.exchange.wait()
+        self.contributors = flags
+        count = float(flags.sum())
+        if count > 0:
+            self.outer_step(total / count)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"theta": self.theta.clone(), "start_of_round": self.start_of_round.clone()}
+        if self.exchange.compressor.error is not None:
+            state["error"] = self.exchange.compressor.error.clone()
+        pending = self.exchange.peek()
+        if pending is not None:
+            state["pending"] = [pending[0].clone(), pending[1].clone()]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, dst in (("theta", self.theta), ("start_of_round", self.start_of_round)):
+            if key in state:
+                dst.copy_(state[key])
+        if "error" in state and self.exchange.compressor.error is not None:
+            self.exchange.compressor.error.copy_(state["error"])
+        if "pending" in state:
+            self.exchange.restore((state["pending"][0], state["pending"][1]))
+
+
+class Background:
+    """One task at a time in a thread (an asynchronous round's push and pull), joined with a deadline.
+
+    >>> bg = Background(timeout_s=5.0, what="diloco push")
+    >>> bg.start(lambda: None); bg.wait() >= 0.0, bg.wait()
+    (True, 0.0)
+    """
+
+    def __init__(self, timeout_s: float, what: str):
+        self.timeout_s, self.what = timeout_s, what
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None
+
+    def start(self, task: Callable[[], None]) -> None:
+        assert self._thread is None, "one task at a time"
+        self._thread = threading.Thread(target=self._run, args=(task,), name=self.what, daemon=True)
+        self._thread.start()
+
+    def _run(self, task: Callable[[], None]) -> None:
+        try:
+            task()
+        except BaseException as e:  # handed to the waiting thread
+            self._error = e
+
+    def wait(self) -> float:
+        """Seconds blocked until the task ended (0 without one); its error, if any, is raised here."""
+        if self._thread is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self._thread.join(self.timeout_s)
+        if self._thread.is_alive():
+            raise CommTimeout(f"{self.what} did not finish within {self.timeout_s:.0f} s")
+        self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return time.perf_counter() - t0
