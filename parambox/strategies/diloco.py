@@ -20,14 +20,17 @@ and only every ``N``-th arrival (``buffer_size``, default the number of workers)
 with the block's accumulated pseudo-gradients and applies it. Each worker's ``H`` adapts to its speed
 (DyLU, their Eq. 6): ``H_w = floor(v_w / max v * inner_steps)``, the speeds posted in the box.
 
-Who applies the outer step: the pushing worker, and the box stays storage. No lock is needed: every
-change to ``theta`` and to the block accumulator is an accumulate (atomic per element in both box
-backends), and the momentum ``m`` (a read-modify-write) is changed only by the holder of a block's
-last ticket, one worker per block. The block's sum is taken by subtracting what was read, so a push
-that lands while it is read counts in the next block instead of being lost. A worker killed in the
-middle of a round takes only its own unpushed round with it; killed after its ticket, the block
-applies the momentum with what arrived (or the next block does). ``theta``, ``m`` and the accumulator
-live in the box, so they outlive any worker (with ``--box rma``, on its memory rank).
+Who applies the outer step: the pushing worker, and the box stays storage. The outer step reads and
+writes the momentum ``m`` and the block accumulator, so arrivals take it in turns, in ticket order: a
+ticket lock made of two box counters (``ticket``, fetch-and-add, and ``served``); arrival ``t`` waits
+until ``served == t`` and adds one when done. Two workers closing different blocks (any
+``buffer_size``) can then no longer both read the old ``m``, and every block holds exactly its ``N``
+arrivals: ``theta`` follows Alg. 3 applied in ticket order. The wait is short (an outer step is a few
+box operations, once per round). A worker killed in the middle of a round takes only its own unpushed
+round with it; one killed holding the turn (between its ticket and ``served``) is passed over once
+the turn has stood still ``lost_after_s`` and a rank is known lost: the next arrival takes the turn,
+and that one arrival's step is lost. ``theta``, ``m`` and the accumulator live in the box, so they
+outlive any worker (with ``--box rma``, on its memory rank).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from pydantic import Field, model_validator
 from torch.nn.utils import parameters_to_vector
 
 from parambox.box import Layout
-from parambox.errors import UserError, warn
+from parambox.errors import CommTimeout, UserError, warn
 from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
 from parambox.strategies.base import Context, StepResult, Strategy, loss_value, trainable
@@ -188,18 +191,20 @@ class DelayedNesterov:
     """The outer step of asynchronous DiLoCo on the box: Delayed Nesterov (Liu et al. 2024, Alg. 3).
 
     The box holds ``theta`` (at ``0``), the momentum ``m`` (at ``m_start``) and the block accumulator
-    ``a`` (at ``a_start``, the block's pseudo-gradients scaled ``1/N``), and the ticket counter. For
-    one arrival ``g`` (``apply_``)::
+    ``a`` (at ``a_start``, the block's pseudo-gradients scaled ``1/N``), the ticket counter and the
+    ``served`` counter after it. For one arrival ``g`` (``apply_``), atomic as a whole::
 
-        t <- ticket++;  a += g / N
-        if (t + 1) % N == 0:  a_blk <- a; a -= a_blk; m <- beta m + a_blk
+        t <- ticket++;  wait until served == t
+        a += g / N
+        if (t + 1) % N == 0:  a_blk <- a; a <- 0; m <- beta m + a_blk
                               theta -= lr ((1 - c N + c) beta m + g / N)
         else:                 theta -= lr (c beta m + g / N)
+        served++
 
     With ``c = 0`` and the ``N`` pseudo-gradients of a block all taken from the same ``theta``, a block
     is one synchronous Nesterov step on their mean.
 
-    >>> dn = DelayedNesterov(box, numel=4, m_start=4, a_start=8, ticket=12, lr=0.7, momentum=0.9, n=2)  # doctest: +SKIP
+    >>> dn = DelayedNesterov(box, numel=4, m_start=4, a_start=8, ticket=0, lr=0.7, momentum=0.9, n=2)  # doctest: +SKIP
     >>> dn.apply_(g, push_theta=lambda u, scale: box.push(u, scale))  # doctest: +SKIP
     """
 
@@ -214,11 +219,18 @@ class DelayedNesterov:
         momentum: float,
         n: int,
         activation: float = 0.0,
+        lost_after_s: float = 300.0,
+        anyone_lost: Any = lambda: False,
+        served: int | None = None,
     ):
         self.box, self.numel, self.m_start, self.a_start, self.ticket = box, numel, m_start, a_start, ticket
+        self.served = ticket + 1 if served is None else served  # the ticket lock's second counter
         self.lr, self.beta, self.n, self.c = lr, momentum, n, activation
+        self.lost_after_s, self.anyone_lost = lost_after_s, anyone_lost
         self._m = torch.empty(numel)
         self._a = torch.empty(numel)
+        self.passed_over = 0  # turns taken from a holder found lost
+        self.last_ticket = -1
 
     def apply_(self, g: torch.Tensor, push_theta: Any) -> bool:
         """One arrival; returns whether this arrival updated the momentum (it held a block's last ticket)."""
@@ -226,22 +238,48 @@ class DelayedNesterov:
         if beta == 0:  # no momentum: every arrival is its own step, scaled 1/N
             push_theta(g, -self.lr / n)
             return False
-        t = self.box.add_counter(self.ticket, 1)
-        self.box.push(g, 1.0 / n, self.a_start)
+        t = self.last_ticket = self.box.add_counter(self.ticket, 1)
+        self._await_turn(t)
+        try:
+            return self._step(t, g, push_theta)
+        finally:
+            self.box.add_counter(self.served, 1)
+
+    def _step(self, t: int, g: torch.Tensor, push_theta: Any) -> bool:
+        """Arrival ``t``'s outer step; the caller holds the turn."""
+        n, beta = self.n, self.beta
         update = g / n
         if (t + 1) % n == 0:
-            a = self.box.pull(self._a, self.a_start)
-            self.box.push(a, -1.0, self.a_start)  # leaves pushes that land meanwhile for the next block
+            a = self.box.pull(self._a, self.a_start) + g / n  # the block's N arrivals, this one last
+            self.box.write(torch.zeros_like(a), self.a_start)
             m = self.box.pull(self._m, self.m_start)
             new_m = m * beta + a
-            self.box.push(new_m - m, 1.0, self.m_start)
+            self.box.write(new_m, self.m_start)
             update.add_(new_m, alpha=(1 - self.c * n + self.c) * beta)
             push_theta(update, -self.lr)
             return True
+        self.box.push(g, 1.0 / n, self.a_start)
         if self.c > 0:
             update.add_(self.box.pull(self._m, self.m_start), alpha=self.c * beta)
         push_theta(update, -self.lr)
         return False
+
+    def _await_turn(self, t: int) -> None:
+        """Until ``served == t``. A turn that stands still ``lost_after_s`` while a rank is known lost
+        belongs to the lost rank (killed holding it): the next in line passes it over."""
+        last, since = self.box.read_counter(self.served), time.monotonic()
+        while (now := self.box.read_counter(self.served)) < t:
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since > self.lost_after_s:
+                if not self.anyone_lost():
+                    raise CommTimeout(
+                        f"diloco outer step: turn {now} stood still {self.lost_after_s:.0f} s, no worker lost"
+                    )
+                if t == now + 1:  # only the next in line moves the turn on
+                    self.box.add_counter(self.served, 1)
+                    self.passed_over += 1
+            time.sleep(1e-4)
 
 
 def local_steps(own_s: float, others_s: list[float], inner_steps: int) -> int:
@@ -262,8 +300,9 @@ class AsyncDiloco(AsyncStrategy):
 
     def __init__(self, ctx: Context, options: DilocoOptions):
         numel = Layout.from_model(ctx.model).numel
-        # extra counters: the ticket, then each rank's microseconds per inner step (DyLU)
-        super().__init__(ctx, options, extra_numel=2 * numel, extra_counters=1 + ctx.world.world_size)
+        # extra counters: the ticket lock (ticket, served), then each rank's microseconds per inner
+        # step (DyLU)
+        super().__init__(ctx, options, extra_numel=2 * numel, extra_counters=2 + ctx.world.world_size)
         self.optimizer = ctx.make_optimizer(self.params)
         n = options.buffer_size or self.num_workers
         if options.momentum_activation > 1 / n:
@@ -278,6 +317,9 @@ class AsyncDiloco(AsyncStrategy):
             options.outer_momentum,
             n,
             options.momentum_activation,
+            self.lost_after_s,
+            self._anyone_lost,
+            self.counters.extra(1),
         )
         self.pulled = self.x.clone()  # theta as this round started: g = pulled - x
         self.round_steps = 0
@@ -317,7 +359,14 @@ class AsyncDiloco(AsyncStrategy):
         self._set_counter(self._speed(self.world.rank), max(1, int(self.s_per_step * 1e6)))
 
     def _speed(self, r: int) -> int:
-        return self.counters.extra(1 + r)
+        return self.counters.extra(2 + r)
+
+    def _anyone_lost(self) -> bool:
+        return any(
+            self.box.read_counter(self.counters.status(r)) & LOST
+            or (self.board is not None and self.board.dead(r))
+            for r in range(self.num_workers)
+        )
 
     def _next_target(self) -> int:
         """DyLU: this worker's H from its speed and the active workers' (those not done, lost or halted)."""
@@ -353,6 +402,7 @@ class AsyncDiloco(AsyncStrategy):
             # before super() bumps `ready`: nobody pushes before the momentum is back
             self.box.write(state["outer_state"], self.extra_start)
             self._set_counter(self.counters.extra(0), int(state.get("ticket", 0)))
+            self._set_counter(self.counters.extra(1), int(state.get("ticket", 0)))  # no turn in flight
         super().load_state_dict(state)
         if not self.serves and "pulled" in state:
             self.pulled.copy_(state["pulled"])
