@@ -332,7 +332,7 @@ def test_pick_user_errors_are_one_line(tmp_path, capsys, args, message):
     assert not (tmp_path / "p").exists()  # nothing ran, nothing was written
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(450)
 def test_pick_quick_validate_json(tmp_path):
     """The suite's form of the Must show: 2 workers on loopback, three candidates, --validate (under
     --quick the top pick, one other at random and allreduce), the scores in the JSON; the workload's
@@ -342,7 +342,7 @@ def test_pick_quick_validate_json(tmp_path):
         "pick", "--workers", "2", "--target-accuracy", "0.8", "--quick", "--validate", "--json",
         "--strategies", "allreduce,weight-avg,dynsgd", "--metrics", "tests.workloads.acc_metric:metrics",
         "--out", str(out),
-        timeout=280,
+        timeout=430,
     )  # fmt: skip
     result = json.loads(proc.stdout)
     assert json.loads((out / "pick.json").read_text()) == result
