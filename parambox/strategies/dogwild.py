@@ -302,6 +302,9 @@ class _Master:
         deadline = time.monotonic() + self.owner.ctx.timeout_s
         with self.changed:
             while min(self.progress()) < needed:
+                self._find_lost()  # a dead worker must not hold rank 0 up: it stops counting
+                if min(self.progress()) >= needed:
+                    break
                 if self.error is not None or time.monotonic() > deadline:
                     why = self.error or f"none came in {self.owner.ctx.timeout_s:.0f} s"
                     raise CommTimeout(f"dogwild: rank 0 waiting for the slowest worker's gradients ({why})")
@@ -329,6 +332,14 @@ class _Master:
             owner.x.copy_(self.w)
             self.used_version = self.version
         owner.model.zero_grad(set_to_none=True)
+
+    def _find_lost(self) -> None:
+        """Mark lost the workers whose process is gone or that were silent ``lost_after_s`` (the
+        caller holds the lock)."""
+        now = time.monotonic()
+        for r in sorted(self.workers - self.done - self.lost):
+            if identity_gone(self.idents[r]) or now - self.heard[r] > self.owner.lost_after_s:
+                self._mark_lost(r)
 
     # -- the receiving thread ---------------------------------------------------------------------------
     def _serve(self) -> None:
