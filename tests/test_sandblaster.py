@@ -324,7 +324,7 @@ def test_a_worker_slowed_5x_does_not_hold_the_batch_up(tmp_path):
         f"step {step:.3f} s, portion phase {phase:.3f} s ({step / phase:.2f}x), without backups {step_plain:.3f} s"
     )
     assert step <= 0.75 * step_plain, (step, step_plain)
-    assert [r["loss"] for r in fast] == pytest.approx([r["loss"] for r in plain], rel=1e-4)
+    assert [r["loss"] for r in fast] == pytest.approx([r["loss"] for r in plain], rel=1e-3)
     assert (
         sum(r["backup_wins"] for r in fast) >= 1
         and summary(tmp_path / "backup")["sandblaster_copies_stopped"] >= 1
