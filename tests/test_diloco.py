@@ -8,6 +8,8 @@ weight-avg with period 4 (<= 1e-5); sync and async diloco reach >= 0.95 on the d
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import time
 import uuid
 
 import pytest
@@ -24,7 +26,7 @@ FAST = ["--model", "mlp", "--eval-every", "0", "--no-progress", "--threads", "1"
 
 @pytest.fixture
 def box():
-    b = open_box("shm", World(), 3 * N, 1, name=f"diloco-{uuid.uuid4().hex[:8]}")
+    b = open_box("shm", World(), 3 * N, 2, name=f"diloco-{uuid.uuid4().hex[:8]}")
     yield b
     b.close()
 
@@ -72,6 +74,77 @@ def test_delayed_nesterov_between_updates_moves_by_the_scaled_gradient(box):
     assert torch.allclose(box.pull(torch.empty(N), 2 * N), torch.zeros(N))  # the block's sum was taken
     dn.apply_(torch.zeros(N), lambda u, s: box.push(u, s))  # c beta m = 0.125: -0.5 * 0.125
     assert torch.allclose(theta(box), torch.full((N,), -0.25 - 0.4375 - 0.0625))
+
+
+def alg3(theta0: torch.Tensor, gs: list[torch.Tensor], n: int, lr: float, beta: float) -> torch.Tensor:
+    """Liu et al. 2024, Alg. 3 (Delayed Nesterov, c = 0), the arrivals applied one after another."""
+    theta, m, a = theta0.clone(), torch.zeros_like(theta0), torch.zeros_like(theta0)
+    for t, g in enumerate(gs):
+        a += g / n
+        if (t + 1) % n == 0:
+            m, a = beta * m + a, torch.zeros_like(a)
+            theta -= lr * (beta * m + g / n)
+        else:
+            theta -= lr * g / n
+    return theta
+
+
+class SlowMomentumRead:
+    """The box, but reading the momentum takes ``delay`` s more: the read-modify-write stays open."""
+
+    def __init__(self, box, delay: float):
+        self.box, self.delay = box, delay
+
+    def __getattr__(self, name):
+        return getattr(self.box, name)
+
+    def pull(self, out, start=0):
+        got = self.box.pull(out, start)
+        if start == N:  # m
+            time.sleep(self.delay)
+        return got
+
+
+def _arrive(box, rank: int, n: int, unlocked: bool, out: mp.Queue) -> None:
+    """Rank r's two arrivals g = (r + 1) (k + 1) * base; the first of rank 0 holds m open 0.5 s."""
+    torch.set_num_threads(1)
+    time.sleep(0.15 * rank)  # rank 0 takes ticket 0, the others arrive while it holds m open
+    slow = SlowMomentumRead(box, 0.5 if rank == 0 else 0.0)
+    dn = DelayedNesterov(slow, N, N, 2 * N, 0, 0.7, 0.9, n)
+    if unlocked:  # the protocol before the ticket lock: no turns
+        dn._await_turn = lambda t: None
+    base = torch.arange(1.0, N + 1)
+    for k in range(2):
+        g = (rank + 1) * (k + 1) * base
+        dn.apply_(g, lambda u, s: box.push(u, s))
+        slow.delay = 0.0
+        out.put((dn.last_ticket, g.tolist()))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n,unlocked", [(1, False), (2, False), (1, True)])
+def test_async_outer_steps_of_several_processes_follow_alg3(box, n, unlocked):
+    """Three processes, two arrivals each, buffer_size 1 or 2 (several blocks close while another is
+    open), rank 0 holding the momentum's read-modify-write open 0.5 s while the others arrive:
+    theta is Alg. 3 applied in ticket order. Without the turns two closers read the same m and
+    theta misses Alg. 3 (the issue found 0.534 where Alg. 3 gives 0.171)."""
+    theta0 = torch.linspace(-1.0, 1.0, N)
+    box.write(theta0)
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_arrive, args=(box, r, n, unlocked, out)) for r in range(3)]
+    for p in procs:
+        p.start()
+    got = sorted(out.get(timeout=30) for _ in range(6))
+    for p in procs:
+        p.join(10)
+    assert [t for t, _ in got] == list(range(6))
+    expected = alg3(theta0, [torch.tensor(g) for _, g in got], n, 0.7, 0.9)
+    if unlocked:
+        assert not torch.allclose(theta(box), expected, atol=1e-3)
+    else:
+        assert torch.allclose(theta(box), expected, atol=1e-4), (theta(box), expected)
+        assert box.read_counter(1) == 6  # every turn served
 
 
 def test_dylu_local_steps_follow_the_speed():

@@ -55,7 +55,7 @@ def _worker(rank: int, n: int, make, port: int, out_dir: str, faults: dict) -> N
         model,
         lambda p: torch.optim.SGD(p, lr=LR, momentum=make.momentum),
         lambda model, batch: model(batch[0]).sum(),
-        STEPS,
+        make.steps,
         20.0,
     )
     kind, at = faults.get(rank, ("", 1 << 30))
@@ -74,10 +74,12 @@ def _worker(rank: int, n: int, make, port: int, out_dir: str, faults: dict) -> N
     while not strategy.should_stop(step):
         if kind == "kill" and step == at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "slow":  # this rank's every step takes `at` seconds longer
+            time.sleep(at)
         bad = kind == "nan" and step >= at
         strategy.step((torch.full_like(x, float("nan")) if bad else x, torch.zeros(2)), step)
         if peer is not None and (not adopted or adopted[-1][0] != peer.version):
-            adopted.append((peer.version, strategy.x.tolist()))
+            adopted.append((peer.version, len(peer.pending), strategy.x.tolist()))
         step += 1
     loop_s = time.perf_counter() - t0
     strategy.finish()
@@ -85,6 +87,7 @@ def _worker(rank: int, n: int, make, port: int, out_dir: str, faults: dict) -> N
     out = {"rank": rank, "steps": step, "loop_s": loop_s, "adopted": adopted, **strategy.summary_extra()}
     if isinstance(strategy, Dogwild):
         out["replica"] = strategy.x.tolist()
+        out["max_lag"] = (peer or strategy.master).max_lag
     if result_model is not None:
         out["weights"] = result_model.weight.detach().flatten().tolist()
     strategy.close()
@@ -99,11 +102,13 @@ def run_forked(make, out_dir: Path, n: int = 2, faults: dict | None = None) -> d
     return {int(f.stem): json.loads(f.read_text()) for f in out_dir.glob("*.json")}
 
 
-def maker(cls, options, momentum: float = 0.0, ordered: bool = False, same_data: bool = False):
+def maker(
+    cls, options, momentum: float = 0.0, ordered: bool = False, same_data: bool = False, steps: int = STEPS
+):
     def make(ctx):
         return cls(ctx, options)
 
-    make.momentum, make.ordered, make.same_data = momentum, ordered, same_data
+    make.momentum, make.ordered, make.same_data, make.steps = momentum, ordered, same_data, steps
     return make
 
 
@@ -202,8 +207,10 @@ def test_dogwild_killed_worker_is_found_lost(tmp_path):
 @pytest.mark.timeout(60)
 def test_dogwild_master_shares_every_update_with_all_workers(tmp_path):
     """Three ranks, equal constant gradients g, plain SGD: after v arrivals w = w0 - lr v g, whatever
-    the order. Every weights message a worker adopted mid-run is exactly that at its version, the
-    master ends at version 3K, and every replica ends equal to it (the final broadcast)."""
+    the order. A worker applies its own gradient to its replica too: after each step its replica is
+    the weights it adopted (version v) plus its own p steps those weights do not hold yet, exactly
+    w0 - lr (v + p) g. The master ends at version 3K, and every replica ends equal to it (the final
+    broadcast, which holds every gradient)."""
     res = run_forked(maker(Dogwild, DogwildOptions(), same_data=True), tmp_path, n=3)
 
     def at(v: int) -> torch.Tensor:
@@ -214,10 +221,10 @@ def test_dogwild_master_shares_every_update_with_all_workers(tmp_path):
     for r in range(3):
         assert torch.equal(torch.tensor(res[r]["replica"]), final), r
     for r in (1, 2):
-        versions = [v for v, _ in res[r]["adopted"]]
+        versions = [v for v, _, _ in res[r]["adopted"]]
         assert versions == sorted(versions) and all(0 <= v <= 3 * STEPS for v in versions)
-        for v, x in res[r]["adopted"]:
-            assert torch.equal(torch.tensor(x), at(v)), (r, v)
+        for v, own, x in res[r]["adopted"]:
+            assert own >= 1 and torch.equal(torch.tensor(x), at(v + own)), (r, v, own)
     assert all(n >= 1 for n in res[0]["weights_broadcasts"])
 
 
@@ -231,6 +238,25 @@ def test_dogwild_worker_never_waits_for_weights(tmp_path):
     expected = W0.flatten() - LR * STEPS * (grad(0) + grad(1))
     assert torch.equal(torch.tensor(res[0]["weights"]), expected)
     assert torch.equal(torch.tensor(res[1]["replica"]), expected)  # the final broadcast, late but there
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("max_ahead", [1, None])
+def test_dogwild_max_ahead_bounds_the_lag_behind_every_worker(max_ahead, tmp_path):
+    """Three ranks, rank 2 taking 0.1 s longer per step, 10 steps. With max_ahead=1 no rank ever
+    computes on weights that miss any rank's gradients from before its previous step (lag <= 1, the
+    slow worker's included: the fast ones wait for it); without a bound the fast ranks run ahead of
+    the slow one (lag > 1). Every gradient lands either way (plain SGD: closed form)."""
+    steps = 10
+    make = maker(Dogwild, DogwildOptions(max_ahead=max_ahead), steps=steps)
+    res = run_forked(make, tmp_path, n=3, faults={2: ("slow", 0.1)})
+    lags = [res[r]["max_lag"] for r in range(3)]
+    if max_ahead is None:
+        assert max(lags[:2]) > 1, lags
+    else:
+        assert max(lags) <= max_ahead, lags
+    expected = W0.flatten() - LR * steps * sum(grad(r) for r in range(3))
+    assert torch.equal(torch.tensor(res[0]["weights"]), expected)
 
 
 # -- the CLI, as a user runs it ----------------------------------------------------------------------

@@ -9,8 +9,11 @@ import math
 import pytest
 
 from parambox.studies.pick import model as pm
+from parambox.studies.pick import scores
 from parambox.studies.pick.candidates import Candidate, registry_candidates
-from parambox.studies.pick.study import _confident, _step_cap, summarize_validation
+from parambox.studies.pick.runs import Measured
+from parambox.studies.pick.study import _confident, merge_seeds
+from parambox.studies.pick.validation import _step_cap, choose, summarize_validation
 from tests.conftest import run_cli
 from tests.test_cluster import live_namespaces, needs_root, root_state
 
@@ -164,8 +167,99 @@ def test_validation_ratios_and_confidence():
     rows = [{"predicted_s": 1.0, "predicted_low_s": 0.8, "predicted_high_s": 1.2}]
     assert _confident(rows + [{"predicted_s": 2.0, "predicted_low_s": 1.5, "predicted_high_s": 3.0}])
     assert not _confident(rows + [{"predicted_s": 1.3, "predicted_low_s": 1.1, "predicted_high_s": 3.0}])
+    # A margin the top pick's own error estimate cannot support: one point of its ratio, or censored.
+    wide = [{"predicted_s": 2.0, "predicted_low_s": 1.5, "predicted_high_s": 3.0}]
+    one = [{**rows[0], "setup": "dynsgd", "convergence_points": 1}]
+    assert not _confident(one + wide, "allreduce") and _confident(one + wide, "dynsgd")
+    assert not _confident([{**rows[0], "convergence_points": 4, "convergence_censored": True}] + wide)
     p = pm.predict(640.0, pm.Ratio(1, 1, 1), pm.StepCost(0.01, 0.0, 64.0))  # 10 steps; high 0.1 s
     assert _step_cap(600, p) == 600 and _step_cap(5, p) == 20 and _step_cap(1, p) == 10
+
+
+def test_kendall_tau_against_hand_counted_pairs():
+    assert scores.kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert scores.kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    # 6 pairs: 5 concordant, 1 discordant (3 <-> 4 swapped): (5 - 1) / 6
+    assert scores.kendall_tau([1, 2, 3, 4], [1, 2, 4, 3]) == pytest.approx(4 / 6)
+    # tau-b with a tie in x: pairs (0,1) tied in x only; 2 concordant: 2 / sqrt(3 * 2)
+    assert scores.kendall_tau([1, 1, 2], [1, 2, 3]) == pytest.approx(2 / math.sqrt(6))
+    assert scores.kendall_tau([1.0], [2.0]) is None and scores.kendall_tau([1, 1], [1, 2]) is None
+    # a setup that never reached the target counts as the slowest measured
+    pred, meas = {"a": 1.0, "b": 2.0, "c": 3.0}, {"a": 5.0, "b": None, "c": 9.0}
+    assert scores.seed_rank_correlation(pred, meas) == pytest.approx(1 / 3)
+
+
+def test_top1_hit_rate_and_prediction_error_over_seeds():
+    seeds = [
+        {"top_pick": "a", "predicted_s": {"a": 1.0, "b": 2.0}, "measured_s": {"a": 2.0, "b": 3.0}},
+        {"top_pick": "a", "predicted_s": {"a": 1.0, "b": 2.0}, "measured_s": {"a": 4.0, "b": 3.0}},
+        {"top_pick": "b", "predicted_s": {"a": 3.0, "b": 2.0}, "measured_s": {"a": 3.0, "b": None}},
+    ]
+    out = scores.summarize_seeds(seeds, {"a": "asynchronous", "b": "synchronous"})
+    assert out["top1_hit_rate"] == pytest.approx(1 / 3)  # seed 0 only; seed 2's top never got there
+    # a: |1-2|/2 = 0.5, |1-4|/4 = 0.75, |3-3|/3 = 0 -> median 0.5; b: 1/3, 1/3 -> 1/3
+    assert out["prediction_error"] == pytest.approx({"a": 0.5, "b": 1 / 3})
+    assert out["prediction_error_by_family"] == pytest.approx(
+        {"synchronous": 1 / 3, "local SGD": None, "asynchronous": 0.5}
+    )
+    # seed 2: b predicted faster but never reached the target (slowest): discordant
+    assert out["rank_correlation_per_seed"] == [1.0, -1.0, -1.0] and out["rank_correlation"] == -1.0
+    assert scores.family("diloco", False) == "local SGD" and scores.family("diloco", True) == "asynchronous"
+    assert scores.family("allreduce", False) == "synchronous"
+
+
+def test_validate_k_takes_the_top_k_and_k_others_at_random():
+    timed = [f"s{i}" for i in range(8)]
+    picked = {tuple(choose(timed, 2, seed)) for seed in range(20)}
+    assert all(p[:2] == ("s0", "s1") and len(p) == 4 and list(p) == sorted(p) for p in picked)
+    assert len(picked) > 1 and choose(timed, 2, 3) == choose(timed, 2, 3)  # drawn, and seeded
+    assert choose(timed, None, 0) == timed and choose(timed, 4, 0) == timed
+
+
+def test_asynchronous_samples_count_every_rank_on_the_aligned_clocks():
+    """Rank 1 starts 1 s before rank 0 and runs twice its pace: at rank 0's t = 2 s, rank 0 has done 2
+    steps of 10 samples, rank 1 (3 s in) 6 steps: 80 samples, not rank 0's 2 x 2 x 10."""
+    m = Measured(run_dir=None)
+    m.steps = [{"step": k, "time": float(k), "samples_per_s": 20.0, "comm": {}} for k in range(1, 5)]
+    m.ranks = {0: (101.0, [(float(k), 10.0 * k) for k in range(1, 5)])}
+    m.ranks[1] = (100.0, [(0.5 * k, 10.0 * k) for k in range(1, 11)])
+    assert m.global_samples(2.0) == 80.0
+    m.evals = [{"step": 2, "test_loss": 1.0}]
+    assert m.curve("test_loss").samples == [80.0]
+    cost = m.cost(warmup=1)  # rank 0's t = 2..4 s: 60 samples per second from both
+    assert cost.samples_per_s == pytest.approx(30.0)
+
+
+def test_several_seeds_merge_into_one_ranking_by_the_median():
+    def seed(k, a, b, top_ok=True):
+        rows = [
+            {
+                "setup": "a",
+                "family": "synchronous",
+                "predicted_s": a,
+                "predicted_low_s": a,
+                "predicted_high_s": a,
+            },
+            {
+                "setup": "b",
+                "family": "asynchronous",
+                "predicted_s": b,
+                "predicted_low_s": b,
+                "predicted_high_s": b,
+            },
+        ]
+        rows.sort(key=lambda r: r["predicted_s"])
+        v = {
+            "top_pick": rows[0]["setup"],
+            "predicted_s": {"a": a, "b": b},
+            "measured_s": {"a": 2.0, "b": 1.0},
+        }
+        return {"seed": k, "ranking": rows, "confident": top_ok, "wall_time_s": 1.0, "validation": v}
+
+    out = merge_seeds([seed(0, 1.0, 1.8), seed(1, 3.0, 2.5), seed(2, 2.0, 1.5)])
+    assert [r["setup"] for r in out["ranking"]] == ["b", "a"] and out["ranking"][0]["predicted_s"] == 1.8
+    assert out["seeds"] == [0, 1, 2] and not out["confident"]  # the seeds disagreed on the top pick
+    assert out["validation"]["top1_hit_rate"] == pytest.approx(2 / 3)
 
 
 # -- candidates: the registry, nothing named ----------------------------------------------------------
@@ -239,14 +333,17 @@ def test_pick_user_errors_are_one_line(tmp_path, capsys, args, message):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(450)
 def test_pick_quick_validate_json(tmp_path):
-    """The suite's form of the Must show: 2 workers on loopback, three candidates, --validate."""
+    """The suite's form of the Must show: 2 workers on loopback, three candidates, --validate (under
+    --quick the top pick, one other at random and allreduce), the scores in the JSON; the workload's
+    metrics call accuracy "acc"."""
     out = tmp_path / "pick"
     proc = run_cli(
         "pick", "--workers", "2", "--target-accuracy", "0.8", "--quick", "--validate", "--json",
-        "--strategies", "allreduce,weight-avg,dynsgd", "--out", str(out),
-        timeout=280,
+        "--strategies", "allreduce,weight-avg,dynsgd", "--metrics", "tests.workloads.acc_metric:metrics",
+        "--out", str(out),
+        timeout=430,
     )  # fmt: skip
     result = json.loads(proc.stdout)
     assert json.loads((out / "pick.json").read_text()) == result
@@ -258,8 +355,13 @@ def test_pick_quick_validate_json(tmp_path):
         assert {"strategy", "options", "predicted_s", "reason"} <= set(r) and r["reason"]
     v = result["validation"]
     assert {"measured_s", "top_pick_vs_best_measured", "top_pick_vs_allreduce"} <= set(v)
+    assert {"rank_correlation", "top1_hit_rate", "prediction_error", "prediction_error_by_family"} <= set(v)
     assert result["ranking"][0]["setup"] in v["measured_s"] and "allreduce" in v["measured_s"]
+    assert len(v["measured_s"]) >= 2  # --quick --validate: the top pick and one other, and allreduce
     assert all(t is None or t > 0 for t in v["measured_s"].values())
+    # The user's metric is "acc" (no "accuracy"): pick takes it as the target's metric.
+    assert result["target_metric"] == "acc" and v["top1_hit_rate"] in (0.0, 1.0)
+    assert {r["family"] for r in result["ranking"]} <= {"synchronous", "local SGD", "asynchronous"}
 
 
 @needs_root

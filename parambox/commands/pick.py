@@ -5,11 +5,15 @@ A reference run (allreduce) trains until its test accuracy reaches the target; e
 of the registry that accepts N workers is probed for a few dozen steps (its presets' options). Each
 prediction is samples to target / samples per second: the samples from how fast the probe's test loss
 fell against the reference's (convergence per sample, with a band), the rate from the probe's time
-per step (compute and communication). --validate trains the top three to the target and reports the
-measured times. The runs live in --out (probes/, validation/, reference/) beside pick.json.
+per step (compute and communication). --validate trains every ranked candidate to the target (--validate K:
+the top K and K others at random) and scores the predictions: Kendall's tau between predicted and
+measured order, the top pick's hit, the median prediction error per strategy and family. --seeds N
+repeats it all with N seeds. The runs live in --out (probes/, validation/, reference/; seed-K/ each
+with several seeds) beside pick.json.
 
-    parambox pick --workers 2 --target-accuracy 0.95 --validate --json
-    parambox pick --workers 2 --target-accuracy 0.95 --emulate-nodes 2 --link-gbps 0.1 --validate
+    parambox pick --workers 2 --target-accuracy 0.95 --validate all --seeds 3 --json
+    parambox pick --workers 2 --target-accuracy 0.95 --emulate-nodes 2 --link-gbps 0.1 --validate 3
+    parambox pick --workers 2 --target-accuracy 0.9 --target-metric acc --metrics mymod:metrics
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from parambox.errors import UserError
 RUN_FLAGS = ("model", "data", "loss", "metrics", "collate", "data_path", "batch_size", "lr", "optimizer")
 RUN_FLAGS += ("momentum", "steps", "seed", "threads", "box")
 QUICK = {"probe_fraction": 1.0, "eval_every": 2}
+BARE = "bare"  # --validate with no value: all (under --quick, the top pick and one other)
 DEFAULTS = {"probe_fraction": 1.0, "eval_every": 4}
 
 
@@ -35,13 +40,26 @@ def configure(p: argparse.ArgumentParser) -> None:
     a("--workers", type=int, required=True, help="the worker count to choose a strategy for")
     a("--target-accuracy", type=float, required=True, help="test accuracy to reach, within (0, 1]")
     a("--strategies", help="comma list: consider only these (default: every registered strategy)")
-    a("--validate", action="store_true", help="train the top three and allreduce to the target")
+    a(
+        "--validate",
+        nargs="?",
+        const=BARE,
+        metavar="all|K",
+        help="train every ranked candidate and allreduce to the target (all, the default), or the top K "
+        "and K others at random",
+    )
+    a("--seeds", type=int, default=1, help="repeat probes and validations with N seeds (default 1)")
+    a(
+        "--target-metric",
+        default="accuracy",
+        help="the evaluations' metric --target-accuracy applies to (test_NAME; default accuracy)",
+    )
     a("--json", action="store_true", help="print one JSON object on stdout (progress on stderr)")
     a("--out", type=Path, help="directory for pick.json and the runs (default picks/pick-TIME)")
     a(
         "--quick",
         action="store_true",
-        help="for tests: evaluations every 2 steps, only the top pick validated",
+        help="for tests: evaluations every 2 steps; a bare --validate validates the top pick and one other",
     )
     a("--probe-steps", type=int, help="steps of each probe (default: the reference's to the target)")
     a("--probe-fraction", type=float, help="a probe's steps as a fraction of the reference's (default 1)")
@@ -65,6 +83,13 @@ def settings_from_args(args: argparse.Namespace):
         raise UserError(f"--workers must be >= 1, got {args.workers}")
     if not 0 < args.target_accuracy <= 1:
         raise UserError(f"--target-accuracy must be within (0, 1], got {args.target_accuracy}")
+    if args.seeds < 1:
+        raise UserError(f"--seeds must be >= 1, got {args.seeds}")
+    if not args.target_metric or not args.target_metric.replace("_", "").isalnum():
+        raise UserError(
+            f"--target-metric must be a metric's name (letters, digits, _), got {args.target_metric!r}"
+        )
+    num_validated = _num_validated(args.validate, args.quick)
     sizes = {"probe_fraction": args.probe_fraction, "eval_every": args.eval_every}
     for key, value in {**sizes, "probe_steps": args.probe_steps}.items():
         if value is not None and not value > 0:
@@ -97,20 +122,35 @@ def settings_from_args(args: argparse.Namespace):
         base=base,
         out=out,
         strategies=only,
-        validate=args.validate,
+        validate=args.validate is not None,
         run_timeout_s=args.run_timeout,
         probe_timeout_s=args.probe_timeout,
         fixed=fixed,
         probe_steps=args.probe_steps,
-        num_validated=1 if args.quick else 3,
+        num_validated=num_validated,
+        seeds=args.seeds,
+        target_metric=args.target_metric,
         **sizes,
     )
+
+
+def _num_validated(value: str | None, quick: bool) -> int | None:
+    """--validate's K (None: every candidate); a bare --validate under --quick is K = 1."""
+    if value in (None, "all", BARE):
+        return 1 if quick and value == BARE else None
+    try:
+        k = int(value)
+    except ValueError:
+        raise UserError(f"--validate takes all or a count K >= 1, got {value!r}") from None
+    if k < 1:
+        raise UserError(f"--validate takes all or a count K >= 1, got {value!r}")
+    return k
 
 
 def run(args: argparse.Namespace) -> int:
     from parambox.config import build_config
     from parambox.run.plan import check_references
-    from parambox.studies.pick import run_pick
+    from parambox.studies.pick import run_pick_seeds
 
     s = settings_from_args(args)
     cfg = build_config(s.base)
@@ -128,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     def say(text: str) -> None:
         print(f"parambox pick: {text}", file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    result = run_pick(s, say)
+    result = run_pick_seeds(s, say)
     text = json.dumps(result, indent=2, allow_nan=False)
     (s.out / "pick.json").write_text(text + "\n")
     if args.json:
@@ -173,7 +213,15 @@ def print_result(result: dict) -> None:
         print("note: the top pick's band overlaps the runner-up's: the two are too close to call from probes")
     v = result.get("validation")
     if v:
-        for label, t in v["measured_s"].items():
+        for label, t in v.get("measured_s", {}).items():
             print(f"measured: {label}: {sec(t)} s" + ("" if t is not None else " (did not reach the target)"))
-        for key in ("top_pick_vs_best_measured", "top_pick_vs_allreduce"):
-            print(f"{key}: {'-' if v[key] is None else format(v[key], '.2f')}")
+        for key in (
+            "top_pick_vs_best_measured",
+            "top_pick_vs_allreduce",
+            "rank_correlation",
+            "top1_hit_rate",
+        ):
+            if key in v:
+                print(f"{key}: {'-' if v[key] is None else format(v[key], '.2f')}")
+        for family, err in v.get("prediction_error_by_family", {}).items():
+            print(f"median prediction error, {family}: {'-' if err is None else format(err, '.0%')}")

@@ -5,27 +5,32 @@ See ``parambox/strategies/diloco.py`` for the strategy that uses them.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
+
+from parambox.errors import CommTimeout
 
 
 class DelayedNesterov:
     """The outer step of asynchronous DiLoCo on the box: Delayed Nesterov (Liu et al. 2024, Alg. 3).
 
     The box holds ``theta`` (at ``0``), the momentum ``m`` (at ``m_start``) and the block accumulator
-    ``a`` (at ``a_start``, the block's pseudo-gradients scaled ``1/N``), and the ticket counter. For
-    one arrival ``g`` (``apply_``)::
+    ``a`` (at ``a_start``, the block's pseudo-gradients scaled ``1/N``), the ticket counter and the
+    ``served`` counter after it. For one arrival ``g`` (``apply_``), atomic as a whole::
 
-        t <- ticket++;  a += g / N
-        if (t + 1) % N == 0:  a_blk <- a; a -= a_blk; m <- beta m + a_blk
+        t <- ticket++;  wait until served == t
+        a += g / N
+        if (t + 1) % N == 0:  a_blk <- a; a <- 0; m <- beta m + a_blk
                               theta -= lr ((1 - c N + c) beta m + g / N)
         else:                 theta -= lr (c beta m + g / N)
+        served++
 
     With ``c = 0`` and the ``N`` pseudo-gradients of a block all taken from the same ``theta``, a block
     is one synchronous Nesterov step on their mean.
 
-    >>> dn = DelayedNesterov(box, numel=4, m_start=4, a_start=8, ticket=12, lr=0.7, momentum=0.9, n=2)  # doctest: +SKIP
+    >>> dn = DelayedNesterov(box, numel=4, m_start=4, a_start=8, ticket=0, lr=0.7, momentum=0.9, n=2)  # doctest: +SKIP
     >>> dn.apply_(g, push_theta=lambda u, scale: box.push(u, scale))  # doctest: +SKIP
     """
 
@@ -40,11 +45,18 @@ class DelayedNesterov:
         momentum: float,
         n: int,
         activation: float = 0.0,
+        lost_after_s: float = 300.0,
+        anyone_lost: Any = lambda: False,
+        served: int | None = None,
     ):
         self.box, self.numel, self.m_start, self.a_start, self.ticket = box, numel, m_start, a_start, ticket
+        self.served = ticket + 1 if served is None else served  # the ticket lock's second counter
         self.lr, self.beta, self.n, self.c = lr, momentum, n, activation
+        self.lost_after_s, self.anyone_lost = lost_after_s, anyone_lost
         self._m = torch.empty(numel)
         self._a = torch.empty(numel)
+        self.passed_over = 0  # turns taken from a holder found lost
+        self.last_ticket = -1
 
     def apply_(self, g: torch.Tensor, push_theta: Any) -> bool:
         """One arrival; returns whether this arrival updated the momentum (it held a block's last ticket)."""
@@ -52,22 +64,48 @@ class DelayedNesterov:
         if beta == 0:  # no momentum: every arrival is its own step, scaled 1/N
             push_theta(g, -self.lr / n)
             return False
-        t = self.box.add_counter(self.ticket, 1)
-        self.box.push(g, 1.0 / n, self.a_start)
+        t = self.last_ticket = self.box.add_counter(self.ticket, 1)
+        self._await_turn(t)
+        try:
+            return self._step(t, g, push_theta)
+        finally:
+            self.box.add_counter(self.served, 1)
+
+    def _step(self, t: int, g: torch.Tensor, push_theta: Any) -> bool:
+        """Arrival ``t``'s outer step; the caller holds the turn."""
+        n, beta = self.n, self.beta
         update = g / n
         if (t + 1) % n == 0:
-            a = self.box.pull(self._a, self.a_start)
-            self.box.push(a, -1.0, self.a_start)  # leaves pushes that land meanwhile for the next block
+            a = self.box.pull(self._a, self.a_start) + g / n  # the block's N arrivals, this one last
+            self.box.write(torch.zeros_like(a), self.a_start)
             m = self.box.pull(self._m, self.m_start)
             new_m = m * beta + a
-            self.box.push(new_m - m, 1.0, self.m_start)
+            self.box.write(new_m, self.m_start)
             update.add_(new_m, alpha=(1 - self.c * n + self.c) * beta)
             push_theta(update, -self.lr)
             return True
+        self.box.push(g, 1.0 / n, self.a_start)
         if self.c > 0:
             update.add_(self.box.pull(self._m, self.m_start), alpha=self.c * beta)
         push_theta(update, -self.lr)
         return False
+
+    def _await_turn(self, t: int) -> None:
+        """Until ``served == t``. A turn that stands still ``lost_after_s`` while a rank is known lost
+        belongs to the lost rank (killed holding it): the next in line passes it over."""
+        last, since = self.box.read_counter(self.served), time.monotonic()
+        while (now := self.box.read_counter(self.served)) < t:
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since > self.lost_after_s:
+                if not self.anyone_lost():
+                    raise CommTimeout(
+                        f"diloco outer step: turn {now} stood still {self.lost_after_s:.0f} s, no worker lost"
+                    )
+                if t == now + 1:  # only the next in line moves the turn on
+                    self.box.add_counter(self.served, 1)
+                    self.passed_over += 1
+            time.sleep(1e-4)
 
 
 def local_steps(own_s: float, others_s: list[float], inner_steps: int) -> int:

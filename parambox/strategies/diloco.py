@@ -20,14 +20,17 @@ and only every ``N``-th arrival (``buffer_size``, default the number of workers)
 with the block's accumulated pseudo-gradients and applies it. Each worker's ``H`` adapts to its speed
 (DyLU, their Eq. 6): ``H_w = floor(v_w / max v * inner_steps)``, the speeds posted in the box.
 
-Who applies the outer step: the pushing worker, and the box stays storage. No lock is needed: every
-change to ``theta`` and to the block accumulator is an accumulate (atomic per element in both box
-backends), and the momentum ``m`` (a read-modify-write) is changed only by the holder of a block's
-last ticket, one worker per block. The block's sum is taken by subtracting what was read, so a push
-that lands while it is read counts in the next block instead of being lost. A worker killed in the
-middle of a round takes only its own unpushed round with it; killed after its ticket, the block
-applies the momentum with what arrived (or the next block does). ``theta``, ``m`` and the accumulator
-live in the box, so they outlive any worker (with ``--box rma``, on its memory rank).
+Who applies the outer step: the pushing worker, and the box stays storage. The outer step reads and
+writes the momentum ``m`` and the block accumulator, so arrivals take it in turns, in ticket order: a
+ticket lock made of two box counters (``ticket``, fetch-and-add, and ``served``); arrival ``t`` waits
+until ``served == t`` and adds one when done. Two workers closing different blocks (any
+``buffer_size``) can then no longer both read the old ``m``, and every block holds exactly its ``N``
+arrivals: ``theta`` follows Alg. 3 applied in ticket order. The wait is short (an outer step is a few
+box operations, once per round). A worker killed in the middle of a round takes only its own unpushed
+round with it; one killed holding the turn (between its ticket and ``served``) is passed over once
+the turn has stood still ``lost_after_s`` and a rank is known lost: the next arrival takes the turn,
+and that one arrival's step is lost. ``theta``, ``m`` and the accumulator live in the box, so they
+outlive any worker (with ``--box rma``, on its memory rank).
 """
 
 from __future__ import annotations
@@ -220,8 +223,9 @@ class AsyncDiloco(AsyncStrategy):
 
     def __init__(self, ctx: Context, options: DilocoOptions):
         numel = Layout.from_model(ctx.model).numel
-        # extra counters: the ticket, then each rank's microseconds per inner step (DyLU)
-        super().__init__(ctx, options, extra_numel=2 * numel, extra_counters=1 + ctx.world.world_size)
+        # extra counters: the ticket lock (ticket, served), then each rank's microseconds per inner
+        # step (DyLU)
+        super().__init__(ctx, options, extra_numel=2 * numel, extra_counters=2 + ctx.world.world_size)
         self.optimizer = ctx.make_optimizer(self.params)
         n = options.buffer_size or self.num_workers
         if options.momentum_activation > 1 / n:
@@ -236,6 +240,9 @@ class AsyncDiloco(AsyncStrategy):
             options.outer_momentum,
             n,
             options.momentum_activation,
+            self.lost_after_s,
+            self._anyone_lost,
+            self.counters.extra(1),
         )
         self.pulled = self.x.clone()  # theta as this round started: g = pulled - x
         self.compressor = box_compressor(options, self.numel, self.x.device)
@@ -293,7 +300,14 @@ class AsyncDiloco(AsyncStrategy):
         self._set_counter(self._speed(self.world.rank), max(1, int(self.s_per_step * 1e6)))
 
     def _speed(self, r: int) -> int:
-        return self.counters.extra(1 + r)
+        return self.counters.extra(2 + r)
+
+    def _anyone_lost(self) -> bool:
+        return any(
+            self.box.read_counter(self.counters.status(r)) & LOST
+            or (self.board is not None and self.board.dead(r))
+            for r in range(self.num_workers)
+        )
 
     def _next_target(self) -> int:
         """DyLU: this worker's H from its speed and the active workers' (those not done, lost or halted)."""
@@ -347,6 +361,7 @@ class AsyncDiloco(AsyncStrategy):
             # before super() bumps `ready`: nobody pushes before the momentum is back
             self.box.write(state["outer_state"], self.extra_start)
             self._set_counter(self.counters.extra(0), int(state.get("ticket", 0)))
+            self._set_counter(self.counters.extra(1), int(state.get("ticket", 0)))  # no turn in flight
         super().load_state_dict(state)
         if not self.serves and "pulled" in state:
             self.pulled.copy_(state["pulled"])

@@ -11,13 +11,19 @@ default digits run with 2 workers has two). The weights ``w`` and the one optimi
 every gradient live on rank 0; every process computes on a replica ``x``.
 
 A worker's step: adopt the newest weights received so far (if newer than ``x``: no wait), compute
-``g`` on ``x``, ``isend`` it to rank 0 (two-sided torch.distributed point-to-point over gloo) and go
-on. There is no per-step wait for weights: a thread of its own receives the broadcasts into two
-buffers (one being filled, the newest complete one), and ``begin_step`` copies the newest into ``x``.
-Staleness is bounded (``max_ahead``, default 1): a worker waits only when more than that many of its
-gradients are missing from the newest weights it holds (each broadcast says how many of that
-worker's gradients rank 0 has taken), so a fast worker overlaps a step with its gradient's round
-trip but never runs away from the master; ``max_ahead=none`` never waits. Gradients
+``g`` on ``x``, ``isend`` it to rank 0 (two-sided torch.distributed point-to-point over gloo), apply
+it to ``x`` itself with an optimizer of its own (the survey's "each slave process updates the most
+recently received weights with the gradients which is explored by itself") and go on. There is no
+per-step wait for weights: a thread of its own receives the broadcasts into two buffers (one being
+filled, the newest complete one), and ``begin_step`` copies the newest into ``x`` and adds back this
+worker's own updates that those weights do not hold yet (each broadcast says how many of the
+worker's gradients rank 0 has taken), so adopting the master's weights never drops a worker's own
+step. Staleness is bounded as in stale synchronous parallel (``max_ahead``, default 1): before its
+step ``c`` a worker, and rank 0 as well, waits until the weights it holds contain every rank's
+gradients up to ``c - max_ahead`` (each broadcast carries how many gradients of every rank the
+weights hold; a rank that is done, halted or lost no longer counts), so no rank runs more than
+``max_ahead`` steps ahead of the slowest one, and a gradient applied late misses a bounded number of
+updates; ``max_ahead=none`` never waits. Gradients
 go out from two alternating message buffers (backward accumulates straight into them), so a send
 overlaps the next step's computation; a worker waits only when rank 0 has not yet taken the
 gradient it sent two steps ago (back-pressure, which bounds staleness when the master falls behind).
@@ -42,7 +48,8 @@ weights to every worker that is still there, so every replica ends equal to the 
 applying it, so ``w`` stays finite.
 
 Messages (float32, host memory): ``[gradient | kind, version used, loss, samples, steps done]``;
-broadcasts ``[weights | version, staleness, final, gradients taken from this worker]``. They travel over gloo also when the run's
+broadcasts ``[weights | version, staleness, final, gradients taken from this worker, then per rank
+the gradients the weights hold (inf: done, halted or lost)]``. They travel over gloo also when the run's
 backend is nccl (a gloo group of their own: NCCL has no receive-from-any); GPU gradients and weights
 are staged through the host buffers.
 """
@@ -53,6 +60,7 @@ import copy
 import threading
 import time
 import warnings
+from collections import deque
 from datetime import timedelta
 from typing import Any
 
@@ -81,8 +89,8 @@ class DogwildOptions(Options):
         1,
         ge=0,
         description=(
-            "a worker waits for weights only when more than this many of its gradients are not in "
-            "the newest weights it has (bounded staleness); none: it never waits"
+            "before its step c a rank waits until the weights it has hold every rank's gradients up "
+            "to c - max_ahead (stale synchronous parallel); none: it never waits"
         ),
     )
 
@@ -120,6 +128,9 @@ class Dogwild(Strategy):
 
     def begin_step(self, step: int) -> None:
         if self.world.rank == 0:
+            if self.options.max_ahead is not None:
+                with self.timers.phase("wait_weights"):
+                    self.master.await_progress(step - self.options.max_ahead)
             self.model.zero_grad(set_to_none=True)
         else:
             self.peer.begin_step()
@@ -197,6 +208,7 @@ class Dogwild(Strategy):
             "nonfinite_workers": sorted(m.halted | ({0} if self.halted else set())),
             "worker_steps": [m.steps[r] for r in range(self.world.world_size)],
             "weights_broadcasts": [m.broadcasts[r] for r in sorted(m.broadcasts)],
+            "max_staleness": m.max_staleness,
         }
 
     def close(self) -> None:
@@ -240,7 +252,11 @@ class _Master:
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # the version moved, or the run is closing
         self.version = 0
+        self.news = 0  # moves with the version and whenever a rank is done, halted or lost
         self.closing = False
+        self.own_done = False  # rank 0's own steps are over
+        self.max_staleness = 0  # updates a gradient missed, the most over the run (rank 0's own too)
+        self.max_lag = 0  # the most steps rank 0 ran ahead of the weights it computed on
         self.workers = set(range(1, n))
         self.applied = dict.fromkeys(range(n), 0)  # gradients applied per rank
         self.steps = dict.fromkeys(range(n), 0)  # steps done per rank, as each last said
@@ -269,7 +285,32 @@ class _Master:
     def publish(self) -> None:
         """``w`` changed: the senders share it (the caller holds the lock)."""
         self.version += 1
+        self.announce()
+
+    def announce(self) -> None:
+        """Something a broadcast carries changed (the caller holds the lock)."""
+        self.news += 1
         self.changed.notify_all()
+
+    def progress(self) -> list[float]:
+        """Per rank, how many of its gradients ``w`` holds; inf where the rank no longer counts for
+        bounded staleness (done, halted, lost). The caller holds the lock."""
+        gone = self.done | self.lost | ({0} if self.own_done or self.owner.halted else set())
+        return [float("inf") if r in gone else float(self.taken[r]) for r in range(len(self.taken))]
+
+    def await_progress(self, needed: int) -> None:
+        """Rank 0, before a step: until ``w`` holds every rank's gradients up to ``needed``."""
+        deadline = time.monotonic() + self.owner.ctx.timeout_s
+        with self.changed:
+            while min(self.progress()) < needed:
+                self._find_lost()  # a dead worker must not hold rank 0 up: it stops counting
+                if min(self.progress()) >= needed:
+                    break
+                if self.error is not None or time.monotonic() > deadline:
+                    why = self.error or f"none came in {self.owner.ctx.timeout_s:.0f} s"
+                    raise CommTimeout(f"dogwild: rank 0 waiting for the slowest worker's gradients ({why})")
+                self.changed.wait(_POLL_S)
+            self.max_lag = max(self.max_lag, self.taken[0] - int(min(self.progress())))
 
     def _apply_(self, grads: list[torch.Tensor]) -> None:
         """One optimizer step on ``w`` with these gradients (the caller holds the lock)."""
@@ -285,11 +326,21 @@ class _Master:
         owner = self.owner
         with self.lock:
             owner.staleness = float(self.version - self.used_version)
+            self.max_staleness = max(self.max_staleness, self.version - self.used_version)
             self._apply_([p.grad for p in owner.params])
             self.applied[0] += 1
+            self.taken[0] += 1
             owner.x.copy_(self.w)
             self.used_version = self.version
         owner.model.zero_grad(set_to_none=True)
+
+    def _find_lost(self) -> None:
+        """Mark lost the workers whose process is gone or that were silent ``lost_after_s`` (the
+        caller holds the lock)."""
+        now = time.monotonic()
+        for r in sorted(self.workers - self.done - self.lost):
+            if identity_gone(self.idents[r]) or now - self.heard[r] > self.owner.lost_after_s:
+                self._mark_lost(r)
 
     # -- the receiving thread ---------------------------------------------------------------------------
     def _serve(self) -> None:
@@ -312,7 +363,7 @@ class _Master:
                 self.done.add(src)
                 if kind == HALT:
                     self.halted.add(src)
-                self.changed.notify_all()
+                self.announce()  # the others' bounded wait no longer counts this rank
             return
         grad = msg[:numel]
         with self.lock:
@@ -320,6 +371,7 @@ class _Master:
                 if self.staged is not None:
                     grad = self.staged.copy_(grad)  # GPU weights: the gradient goes over first
                 self.last_staleness[src] = self.version - used
+                self.max_staleness = max(self.max_staleness, self.version - used)
                 self._apply_(list(self.owner.layout.views(grad).values()))
                 self.applied[src] += 1
                 self.samples[src] += int(msg[numel + 3])
@@ -333,13 +385,13 @@ class _Master:
         """Send worker ``r`` the newest weights whenever they moved (one message in flight: updates
         that land meanwhile are coalesced into the next); after the end, the final weights once."""
         numel = self.owner.layout.numel
-        buf = torch.empty(numel + BCAST_HEADER)
-        sent = 0  # every rank starts from the same weights: version 0 need not travel
+        buf = torch.empty(numel + BCAST_HEADER + len(self.taken))
+        sent = 0  # every rank starts from the same weights: news 0 need not travel
 
         def news() -> bool:
             if r in self.lost or self.closing:
                 return True
-            return r not in self.done and self.version != sent
+            return r not in self.done and self.news != sent
 
         while True:
             with self.changed:
@@ -348,9 +400,9 @@ class _Master:
                     return
                 final = self.closing
                 buf[:numel].copy_(self.w)
-                header = [self.version, self.last_staleness[r], final, self.taken[r]]
+                header = [self.version, self.last_staleness[r], final, self.taken[r], *self.progress()]
                 buf[numel:] = torch.tensor([float(v) for v in header])
-                sent = self.version
+                sent = self.news
             if not self._send(buf, r) or final:
                 return
 
@@ -369,7 +421,7 @@ class _Master:
     def _mark_lost(self, r: int) -> None:
         if r not in self.lost and r not in self.done:
             self.lost.add(r)
-            self.changed.notify_all()
+            self.announce()
             warn(f"worker rank {r} is lost (it died or stalled); finishing without it")
 
     # -- the end --------------------------------------------------------------------------------------
@@ -377,6 +429,9 @@ class _Master:
         """Until every worker has finished, halted or is lost; then the final weights to each worker
         still there. A thread left blocked on a lost worker is a daemon: destroying the process group
         under it is safe, and nobody will send to it."""
+        with self.lock:
+            self.own_done = True  # rank 0's steps no longer hold the workers' bounded wait
+            self.announce()
         while self.workers - self.done - self.lost:
             self.thread.join(_POLL_S)
             now, gave_up = time.monotonic(), not self.thread.is_alive()
@@ -419,13 +474,19 @@ class _Peer:
         self.on_host = owner.x.device.type == "cpu"
         if self.on_host:  # backward accumulates straight into the message
             self.grads = [GradViews.of_flat(owner.model, owner.layout, m[:numel]) for m in self.msgs]
-        self.inbox = [torch.empty(numel + BCAST_HEADER) for _ in range(2)]
+        self.inbox = [torch.empty(numel + BCAST_HEADER + owner.world.world_size) for _ in range(2)]
         self.newest: int | None = None  # the inbox buffer holding the newest complete broadcast
         self.lock = threading.Lock()
         self.final = threading.Event()
         self.arrived = threading.Event()  # a broadcast came since the last look
         self.sent = 0  # gradients sent
         self.acked = 0  # of which the newest weights adopted hold (or rank 0 dropped)
+        self.progress = [0.0] * owner.world.world_size  # every rank's gradients those weights hold
+        self.max_lag = 0  # the most steps this worker ran ahead of the weights it computed on
+        # The worker's own updates, applied to x by an optimizer of its own; kept as (number of the
+        # gradient, x after - x before) until the weights adopted hold that gradient.
+        self.optimizer = owner.ctx.make_optimizer(owner.params)
+        self.pending: deque[tuple[int, torch.Tensor]] = deque()
         self.error: str | None = None
         self.version = 0  # the version of the weights in x
         self.adopted = 0  # broadcasts copied into x
@@ -462,18 +523,29 @@ class _Peer:
             version = int(buf[numel])
             owner.staleness = float(buf[numel + 1])
             self.acked = int(buf[numel + 3])
+            self.progress = buf[numel + BCAST_HEADER :].tolist()
             if version != self.version:
                 owner.x.copy_(buf[:numel])
                 self.version = version
                 self.adopted += 1
+                while self.pending and self.pending[0][0] <= self.acked:
+                    self.pending.popleft()
+                for _, delta in self.pending:  # this worker's own steps the master has not taken yet
+                    owner.x.add_(delta)
 
     # -- the step ----------------------------------------------------------------------------------------
+    def lag(self) -> float:
+        """Steps this worker is ahead of the weights it holds: its gradients sent, less the fewest
+        gradients of any rank that still counts (its own among them) that those weights hold."""
+        return self.sent - min(self.progress)
+
     def begin_step(self) -> None:
         self._adopt()
         ahead = self.owner.options.max_ahead
-        if ahead is not None and self.sent - self.acked > ahead:
+        if ahead is not None and self.lag() > ahead:
             with self.owner.timers.phase("wait_weights"):
                 self._await_weights(ahead)
+        self.max_lag = max(self.max_lag, int(self.lag()))
         k = self.cur
         self._settle(k)
         if self.on_host:
@@ -483,9 +555,9 @@ class _Peer:
             self.owner.model.zero_grad(set_to_none=True)
 
     def _await_weights(self, ahead: int) -> None:
-        """Bounded staleness: until the newest weights hold all but ``ahead`` of this worker's gradients."""
+        """Bounded staleness: until the newest weights hold every rank's gradients but ``ahead``."""
         deadline = time.monotonic() + self.owner.ctx.timeout_s
-        while self.sent - self.acked > ahead:
+        while self.lag() > ahead:
             self.arrived.wait(_POLL_S)
             self.arrived.clear()
             self._adopt()
@@ -502,9 +574,18 @@ class _Peer:
             return
         self._send(GRAD, loss, samples, step + 1)
         self.sent += 1
+        self._apply_own()
         if self.on_host:  # the message is in flight: no .grad may point into it until begin_step
             for p in owner.params:
                 p.grad = None
+
+    def _apply_own(self) -> None:
+        """The worker's own gradient onto its replica ``x`` (the send only reads the gradient)."""
+        owner = self.owner
+        with owner.timers.phase("apply_own"):
+            before = owner.x.clone()
+            self.optimizer.step()
+            self.pending.append((self.sent, owner.x - before))
 
     def _settle(self, k: int) -> None:
         """Wait until message buffer ``k``'s last send has been taken (back-pressure)."""

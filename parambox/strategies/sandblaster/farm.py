@@ -13,12 +13,12 @@ which portions each worker won; then the winners' sum goes to the shard holders
 (``strategy.py``), never to the coordinator. The weights of an evaluation reach the workers from
 the shards the same way (an all-gather among the holders, who are the workers). A result of an
 evaluation that is over, or of a portion a copy has already returned, is dropped: the first result
-wins.
+wins. Every worker computes on a thread of its own (``worker.py``) and stops a copy whose evaluation
+is over; the stopped copy answers with 0 samples, which frees the worker and counts nowhere.
 """
 
 from __future__ import annotations
 
-import copy
 import queue
 import threading
 import time
@@ -28,18 +28,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import vector_to_parameters
 
 from parambox.errors import CommTimeout
-from parambox.strategies.sandblaster.portions import PortionScheduler, compute_portion
+from parambox.strategies.sandblaster.portions import PortionScheduler
+from parambox.strategies.sandblaster.worker import EVAL_IDS, RESULT_FIELDS, PortionWorker
 
 TASK, REPLY, RESULT = 11, 12, 13  # message tags
 COMPUTE, END_STEP = 0.0, 1.0  # task kinds (the vector operations' kinds are in strategy.py)
 TASK_FIELDS = 8  # kind, evaluation, portion or op, five arguments; then one flag per portion
 HEADER = 2  # evaluation, portion; loss sum, samples, seconds follow
-RESULT_LEN = HEADER + 3
+RESULT_LEN = RESULT_FIELDS
 BYE = -1.0  # a result's evaluation field when a worker leaves
-EVAL_IDS = 2**24  # evaluation numbers travel as float32: exact below this
 
 
 @dataclass
@@ -52,60 +51,6 @@ class Evaluation:
     seconds: float
     backups: int
     backup_wins: int
-
-
-class PortionGrads:
-    """A worker's portion gradients, kept until the coordinator says which of them count."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.grads: dict[tuple[int, int], torch.Tensor] = {}
-
-    def put(self, eval_id: int, portion: int, grad: torch.Tensor) -> None:
-        with self.lock:
-            self.grads[(eval_id, portion)] = grad
-
-    def take_sum(self, eval_id: int, portions: list[int], numel: int) -> torch.Tensor:
-        """The float64 sum of this evaluation's ``portions``; every gradient of it (and older) goes."""
-        total = torch.zeros(numel, dtype=torch.float64)
-        with self.lock:
-            for p in portions:
-                total += self.grads[(eval_id, p)].double()
-            self.grads = {k: v for k, v in self.grads.items() if k[0] > eval_id}
-        return total
-
-
-class LocalWorker:
-    """The coordinator's own compute: a thread with a replica of the model, fed through a queue."""
-
-    def __init__(self, model: nn.Module, loss_fn: Callable, results: queue.Queue, slow_factor: float = 1.0):
-        self.model = copy.deepcopy(model)  # the main thread's model may change while this computes
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.loss_fn, self.results, self.slow_factor = loss_fn, results, slow_factor
-        self.grads = PortionGrads()
-        self.tasks: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._run, name="sandblaster-local", daemon=True)
-        self.thread.start()
-
-    def submit(self, eval_id: int, portion: int, weights: torch.Tensor | None, batch: tuple) -> None:
-        self.tasks.put((eval_id, portion, weights, batch))
-
-    def _run(self) -> None:
-        while (task := self.tasks.get()) is not None:
-            eval_id, portion, weights, (batch, bounds) = task
-            try:
-                if weights is not None:
-                    vector_to_parameters(weights.to(self.params[0].device), self.params)
-                out = compute_portion(self.model, self.loss_fn, batch, bounds[portion], self.slow_factor)
-                self.grads.put(eval_id, portion, out[3:])
-                self.results.put((0, torch.cat([torch.tensor([float(eval_id), float(portion)]), out[:3]])))
-            except Exception as e:  # the main thread raises it
-                self.results.put((-1, e))
-                return
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        self.tasks.put(None)
-        self.thread.join(timeout_s)
 
 
 class PortionFarm:
@@ -122,7 +67,7 @@ class PortionFarm:
         self.remote, self.num_portions, self.timeout_s, self.backup = remote, num_portions, timeout_s, backup
         self.group = group  # a gloo group (None: the default group, gloo on CPU)
         self.results: queue.Queue = queue.Queue()
-        self.local: LocalWorker | None = None
+        self.local: PortionWorker | None = None
         self.eval_id = 0
         self.busy: set[int] = set()  # workers computing a portion (maybe of an evaluation that is over)
         self.version: dict[int, int] = {}  # worker -> evaluation whose weights it holds
@@ -131,13 +76,17 @@ class PortionFarm:
         self.sends: dict[int, list[tuple[dist.Work, torch.Tensor]]] = {r: [] for r in remote}
         self.portion_time: dict[int, list[float]] = {}  # rank -> [seconds, portions] after its first
         self.bytes_in = 0  # message bytes the coordinator received (results, operation replies), over the run
+        self.stopped = 0  # copies stopped in flight, because their evaluation was over
         self.receiver: threading.Thread | None = None
         if remote:
             self.receiver = threading.Thread(target=self._receive, name="sandblaster-rx", daemon=True)
             self.receiver.start()
 
     def add_local(self, model: nn.Module, loss_fn: Callable, slow_factor: float = 1.0) -> None:
-        self.local = LocalWorker(model, loss_fn, self.results, slow_factor)
+        self.local = PortionWorker(
+            model, loss_fn, lambda out: self.results.put((0, out)), slow_factor,
+            fail=lambda e: self.results.put((-1, e)),
+        )  # fmt: skip
 
     @property
     def workers(self) -> list[int]:
@@ -170,6 +119,8 @@ class PortionFarm:
         while not sched.done:
             self._dispatch(sched, free, weights, batch)
             self._collect(sched, total, free, winners)
+        if self.local is not None:  # remote workers stop theirs when told the winners
+            self.local.cancel_through(self.eval_id)
         return Evaluation(
             float(total[0]),
             int(total[1]),
@@ -220,6 +171,9 @@ class PortionFarm:
             self._record(sched, total, winners, src, int(buf[0]), int(buf[1]), buf[HEADER:])
 
     def _record(self, sched, total, winners, rank: int, eval_id: int, portion: int, out: torch.Tensor):
+        if out[1] == 0:  # a copy stopped because its evaluation was over: the worker is free, no more
+            self.stopped += 1
+            return
         seconds = self.portion_time.setdefault(rank, [0.0, -1])  # the first portion pays set-up costs
         if seconds[1] >= 0:
             seconds[0] += float(out[2])
@@ -267,5 +221,9 @@ class PortionFarm:
                 raise CommTimeout(f"sandblaster shutdown: ranks {self.remote} never said bye")
             self.receiver = None
         if self.local is not None:
-            self.local.close()
+            self.local.cancel_through(self.eval_id)
+            if not self.local.close(self.timeout_s):
+                raise CommTimeout(
+                    f"sandblaster shutdown: the coordinator's portion thread did not end in {self.timeout_s:.0f} s"
+                )
             self.local = None

@@ -5,32 +5,36 @@ the objective the coordinator (rank 0) cuts the batch into ``num_portions`` port
 there are workers, and hands them one at a time to whichever worker is free, so fast workers take
 more. When no fresh portion is left, a worker that falls idle gets a copy of a portion still running
 elsewhere (a *backup task*) and the first result wins: one slow machine does not hold the batch up.
-By default the coordinator also computes portions between dispatches: on a small machine every
-core counts.
+Workers compute on a thread (``worker.py``), so a slow worker's copy in flight holds up neither the
+collectives that follow nor the next evaluation: it is stopped once its evaluation is over.
 
 The vectors live on the shards, and only scalars travel to the coordinator (DistBelief's central
-point). The shard holders are the computing workers (rank 0's thread among them unless
-``coordinator_computes=false``); holder ``k`` keeps shard ``k`` of the iterate, the gradient, the
-direction and the L-BFGS history (``shards.py``). The coordinator runs L-BFGS (two-loop recursion,
-Armijo line search or none) as a sequence of vector operations it sends to the holders (``axpby``;
-``dot``, ``amax``, ``asum``, answered by one float per holder). An evaluation: the holders all-gather
-the point to evaluate (every worker needs the whole model to compute a portion); portions go out
-and come back as ``[loss sum, samples, seconds]``; then the coordinator tells each worker which of
-its portions won, the workers all-reduce the winners' gradient sums among themselves, and each holder
-keeps its shard, scaled and with the weight-decay term added. ``bytes_to_coordinator`` (per step in
-metrics.jsonl, over the run in summary.json) counts what rank 0 receives as the coordinator: results
-and operation replies, a few dozen bytes per portion and operation, whatever the model's size. (With
-``coordinator_computes=true``, rank 0 is also a worker and a holder, and takes part in those
-collectives as every worker does; with ``false`` it receives nothing else.) A collective waits for a
-slow worker's portion in flight, at most one portion per evaluation.
+point). The shard holders are the computing workers: ranks 1.. by default, rank 0 too with
+``coordinator_computes=true`` (or when it is alone); holder ``k`` keeps shard ``k`` of the iterate,
+the gradient, the direction and the L-BFGS history (``shards.py``). The coordinator runs L-BFGS
+(two-loop recursion, Armijo line search or none) as a sequence of vector operations it sends to the
+holders (``axpby``; ``dot``, ``amax``, ``asum``, answered by one float per holder). An evaluation:
+the holders all-gather the point to evaluate (every worker needs the whole model to compute a
+portion); portions go out and come back as ``[loss sum, samples, seconds]``; then the coordinator
+tells each worker which of its portions won, the workers all-reduce the winners' gradient sums among
+themselves, and each holder keeps its shard, scaled and with the weight-decay term added.
+``bytes_to_coordinator`` (per step in metrics.jsonl, over the run in summary.json) counts every
+byte rank 0 receives in training, collectives included: by default results and operation replies, a
+few dozen bytes per portion and operation, whatever the model's size; with
+``coordinator_computes=true`` also its share of the holders' all-gathers and all-reduces. The
+iterate gathered to rank 0 for the test set counts apart (``bytes_to_rank0_for_eval``).
 
-The dispatch policy is ``portions.py``, the coordinator's messaging ``farm.py``, the sharded L-BFGS
-``shards.py``; this module holds the L-BFGS step and the workers' side. ``--set sandblaster.slow_worker=RANK:FACTOR`` makes one worker
-take FACTOR times as long per portion (it sleeps), to show the backups at work.
+The dispatch policy is ``portions.py``, the coordinator's messaging ``farm.py``, the workers'
+compute thread ``worker.py``, the sharded L-BFGS ``shards.py``; this module holds the L-BFGS step
+and the workers' side. ``--set sandblaster.slow_worker=RANK:FACTOR`` makes one worker take FACTOR
+times as long per portion (it waits), to show the backups at work. Per step, ``portion_phase_s``
+(the evaluations' portion phases) and ``step_s`` (the whole step at the coordinator) show what the
+backups save.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal
 
 import torch
@@ -39,7 +43,7 @@ from pydantic import Field, field_validator
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from parambox.box.layout import shard_range
-from parambox.errors import UserError
+from parambox.errors import CommTimeout, UserError
 from parambox.strategies.base import Context, Options, StepResult, Strategy, batch_size, map_tensors
 from parambox.strategies.sandblaster.farm import (
     BYE,
@@ -51,10 +55,10 @@ from parambox.strategies.sandblaster.farm import (
     TASK,
     TASK_FIELDS,
     PortionFarm,
-    PortionGrads,
 )
+from parambox.strategies.sandblaster.holders import AXPBY, GATHER, REDUCE, REDUCTIONS, HolderOps
 from parambox.strategies.sandblaster.lbfgs import LineSearch
-from parambox.strategies.sandblaster.portions import compute_portion, portion_bounds
+from parambox.strategies.sandblaster.portions import portion_bounds
 from parambox.strategies.sandblaster.shards import (
     G,
     ShardedHistory,
@@ -63,9 +67,7 @@ from parambox.strategies.sandblaster.shards import (
     num_slots,
     sharded_lbfgs_iteration,
 )
-
-GATHER, REDUCE, AXPBY, REDUCTION = 2.0, 3.0, 4.0, 5.0  # task kinds: the vector operations
-REDUCTIONS = ("dot", "amax", "asum")
+from parambox.strategies.sandblaster.worker import PortionGrads, PortionWorker
 
 
 def parse_slow_worker(spec: str) -> tuple[int, float]:
@@ -87,7 +89,11 @@ class SandblasterOptions(Options):
     history_size: int = Field(10, ge=1, description="L-BFGS curvature pairs kept")
     lr: float = Field(1.0, gt=0, description="L-BFGS step length (--lr, --momentum are not used)")
     backup: bool = Field(True, description="near a batch's end, copy running portions to idle workers")
-    coordinator_computes: bool = Field(True, description="rank 0 computes portions too")
+    coordinator_computes: bool | None = Field(
+        None,
+        description="rank 0 computes portions too (then weights and gradients reach it); "
+        "default: only when it is the only rank",
+    )
     slow_worker: str | None = Field(
         None, description="RANK:FACTOR, a test/demo: that rank is FACTOR x slower"
     )
@@ -120,15 +126,18 @@ class Sandblaster(Strategy):
             self.slow_rank, self.slow_factor = parse_slow_worker(options.slow_worker)
             if self.slow_rank >= self.world.world_size:
                 raise UserError(f"slow_worker {options.slow_worker!r}: there is no rank {self.slow_rank}")
-        if not options.coordinator_computes and self.world.world_size == 1:
+        if options.coordinator_computes is False and self.world.world_size == 1:
             raise UserError("sandblaster.coordinator_computes=false needs at least one more worker")
+        # By default rank 0 only coordinates (DistBelief's point: it receives scalars alone), unless
+        # no one else could compute.
+        self.computes_at_0 = options.coordinator_computes is True or self.world.world_size == 1
         self.weight_decay = self._optimizer_setting(ctx, "weight_decay", 0.0)
         # Messages are CPU tensors over gloo, also in a GPU run: nccl cannot receive from any rank.
         self.group = None
         if dist.is_initialized() and dist.get_backend() != "gloo":
             self.group = dist.new_group(backend="gloo")
         n = self.world.world_size
-        self.holders = list(range(n)) if options.coordinator_computes else list(range(1, n))
+        self.holders = list(range(n)) if self.computes_at_0 else list(range(1, n))
         self.hgroup = self.group
         if len(self.holders) < n:  # the coordinator holds no shard: the workers' own group
             self.hgroup = dist.new_group(self.holders, backend="gloo")
@@ -138,7 +147,17 @@ class Sandblaster(Strategy):
             start, stop = self.bounds[self.holders.index(self.world.rank)]
             self.store = ShardStore(start, stop, num_slots(options.history_size))
             self.store.v[W].copy_(parameters_to_vector(self.params).detach().cpu()[start:stop])
-        self.grads = PortionGrads()  # a remote worker's portion gradients
+        # Bytes this rank received in collectives (rank 0's count as the coordinator's), and in the
+        # all-gathers that bring the iterate to rank 0 for the test set.
+        self.collective_bytes_in, self.eval_bytes_in = 0, 0
+        self.worker: PortionWorker | None = None  # a remote worker's compute thread
+        self.weights: torch.Tensor | None = None  # the last evaluation's point, all-gathered
+        self.weights_sent: torch.Tensor | None = None  # the point the compute thread has
+        self.done = (0, 0.0)  # portions computed, seconds busy, at the last step's end
+        if self.world.rank != 0:
+            self.worker = PortionWorker(
+                self.model, ctx.loss_fn, self._send_result, self._my_slow_factor(), replicate=False
+            )
         self.farm: PortionFarm | None = None
         if self.world.rank == 0:
             self._init_coordinator()
@@ -164,44 +183,44 @@ class Sandblaster(Strategy):
         return self._serve(batch, bounds)
 
     def _serve(self, batch: Any, bounds: list[tuple[int, int]]) -> StepResult:
-        """A worker: compute the portions and run the vector operations the coordinator sends, in
-        order, until it ends the step."""
+        """A worker: hand portions to the compute thread and run the vector operations the coordinator
+        sends, in order, until it ends the step (the thread's portion in flight never holds this up)."""
         task = torch.empty(TASK_FIELDS + self.options.num_portions, dtype=torch.float64)
-        computed, busy = 0, 0.0
+        worker = self.worker
         while True:
             with self.timers.phase("wait_task"), self.collective("sandblaster task"):
                 dist.recv(task, src=0, tag=TASK, group=self.group)
+            if worker.error is not None:
+                raise worker.error
             kind, eval_id, portion, *args = task[:TASK_FIELDS].tolist()
             if kind == END_STEP:
+                computed, busy = worker.computed - self.done[0], worker.busy_s - self.done[1]
+                self.done = (worker.computed, worker.busy_s)
                 extra = {"portions_computed": float(computed), "compute_s": busy}
                 return StepResult(args[0], 0, self.timers.pop(), extra)
             if kind != COMPUTE:
                 self._vector_op(kind, int(eval_id), int(portion), args, task[TASK_FIELDS:])
                 continue
-            out = compute_portion(
-                self.model, self.ctx.loss_fn, batch, bounds[int(portion)], self._my_slow_factor()
-            )
-            self.grads.put(int(eval_id), int(portion), out[3:])
-            computed, busy = computed + 1, busy + float(out[2])
-            with self.timers.phase("send_result"), self.collective("sandblaster result"):
-                dist.send(
-                    torch.cat([torch.tensor([eval_id, portion]), out[:3]]),
-                    dst=0,
-                    tag=RESULT,
-                    group=self.group,
-                )
+            fresh = self.weights is not self.weights_sent
+            worker.submit(int(eval_id), int(portion), self.weights if fresh else None, (batch, bounds))
+            self.weights_sent = self.weights
+
+    def _send_result(self, out: torch.Tensor) -> None:
+        """On the compute thread: one portion's scalars to the coordinator."""
+        with self.collective("sandblaster result"):
+            dist.send(out, dst=0, tag=RESULT, group=self.group)
 
     def _vector_op(self, kind: float, eval_id: int, op: int, args: list[float], flags: torch.Tensor) -> None:
         """One operation on this holder's shards (a worker; the coordinator calls the parts itself)."""
         store = self.store
         if kind == GATHER:
             with self.timers.phase("gather"):
-                full = self.all_gather(int(args[0]))
-            vector_to_parameters(full.to(self.params[0].device), self.params)
-        elif kind == REDUCE:
+                self.weights = self.all_gather(int(args[0]))
+        elif kind == REDUCE:  # the evaluation is over: a copy still running is of no use
+            self.worker.cancel_through(eval_id)
             won = [p for p, f in enumerate(flags.tolist()) if f]
             with self.timers.phase("reduce"):
-                self.reduce(self.grads, eval_id, won, int(args[0]), int(args[1]), args[2], args[3])
+                self.reduce(self.worker.grads, eval_id, won, int(args[0]), int(args[1]), args[2], args[3])
         elif kind == AXPBY:
             c, alpha, a, beta, b = args
             store.axpby(int(c), alpha, int(a), beta, int(b))
@@ -228,6 +247,7 @@ class Sandblaster(Strategy):
             parts = [torch.empty(width) for _ in members]
             with self.collective("sandblaster all-gather"):
                 dist.all_gather(parts, mine, group=self.group if everyone else self.hgroup)
+            self.collective_bytes_in += (len(members) - 1) * mine.numel() * mine.element_size()
         by_rank = dict(zip(members, parts))
         return torch.cat([by_rank[r][:n] for r, n in zip(self.holders, sizes)])
 
@@ -240,6 +260,8 @@ class Sandblaster(Strategy):
         if len(self.holders) > 1:
             with self.collective("sandblaster gradient all-reduce"):
                 dist.all_reduce(total, group=self.hgroup)
+            n = len(self.holders)  # what a ring all-reduce brings each member: 2 (n - 1) / n of it
+            self.collective_bytes_in += 2 * (n - 1) * total.numel() * total.element_size() // n
         store = self.store
         mean = (total[store.start : store.stop] / samples).float()
         store.v[dst].copy_(mean + wd * store.v[src])
@@ -249,14 +271,21 @@ class Sandblaster(Strategy):
             with self.collective("sandblaster shutdown"):
                 self.farm.close()
         else:  # tells the coordinator's receiving thread that this rank sends nothing more
+            self.worker.cancel_through(self.worker.last_over)
+            if not self.worker.close(self.ctx.timeout_s):
+                raise CommTimeout(f"sandblaster: rank {self.world.rank}'s portion thread did not end")
             bye = torch.zeros(RESULT_LEN)
             bye[0] = BYE
             with self.collective("sandblaster bye"):
                 dist.send(bye, dst=0, tag=RESULT, group=self.group)
 
     def eval_model(self) -> torch.nn.Module | None:
-        """The iterate, gathered from the shards into rank 0's model (collective: every rank calls it)."""
+        """The iterate, gathered from the shards into rank 0's model (collective: every rank calls it).
+        For the test set, not for training: its bytes count apart (``bytes_to_rank0_for_eval``)."""
+        before = self.collective_bytes_in
         w = self.all_gather(W, everyone=True)
+        self.eval_bytes_in += self.collective_bytes_in - before
+        self.collective_bytes_in = before
         if self.world.rank != 0:
             return None
         vector_to_parameters(w.to(self.params[0].device), self.params)
@@ -269,13 +298,17 @@ class Sandblaster(Strategy):
         per_iteration = self.totals["bytes_to_coordinator"] / max(self.iteration, 1)
         return {f"sandblaster_{k}": v for k, v in self.totals.items()} | {
             "sandblaster_bytes_to_coordinator_per_iteration": per_iteration,
+            "sandblaster_bytes_to_rank0_for_eval": self.eval_bytes_in,
+            "sandblaster_copies_stopped": self.farm.stopped,
             "sandblaster_shard_holders": self.holders,
             "sandblaster_portion_s": {str(r): s for r, s in per_rank.items()},
         }
 
     def close(self) -> None:
-        if self.farm is not None and self.farm.local is not None:
-            self.farm.local.close(timeout_s=1.0)
+        for worker in (self.worker, self.farm.local if self.farm is not None else None):
+            if worker is not None:
+                worker.cancel_through(worker.last_over)
+                worker.close(timeout_s=1.0)
 
     # -- the coordinator ------------------------------------------------------------------------
     def _init_coordinator(self) -> None:
@@ -290,11 +323,12 @@ class Sandblaster(Strategy):
         self.totals = {"evals": 0, "backups": 0, "backup_wins": 0, "bytes_to_coordinator": 0}
         remote = list(range(1, self.world.world_size))
         self.farm = PortionFarm(remote, opts.num_portions, self.ctx.timeout_s, opts.backup, self.group)
-        if opts.coordinator_computes:
+        if self.computes_at_0:
             self.farm.add_local(self.model, self.ctx.loss_fn, self._my_slow_factor())
-        self.ops = _HolderOps(self)
+        self.ops = HolderOps(self)
 
     def _coordinate(self, batch: Any, bounds: list[tuple[int, int]]) -> StepResult:
+        t0 = time.perf_counter()
         self.batch, self.step_stats = (
             (batch, bounds),
             {"evals": 0.0, "batch_s": 0.0, "backups": 0.0, "backup_wins": 0.0},
@@ -321,13 +355,17 @@ class Sandblaster(Strategy):
         self.totals["bytes_to_coordinator"] += moved
         extra = {"objective": objective, "step_size": t, **stats}
         extra["bytes_to_coordinator"] = float(moved)
+        # The portion phases (every evaluation's, summed) against the whole step, end to end.
+        extra["portion_phase_s"] = stats["batch_s"]
         extra["batch_s"] = stats["batch_s"] / max(stats["evals"], 1.0)
+        extra["step_s"] = time.perf_counter() - t0
         extra.update({f"portion_s_rank{r}": s for r, s in self.farm.mean_portion_seconds().items()})
         return StepResult(loss, batch_size(batch), self.timers.pop(), extra)
 
     def _bytes_in(self) -> int:
-        """Message bytes rank 0 has received as the coordinator: portion results and replies."""
-        return self.farm.bytes_in + self.ops.bytes_in
+        """Bytes rank 0 has received in training: portion results, replies, and collectives' (with
+        ``coordinator_computes``, the weights and gradients of the holders' collectives)."""
+        return self.farm.bytes_in + self.ops.bytes_in + self.collective_bytes_in
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -352,68 +390,6 @@ class Sandblaster(Strategy):
             self.iteration = int(state["iteration"])
             self.f, self.data_loss = state["f"], float(state["data_loss"])
             self.batch_key = state["batch_key"]
-
-
-class _HolderOps:
-    """The coordinator's :class:`~parambox.strategies.sandblaster.shards.Ops`: each operation goes to
-    every remote holder as a task (in order with the portions), runs on rank 0's own shard here, and
-    the reductions come back as one float64 per holder."""
-
-    def __init__(self, sb: Sandblaster):
-        self.sb, self.farm = sb, sb.farm
-        self.remote = [r for r in sb.holders if r != 0]
-        self.local = sb.store  # rank 0's shard, if it holds one
-        self.bytes_in = 0  # the replies' bytes (the farm's receiving thread counts the results')
-
-    def axpby(self, c: int, alpha: float, a: int, beta: float, b: int) -> None:
-        for r in self.remote:
-            self.farm.send_task(r, [AXPBY, 0, 0, c, alpha, a, beta, b])
-        if self.local is not None:
-            self.local.axpby(c, alpha, a, beta, b)
-
-    def _reduction(self, op: str, a: int, b: int = 0) -> list[float]:
-        for r in self.remote:
-            self.farm.send_task(r, [REDUCTION, 0, REDUCTIONS.index(op), a, b])
-        values = [] if self.local is None else [self.local.reduce(op, a, b)]
-        reply = torch.empty(1, dtype=torch.float64)
-        for r in self.remote:
-            with self.sb.collective(f"sandblaster {op} reply"):
-                dist.recv(reply, src=r, tag=REPLY, group=self.sb.group)
-            self.bytes_in += reply.numel() * reply.element_size()
-            self.farm.delivered(r)
-            values.append(float(reply))
-        return values
-
-    def dot(self, a: int, b: int) -> float:
-        return sum(self._reduction("dot", a, b))
-
-    def amax(self, a: int) -> float:
-        return max(self._reduction("amax", a))
-
-    def asum(self, a: int) -> float:
-        return sum(self._reduction("asum", a))
-
-    def evaluate(self, src: int, dst: int) -> float:
-        """The objective (mean loss + weight decay) at ``src``; its gradient into ``dst`` on the shards."""
-        sb, farm = self.sb, self.farm
-        for r in self.remote:
-            farm.send_task(r, [GATHER, 0, 0, src])
-        weights = sb.all_gather(src) if self.local is not None else None  # the coordinator's thread's
-        ev = farm.evaluate(weights, sb.batch)
-        eval_id, num = farm.eval_id, sb.options.num_portions
-        for r in self.remote:
-            flags = [float(ev.winners.get(p) == r) for p in range(num)]
-            farm.send_task(r, [REDUCE, eval_id, 0, dst, src, ev.samples, sb.weight_decay], flags)
-        if self.local is not None:
-            won = [p for p, r in sorted(ev.winners.items()) if r == 0]
-            sb.reduce(farm.local.grads, eval_id, won, dst, src, ev.samples, sb.weight_decay)
-        stats = sb.step_stats
-        stats["evals"] += 1
-        stats["batch_s"] += ev.seconds
-        stats["backups"] += ev.backups
-        stats["backup_wins"] += ev.backup_wins
-        sb.last_data_loss = ev.loss_sum / ev.samples
-        return sb.last_data_loss + 0.5 * sb.weight_decay * self.dot(src, src)
 
 
 def _fingerprint(batch: Any) -> list[float]:

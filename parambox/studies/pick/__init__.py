@@ -4,9 +4,11 @@
   time per step, the scalability model for more workers, reasons);
 - :mod:`~parambox.studies.pick.candidates`: the registry's strategies with their presets' options;
 - :mod:`~parambox.studies.pick.runs`: probes and runs to the target (``parambox train`` subprocesses);
-- :mod:`~parambox.studies.pick.study`: the whole pick.
+- :mod:`~parambox.studies.pick.study`: the whole pick, once per seed;
+- :mod:`~parambox.studies.pick.validation`: candidates trained to the target against the predictions;
+- :mod:`~parambox.studies.pick.scores`: Kendall's tau, the top pick's hit rate, prediction errors.
 """
 
-from parambox.studies.pick.study import PickSettings, run_pick
+from parambox.studies.pick.study import PickSettings, run_pick, run_pick_seeds
 
-__all__ = ["PickSettings", "run_pick"]
+__all__ = ["PickSettings", "run_pick", "run_pick_seeds"]

@@ -42,23 +42,54 @@ class Measured:
     reached_s: float | None = None  # training seconds to the target accuracy, evaluations left out
     reached_wall_s: float | None = None  # the same with the evaluations' pauses in
     lead_s: float = 0.0  # training other ranks did before rank 0's clock started (``clock_lead``)
+    metric: str = "test_accuracy"  # the target's metric
+    # Asynchronous runs: every rank's (start epoch, [(time, cumulative local samples)]); the global
+    # samples come from all of them on one clock, not from rank 0's pace times the ranks.
+    ranks: dict[int, tuple[float, list[tuple[float, float]]]] | None = None
 
     @property
     def samples_per_step(self) -> float | None:
         last = self.steps[-1] if self.steps else None
         return last and last["samples_per_s"] * last["time"] / last["step"]
 
+    def global_samples(self, rank0_time: float) -> float:
+        """Samples every rank had consumed when rank 0's clock read ``rank0_time`` (aligned clocks)."""
+        if not self.ranks or 0 not in self.ranks:
+            return 0.0
+        at = self.ranks[0][0] + rank0_time
+        total = 0.0
+        for epoch, points in self.ranks.values():
+            done = [n for t, n in points if epoch + t <= at + 1e-9]
+            total += done[-1] if done else 0.0
+        return total
+
     def curve(self, metric: str) -> Curve:
         """``metric`` of every evaluation (step > 0) against global samples."""
         per_step = self.samples_per_step or 0.0
-        pts = [(e["step"] * per_step, e[metric]) for e in self.evals if e.get(metric) is not None]
+        step_time = {r["step"]: r["time"] for r in self.steps}
+        pts = []
+        for e in self.evals:
+            if e.get(metric) is None:
+                continue
+            x = e["step"] * per_step
+            if self.ranks and e["step"] in step_time:
+                x = self.global_samples(step_time[e["step"]])
+            pts.append((x, e[metric]))
         return Curve([p[0] for p in pts], [float(p[1]) for p in pts])
 
     def cost(self, warmup: int) -> StepCost | None:
-        return step_cost(self.steps, {e["step"] for e in self.evals}, warmup)
+        cost = step_cost(self.steps, {e["step"] for e in self.evals}, warmup)
+        if cost is None or not self.ranks:
+            return cost
+        # Every rank's samples over rank 0's steady window, on the aligned clocks.
+        window = [r["time"] for r in self.steps if r["step"] > warmup]
+        if len(window) < 2 or window[-1] <= window[0]:
+            return cost
+        rate = (self.global_samples(window[-1]) - self.global_samples(window[0])) / (window[-1] - window[0])
+        return StepCost(cost.step_s, cost.comm_s, rate * cost.step_s) if rate > 0 else cost
 
     def samples_to(self, target: float) -> float | None:
-        c = self.curve("test_accuracy")
+        c = self.curve(self.metric)
         return samples_to_accuracy(c.samples, c.values, target)
 
     def time_to(self, target: float) -> tuple[float, float] | None:
@@ -66,7 +97,7 @@ class Measured:
         evaluation pauses before it (each from the step record to the eval record after it), as the
         predictions do; both count from the first rank's start (``lead_s``); None when no evaluation
         got there."""
-        hit = next((e for e in self.evals if e.get("test_accuracy", 0.0) >= target), None)
+        hit = next((e for e in self.evals if e.get(self.metric, -math.inf) >= target), None)
         if hit is None:
             return None
         step_time = {r["step"]: r["time"] for r in self.steps}
@@ -102,14 +133,56 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return steps, evals
 
 
-def run_probe(config: dict[str, Any], run_dir: Path, timeout_s: float, stop_loss: float) -> Measured:
-    """Train ``config`` until rank 0's test loss falls to ``stop_loss`` (or its steps run out)."""
-    return _run(config, run_dir, timeout_s, lambda e: e.get("test_loss", math.inf) <= stop_loss)
+def read_ranks(run_dir: Path) -> dict[int, tuple[float, list[tuple[float, float]]]]:
+    """Every rank's start epoch and its (time, cumulative local samples) per step record. A record's
+    ``samples_per_s x time`` counts the rank's samples times the data-parallel ranks (as if all kept
+    its pace): divided by the ranks that log steps, it is the rank's own."""
+    out: dict[int, tuple[float, list[tuple[float, float]]]] = {}
+    for path in run_dir.glob("metrics*.jsonl"):
+        stem = path.name.removeprefix("metrics").removesuffix(".jsonl")
+        rank = 0 if stem == "" else int(stem.removeprefix(".rank")) if stem.startswith(".rank") else None
+        if rank is None:
+            continue
+        epoch, points = None, []
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("kind") == "world" and epoch is None:
+                epoch = rec.get("epoch")
+            elif rec.get("kind") == "step" and rec.get("step", 0) > 0:
+                points.append((float(rec["time"]), float(rec["samples_per_s"]) * float(rec["time"])))
+        if isinstance(epoch, int | float) and points:
+            out[rank] = (float(epoch), points)
+    n = len(out)
+    return {r: (e, [(t, s / n) for t, s in pts]) for r, (e, pts) in out.items()}
 
 
-def run_to_target(config: dict[str, Any], run_dir: Path, target: float, timeout_s: float) -> Measured:
-    """Train ``config`` until rank 0's test accuracy reaches ``target`` (or its steps run out)."""
-    out = _run(config, run_dir, timeout_s, lambda e: e.get("test_accuracy", 0.0) >= target)
+def run_probe(
+    config: dict[str, Any], run_dir: Path, timeout_s: float, stop_loss: float, aligned: bool = False
+) -> Measured:
+    """Train ``config`` until rank 0's test loss falls to ``stop_loss`` (or its steps run out);
+    ``aligned``: count every rank's samples on the aligned clocks (asynchronous strategies)."""
+    out = _run(config, run_dir, timeout_s, lambda e: e.get("test_loss", math.inf) <= stop_loss)
+    if aligned:
+        out.ranks = read_ranks(run_dir)
+    return out
+
+
+def run_to_target(
+    config: dict[str, Any],
+    run_dir: Path,
+    target: float,
+    timeout_s: float,
+    metric: str = "test_accuracy",
+    aligned: bool = False,
+) -> Measured:
+    """Train ``config`` until rank 0's ``metric`` reaches ``target`` (or its steps run out)."""
+    out = _run(config, run_dir, timeout_s, lambda e: e.get(metric, -math.inf) >= target)
+    out.metric = metric
+    if aligned:
+        out.ranks = read_ranks(run_dir)
     reached = out.time_to(target)
     if reached is not None:
         out.reached_s, out.reached_wall_s = reached

@@ -8,27 +8,34 @@
    before they fall need that much; one that falls early stops early.
 3. :mod:`parambox.studies.pick.model` turns each probe into a predicted time to the target (with a
    band), and the candidates are ranked, each with the reason for its rank.
-4. ``validate``: the top three and the reference are trained to the target and their measured times
-   compared (``top_pick_vs_best_measured``, ``top_pick_vs_allreduce``).
+4. ``validate``: every candidate ranked (``num_validated`` None), or the top K and K others drawn at
+   random, and the reference are trained to the target; their measured times against the predicted
+   ones give the scores of :mod:`~parambox.studies.pick.scores` (Kendall's tau, the top pick's hit,
+   the prediction error per setup and family). ``seeds`` repeats probes and validations with seeds
+   ``seed, seed + 1, ...`` (``run_pick_seeds``).
+
+The target is the user's metric (``target_metric``, ``test_<name>`` in the evaluations; accuracy by
+default). Asynchronous candidates count every rank's samples on the aligned clocks (``runs.read_ranks``):
+their ranks do not keep rank 0's pace.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from parambox.errors import UserError
 from parambox.studies.pick import model as pm
-from parambox.studies.pick import runs
+from parambox.studies.pick import runs, scores
 from parambox.studies.pick.candidates import Candidate, registry_candidates
 
 REFERENCE = "allreduce"  # the issue's baseline: validation always measures it
-TARGETS = {"top_pick_vs_best_measured": 1.2, "top_pick_vs_allreduce_at_0.1_gbps": 0.6}
 ASSUMPTIONS = [
     "convergence per sample relative to the reference, measured over the probe, holds to the target",
     "time per step is the probe's mean (evaluations and the first steps left out)",
@@ -50,7 +57,9 @@ class PickSettings:
     eval_every: int = 4
     strategies: list[str] | None = None
     validate: bool = False
-    num_validated: int = 3
+    num_validated: int | None = None  # None: every candidate ranked; K: the top K and K others at random
+    seeds: int = 1
+    target_metric: str = "accuracy"  # the evaluations' test_<target_metric> reaches ``target``
     run_timeout_s: float = 900.0
     probe_timeout_s: float = 180.0  # a probe is a few dozen steps: one that hangs is given up soon
     fixed: set[str] = field(default_factory=set)  # run fields the user set: no preset overrides them
@@ -60,6 +69,10 @@ class PickSettings:
         """Probe with N workers where the cores allow, else with as many as there are cores (at least 2,
         so that communication is measured); the scalability model goes from there to N."""
         return min(self.workers, max(os.cpu_count() or 1, 2))
+
+    @property
+    def metric(self) -> str:
+        return f"test_{self.target_metric}"
 
 
 Say = Callable[[str], None]
@@ -103,6 +116,8 @@ def run_pick(s: PickSettings, say: Say = print) -> dict[str, Any]:
         "workers": s.workers,
         "probe_workers": n,
         "target_accuracy": s.target,
+        "target_metric": s.target_metric,
+        "seed": base.get("seed"),
         "workload": {
             k: base.get(k) for k in ("model", "data", "loss", "batch_size", "lr", "optimizer", "momentum")
         },
@@ -120,9 +135,11 @@ def run_pick(s: PickSettings, say: Say = print) -> dict[str, Any]:
         "eval_every": s.eval_every,
         "ranking": ranking,
         "excluded": excluded,
-        "confident": _confident(ranking),
+        "confident": _confident(ranking, reference.label),
     }
     if s.validate:
+        from parambox.studies.pick.validation import validate
+
         result["validation"] = validate(s, base, ranking, entries, ref, reference, say)
     result["wall_time_s"] = time.perf_counter() - t0
     return result
@@ -165,20 +182,27 @@ def _topology(c: Candidate) -> str:
 
 def _reference(s: PickSettings, base: dict[str, Any], reference: Candidate) -> runs.Measured:
     cfg = reference.config(base)
-    ref = runs.run_to_target(cfg, s.out / "reference", s.target, s.run_timeout_s)
+    ref = runs.run_to_target(cfg, s.out / "reference", s.target, s.run_timeout_s, s.metric)
     if ref.error:
         raise UserError(
             f"the reference run ({REFERENCE}) failed: {ref.error} (log: {ref.run_dir / 'train.log'})"
         )
-    if not any("test_accuracy" in e for e in ref.evals):
+    reported = sorted({k.removeprefix("test_") for e in ref.evals for k in e if k.startswith("test_")})
+    like = [m for m in reported if "acc" in m.lower()]
+    if s.target_metric == "accuracy" and "accuracy" not in reported and len(like) == 1:
+        s.target_metric = like[0]  # the user's own accuracy under another name (acc, top1_acc)
+        ref.metric = s.metric
+        ref.reached_s, ref.reached_wall_s = ref.time_to(s.target) or (None, None)
+    if not any(s.metric in e for e in ref.evals):
         raise UserError(
-            "the workload's evaluations report no test accuracy: pick needs a classifier's accuracy"
+            f"the workload's evaluations report no {s.target_metric!r} (they report {reported}): "
+            "name the metric to reach with --target-metric"
         )
     if ref.samples_to(s.target) is None:
-        best = max((e.get("test_accuracy", 0.0) for e in ref.evals), default=0.0)
+        best = max((e.get(s.metric, 0.0) for e in ref.evals), default=0.0)
         raise UserError(
-            f"the reference run ({REFERENCE}) did not reach test accuracy {s.target:g} in {cfg['steps']} "
-            f"steps (best {best:.3f}); lower --target-accuracy or raise --steps"
+            f"the reference run ({REFERENCE}) did not reach test {s.target_metric} {s.target:g} in "
+            f"{cfg['steps']} steps (best {best:.3f}); lower --target-accuracy or raise --steps"
         )
     if len(ref.curve("test_loss").samples) < 2:
         raise UserError(
@@ -195,7 +219,7 @@ def _probe(
 
     def probe(c: Candidate) -> runs.Measured:
         cfg = merge(c.config(base), {"steps": steps})
-        return runs.run_probe(cfg, s.out / "probes" / c.slug, s.probe_timeout_s, stop_loss)
+        return runs.run_probe(cfg, s.out / "probes" / c.slug, s.probe_timeout_s, stop_loss, _is_async(c))
 
     measured = probe(cand)
     if measured.error and "--box rma" in measured.error and cand.box is None:
@@ -204,8 +228,15 @@ def _probe(
     return cand, measured
 
 
+def _is_async(c: Candidate) -> bool:
+    from parambox.strategies import strategy_class
+
+    return bool(strategy_class(c.strategy, c.options).tolerates_worker_loss)
+
+
 def _describe(c: Candidate) -> dict[str, Any]:
     return {
+        "family": scores.family(c.strategy, _is_async(c)),
         "strategy": c.strategy,
         "options": dict(c.options),
         "settings": dict(c.settings),
@@ -235,6 +266,7 @@ def _rank(entries: list[tuple[Candidate, runs.Measured, pm.Prediction]]) -> list
                 "samples_to_target": p.samples,
                 "convergence_vs_reference": None if r is None else r.estimate,
                 "convergence_band": None if r is None else [r.low, r.high],
+                "convergence_points": None if r is None else len(r.points),
                 "convergence_censored": bool(r and r.censored),
                 "step_ms": 1e3 * p.cost.step_s,
                 "comm_ms": 1e3 * p.cost.comm_s,
@@ -249,91 +281,74 @@ def _rank(entries: list[tuple[Candidate, runs.Measured, pm.Prediction]]) -> list
     return out
 
 
-def _confident(ranking: list[dict[str, Any]]) -> bool:
-    """The top pick's band lies wholly below the runner-up's."""
+def _confident(ranking: list[dict[str, Any]], reference: str | None = None) -> bool:
+    """The probe's own error estimate supports the margin: the top pick's band lies wholly below the
+    runner-up's, and the top pick has a band at all (two or more points of its convergence ratio,
+    none past the reference's best: one point or a censored ratio says nothing of its error). The
+    reference needs no ratio: it is its own."""
     timed = [r for r in ranking if r["predicted_s"] is not None]
-    return len(timed) < 2 or timed[0]["predicted_high_s"] < timed[1]["predicted_low_s"]
+    if len(timed) < 2:
+        return True
+    top = timed[0]
+    is_reference = reference is not None and top.get("setup") == reference
+    if not is_reference and (top.get("convergence_censored") or (top.get("convergence_points") or 2) < 2):
+        return False
+    return top["predicted_high_s"] < timed[1]["predicted_low_s"]
 
 
-# -- validation ---------------------------------------------------------------------------------------
+# -- seeds --------------------------------------------------------------------------------------------
 
 
-def validate(
-    s: PickSettings,
-    base: dict[str, Any],
-    ranking: list[dict[str, Any]],
-    entries: list[tuple[Candidate, runs.Measured, pm.Prediction]],
-    ref: runs.Measured,
-    reference: Candidate,
-    say: Say,
-) -> dict[str, Any]:
-    """Train the top ``num_validated`` and the reference to the target; the reference's run to the target
-    (step 1) is its measurement."""
-    from parambox.config import merge
-
-    by_label = {c.label: (c, p) for c, _, p in entries}
-    ref_label = reference.label
-    chosen = [r["setup"] for r in ranking if r["predicted_s"] is not None][: s.num_validated]
-    measured: dict[str, float | None] = {}
-    details = []
-    for i, label in enumerate(chosen, 1):
-        cand, p = by_label[label]
-        if label == ref_label:
-            m = ref
-        else:
-            steps = _step_cap(base["steps"], p)
-            say(f"validate [{i}/{len(chosen)}] {label} to accuracy {s.target:g} (at most {steps} steps)")
-            cfg = merge(cand.config(base), {"steps": steps})
-            m = runs.run_to_target(cfg, s.out / "validation" / cand.slug, s.target, s.run_timeout_s)
-        measured[label] = m.reached_s
-        details.append(_validated(label, p, m))
-    if ref_label not in measured:
-        measured[ref_label] = ref.reached_s
-        details.append(_validated(ref_label, by_label.get(ref_label, (None, None))[1], ref))
-    top = chosen[0] if chosen else None  # None: no candidate had a prediction
-    return summarize_validation(measured, top, ref_label) | {"runs": details, "targets": TARGETS}
+def run_pick_seeds(s: PickSettings, say: Say = print) -> dict[str, Any]:
+    """``run_pick`` once per seed (``seed``, ``seed + 1``, ...; each in ``out/seed-K``); with one seed,
+    its result as it is. Over several: the ranking by the median prediction, ``confident`` only where
+    every seed was and picked the same, and the validation's scores over the seeds."""
+    if s.seeds == 1:
+        return run_pick(s, say)
+    first = int(s.base.get("seed") or 0)
+    results = []
+    for k in range(s.seeds):
+        seed = first + k
+        say(f"seed {seed} ({k + 1} of {s.seeds})")
+        results.append(run_pick(replace(s, base={**s.base, "seed": seed}, out=s.out / f"seed-{seed}"), say))
+    return merge_seeds(results)
 
 
-def _step_cap(base_steps: int, p: pm.Prediction) -> int:
-    """Room for the prediction's upper end twice over, at least the base run's steps, at most 10x those."""
-    if p.high_s is None:
-        return base_steps
-    steps = math.ceil(2 * p.high_s * p.cost.samples_per_s / p.cost.samples_per_step)
-    return int(min(max(steps, base_steps), 10 * base_steps))
+def merge_seeds(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from several seeds' (each a ``run_pick`` result)."""
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        for row in r["ranking"]:
+            rows.setdefault(row["setup"], []).append(row)
 
+    def median(values: list[float | None]) -> float | None:
+        got = [v for v in values if v is not None]
+        return statistics.median(got) if got else None
 
-def _validated(label: str, p: pm.Prediction | None, m: runs.Measured) -> dict[str, Any]:
-    return {
-        "setup": label,
-        "measured_s": m.reached_s,
-        "measured_with_evaluations_s": m.reached_wall_s,
-        "predicted_s": None if p is None else p.seconds,
-        "measured_over_predicted": None
-        if p is None or not p.seconds or m.reached_s is None
-        else m.reached_s / p.seconds,
-        "steps": m.steps[-1]["step"] if m.steps else 0,
-        "error": m.error,
-        "run_dir": str(m.run_dir),
+    ranking = []
+    for per_seed in rows.values():
+        row = dict(per_seed[0])
+        for key in ("predicted_s", "predicted_low_s", "predicted_high_s"):
+            row[key] = median([x[key] for x in per_seed])
+        row["predicted_s_per_seed"] = [x["predicted_s"] for x in per_seed]
+        ranking.append(row)
+    ranking.sort(key=lambda x: (x["predicted_s"] is None, x["predicted_s"] or 0.0))
+    for rank, row in enumerate(ranking, 1):
+        row["rank"] = rank
+    tops = {r["ranking"][0]["setup"] for r in results if r["ranking"]}
+    head = {k: v for k, v in results[0].items() if k not in ("ranking", "validation", "seed", "wall_time_s")}
+    out = head | {
+        "seeds": [r["seed"] for r in results],
+        "ranking": ranking,
+        "confident": all(r["confident"] for r in results) and len(tops) == 1,
+        "per_seed": results,
+        "wall_time_s": sum(r["wall_time_s"] for r in results),
     }
+    if all("validation" in r for r in results):
+        from parambox.studies.pick.validation import TARGETS
 
-
-def summarize_validation(
-    measured: dict[str, float | None], top: str | None, reference: str
-) -> dict[str, Any]:
-    """``measured_s`` per setup and the two ratios (None where a run did not reach the target).
-
-    >>> v = summarize_validation({"a": 6.0, "b": 5.0, "allreduce": 12.0}, "a", "allreduce")
-    >>> v["top_pick_vs_best_measured"], v["top_pick_vs_allreduce"]
-    (1.2, 0.5)
-    """
-    reached = [t for t in measured.values() if t is not None]
-    t_top, t_ref = measured.get(top), measured.get(reference)
-    return {
-        "top_pick": top,
-        "measured_s": measured,
-        "best_measured": min(
-            (k for k, v in measured.items() if v is not None), key=lambda k: measured[k], default=None
-        ),
-        "top_pick_vs_best_measured": None if t_top is None or not reached else t_top / min(reached),
-        "top_pick_vs_allreduce": None if t_top is None or not t_ref else t_top / t_ref,
-    }
+        families = {row["setup"]: row["family"] for row in ranking}
+        out["validation"] = scores.summarize_seeds([r["validation"] for r in results], families) | {
+            "targets": TARGETS
+        }
+    return out
