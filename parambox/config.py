@@ -260,4 +260,27 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
         merged = merge(merged, {k: v for k, v in layer.items() if v is not None})
     cfg = RunConfig(**merged)
     cfg.validate_options()
+    own = strategy_defaults(cfg, merged)
+    if own:
+        cfg = RunConfig(**merge(own, merged))
     return cfg
+
+
+OPTIMIZER_CHOICE = ("optimizer", "lr")  # either one set by the user: the strategy's optimizer stands aside
+
+
+def strategy_defaults(cfg: RunConfig, given: dict[str, Any]) -> dict[str, Any]:
+    """The fields the run's strategy brings (``Strategy.default_optimizer``, ``default_run``,
+    ``default_options``) that the user's layers ``given`` leave unset."""
+    from parambox.strategies import strategy_class
+
+    cls = strategy_class(cfg.strategy, cfg.strategy_options())
+    own: dict[str, Any] = {}
+    if not any(k in given for k in OPTIMIZER_CHOICE):
+        own.update({k: v for k, v in cls.default_optimizer.items() if k not in given})
+    own.update({k: v for k, v in cls.default_run.items() if k not in given})
+    mine = given.get("options", {}).get(cfg.strategy, {})
+    options = {k: v for k, v in cls.default_options.items() if k not in mine}
+    if options:
+        own["options"] = {cfg.strategy: options}
+    return own
