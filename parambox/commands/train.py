@@ -178,8 +178,11 @@ def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path:
             raise UserError(f"--resume: {run_dir / 'checkpoints' / 'last.pt'} does not exist")
     elif (run_dir / "summary.json").exists() or (run_dir / "checkpoints").exists():
         raise UserError(f"run directory {run_dir} already holds a run; use --resume or another --out")
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)  # per-rank error files land here
-    (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)  # per-rank error files land here
+        (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+    except OSError as e:
+        raise UserError(f"--out {run_dir}: cannot write the run directory there ({e.strerror})") from None
     return run_dir
 
 

@@ -15,13 +15,14 @@ import contextlib
 import io
 import json
 import logging
+import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from parambox.errors import UserError
+from parambox.errors import UserError, warn
 from parambox.training import checkpoint
 from parambox.workload.workload import build_workload
 
@@ -29,7 +30,24 @@ EXAMPLE_ITEMS = 4
 TOLERANCE = 1e-4
 
 
-def export_onnx(run_dir: Path, onnx_file: Path, check: bool = True) -> dict[str, Any]:
+def check_trust(run_dir: Path, cfg: Any, trust: bool) -> None:
+    """A run directory that names code (``module:function``) is code: say what will be imported, and
+    import it only from a directory this user owns, or with ``trust``."""
+    from parambox.workload import CALLABLE_FIELDS
+
+    refs = [f"{f}={getattr(cfg, f)}" for f in CALLABLE_FIELDS if ":" in str(getattr(cfg, f) or "")]
+    if not refs:
+        return
+    owner = run_dir.stat().st_uid
+    if owner != os.geteuid() and not trust:
+        raise UserError(
+            f"{run_dir} belongs to uid {owner}, not you, and its config.json names code to import "
+            f"({', '.join(refs)}): pass --trust to run it"
+        )
+    warn(f"export imports and runs {', '.join(refs)}, named in {run_dir / 'config.json'}")
+
+
+def export_onnx(run_dir: Path, onnx_file: Path, check: bool = True, trust: bool = False) -> dict[str, Any]:
     """Write ``onnx_file``; returns what was written and, with ``check``, onnxruntime's largest
     absolute difference from torch on the example input and one more row (the dynamic batch axis)."""
     from parambox.config import RunConfig
@@ -37,7 +55,13 @@ def export_onnx(run_dir: Path, onnx_file: Path, check: bool = True) -> dict[str,
     config_file = run_dir / "config.json"
     if not config_file.is_file():
         raise UserError(f"{run_dir} is not a run directory: {config_file} does not exist")
-    cfg = RunConfig(**json.loads(config_file.read_text()))
+    try:
+        cfg = RunConfig(**json.loads(config_file.read_text()))
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+        raise UserError(f"{config_file} is not a run's config (garbled JSON: {e})") from None
+    except ValueError as e:  # pydantic: a field that is not a RunConfig's
+        raise UserError(f"{config_file} is not a run's config: {str(e).splitlines()[0]}") from None
+    check_trust(run_dir, cfg, trust)
     cfg.loader_workers = 0  # a few items, read here
     workload = build_workload(cfg)
     model = workload.build_model()

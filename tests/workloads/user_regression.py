@@ -138,3 +138,22 @@ if __name__ == "__main__":
         out=out,
         box=box,
     )
+
+
+class _DictItems(torch.utils.data.Dataset):
+    """Items as dicts (``{"x": ..., "target": ...}``), as many user data sets give them."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        return {"x": x, "target": y}
+
+
+def make_dict_data():
+    train, test = make_data()
+    return _DictItems(train), _DictItems(test)
