@@ -110,3 +110,44 @@ def test_dict_items_without_a_loss_name_the_default_loss(tmp_path, capsys):
     assert main([*argv, "--loader-workers", "0"]) == 2
     line = one_line(capsys)
     assert "default loss" in line and "(x, y)" in line and "--loss" in line and "'x', 'target'" in line
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--job-name", "x\nrm -rf ~"),
+        ("--partition", "gpu\n#SBATCH --exclusive"),
+        ("--account", "a b"),
+        ("--time", "01:00:00\r"),
+        ("--script", "job\n.sbatch"),
+    ],
+)
+def test_slurm_header_fields_are_one_token(flag, value, capsys):
+    """Before: a newline in --job-name wrote a shell line into the batch script."""
+    assert main(["slurm", flag, value, "--", "--strategy", "single"]) == 2
+    line = one_line(capsys)
+    assert flag in line and "control characters" in line
+
+
+def test_export_runs_another_users_run_directory_only_with_trust(tmp_path, capsys):
+    """A run directory names code (config.json's model/data/loss references): export says what it will
+    import, and imports it from a directory someone else owns only with --trust."""
+    import os
+
+    from parambox.config import RunConfig
+
+    run = tmp_path / "theirs"
+    run.mkdir()
+    ref = "tests.workloads.user_regression:make_model"
+    cfg = RunConfig(model=ref, data="tests.workloads.user_regression:make_data", loss="x:y")
+    (run / "config.json").write_text(json.dumps(cfg.model_dump()))
+    argv = ["export", str(run), "--onnx", str(tmp_path / "m.onnx")]
+    if os.geteuid() == 0:  # root can give the directory away; others test only the owner's path
+        os.chown(run, 65534, -1)
+        assert main(argv) == 2
+        line = one_line(capsys)
+        assert "--trust" in line and ref in line and "uid 65534" in line
+        os.chown(run, 0, -1)
+    assert main(argv) == 2  # ours: it says what it imports, then fails on the missing checkpoint
+    err = capsys.readouterr().err
+    assert f"export imports and runs model={ref}" in err and "Traceback" not in err
