@@ -43,6 +43,14 @@ def helper_main(mode: str, rank: int, size: int) -> None:
     if mode == "store":  # no PARAMBOX_SHM_PREFIX: local rank 0 hands one out through the store
         _store_worker(rank, size)
         return
+    if mode == "hold":  # takes the first stripe's lock and keeps it (the test then SIGSTOPs it)
+        box = open_box("shm", _world(rank, size), 1000, 1, "held", timeout=30)
+        import fcntl
+
+        fcntl.lockf(box._fd, fcntl.LOCK_EX, 1, 64)  # stripe 0's byte
+        print("held", flush=True)
+        time.sleep(120)
+        return
     box = open_box("shm", _world(rank, size), CRASH_NUMEL, 1 + size, "crash", timeout=30)
     print("open", flush=True)
     if rank == size - 1:  # the victim: pushes until it is killed
@@ -192,6 +200,25 @@ def test_sigkilled_worker_leaves_nothing_and_no_lock(prefix: str, tmp_path: Path
         for p in procs:
             p.kill()
             p.wait()
+
+
+@pytest.mark.timeout(60)
+def test_push_against_a_stopped_lock_holder_times_out(prefix: str) -> None:
+    """Before: a blocking fcntl lock waited for good behind a SIGSTOPped holder."""
+    holder = _spawn("hold", 1, 2, dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        box = open_box("shm", _world(0, 2), 1000, 1, "held", timeout=30)  # the helper imports torch
+        assert holder.stdout.readline().strip() == "held", holder.stderr.read()
+        box.timeout = 2.0
+        holder.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(CommTimeout, match=r"box 'held' push \(stripe 0\).*held for 2 s"):
+            box.push(torch.ones(1000))
+        assert time.monotonic() - t0 < 10
+        box.close()
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 @pytest.mark.timeout(60)
