@@ -13,14 +13,10 @@ from parambox.errors import UserError
 
 def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """Cross-entropy of ``model(x)`` against the labels ``y`` of an ``(x, y)`` batch."""
-    if not (
-        isinstance(batch, tuple | list)
-        and len(batch) == 2
-        and all(isinstance(t, torch.Tensor) for t in batch)
-    ):
+    if not (isinstance(batch, tuple | list) and len(batch) == 2):  # (a pipeline stage's x may be a tuple)
         raise UserError(
-            "the default loss is the cross-entropy of model(x) against y and expects (x, y) batches of "
-            f"two tensors, got {describe(batch)}: give your own loss(model, batch) with --loss module:function"
+            "the default loss is the cross-entropy of model(x) against y and expects (x, y) batches, "
+            f"got {describe(batch)}: give your own loss(model, batch) with --loss module:function"
         )
     x, y = batch
     return F.cross_entropy(model(x), y)
