@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from parambox.box.base import BoxConfig
-from parambox.errors import UserError
+from parambox.errors import UserError, unknown_hint, validation_message
 from parambox.runtime.cluster import ClusterConfig
 
 TABLES = ("box", "cluster")  # sub-configs of their own, merged key by key: [box], --set box.KEY=V
@@ -30,7 +30,8 @@ class RunConfig(BaseModel):
     32
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan: --timeout inf would be accepted and overflow in the workers' waits.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     strategy: str = "allreduce"
     workers: int = Field(2, ge=1, le=4096, description="worker processes (local launcher)")
@@ -165,17 +166,27 @@ class RunConfig(BaseModel):
         from parambox.strategies import strategy_class
 
         name = name or self.strategy
-        return strategy_class(name).Options(**self.options.get(name, {}))
+        return validated(strategy_class(name).Options, self.options.get(name, {}), f"{name}.")
 
     def validate_options(self) -> None:
-        from parambox.strategies import STRATEGIES, strategy_class
+        from parambox.strategies import STRATEGIES
 
-        for name, opts in self.options.items():
+        for name in self.options:
             if name not in STRATEGIES:
                 raise UserError(
                     f"config table [{name}] names no strategy; choose from {', '.join(sorted(STRATEGIES))}"
                 )
-            strategy_class(name).Options(**opts)
+            self.strategy_options(name)
+
+
+def validated(model: type[BaseModel], values: dict[str, Any], prefix: str = "") -> Any:
+    """``model(**values)``; a misspelt key gets a ``UserError`` naming the keys there are and the closest."""
+    from pydantic import ValidationError
+
+    try:
+        return model(**values)
+    except ValidationError as e:
+        raise UserError(validation_message(e, list(model.model_fields), prefix)) from None
 
 
 def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -184,22 +195,32 @@ def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     for k, v in update.items():
         if k == "options":
             opts = {n: dict(o) for n, o in out.get("options", {}).items()}
-            for name, o in v.items():
-                opts.setdefault(name, {}).update(o)
+            for name, o in _mapping(v, "options", "a table of strategy tables").items():
+                opts.setdefault(name, {}).update(
+                    _mapping(o, f"[{name}]", "a table of that strategy's options")
+                )
             out["options"] = opts
         elif k in TABLES:
-            out[k] = {**_table(out.get(k)), **_table(v)}
+            out[k] = {**_table(out.get(k), k), **_table(v, k)}
         else:
             out[k] = v
     return out
 
 
-def _table(value: Any) -> dict[str, Any]:
+def _table(value: Any, name: str) -> dict[str, Any]:
     if value is None:
         return {}
-    if isinstance(value, str):  # --box rma: the backend alone
+    if isinstance(value, str) and name == "box":  # --box rma: the backend alone
         return {"backend": value}
-    return dict(value.model_dump(exclude_defaults=True) if isinstance(value, BaseModel) else value)
+    if isinstance(value, BaseModel):
+        return value.model_dump(exclude_defaults=True)
+    return dict(_mapping(value, name, f"a table, e.g. --set {name}.KEY=VALUE or [{name}] in TOML"))
+
+
+def _mapping(value: Any, name: str, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise UserError(f"config field {name!r}: expected {what}, got {value!r}")
+    return value
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -210,6 +231,10 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raw = tomllib.loads(p.read_text())
     except FileNotFoundError:
         raise UserError(f"config file {p} does not exist") from None
+    except IsADirectoryError:
+        raise UserError(f"config file {p} is a directory, not a TOML file") from None
+    except OSError as e:
+        raise UserError(f"config file {p} cannot be read: {e.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"config file {p} is not valid TOML: {e}") from None
     return split_tables(raw, f"config file {p}")
@@ -223,7 +248,7 @@ def split_tables(raw: dict[str, Any], where: str) -> dict[str, Any]:
         elif isinstance(v, dict):
             out.setdefault("options", {})[k] = v
         elif k.replace("-", "_") not in RunConfig.model_fields:
-            raise UserError(f"{where}: unknown key {k!r}")
+            raise UserError(f"{where}: unknown key {k!r}{unknown_hint(k, list(RunConfig.model_fields))}")
         else:
             out[k.replace("-", "_")] = v
     return out
@@ -247,7 +272,9 @@ def parse_set(items: list[str]) -> dict[str, Any]:
         elif key.replace("-", "_") in RunConfig.model_fields:
             out[key.replace("-", "_")] = value
         else:
-            raise UserError(f"--set {item!r}: unknown key {key!r}")
+            raise UserError(
+                f"--set {item!r}: unknown key {key!r}{unknown_hint(key, list(RunConfig.model_fields))}"
+            )
     return out
 
 
@@ -262,6 +289,29 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
     merged: dict[str, Any] = {}
     for layer in layers:
         merged = merge(merged, {k: v for k, v in layer.items() if v is not None})
-    cfg = RunConfig(**merged)
+    cfg = validated(RunConfig, merged)
     cfg.validate_options()
+    own = strategy_defaults(cfg, merged)
+    if own:
+        cfg = validated(RunConfig, merge(own, merged))
     return cfg
+
+
+OPTIMIZER_CHOICE = ("optimizer", "lr")  # either one set by the user: the strategy's optimizer stands aside
+
+
+def strategy_defaults(cfg: RunConfig, given: dict[str, Any]) -> dict[str, Any]:
+    """The fields the run's strategy brings (``Strategy.default_optimizer``, ``default_run``,
+    ``default_options``) that the user's layers ``given`` leave unset."""
+    from parambox.strategies import strategy_class
+
+    cls = strategy_class(cfg.strategy, cfg.strategy_options())
+    own: dict[str, Any] = {}
+    if not any(k in given for k in OPTIMIZER_CHOICE):
+        own.update({k: v for k, v in cls.default_optimizer.items() if k not in given})
+    own.update({k: v for k, v in cls.default_run.items() if k not in given})
+    mine = given.get("options", {}).get(cfg.strategy, {})
+    options = {k: v for k, v in cls.default_options.items() if k not in mine}
+    if options:
+        own["options"] = {cfg.strategy: options}
+    return own

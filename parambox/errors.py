@@ -28,10 +28,27 @@ def warn(text: str) -> None:
     print(f"parambox: warning: {text}", file=sys.stderr, flush=True)
 
 
-def validation_message(e) -> str:
-    """A pydantic ``ValidationError`` as one line naming each bad field."""
+def validation_message(e, fields: list[str] | None = None, prefix: str = "") -> str:
+    """A pydantic ``ValidationError`` as one line naming each bad field; a key that is no field (pydantic:
+    "Extra inputs are not permitted") gets the ``fields`` there are and the closest one."""
     parts = []
     for err in e.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "config"
-        parts.append(f"config field {loc!r}: {err['msg']}")
+        loc = prefix + (".".join(str(p) for p in err["loc"]) or "config")
+        if err["type"] == "extra_forbidden" and fields is not None:
+            parts.append(f"config field {loc!r} does not exist{unknown_hint(str(err['loc'][-1]), fields)}")
+        else:
+            parts.append(f"config field {loc!r}: {err['msg']}")
     return "; ".join(parts)
+
+
+def unknown_hint(key: str, fields: list[str]) -> str:
+    """``"; did you mean 'tau'? (choose from alpha, rho, tau)"`` for a misspelt ``key``.
+
+    >>> unknown_hint("taux", ["tau", "alpha"])
+    "; did you mean 'tau'? (choose from alpha, tau)"
+    """
+    import difflib
+
+    close = difflib.get_close_matches(key, fields, n=1)
+    guess = f"; did you mean {close[0]!r}?" if close else ";"
+    return f"{guess} (choose from {', '.join(sorted(fields))})"

@@ -22,6 +22,7 @@ Limits, by design:
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -118,6 +119,17 @@ class DistributedOptimizer:
         self._warned = False
         self._detached = False  # the parameters still live in the strategy's buffers
         self._hook = model.register_forward_pre_hook(_begin_on_forward(self))
+        # Synchronous rules pair every rank's collectives step by step: a rank that stops early would
+        # have its close() matched against another's gradient exchange (a silently wrong model). Each
+        # step opens with a one-element allreduce of "still stepping" (close() sends 0), so uneven step
+        # counts are refused on every rank, as DDP's join() detects them.
+        self._aligned = self.world.world_size > 1 and not cls.tolerates_worker_loss
+        self._unclosed = weakref.finalize(
+            self,
+            warn,
+            f"rank {self.rank}: DistributedOptimizer({strategy!r}) was never closed: call "
+            "opt.close() (or use it in a with block) after the loop, or the run's result is never published",
+        )
 
     # -- who am I --------------------------------------------------------------------------------------
     @property
@@ -147,7 +159,27 @@ class DistributedOptimizer:
         if self.closed:
             raise UserError("DistributedOptimizer: used after close()")
         self._begun = True
+        self._check_aligned(stepping=True)
         self.strategy.begin_step(self.step_count)
+
+    def _check_aligned(self, stepping: bool) -> None:
+        """Every rank steps, or every rank closes; anything else is a ``UserError`` on every rank."""
+        if not self._aligned:
+            return
+        flag = torch.tensor([1.0 if stepping else 0.0], device=self.world.device)
+        with pbdist.collective("step alignment", self.board):
+            dist.all_reduce(flag)
+        others = int(flag) - (1 if stepping else 0)
+        if others == (self.world_size - 1 if stepping else 0):
+            return
+        self.abort()
+        closed = self.world_size - int(flag)
+        raise UserError(
+            f"DistributedOptimizer({self.name!r}): rank {self.rank} is at step {self.step_count} and "
+            f"{'stepping' if stepping else 'closing'}, while {closed if stepping else int(flag)} rank(s) "
+            f"{'closed' if stepping else 'still step'}: every rank must run the same number of steps "
+            "(give steps=N to end them together)"
+        )
 
     def step(
         self, closure: Callable[[], torch.Tensor] | None = None, *, loss: torch.Tensor | None = None
@@ -185,7 +217,9 @@ class DistributedOptimizer:
         of its own, and the process group parambox started, if any, is gone."""
         if self.closed:
             return
+        self._check_aligned(stepping=False)
         self.closed = True
+        self._unclosed.detach()
         self._hook.remove()
         try:
             self.strategy.finish()
@@ -211,6 +245,7 @@ class DistributedOptimizer:
         model keeps this rank's current weights."""
         if not self.closed:
             self.closed = True
+            self._unclosed.detach()
             self._hook.remove()
             self._release()
 

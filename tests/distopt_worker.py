@@ -5,6 +5,8 @@ starts the process group from torchrun's environment, and ends it) on a tied-wei
 regression model, 20 SGD steps at batch ``B`` per rank, for each strategy in turn; each rank saves
 its final state to ``OUT/<strategy>-rank<r>.pt``.
 
+``python tests/distopt_worker.py uneven STRATEGY OUT``: rank 1 runs two steps more than rank 0.
+
 ``python tests/distopt_worker.py anymodel STRATEGIES OUT``: the script initialises torch.distributed
 itself and runs every strategy in turn on :class:`AnyNet` (BatchNorm, a tied weight, a frozen layer,
 a branch used every third step), saving ``OUT/<strategy>-rank<r>.pt`` and ``OUT/init.pt``.
@@ -180,8 +182,30 @@ def anymodel(strategies: list[str], out: Path) -> None:
     dist.destroy_process_group()
 
 
+def uneven(strategies: list[str], out: Path) -> None:
+    """Rank 0 runs 3 steps, rank 1 runs 5 (no ``steps=``): each rank writes what it was told."""
+    import parambox
+
+    rank = int(os.environ.get("RANK", "0"))
+    model = build(TiedNet, rank)
+    opt = parambox.DistributedOptimizer(model, make_sgd(model), strategies[0], timeout=60)
+    told = "no error"
+    try:
+        for step in range(3 + 2 * rank):
+            x, y = global_batch(step, opt.world_size)
+            opt.zero_grad()
+            F.mse_loss(model(x.chunk(2)[rank]), y.chunk(2)[rank]).backward()
+            opt.step()
+        opt.close()
+    except parambox.UserError as e:
+        told = str(e)
+    (out / f"uneven-rank{rank}.txt").write_text(told)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "numerics":
+    if sys.argv[1] == "uneven":
+        uneven(sys.argv[2].split(","), Path(sys.argv[3]))
+    elif sys.argv[1] == "numerics":
         numerics(sys.argv[2].split(","), Path(sys.argv[3]))
     else:
         anymodel(sys.argv[2].split(","), Path(sys.argv[3]))

@@ -35,6 +35,17 @@ def _world(rank: int, size: int) -> World:
 # ---------------------------------------------------------------------------------------------------
 
 
+def _hold_rank(_: int, size: int, tmp: str) -> None:
+    """Rank 1: takes the first stripe's lock and keeps it (the test then SIGSTOPs it)."""
+    import fcntl
+
+    torch.set_num_threads(1)
+    box = open_box("shm", _world(1, size), 1000, 1, "held", timeout=30)
+    fcntl.lockf(box._fd, fcntl.LOCK_EX, 1, 64)  # stripe 0's byte
+    Path(tmp, "held").touch()
+    time.sleep(120)
+
+
 def _create_rank(rank: int, size: int) -> None:
     """Local rank 0 of a box nobody else attaches to: waits inside open_box (until killed)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
@@ -186,6 +197,25 @@ def test_sigkilled_worker_leaves_nothing_and_no_lock(prefix: str, tmp_path: Path
         assert _entries(prefix) == []
     finally:
         join_or_kill(procs, 0)
+
+
+@pytest.mark.timeout(60)
+def test_push_against_a_stopped_lock_holder_times_out(prefix: str, tmp_path) -> None:
+    """Before: a blocking fcntl lock waited for good behind a SIGSTOPped holder."""
+    [holder] = fork_ranks(_hold_rank, 1, (2, str(tmp_path)), wait=False, shm_prefix=prefix)
+    try:
+        box = open_box("shm", _world(0, 2), 1000, 1, "held", timeout=30)
+        _wait_for(tmp_path / "held")
+        box.timeout = 2.0
+        os.kill(holder.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(CommTimeout, match=r"box 'held' push \(stripe 0\).*held for 2 s"):
+            box.push(torch.ones(1000))
+        assert time.monotonic() - t0 < 10
+        box.close()
+    finally:
+        holder.kill()
+        holder.join()
 
 
 @pytest.mark.timeout(60)

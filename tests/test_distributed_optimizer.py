@@ -263,3 +263,32 @@ def test_own_loop_example_under_torchrun():
     accuracies = {line.split("accuracy ")[1] for line in lines}
     assert len(accuracies) == 1  # every rank holds the same result model
     assert float(accuracies.pop()) > 0.85
+
+
+@pytest.mark.timeout(240)
+def test_uneven_step_counts_are_refused_on_every_rank(tmp_path):
+    """Before: rank 0's close() met rank 1's gradient allreduce; rank 0 exited 0 with a chance-level
+    model and rank 1 timed out naming "step -1". Now both ranks get a UserError at once."""
+    torchrun("tests/distopt_worker.py", "uneven", "allreduce", str(tmp_path), timeout=200)
+    told = [(tmp_path / f"uneven-rank{r}.txt").read_text() for r in (0, 1)]
+    assert all("same number of steps" in t for t in told), told
+    assert "closing" in told[0] and "stepping" in told[1] and "at step 3" in told[1]
+
+
+def test_a_forgotten_close_is_warned_at_exit():
+    script = (
+        "import torch, parambox\n"
+        "m = torch.nn.Linear(2, 1)\n"
+        "opt = parambox.DistributedOptimizer(m, torch.optim.SGD(m.parameters(), lr=0.1))\n"
+        "opt.zero_grad(); m(torch.ones(4, 2)).sum().backward(); opt.step()\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0 and "was never closed" in proc.stderr, proc.stderr
+    closed = script + "opt.close()\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", closed], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert "never closed" not in proc.stderr

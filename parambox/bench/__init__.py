@@ -29,6 +29,11 @@ BENCHES: dict[str, tuple[str, str, str]] = {  # name -> (module, function, what 
         "parambox.train vs a plain loop; a slow dataset's hidden load",
     ),
     "cluster": ("parambox.bench.cluster", "run_bench_cluster", "every strategy vs DDP on rate-limited links"),
+    "defaults": (
+        "parambox.bench.defaults",
+        "run_bench_defaults",
+        "every strategy's default digits run over seeds: does it train?",
+    ),
     "chaos": ("parambox.bench.chaos", "run_bench_chaos", "easgd losing a random worker every few s vs none"),
 }
 

@@ -34,8 +34,10 @@ mpi4py is imported here only, because importing it initialises MPI.
 from __future__ import annotations
 
 import hashlib
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -49,6 +51,8 @@ from parambox.box.base import Handle, ParameterBox, wait_until  # noqa: E402
 from parambox.box.layout import shard_range  # noqa: E402
 from parambox.errors import CommTimeout, UserError  # noqa: E402
 from parambox.runtime.world import World  # noqa: E402
+
+T = TypeVar("T")
 
 # MPI counts are C ints; stay well below 2**31 elements (and bytes) per call.
 MAX_CHUNK = 1 << 26
@@ -80,7 +84,9 @@ class RmaBox(ParameterBox):
         self, comm: MPI.Comm, name: str, numel: int, num_counters: int, box_ranks: list[int], timeout: float
     ):
         super().__init__(name, numel, num_counters, timeout)
-        self.comm = comm.Dup()  # the box's own barriers never mix with the caller's messages
+        # The box's own communicator: its barriers never mix with the caller's messages.
+        self.comm, request = comm.Idup()
+        _wait_request(request, timeout, f"box {name!r}: duplicating the communicator")
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.fault_tolerant = pbmpi.fault_tolerant()
         self.box_ranks = box_ranks
@@ -91,10 +97,11 @@ class RmaBox(ParameterBox):
         mine = [k for k, r in enumerate(box_ranks) if r == rank]
         local = 0 if not mine else self.shards[mine[0]][1] - self.shards[mine[0]][0]
         info = _window_info()
-        self.win = MPI.Win.Allocate(local * 4, 4, info=info, comm=self.comm)
+        what = f"box {name!r}: allocating its windows"
+        self.win = bounded(lambda: MPI.Win.Allocate(local * 4, 4, info=info, comm=self.comm), timeout, what)
         self.counter_rank = box_ranks[0]
         ncount = num_counters if rank == self.counter_rank else 0
-        self.cwin = MPI.Win.Allocate(ncount * 8, 8, info=info, comm=self.comm)
+        self.cwin = bounded(lambda: MPI.Win.Allocate(ncount * 8, 8, info=info, comm=self.comm), timeout, what)
         info.Free()
         for win in (self.win, self.cwin):
             win.Set_errhandler(MPI.ERRORS_RETURN)  # a window's MPI default is ERRORS_ARE_FATAL
@@ -186,8 +193,34 @@ class RmaBox(ParameterBox):
             self._closed = True
         for win in (self.win, self.cwin):
             win.Unlock_all()
-            win.Free()
+            # Collective: all arrived at the barrier just now, but one may die before it frees.
+            bounded(win.Free, min(self.timeout, 10.0), f"box {self.name!r}: freeing its windows")
         self.comm.Free()
+
+
+def bounded(call: Callable[[], T], timeout: float, what: str) -> T:
+    """``call()`` (a blocking MPI collective with no nonblocking form: ``Win.Allocate``, ``Win.Free``),
+    given up after ``timeout`` s with a ``CommTimeout``: it runs in a helper thread (the MPI library is
+    initialised with MPI_THREAD_MULTIPLE), left blocked behind; ``finalize_with_deadline`` bounds the exit."""
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        return call()  # another thread may not call MPI: no deadline to be had here
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append((True, call()))
+        except BaseException as e:  # handed to the caller's thread
+            out.append((False, e))
+
+    helper = threading.Thread(target=run, name="parambox-mpi-call", daemon=True)
+    helper.start()
+    helper.join(timeout)
+    if not out:
+        raise CommTimeout(f"{what}: not every rank arrived within {timeout:.0f} s")
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _wait_request(req: MPI.Request, timeout: float, what: str) -> None:

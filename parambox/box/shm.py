@@ -20,6 +20,7 @@ import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -79,8 +80,8 @@ class ShmBox(ParameterBox):
         self._thread_lock = threading.Lock()  # fcntl locks belong to the process, not the thread
 
     # -- locks ------------------------------------------------------------------------------------
-    def _locked(self, offset: int):
-        return _lock(self._fd, offset)
+    def _locked(self, offset: int, phase: str):
+        return _lock(self._fd, offset, self.timeout, lambda: f"box {self.name!r} {phase}")
 
     def _stripes(self, start: int, stop: int) -> list[tuple[int, int, int]]:
         """(stripe, lo, hi) pieces of [start, stop), each process starting at its own stripe."""
@@ -94,11 +95,11 @@ class ShmBox(ParameterBox):
         k = self._local_rank * len(pieces) // max(1, self._expected)
         return pieces[k:] + pieces[:k]
 
-    def _apply(self, dst, src, start: int, op) -> None:
+    def _apply(self, dst, src, start: int, op, phase: str) -> None:
         """``op(dst[piece], src[piece])`` for each stripe piece, holding that stripe's lock."""
         with self._thread_lock:
             for s, lo, hi in self._stripes(start, start + len(src)):
-                with self._locked(_LOCK_STRIPE0 + s):
+                with self._locked(_LOCK_STRIPE0 + s, f"{phase} (stripe {s})"):
                     op(dst[lo:hi], src[lo - start : hi - start])
 
     # -- transfers --------------------------------------------------------------------------------
@@ -108,13 +109,13 @@ class ShmBox(ParameterBox):
 
     def _push_from(self, src: torch.Tensor, scale: float, start: int) -> Handle:
         if scale == 1.0:  # numpy's add loop ran ~7 % faster than torch's single-thread add_ here
-            self._apply(self._np, src.numpy(), start, lambda d, s: np.add(d, s, out=d))
+            self._apply(self._np, src.numpy(), start, lambda d, s: np.add(d, s, out=d), "push")
         else:
-            self._apply(self._data, src, start, lambda d, s: d.add_(s, alpha=scale))
+            self._apply(self._data, src, start, lambda d, s: d.add_(s, alpha=scale), "push")
         return DONE
 
     def _write_from(self, src: torch.Tensor, start: int) -> None:
-        self._apply(self._np, src.numpy(), start, np.copyto)
+        self._apply(self._np, src.numpy(), start, np.copyto, "write")
 
     def local_view(self) -> torch.Tensor:
         return self._data
@@ -126,7 +127,7 @@ class ShmBox(ParameterBox):
 
     def add_counter(self, i: int, v: int) -> int:
         i = self._counter_index(i)
-        with self._thread_lock, self._locked(_LOCK_COUNTERS):
+        with self._thread_lock, self._locked(_LOCK_COUNTERS, "counter"):
             old = self._counters[i]
             self._counters[i] = old + v
         return old
@@ -134,7 +135,7 @@ class ShmBox(ParameterBox):
     def barrier(self, timeout: float | None = None) -> None:
         self._check_open()
         hdr = self._hdr
-        with self._thread_lock, self._locked(_LOCK_META):
+        with self._thread_lock, self._locked(_LOCK_META, "barrier"):
             gen = hdr[_H_BAR_GEN]
             hdr[_H_BAR_COUNT] += 1
             if hdr[_H_BAR_COUNT] == self._expected:
@@ -384,7 +385,7 @@ def _attach(
             lambda: hdr[_H_MAGIC] == _MAGIC, timeout, lambda: f"box {name!r}: {path} has no box header"
         )
         have = (hdr[_H_NUMEL], hdr[_H_NCOUNT], hdr[_H_LAYOUT])
-        with _lock(fd, _LOCK_META):
+        with _lock(fd, _LOCK_META, timeout, lambda: f"box {name!r} attach"):
             if have != want:
                 hdr[_H_REJECTED] += 1
             elif local_rank > 0 and not hdr[_H_ATTACH0 + local_rank]:
@@ -405,9 +406,24 @@ def _attach(
 
 
 @contextlib.contextmanager
-def _lock(fd: int, offset: int):
-    fcntl.lockf(fd, fcntl.LOCK_EX, 1, offset)
+def _lock(fd: int, offset: int, timeout: float, what: Callable[[], str]):
+    """The byte-range lock at ``offset``, waited for at most ``timeout`` s. A dead holder's lock goes with
+    it; a stopped (SIGSTOP) or stalled one keeps it, so a blocking ``lockf`` would wait for good."""
+    if not _try_lock(fd, offset):
+        wait_until(
+            lambda: _try_lock(fd, offset),
+            timeout,
+            lambda: f"{what()}: a lock stayed held for {timeout:g} s (its holder is stopped or stalled)",
+        )
     try:
         yield
     finally:
         fcntl.lockf(fd, fcntl.LOCK_UN, 1, offset)
+
+
+def _try_lock(fd: int, offset: int) -> bool:
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
+    except (BlockingIOError, PermissionError):  # EAGAIN / EACCES: another process holds it
+        return False
+    return True

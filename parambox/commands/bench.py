@@ -1,4 +1,4 @@
-"""``parambox bench sync | box | async | local | cluster | optimizer | api``: benchmarks that print
+"""``parambox bench sync | box | async | local | cluster | optimizer | api | chaos | defaults``: benchmarks that print
 ratios measured side by side.
 
 Each prints a JSON object with ``--json`` (and nothing else on stdout), or a table otherwise.
@@ -29,8 +29,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     cluster.add_argument("--gbps", default=None, help="link rates in Gbit/s, comma list (default 1,0.1)")
     cluster.add_argument("--setups", default=None, help="comma list of setups (cluster, sync; default: all)")
+    defaults = p.add_argument_group("bench defaults (each strategy's default run over seeds)")
+    defaults.add_argument("--seeds", default=None, help="seeds, a range or a list: 0-9 (default), 0,3,5")
+    defaults.add_argument("--strategies", default=None, help="comma list of strategies (default: all)")
     p.add_argument(
-        "--quick", action="store_true", help="a short form for tests (cluster, chaos): checks, no figures"
+        "--quick",
+        action="store_true",
+        help="a short form for tests (cluster, chaos, defaults): checks, no figures",
     )
 
 
@@ -40,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if any(v < 1 for v in kwargs.values()):
         raise UserError("--rounds and --steps must be at least 1")
     kwargs.update(_cluster_options(args))
+    kwargs.update(_defaults_options(args))
     if args.quick:
         if "quick" not in inspect.signature(bench).parameters:
             raise UserError(f"bench {args.which} has no --quick form")
@@ -72,6 +78,19 @@ def _cluster_options(args: argparse.Namespace) -> dict:
     return given
 
 
+def _defaults_options(args: argparse.Namespace) -> dict:
+    given = {k: getattr(args, k) for k in ("seeds", "strategies") if getattr(args, k) is not None}
+    if given and args.which != "defaults":
+        raise UserError(f"--{'/--'.join(given)} apply to bench defaults only")
+    if "seeds" in given:
+        from parambox.bench.defaults import parse_seeds
+
+        given["seeds"] = parse_seeds(given["seeds"])
+    if "strategies" in given:
+        given["strategies"] = [s.strip() for s in given["strategies"].split(",") if s.strip()]
+    return given
+
+
 def _print_table(name: str, result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -79,6 +98,8 @@ def _print_table(name: str, result: dict) -> None:
     table = Table(title=f"parambox bench {name}")
     table.add_column("figure")
     table.add_column("value", justify="right")
+    if name == "defaults":
+        return _print_defaults(result)
     for key, value in _flatten(result):
         table.add_row(key, f"{value:,.3f}" if isinstance(value, float) else str(value))
     Console().print(table)
@@ -90,3 +111,16 @@ def _flatten(d: dict, prefix: str = ""):
             yield from _flatten(v, f"{prefix}{k}.")
         elif not isinstance(v, list):
             yield f"{prefix}{k}", v
+
+
+def _print_defaults(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"parambox bench defaults (test accuracy; target {result['target']})")
+    for col in ("strategy", "min", "max", "below target (seeds)"):
+        table.add_column(col)
+    for name, r in result["strategies"].items():
+        low = ", ".join(str(s) for s in r["below_target"]) or "-"
+        table.add_row(name, *(f"{r[k]:.3f}" if r[k] is not None else "failed" for k in ("min", "max")), low)
+    Console().print(table)

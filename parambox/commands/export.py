@@ -16,6 +16,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--onnx", type=Path, required=True, metavar="FILE", help="the ONNX file to write")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the onnxruntime comparison")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--trust",
+        action="store_true",
+        help="import the code a run directory you do not own names in its config.json (a run directory is code)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.run_dir.is_dir():
         raise UserError(f"run directory {args.run_dir} does not exist")
-    result = export_onnx(args.run_dir, args.onnx, args.check)
+    result = export_onnx(args.run_dir, args.onnx, args.check, args.trust)
     if args.json:
         print(json.dumps(result))
     else:

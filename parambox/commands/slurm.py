@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -44,6 +45,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def render(args: argparse.Namespace) -> str:
     if args.nodes < 1 or args.tasks_per_node < 1:
         raise UserError("--nodes and --tasks-per-node must be at least 1")
+    check_header_fields(args)
     train_args = [a for a in args.train_args if a != "--"]
     lines = [
         "#!/bin/bash",
@@ -68,6 +70,18 @@ def render(args: argparse.Namespace) -> str:
     if not uses_mpi(train_args):
         return "\n".join([*lines, f"srun {train}", ""])
     return "\n".join([*lines, *mpi_lines(), f'"$mpiexec" --with-ft ulfm -n "$SLURM_NTASKS" {train}', ""])
+
+
+HEADER_FIELD = re.compile(r"[^\s\x00-\x1f\x7f]+")  # one token: no whitespace, no control character
+
+
+def check_header_fields(args: argparse.Namespace) -> None:
+    """Each ``#SBATCH`` value one token: a newline in --job-name would write a shell line into the script."""
+    fields = {"--job-name": args.job_name, "--time": args.time, "--partition": args.partition}
+    fields |= {"--account": args.account, "--script": args.script}
+    for flag, value in fields.items():
+        if value is not None and not HEADER_FIELD.fullmatch(value):
+            raise UserError(f"{flag} {value!r}: a #SBATCH field takes no spaces or control characters")
 
 
 def output_path(args: argparse.Namespace) -> str:

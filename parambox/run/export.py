@@ -15,13 +15,14 @@ import contextlib
 import io
 import json
 import logging
+import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from parambox.errors import UserError
+from parambox.errors import UserError, warn
 
 EXAMPLE_ITEMS = 4
 TOLERANCE = 1e-4
@@ -30,12 +31,31 @@ TOLERANCE = 1e-4
 LABEL_KEYS = ("label", "labels", "y", "target", "targets")  # a dict batch's keys that are no input
 
 
-def export_onnx(run_dir: Path, onnx_file: Path, check: bool = True) -> dict[str, Any]:
+def check_trust(run_dir: Path, cfg: Any, trust: bool) -> None:
+    """A run directory that names code (``module:function``) is code: say what will be imported, and
+    import it only from a directory this user owns, or with ``trust``."""
+    from parambox.workload import CALLABLE_FIELDS
+
+    refs = [f"{f}={getattr(cfg, f)}" for f in CALLABLE_FIELDS if ":" in str(getattr(cfg, f) or "")]
+    if not refs:
+        return
+    owner = run_dir.stat().st_uid
+    if owner != os.geteuid() and not trust:
+        raise UserError(
+            f"{run_dir} belongs to uid {owner}, not you, and its config.json names code to import "
+            f"({', '.join(refs)}): pass --trust to run it"
+        )
+    warn(f"export imports and runs {', '.join(refs)}, named in {run_dir / 'config.json'}")
+
+
+def export_onnx(run_dir: Path, onnx_file: Path, check: bool = True, trust: bool = False) -> dict[str, Any]:
     """Write ``onnx_file`` (one file; a model over protobuf's 2 GB limit also writes ``FILE.data``,
     named in the result); returns what was written and, with ``check``, onnxruntime's largest absolute
     difference from torch on the example input and one more row (the dynamic batch axis)."""
+    from parambox.run.plan import load_recorded
     from parambox.run.result import load_model_and_workload
 
+    check_trust(run_dir, load_recorded(run_dir), trust)
     model, workload = load_model_and_workload(run_dir)
     inputs = example_inputs(workload)
     files = _export(model, inputs, onnx_file)

@@ -63,10 +63,10 @@ def load_recorded(run_dir: Path) -> RunConfig:
     except FileNotFoundError:
         raise UserError(f"{run_dir} is not a run directory: {path} does not exist") from None
     except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
-        raise UserError(f"{path} is not a run's config: {str(e).splitlines()[0]}") from None
+        raise UserError(f"{path} is not a run's config (garbled JSON: {str(e).splitlines()[0]})") from None
     except Exception as e:
         if type(e).__name__ == "ValidationError":
-            raise UserError(f"{path}: {validation_message(e)}") from None
+            raise UserError(f"{path} is not a run's config: {validation_message(e)}") from None
         raise
 
 
@@ -221,6 +221,6 @@ def prepare_run_dir(plan: Plan) -> Path:
         (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
     except OSError as e:
         raise UserError(
-            f"{caller.field('out').split()[0]} {run_dir}: cannot write there ({e.strerror})"
+            f"{caller.field('out').split()[0]} {run_dir}: cannot write the run directory there ({e.strerror})"
         ) from None
     return run_dir

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import os
 import socket
@@ -16,10 +17,11 @@ from parambox.errors import CommTimeout
 from parambox.runtime.spawn import free_port
 from parambox.runtime.world import World
 
-_STARTS = itertools.count()  # process groups this process has started
+_STARTS = itertools.count()
+_ADDR_BYTES = 1024  # room for rank 0's "host:port"  # process groups this process has started
 
 
-def rendezvous_address(world: World) -> tuple[str, int]:
+def rendezvous_address(world: World, timeout_s: float = 300.0) -> tuple[str, int]:
     """MASTER_ADDR/PORT for this world. torchrun and the local launcher set them; under srun they
     come from the first host of the node list (``World`` reads it); under mpiexec rank 0 picks its
     host name and a free port and broadcasts them over MPI."""
@@ -28,11 +30,22 @@ def rendezvous_address(world: World) -> tuple[str, int]:
     if world.launcher == "mpi":
         from mpi4py import MPI  # initialises MPI: only under mpiexec
 
-        addr = None
+        # "host:port" in a fixed buffer: a nonblocking broadcast with a deadline, and no pickle.
+        buf = bytearray(_ADDR_BYTES)
         if world.rank == 0:
             host = os.environ.get("PARAMBOX_MASTER_ADDR") or socket.gethostname()
-            addr = (host, int(os.environ.get("MASTER_PORT") or free_port("")))
-        return MPI.COMM_WORLD.bcast(addr, root=0)
+            text = f"{host}:{int(os.environ.get('MASTER_PORT') or free_port(''))}".encode()
+            buf[: len(text)] = text
+        request = MPI.COMM_WORLD.Ibcast([buf, MPI.BYTE], root=0)
+        deadline = time.monotonic() + timeout_s
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise CommTimeout(
+                    f"rank {world.rank}: rank 0 did not post the rendezvous address in {timeout_s:.0f} s"
+                )
+            time.sleep(0.001)
+        host, port = bytes(buf).rstrip(b"\0").decode().rsplit(":", 1)
+        return host, int(port)
     return "127.0.0.1", free_port()
 
 
@@ -40,12 +53,10 @@ def init_distributed(world: World, timeout_s: float) -> None:
     """Join the default process group (gloo on CPU, nccl on GPU); a no-op for one process."""
     if world.world_size == 1 or dist.is_initialized():
         return
-    addr, port = rendezvous_address(world)
+    addr, port = rendezvous_address(world, timeout_s)
     timeout = timedelta(seconds=timeout_s)
     try:
-        store, _, _ = next(
-            dist.rendezvous(f"tcp://{addr}:{port}", world.rank, world.world_size, timeout=timeout)
-        )
+        store = rendezvous_store(world, addr, port, timeout)
         # A process may start a group again after destroying one (DistributedOptimizer after
         # DistributedOptimizer); under torchrun the store is the agent's, the same for every start,
         # so each start keeps its keys under a prefix of its own (else the old addresses are read).
@@ -58,6 +69,64 @@ def init_distributed(world: World, timeout_s: float) -> None:
             f"rendezvous at {addr}:{port} failed for rank {world.rank} of {world.world_size} "
             f"(not every rank arrived within {timeout_s:.0f} s?): {str(e).splitlines()[0]}"
         ) from None
+
+
+_SERVERS: dict[tuple[str, int], dist.TCPStore] = {}  # this process's store servers, by address
+
+
+def rendezvous_store(world: World, addr: str, port: int, timeout: timedelta) -> dist.Store:
+    """The rendezvous store: torchrun's agent's where it offers one, else rank 0 serves it on ``addr``."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return next(dist.rendezvous(f"tcp://{addr}:{port}", world.rank, world.world_size, timeout=timeout))[0]
+    if world.rank != 0:
+        return dist.TCPStore(addr, port, world.world_size, is_master=False, timeout=timeout)
+    if (addr, port) not in _SERVERS:  # a later group of this process reuses it, under a new prefix
+        one_node = world.num_nodes == 1
+        _SERVERS[(addr, port)] = listening_store(addr, port, world.world_size, timeout, True, one_node)
+    return _SERVERS[(addr, port)]
+
+
+def listening_store(
+    addr: str, port: int, world_size: int, timeout: timedelta, wait: bool, one_node: bool = True
+) -> dist.TCPStore:
+    """A TCPStore server bound to ``addr`` alone (127.0.0.1 locally, the master address elsewhere).
+
+    torch's own binds every interface (``::``) and has no bind address: the stores take no password,
+    so anyone who reaches the port could read and write them. The socket is bound here and handed over.
+    """
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    everywhere = False
+    if not one_node and ipaddress.ip_address(sockaddr[0]).is_loopback and not is_loopback_name(addr):
+        # A host name (mpiexec's rank 0 posts its own) that /etc/hosts maps to 127.0.1.1 here while
+        # the other nodes resolve it to its real address: only every interface reaches them all.
+        family, sockaddr, everywhere = socket.AF_INET6, ("::", port), True
+    try:
+        sock = socket.create_server(
+            sockaddr, family=family, backlog=max(128, world_size), dualstack_ipv6=everywhere
+        )
+    except OSError as e:
+        raise CommTimeout(f"cannot listen on {addr}:{port} for the run's store: {e.strerror}") from None
+    return dist.TCPStore(
+        addr,
+        sock.getsockname()[1],
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=wait,
+        master_listen_fd=sock.detach(),
+    )
+
+
+def is_loopback_name(addr: str) -> bool:
+    """``localhost`` or a loopback address literal.
+
+    >>> is_loopback_name("127.0.0.1"), is_loopback_name("localhost"), is_loopback_name("node1")
+    (True, True, False)
+    """
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
 
 
 def destroy_distributed() -> None:
@@ -87,7 +156,8 @@ class ProgressBoard:
         pg_store, rank = _get_default_store(), dist.get_rank()
         addr, key = os.environ.get("MASTER_ADDR", "127.0.0.1"), f"parambox/board/{next(_BOARDS)}"
         if rank == 0:
-            self.store = dist.TCPStore(addr, 0, dist.get_world_size(), is_master=True, wait_for_workers=False)
+            world_size, timeout = dist.get_world_size(), timedelta(seconds=30)
+            self.store = listening_store(addr, 0, world_size, timeout, wait=False)
             pg_store.set(key, f"{addr}:{self.store.port}")
         else:
             host, port = pg_store.get(key).decode().rsplit(":", 1)

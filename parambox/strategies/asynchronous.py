@@ -126,7 +126,7 @@ class AsyncStrategy(Strategy):
         self.x, self.g = bind_flat_replica(self.model, self.layout, ctx.world.device)
         self.grad_views = GradViews.of_flat(self.model, self.layout, self.g)
         self.counters = CounterMap(n, extra_counters)
-        self.extra_start = self.numel
+        self.extra_start, self.extra_numel = self.numel, extra_numel
         self.box = open_box(
             box_config,
             self.world,
@@ -351,6 +351,8 @@ class AsyncStrategy(Strategy):
         state["steps_done"] = self.box.read_counter(self.counters.steps(self.world.rank))
         if self.world.rank == 0:
             state["center"] = self.box.pull(torch.empty(self.numel)).clone()
+            if self.extra_numel:  # the strategy's own state in the box (Adagrad's sums, diloco's momentum)
+                state["box_extra"] = self.box.pull(torch.empty(self.extra_numel), self.extra_start).clone()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -370,6 +372,8 @@ class AsyncStrategy(Strategy):
         if rank == 0:
             if "center" in state:
                 self.box.write(state["center"])
+            if "box_extra" in state and self.extra_numel:
+                self.box.write(state["box_extra"], self.extra_start)
             self._set_counter(m.started, time.time_ns() // 1000)  # this life's clock
             self.box.add_counter(m.ready, 1)
         else:

@@ -93,6 +93,15 @@ class Strategy:
     # The options that set how many local steps pass between two exchanges (easgd's tau, diloco's H):
     # what the studies' tau-H tables vary.
     period_options: ClassVar[tuple[str, ...]] = ()
+    # What the strategy trains with when the user did not choose (applied by config resolution, so
+    # config.json records it): its optimizer and rate, taken whole unless the user set optimizer or lr
+    # (a user's --optimizer sgd must not inherit a rate meant for AdamW); ...
+    default_optimizer: ClassVar[dict[str, Any]] = {}
+    # ... other run fields, each where the user did not set it (sandblaster's full batch); ...
+    default_run: ClassVar[dict[str, Any]] = {}
+    # ... and option defaults of this form where they differ from the Options model's (one Options model
+    # serves both of diloco's forms), each where the user did not set it.
+    default_options: ClassVar[dict[str, Any]] = {}
 
     @classmethod
     def resolve(cls, options: Options) -> type[Strategy]:

@@ -190,6 +190,8 @@ class Downpour(AsyncStrategy):
             "snap": self.worker.snap,
             "acc_live": self.worker.acc_live,
         }
+        if self.adagrad is not None:  # this worker's squares not pushed yet (the box's sums: rank 0's)
+            state["adagrad_local"] = self.adagrad.local
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -198,3 +200,5 @@ class Downpour(AsyncStrategy):
             self.worker.acc.copy_(state["downpour"]["acc"])
             self.worker.snap.copy_(state["downpour"]["snap"])
             self.worker.acc_live = bool(state["downpour"]["acc_live"])
+        if self.adagrad is not None and "adagrad_local" in state:
+            self.adagrad.local.copy_(state["adagrad_local"])

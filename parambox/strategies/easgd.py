@@ -325,6 +325,22 @@ class SyncElasticAveraging(Strategy):
     def summary_extra(self) -> dict[str, Any]:
         return {"nonfinite_workers": sorted(self.nonfinite)}
 
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer (EASGD) or the Nesterov velocity (EAMSGD), and the center: without it a resume
+        or a group restart would pull every replica back toward the initial weights."""
+        state = super().state_dict()
+        state["center"] = self.c
+        if self.local is not None:
+            state["velocity"] = self.local.v
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "center" in state:
+            self.c.copy_(state["center"])
+        if self.local is not None and "velocity" in state:
+            self.local.v.copy_(state["velocity"])
+
     def close(self) -> None:
         for p in self.params:
             p.grad = None

@@ -19,7 +19,7 @@ every worker's gradient steps land on one shared center (``Strategy.shared_cente
 dogwild, whose one optimizer on rank 0 takes each worker's gradient as a step) divide it by the
 number of writers, since N asynchronous writers make the center's step N times the base step
 (MEASURED: 2 writers double the effective step; the ``digits-hogwild`` and ``digits-dogwild`` presets).
-DiLoCo keeps its own inner optimizer, AdamW at 1e-3 (``OWN_OPTIMIZER``).
+DiLoCo keeps its own inner optimizer, AdamW at 1e-3 (``Strategy.default_optimizer``).
 
 The clock is rank 0's, started where rank 0 started training; where another rank started earlier
 (asynchronous runs do not wait for each other), its lead is added (``clock_lead``: the ``epoch`` of
@@ -42,11 +42,6 @@ from parambox.config import merge
 from parambox.errors import UserError
 from parambox.strategies import STRATEGIES, strategy_class
 from parambox.studies.runs import PlannedRun, clock_lead, ensure_runs, validate
-
-# Strategies whose inner optimizer is part of the method: DiLoCo's AdamW at 1e-3 (its paper and the
-# digits-diloco preset); with the base SGD (lr 0.03, momentum 0.9) under the outer Nesterov step it
-# diverged on MNIST (test accuracy 0.097 at both link rates).
-OWN_OPTIMIZER: dict[str, dict[str, Any]] = {"diloco": {"optimizer": "adamw", "lr": 0.001}}
 
 
 def lr_for(strategy: str, base_lr: float, workers: int) -> float:
@@ -152,7 +147,9 @@ def plan(
                     # which would be a third process on two one-worker nodes.
                     cfg["box"] = {"memory_ranks": 0, **cfg["box"]}
                 cfg = merge(cfg, {"seed": seed, "lr": lr_for(setup.strategy, base["lr"], base["workers"])})
-                cfg = merge(cfg, OWN_OPTIMIZER.get(setup.strategy, {}))
+                # A strategy whose optimizer is part of the method brings it (diloco: AdamW at 1e-3;
+                # with the base SGD under the outer Nesterov step it diverged on MNIST, 0.097).
+                cfg = merge(cfg, strategy_class(setup.strategy).default_optimizer)
                 if cluster:
                     cfg["cluster"] = cluster
                 validate(cfg)
@@ -227,7 +224,11 @@ def run_time_to_accuracy(
         "lr_rule": "base lr; lr / workers for "
         + ", ".join(sorted(n for n in STRATEGIES if strategy_class(n).shared_center))
         + "; "
-        + "; ".join(f"{k}: {v}" for k, v in OWN_OPTIMIZER.items()),
+        + "; ".join(
+            f"{n}: {strategy_class(n).default_optimizer}"
+            for n in STRATEGIES
+            if strategy_class(n).default_optimizer
+        ),
         "eval_every": base.get("eval_every"),
         "by_gbps": {},
     }

@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from parambox.config import RunConfig
 from parambox.data import BatchSource
+from parambox.errors import warn
+from parambox.numerics import is_finite
 from parambox.runtime import dist as pbdist
 from parambox.runtime.control import SPARE_ENV, current_life
 from parambox.runtime.world import World
@@ -228,10 +230,15 @@ def save_checkpoint(run: Run, step: int, barrier: bool = True) -> None:
         with pbdist.collective("checkpoint barrier", run.board):
             dist.barrier()
     if run.world.rank == 0:
+        weights = model.state_dict()
+        if not all(is_finite(t) for t in weights.values() if t.is_floating_point()):
+            # A diverged run must not replace the only commit point with weights nobody can resume from.
+            warn(f"checkpoint at step {step} not written: the model's weights are not finite")
+            return
         checkpoint.save_last(
             ckpt_dir,
             step,
-            model.state_dict(),
+            weights,
             run.cfg.model_dump(),
             run.world.world_size,
             state,

@@ -8,8 +8,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parambox.errors import UserError
+
 
 def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """Cross-entropy of ``model(x)`` against the labels ``y`` of an ``(x, y)`` batch."""
+    if not (isinstance(batch, tuple | list) and len(batch) == 2):  # (a pipeline stage's x may be a tuple)
+        raise UserError(
+            "the default loss is the cross-entropy of model(x) against y and expects (x, y) batches, "
+            f"got {describe(batch)}: give your own loss(model, batch) with --loss module:function"
+        )
     x, y = batch
     return F.cross_entropy(model(x), y)
+
+
+def describe(batch: Any) -> str:
+    """A batch's structure in a few words, for error messages.
+
+    >>> describe({"x": 1, "label": 2}), describe((1, 2, 3))
+    ("a dict with keys ['x', 'label']", 'a tuple of 3 items')
+    """
+    if isinstance(batch, dict):
+        return f"a dict with keys {list(batch)[:8]}"
+    if isinstance(batch, tuple | list):
+        return f"a {type(batch).__name__} of {len(batch)} items"
+    return f"a {type(batch).__name__}"

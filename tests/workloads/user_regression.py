@@ -176,3 +176,22 @@ def make_dict_items():
 def named_inputs_loss(model, batch):
     pred = model(features=batch["features"], scale=batch["scale"])
     return ((pred - batch["label"]) ** 2).mean()
+
+
+class _DictItems(torch.utils.data.Dataset):
+    """Items as dicts (``{"x": ..., "target": ...}``), as many user data sets give them."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        return {"x": x, "target": y}
+
+
+def make_dict_data():
+    train, test = make_data()
+    return _DictItems(train), _DictItems(test)

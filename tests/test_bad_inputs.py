@@ -1,0 +1,153 @@
+"""Tier (c), in-process: bad input anywhere on the command line is one line ``parambox: error: ...``, exit 2,
+no traceback (issue 21's list, then more of the kind). No worker process is started: each ends in set-up."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parambox.cli import main
+
+TRAIN = ["train", "--strategy", "single", "--steps", "2", "--eval-every", "0", "--no-progress"]
+
+# (argv after TRAIN, a piece of the one line); {tmp} is the test's directory
+ISSUE = [
+    (["--config", "{tmp}"], "is a directory"),
+    (["--config", "{tmp}/cluster3.toml"], "'cluster': expected a table"),
+    (["--set", "cluster=3"], "'cluster': expected a table"),
+    (["--set", "box=[1]"], "'box': expected a table"),
+    (["--set", "options=5"], "'options': expected a table"),
+    (["--out", "/proc/parambox-unwritable"], "cannot write the run directory"),
+    (["--timeout", "inf"], "'timeout'"),
+    (["--set", "easgd.taux=3"], "did you mean 'tau'?"),
+]
+MORE = [
+    (["--lr", "nan"], "'lr'"),
+    (["--lr", "inf"], "'lr'"),
+    (["--momentum", "1"], "'momentum'"),
+    (["--steps", "0"], "'steps'"),
+    (["--timeout", "0"], "'timeout'"),
+    (["--seed", "-1"], "'seed'"),
+    (["--workers", "5000"], "'workers'"),
+    (["--threads", "0"], "'threads'"),
+    (["--set", "lr"], "expected key=value"),
+    (["--set", "=3"], "expected key=value"),
+    (["--set", "momentun=0.5"], "did you mean 'momentum'?"),
+    (["--set", "easgd.tau=0"], "'easgd.tau'"),
+    (["--set", "easgd.alpha=2"], "'easgd.alpha'"),
+    (["--set", "easgd.alpha=0.1", "--set", "easgd.rho=1"], "alpha or rho"),
+    (["--set", "diloco.asynchronous=maybe"], "'diloco.asynchronous'"),
+    (["--set", "options={easgd=3}"], "'[easgd]': expected a table"),
+    (["--set", "sandblaster.slow_worker=abc"], "RANK:FACTOR"),
+    (["--set", "cluster.nodes=x"], "'cluster.nodes'"),
+    (["--loss", "notaref"], "is no reference"),
+    (["--model", "parambox_no_such_module:make"], "parambox_no_such_module"),
+    (["--data", "{tmp}/missing.py:make"], "missing.py"),
+    (["--config", "{tmp}/badtype.toml"], "'easgd.tau'"),
+    (["--config", "{tmp}/stepz.toml"], "did you mean 'steps'?"),
+    (["--resume", "--out", "{tmp}/empty"], "last.pt does not exist"),
+    (["--out", "{tmp}/done"], "already holds a run"),
+    (["--batch-size", "100000"], "training items"),
+]
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "cluster3.toml").write_text("cluster = 3\n")
+    (tmp_path / "badtype.toml").write_text('[easgd]\ntau = "four"\n')
+    (tmp_path / "stepz.toml").write_text("stepz = 3\n")
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "summary.json").write_text("{}")
+    return tmp_path
+
+
+def one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith("parambox: error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,message", ISSUE + MORE)
+def test_bad_train_input(args, message, files, capsys):
+    args = [a.replace("{tmp}", str(files)) for a in args]
+    out = [] if "--out" in args else ["--out", str(files / "run")]
+    assert main([*TRAIN, *out, *args]) == 2
+    assert message in one_line(capsys)
+
+
+def test_export_of_a_garbled_run(files, capsys):
+    run = files / "garbled"
+    run.mkdir()
+    (run / "config.json").write_text("{garbled")
+    assert main(["export", str(run), "--onnx", str(files / "m.onnx")]) == 2
+    assert "garbled JSON" in one_line(capsys)
+    (run / "config.json").write_text(json.dumps({"stepz": 3}))
+    assert main(["export", str(run), "--onnx", str(files / "m.onnx")]) == 2
+    assert "not a run's config" in one_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["bench", "defaults", "--seeds", "x"], "--seeds 'x'"),
+        (["bench", "box", "--seeds", "0-1"], "bench defaults only"),
+        (["bench", "defaults", "--strategies", "nope"], "unknown strategy 'nope'"),
+        (["export", "/nonexistent-run", "--onnx", "m.onnx"], "does not exist"),
+    ],
+)
+def test_bad_input_of_other_commands(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in one_line(capsys)
+
+
+def test_dict_items_without_a_loss_name_the_default_loss(tmp_path, capsys):
+    """Before: "'str' object has no attribute 'transpose'" (the default loss unpacked the dict's keys)."""
+    ref = "tests.workloads.user_regression"
+    argv = [*TRAIN, "--model", f"{ref}:make_model", "--data", f"{ref}:make_dict_data", "--out", str(tmp_path)]
+    assert main([*argv, "--loader-workers", "0"]) == 2
+    line = one_line(capsys)
+    assert "default loss" in line and "(x, y)" in line and "--loss" in line and "'x', 'target'" in line
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--job-name", "x\nrm -rf ~"),
+        ("--partition", "gpu\n#SBATCH --exclusive"),
+        ("--account", "a b"),
+        ("--time", "01:00:00\r"),
+        ("--script", "job\n.sbatch"),
+    ],
+)
+def test_slurm_header_fields_are_one_token(flag, value, capsys):
+    """Before: a newline in --job-name wrote a shell line into the batch script."""
+    assert main(["slurm", flag, value, "--", "--strategy", "single"]) == 2
+    line = one_line(capsys)
+    assert flag in line and "control characters" in line
+
+
+def test_export_runs_another_users_run_directory_only_with_trust(tmp_path, capsys):
+    """A run directory names code (config.json's model/data/loss references): export says what it will
+    import, and imports it from a directory someone else owns only with --trust."""
+    import os
+
+    from parambox.config import RunConfig
+
+    run = tmp_path / "theirs"
+    run.mkdir()
+    ref = "tests.workloads.user_regression:make_model"
+    cfg = RunConfig(model=ref, data="tests.workloads.user_regression:make_data", loss="x:y")
+    (run / "config.json").write_text(json.dumps(cfg.model_dump()))
+    argv = ["export", str(run), "--onnx", str(tmp_path / "m.onnx")]
+    if os.geteuid() == 0:  # root can give the directory away; others test only the owner's path
+        os.chown(run, 65534, -1)
+        assert main(argv) == 2
+        line = one_line(capsys)
+        assert "--trust" in line and ref in line and "uid 65534" in line
+        os.chown(run, 0, -1)
+    assert main(argv) == 2  # ours: it says what it imports, then fails on the missing checkpoint
+    err = capsys.readouterr().err
+    assert f"export imports and runs model={ref}" in err and "Traceback" not in err
