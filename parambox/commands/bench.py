@@ -29,6 +29,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     cluster.add_argument("--gbps", default=None, help="link rates in Gbit/s, comma list (default 1,0.1)")
     cluster.add_argument("--setups", default=None, help="comma list of setups (cluster, sync; default: all)")
+    link = p.add_argument_group("bench box across an emulated link (needs root)")
+    link.add_argument("--emulate-nodes", type=int, default=None, help="bench box: 2 nodes, one link each")
+    link.add_argument("--link-gbps", type=float, default=None, help="bench box: the link rate (default 1)")
     p.add_argument(
         "--quick", action="store_true", help="a short form for tests (cluster, chaos): checks, no figures"
     )
@@ -40,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if any(v < 1 for v in kwargs.values()):
         raise UserError("--rounds and --steps must be at least 1")
     kwargs.update(_cluster_options(args))
+    kwargs.update(_link_options(args))
     if args.quick:
         if "quick" not in inspect.signature(bench).parameters:
             raise UserError(f"bench {args.which} has no --quick form")
@@ -69,6 +73,15 @@ def _cluster_options(args: argparse.Namespace) -> dict:
             raise UserError(f"--gbps {args.gbps!r}: expected numbers like 1,0.1") from None
     if "setups" in given:
         given["setups"] = [s.strip() for s in given["setups"].split(",") if s.strip()]
+    return given
+
+
+def _link_options(args: argparse.Namespace) -> dict:
+    given = {k: getattr(args, k) for k in ("emulate_nodes", "link_gbps") if getattr(args, k) is not None}
+    if given and args.which != "box":
+        raise UserError("--emulate-nodes and --link-gbps apply to bench box only")
+    if "link_gbps" in given and "emulate_nodes" not in given:
+        raise UserError("--link-gbps needs --emulate-nodes")
     return given
 
 
