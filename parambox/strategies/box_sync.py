@@ -8,7 +8,12 @@ local gradient and steps its own optimizer (all replicas stay identical, as with
 On the ``shm`` box the parameters' ``.grad`` are views into the worker's shared slot, so backward
 accumulates straight into shared memory: no gradient is copied before averaging, and there are no
 communication threads competing with the compute threads (what costs DDP ~9 ms a step here). On
-the ``rma`` box each worker ``write``s its gradient (MPI Put) and ``pull``s the others' slots.
+boxes without that view (``rma``, or ``zero_copy=false``) the box holds no slots but one sum per
+step, three steps over: each worker pushes its gradient scaled by 1/n into step t's sum, and after the
+barrier pulls the mean (a byte of gradient crosses the link once each way, as in a ring allreduce,
+instead of every worker reading every slot: 2 rather than 1 + n gradients per worker per step). After
+step t's barrier every rank zeroes its own shard of the sum of step t + 2 (= t - 1: all read it before
+step t's barrier; none pushes into it before step t + 1's).
 
 Any module: a slot holds the trainable parameters' gradients (frozen ones are never moved; tied
 weights appear once), then one flag per parameter ("this worker computed its gradient"): a parameter
@@ -32,6 +37,8 @@ from parambox.strategies.base import (
     loss_value,
 )
 
+_SUMS = 3  # the summing form's areas: step t pushes into t % 3 while t - 1's is zeroed
+
 
 class BoxSyncOptions(Options):
     zero_copy: bool = Field(True, description="shm: backward accumulates straight into the shared slot")
@@ -48,19 +55,21 @@ class BoxSync(Strategy):
         self.layout = Layout.from_shapes((name, p.shape) for name, p in named)
         n, numel = self.world.world_size, self.layout.numel
         self.slot = numel + len(self.params)  # gradients, then a "got a gradient" flag per parameter
+        # Zero copy where backward can write into the box itself; elsewhere the box sums the pushes.
+        self.summing = not (options.zero_copy and ctx.box.has_local_view)
         self.box = open_box(
             ctx.box,
             self.world,
-            2 * n * self.slot,
+            _SUMS * self.slot if self.summing else 2 * n * self.slot,
             name="box-sync-grads",
             layout_hash=self.layout.fingerprint(),
             timeout=ctx.timeout_s,
         )
-        self.shared = self.box.local_view() if options.zero_copy else None
+        self.shared = None if self.summing else self.box.local_view()
         self.mean = torch.zeros(self.slot)
         self.mean_grads = list(self.layout.views(self.mean[:numel]).values())
-        self.staging = torch.empty(n, self.slot) if self.shared is None else None
         self.local = torch.zeros(self.slot) if self.shared is None else None
+        self.zeros = torch.zeros(self.slot) if self.summing else None
         # This worker's slot of even and odd steps, and the parameters' .grad views into each.
         self.slot_of = [self._my_slot(parity) for parity in (0, 1)]
         self.views_of = [list(self.layout.views(s[:numel]).values()) for s in self.slot_of]
@@ -86,25 +95,44 @@ class BoxSync(Strategy):
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         n, numel, grad, slot = self.world.world_size, self.layout.numel, self.grad, self.slot
         grad[numel:].copy_(torch.tensor(self.grads.used, dtype=grad.dtype))
-        area, mine = self._slots(step % 2)
-        if self.shared is None:
-            with self.timers.phase("write"):
-                self.box.write(grad, start=mine)
-        with self.timers.phase("barrier"):
-            self.box.barrier()
-        with self.timers.phase("average"):
-            if self.shared is not None:
+        if self.summing:
+            self._sum_in_box(step)
+        else:
+            area, _ = self._slots(step % 2)
+            with self.timers.phase("barrier"):
+                self.box.barrier()
+            with self.timers.phase("average"):
                 slots = self.shared[area : area + n * slot].view(n, slot)
-            else:
-                slots = self.staging
-                for r in range(n):
-                    self.box.pull(slots[r], start=area + r * slot)
-            torch.sum(slots, dim=0, out=self.mean).mul_(1.0 / n)
+                torch.sum(slots, dim=0, out=self.mean).mul_(1.0 / n)
         got = self.mean[numel:].tolist() if not all(self.grads.used) else None
         for i, (p, view) in enumerate(zip(self.params, self.mean_grads)):
             p.grad = view if got is None or got[i] else None  # no worker computed it: as in one process
         self.optimizer.step()
         return StepResult(loss_value(loss), samples, self.timers.pop())
+
+    def _sum_in_box(self, step: int) -> None:
+        area = (step % _SUMS) * self.slot
+        with self.timers.phase("push"):
+            self.box.push(self.grad, scale=1.0 / self.world.world_size, start=area)
+        with self.timers.phase("barrier"):
+            self.box.barrier()
+        with self.timers.phase("average"):
+            self.box.pull(self.mean, start=area)
+            lo, hi = self._own_part((step + 2) % _SUMS * self.slot)
+            if hi > lo:
+                self.box.write(self.zeros[: hi - lo], start=lo)
+
+    def _own_part(self, area: int) -> tuple[int, int]:
+        """The part of the sum at ``area`` this rank zeroes: its own shard's (rma: no link bytes),
+        or all of it on rank 0 where the box has no shards."""
+        stop = area + self.slot
+        shards = getattr(self.box, "shards", None)
+        if shards is None:
+            return (area, stop) if self.world.rank == 0 else (0, 0)
+        for k, r in enumerate(self.box.box_ranks):
+            if r == self.world.rank:
+                return max(area, shards[k][0]), min(stop, shards[k][1])
+        return 0, 0
 
     def close(self) -> None:
         self.grads.close()  # no hooks left on a user's model, which outlives the strategy
