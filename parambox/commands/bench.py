@@ -24,10 +24,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="timed steps per setup and round (sync, async)")
     p.add_argument("--out", default=None, help="also write the JSON to this file")
     cluster = p.add_argument_group("bench cluster (an emulated cluster: needs root)")
-    cluster.add_argument(
-        "--nodes", type=int, default=None, help="emulated nodes, one worker each (default 2)"
-    )
+    cluster.add_argument("--nodes", type=int, default=None, help="emulated nodes (default 2)")
     cluster.add_argument("--gbps", default=None, help="link rates in Gbit/s, comma list (default 1,0.1)")
+    cluster.add_argument(
+        "--workers-per-node", type=int, default=None, help="workers on each emulated node (default 1)"
+    )
     cluster.add_argument("--setups", default=None, help="comma list of setups (cluster, sync; default: all)")
     link = p.add_argument_group("bench box across an emulated link (needs root)")
     link.add_argument("--emulate-nodes", type=int, default=None, help="bench box: 2 nodes, one link each")
@@ -61,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _cluster_options(args: argparse.Namespace) -> dict:
-    given = {k: getattr(args, k) for k in ("nodes", "gbps", "setups") if getattr(args, k) is not None}
+    names = ("nodes", "gbps", "setups", "workers_per_node")
+    given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if args.which == "sync" and set(given) == {"setups"}:
         pass  # bench sync picks setups too
     elif given and args.which != "cluster":
