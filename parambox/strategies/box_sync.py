@@ -9,17 +9,10 @@ On the ``shm`` box the parameters' ``.grad`` are views into the worker's shared 
 accumulates straight into shared memory: no gradient is copied before averaging, and there are no
 communication threads competing with the compute threads (what costs DDP ~9 ms a step here). On
 boxes without that view (``rma``, or ``zero_copy=false``) the box holds no slots but one sum per
-step, three steps over: each worker pushes its gradient scaled by 1/n into step t's sum, and after the
-barrier pulls the mean (a byte of gradient crosses the link once each way, as in a ring allreduce,
-instead of every worker reading every slot: 2 rather than 1 + n gradients per worker per step). After
-step t's barrier every rank zeroes its own shard of the sum of step t + 2 (= t - 1: all read it before
-step t's barrier; none pushes into it before step t + 1's).
-
-Any module: a slot holds the trainable parameters' gradients (frozen ones are never moved; tied
-weights appear once), then one flag per parameter ("this worker computed its gradient"): a parameter
-no worker computed a gradient for in a step (an unused branch) has ``.grad = None`` when the
-optimizer steps, as in one process. Buffers (batch-norm statistics) are rank 0's, broadcast before
-each forward pass as DDP does (over the process group, not the box).
+step (``box/levels.py``): each worker pushes its gradient scaled by 1/n into it and after the barrier
+pulls the mean (a byte of gradient crosses the link once each way, as in a ring allreduce, instead of
+every worker reading every slot); across nodes with several workers per node, in two levels: the
+node's shm box sums its workers' gradients and only the node's leader crosses the link.
 """
 
 from __future__ import annotations
@@ -28,6 +21,7 @@ import torch
 from pydantic import Field
 
 from parambox.box import Layout, open_box
+from parambox.box.levels import BoxMean
 from parambox.strategies.base import (
     Context,
     GradViews,
@@ -36,8 +30,6 @@ from parambox.strategies.base import (
     Strategy,
     loss_value,
 )
-
-_SUMS = 3  # the summing form's areas: step t pushes into t % 3 while t - 1's is zeroed
 
 
 class BoxSyncOptions(Options):
@@ -57,19 +49,24 @@ class BoxSync(Strategy):
         self.slot = numel + len(self.params)  # gradients, then a "got a gradient" flag per parameter
         # Zero copy where backward can write into the box itself; elsewhere the box sums the pushes.
         self.summing = not (options.zero_copy and ctx.box.has_local_view)
-        self.box = open_box(
-            ctx.box,
-            self.world,
-            _SUMS * self.slot if self.summing else 2 * n * self.slot,
-            name="box-sync-grads",
-            layout_hash=self.layout.fingerprint(),
-            timeout=ctx.timeout_s,
-        )
+        name, fingerprint = "box-sync-grads", self.layout.fingerprint()
+        if self.summing:  # one level, or two across nodes (box/levels.py)
+            self.box = BoxMean(
+                ctx.box, self.world, self.slot, name, layout_hash=fingerprint, timeout=ctx.timeout_s
+            )
+        else:
+            self.box = open_box(
+                ctx.box,
+                self.world,
+                2 * n * self.slot,
+                name=name,
+                layout_hash=fingerprint,
+                timeout=ctx.timeout_s,
+            )
         self.shared = None if self.summing else self.box.local_view()
         self.mean = torch.zeros(self.slot)
         self.mean_grads = list(self.layout.views(self.mean[:numel]).values())
         self.local = torch.zeros(self.slot) if self.shared is None else None
-        self.zeros = torch.zeros(self.slot) if self.summing else None
         # This worker's slot of even and odd steps, and the parameters' .grad views into each.
         self.slot_of = [self._my_slot(parity) for parity in (0, 1)]
         self.views_of = [list(self.layout.views(s[:numel]).values()) for s in self.slot_of]
@@ -111,28 +108,8 @@ class BoxSync(Strategy):
         return StepResult(loss_value(loss), samples, self.timers.pop())
 
     def _sum_in_box(self, step: int) -> None:
-        area = (step % _SUMS) * self.slot
-        with self.timers.phase("push"):
-            self.box.push(self.grad, scale=1.0 / self.world.world_size, start=area)
-        with self.timers.phase("barrier"):
-            self.box.barrier()
         with self.timers.phase("average"):
-            self.box.pull(self.mean, start=area)
-            lo, hi = self._own_part((step + 2) % _SUMS * self.slot)
-            if hi > lo:
-                self.box.write(self.zeros[: hi - lo], start=lo)
-
-    def _own_part(self, area: int) -> tuple[int, int]:
-        """The part of the sum at ``area`` this rank zeroes: its own shard's (rma: no link bytes),
-        or all of it on rank 0 where the box has no shards."""
-        stop = area + self.slot
-        shards = getattr(self.box, "shards", None)
-        if shards is None:
-            return (area, stop) if self.world.rank == 0 else (0, 0)
-        for k, r in enumerate(self.box.box_ranks):
-            if r == self.world.rank:
-                return max(area, shards[k][0]), min(stop, shards[k][1])
-        return 0, 0
+            self.box.mean_(self.grad, step, out=self.mean)
 
     def close(self) -> None:
         self.grads.close()  # no hooks left on a user's model, which outlives the strategy
