@@ -30,6 +30,18 @@ def _private_dirs() -> set[str]:
     return {p.name for p in SHM.glob("pb_mpi.*")}
 
 
+def _await_metrics(launcher, out: Path, seconds: float = 90) -> None:
+    """Until the run's first metrics; if none come, the run is stopped (SIGINT: it cleans up) first,
+    so that a failed test leaves no 100000-step run behind."""
+    deadline = time.monotonic() + seconds
+    while not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").stat().st_size == 0:
+        if time.monotonic() > deadline or launcher.poll() is not None:
+            launcher.send_signal(signal.SIGINT)
+            launcher.communicate(timeout=30)
+            pytest.fail(f"the run wrote no metrics within {seconds:.0f} s (exit {launcher.returncode})")
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_rma_box_locally_survives_a_killed_worker(tmp_path):
@@ -106,10 +118,7 @@ def test_sigkilled_launcher_under_mpi_leaves_no_rank_and_no_file(tmp_path, serve
     out = tmp_path / "run"
     box = ["--box", "rma", "--set", f"box.server={str(server).lower()}"]
     launcher = start("train", "--strategy", "easgd", *box, "--steps", "100000", *FAST, "--out", str(out))
-    deadline = time.monotonic() + 90
-    while not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").stat().st_size == 0:
-        assert time.monotonic() < deadline and launcher.poll() is None
-        time.sleep(0.2)
+    _await_metrics(launcher, out)
     job = psutil.Process(launcher.pid).children(recursive=True)
     os.killpg(launcher.pid, signal.SIGKILL)
     launcher.wait(10)
