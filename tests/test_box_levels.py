@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from parambox.runtime import spawn
 from parambox.runtime.spawn import find_mpiexec
 
 SIZE, PER_NODE, NUMEL, STEPS = 4, 2, 10_001, 6
@@ -52,20 +53,26 @@ def worker() -> None:
 
 @pytest.mark.timeout(150)
 def test_two_level_mean_equals_one_level_and_the_closed_form():
-    mpiexec = find_mpiexec()
-    if mpiexec is None:
+    if find_mpiexec() is None:
         pytest.skip("no mpiexec found")
     prefix = f"pb_test_{secrets.token_hex(6)}_"
     env = {**os.environ, **MPI_ENV, "OMP_NUM_THREADS": "1", "PARAMBOX_SHM_PREFIX": prefix}
-    cmd = [mpiexec, "-n", str(SIZE), "--oversubscribe", sys.executable, str(Path(__file__).resolve())]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=140)
-    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
-    assert sorted(line["rank"] for line in lines) == list(range(SIZE)), done.stderr[-3000:]
+    # Open MPI's files in a private directory that a reaper removes, whatever way the job ends.
+    cmd = [sys.executable, str(Path(__file__).resolve())]
+    proc = spawn.start_mpi(cmd, SIZE, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=140)
+        left = list(Path("/dev/shm").glob(f"{prefix}*"))  # before the backstop below removes them
+    finally:
+        spawn.stop([proc])
+        spawn.remove_segments(prefix)
+    lines = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
+    assert sorted(line["rank"] for line in lines) == list(range(SIZE)), stderr[-3000:]
     for line in lines:
         one, two = line["two_level=False"], line["two_level=True"]
         assert one["max_error"] <= 1e-6 and two["max_error"] <= 1e-6, line
         assert max(abs(a - b) for a, b in zip(one["x"], two["x"])) <= 1e-6, line
-    assert not list(Path("/dev/shm").glob(f"{prefix}*"))
+    assert not left  # the node boxes unlinked themselves
 
 
 if __name__ == "__main__":
