@@ -1,5 +1,6 @@
 """One contract, both box backends: the same checks run by 3 processes over shm, rma (shared-memory
-osc) and rma over the network path (osc rdma, btl tcp).
+osc), rma over the network path (osc rdma, btl tcp), and the rma box's memory server (``box.server``)
+over shared memory and over TCP.
 
 Run as a script this file is the worker (``python tests/test_box_contract.py shm RANK SIZE``, or
 ``rma`` under mpiexec): it runs every check in order and prints one JSON line per check. pytest
@@ -27,6 +28,7 @@ NUMEL = 100_003  # not a multiple of the stripe or shard size
 HOT_PUSHES = 300
 HOT_NUMEL = 1 << 18  # 1 MB: within one default stripe, so every pusher hits the same lock
 COUNTER_ADDS = 5000
+SERVER_ENV = "PB_TEST_BOX_SERVER"
 CHECKS = ["push_sum", "push_hot", "pull_after_push", "counters", "shard_bounds", "mismatch", "missing"]
 
 
@@ -48,6 +50,7 @@ class Worker:
             kw.pop("num_shards", None)
         else:
             kw.pop("stripe_bytes", None)
+            kw["server"] = os.environ.get(SERVER_ENV) == "1"  # the box ranks apply pushes themselves
         kw.setdefault("timeout", 20.0)  # a failing check ends in an error, not a long hang
         return open_box(self.backend, self.world, numel, num_counters, name, **kw)
 
@@ -211,6 +214,9 @@ VARIANTS = {
     "shm": {},
     "rma-sm": MPI_ENV,
     "rma-tcp": MPI_ENV | {"OMPI_MCA_osc": "rdma", "OMPI_MCA_btl": "self,tcp"},
+    # The memory server (box/server.py): two-sided messages, over shared memory and over TCP.
+    "rma-server-sm": MPI_ENV | {SERVER_ENV: "1"},
+    "rma-server-tcp": MPI_ENV | {"OMPI_MCA_osc": "rdma", "OMPI_MCA_btl": "self,tcp", SERVER_ENV: "1"},
 }
 
 

@@ -30,6 +30,18 @@ def _private_dirs() -> set[str]:
     return {p.name for p in SHM.glob("pb_mpi.*")}
 
 
+def _await_metrics(launcher, out: Path, seconds: float = 90) -> None:
+    """Until the run's first metrics; if none come, the run is stopped (SIGINT: it cleans up) first,
+    so that a failed test leaves no 100000-step run behind."""
+    deadline = time.monotonic() + seconds
+    while not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").stat().st_size == 0:
+        if time.monotonic() > deadline or launcher.poll() is not None:
+            launcher.send_signal(signal.SIGINT)
+            launcher.communicate(timeout=30)
+            pytest.fail(f"the run wrote no metrics within {seconds:.0f} s (exit {launcher.returncode})")
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_rma_box_locally_survives_a_killed_worker(tmp_path):
@@ -56,12 +68,14 @@ def test_rma_box_locally_survives_a_killed_worker(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_rma_box_under_mpiexec_with_ft_ulfm(tmp_path):
+@pytest.mark.parametrize("server", [False, True], ids=["windows", "server"])
+def test_rma_box_under_mpiexec_with_ft_ulfm(tmp_path, server):
     """The issue's Must show: `mpiexec --with-ft ulfm -n 3 ... --box rma`, rank 1 killed at step 300
-    (2 workers and the memory rank)."""
+    (2 workers and the memory rank); with MPI's windows and with the memory server (issue 17)."""
     out = tmp_path / "run"
     prefix = [find_mpiexec() or "mpiexec", "--with-ft", "ulfm", "-n", "3", "--oversubscribe"]
     args = ["train", "--strategy", "easgd", "--box", "rma", "--out", str(out), "--no-progress"]
+    args += ["--set", f"box.server={str(server).lower()}"]
     proc = run_cli(*args, prefix=prefix, env={**MPI_ENV, "PARAMBOX_FAULT": "1:300:kill"}, timeout=230)
     s = summary(out)
     assert (s["lost_workers"], s["worker_steps"], s["launcher"]) == ([1], [600, 300], "mpi")
@@ -100,16 +114,13 @@ def test_open_mpi_files_live_in_a_private_directory_that_goes(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_sigkilled_launcher_under_mpi_leaves_no_rank_and_no_file(tmp_path):
-    before = _private_dirs()
+@pytest.mark.parametrize("server", [False, True], ids=["windows", "server"])
+def test_sigkilled_launcher_under_mpi_leaves_no_rank_and_no_file(tmp_path, server):
+    before, tmp_before = _private_dirs(), set(Path("/tmp").iterdir())
     out = tmp_path / "run"
-    launcher = start(
-        "train", "--strategy", "easgd", "--box", "rma", "--steps", "100000", *FAST, "--out", str(out)
-    )
-    deadline = time.monotonic() + 90
-    while not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").stat().st_size == 0:
-        assert time.monotonic() < deadline and launcher.poll() is None
-        time.sleep(0.2)
+    box = ["--box", "rma", "--set", f"box.server={str(server).lower()}"]
+    launcher = start("train", "--strategy", "easgd", *box, "--steps", "100000", *FAST, "--out", str(out))
+    _await_metrics(launcher, out)
     job = psutil.Process(launcher.pid).children(recursive=True)
     os.killpg(launcher.pid, signal.SIGKILL)
     launcher.wait(10)
@@ -119,6 +130,7 @@ def test_sigkilled_launcher_under_mpi_leaves_no_rank_and_no_file(tmp_path):
     while _private_dirs() - before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _private_dirs() - before == set()
+    assert not {p for p in set(Path("/tmp").iterdir()) - tmp_before if "pb" in p.name or "ompi" in p.name}
 
 
 @pytest.mark.timeout(60)

@@ -302,8 +302,21 @@ def run_bench_box(
     repeats: int = 7,
     rounds: int | None = None,
     steps: int | None = None,  # accepted for the bench CLI's common flags; unused here
+    emulate_nodes: int | None = None,
+    link_gbps: float | None = None,
+    quick: bool = False,
 ) -> dict:
-    """Run every measurement once, one after the other; returns the figures and the ratios."""
+    """Run every measurement once, one after the other; returns the figures and the ratios. With
+    ``emulate_nodes``: the box across an emulated link instead (``bench/box_link.py``)."""
+    if emulate_nodes is not None:
+        from parambox.bench.box_link import run_bench_box_link
+
+        link = {"repeats": rounds} if rounds else {}
+        return run_bench_box_link(emulate_nodes, link_gbps or 1.0, quick=quick, **link)
+    if quick:
+        from parambox.errors import UserError
+
+        raise UserError("bench box has no --quick form on one node; it has one with --emulate-nodes 2")
     repeats = rounds or repeats
     sizes_mb = sorted(set(int(s) for s in sizes_mb))
     say = (lambda msg: None) if json_out else (lambda msg: print(f"bench box: {msg}", file=sys.stderr))

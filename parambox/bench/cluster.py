@@ -1,10 +1,11 @@
 """``parambox bench cluster``: every strategy against torch DDP where communication costs, on an emulated
 cluster (``parambox.runtime.cluster``) whose links are rate-limited to each of ``--gbps``.
 
-One worker per node (2 nodes: 2 workers) x 1 thread trains the ~1M-parameter benchmark CNN of ``bench
-sync`` (batch 64 per worker, SGD lr 0.01 momentum 0.9) on fixed random batches. For each bandwidth, one
-cluster is built and one set of worker processes (under mpiexec inside it, since the box spans nodes
-over MPI windows) runs every setup of ``SETUPS`` side by side: each round, every setup runs the same
+One worker per node (``--workers-per-node``: more, consecutive ranks per node) x 1 thread trains
+the ~1M-parameter benchmark CNN of ``bench sync`` (batch 64 per worker, SGD lr 0.01 momentum 0.9)
+on fixed random batches. For each bandwidth, one cluster is built and one set of worker processes
+(under mpiexec inside it, since the box spans nodes; across nodes the rma box serves pushes at its
+ranks, ``box/server.py``) runs every setup of ``SETUPS`` side by side: each round, every setup runs the same
 number of timed steps between two barriers, the order rotating each round; ratios are medians of the
 per-round paired ratios. Around each setup's timed steps every worker reads its node's link counters
 (L2 bytes sent + received over ``pbnet``), so the JSON says what each strategy's communication costs
@@ -198,6 +199,7 @@ def run_bench_cluster(
     warmup: int | None = None,
     setups: list[str] | None = None,
     quick: bool = False,
+    workers_per_node: int = 1,
 ) -> dict:
     """Loopback reference first, then one cluster per bandwidth; returns the JSON object."""
     from parambox.errors import UserError
@@ -208,14 +210,19 @@ def run_bench_cluster(
     rounds, steps, warmup = rounds or default[0], steps or default[1], warmup or default[2]
     setups = setups or list(SETUPS)
     unknown = [s for s in setups if s not in SETUPS]
-    if unknown or nodes < 2 or not gbps or min(gbps) <= 0:
-        raise UserError(f"bench cluster: setups from {', '.join(SETUPS)}; --nodes >= 2; --gbps positive")
+    if unknown or nodes < 2 or not gbps or min(gbps) <= 0 or workers_per_node < 1:
+        raise UserError(
+            f"bench cluster: setups from {', '.join(SETUPS)}; --nodes >= 2; --gbps positive; "
+            "--workers-per-node >= 1"
+        )
+    workers = nodes * workers_per_node
     check_environment()
     args = [str(rounds), str(steps), str(warmup)]
-    loopback = spawn_workers(__name__, [",".join(LOOPBACK_SETUPS), *args], nodes)
+    loopback = spawn_workers(__name__, [",".join(LOOPBACK_SETUPS), *args], workers)
     result: dict[str, Any] = {
         "nodes": nodes,
-        "workers": nodes,
+        "workers": workers,
+        "workers_per_node": workers_per_node,
         "threads_per_worker": 1,
         "batch_per_worker": BATCH,
         "model": "cnn",
@@ -233,7 +240,7 @@ def run_bench_cluster(
             data = spawn_workers(
                 __name__,
                 [",".join(setups), *args],
-                nodes,
+                workers,
                 cluster,
                 mpi=any(SETUPS[s].needs_mpi for s in setups),
             )

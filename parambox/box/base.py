@@ -15,7 +15,7 @@ from parambox.errors import CommTimeout, UserError
 from parambox.runtime.world import World
 
 BACKENDS = ("shm", "rma")
-_OPTIONS = {"shm": {"stripe_bytes"}, "rma": {"num_shards", "box_ranks", "memory_ranks", "comm"}}
+_OPTIONS = {"shm": {"stripe_bytes"}, "rma": {"num_shards", "box_ranks", "memory_ranks", "server", "comm"}}
 
 
 class BoxConfig(BaseModel):
@@ -46,9 +46,17 @@ class BoxConfig(BaseModel):
         ),
     )
 
+    server: bool | None = Field(
+        None,
+        description=(
+            "rma: the box ranks apply pushes themselves over two-sided messages, so a pushed or pulled "
+            "byte crosses the link once (default: across nodes; within one node MPI's windows)"
+        ),
+    )
+
     @model_validator(mode="after")
     def _options_of_its_backend(self) -> BoxConfig:
-        for field in ("stripe_bytes", "num_shards", "box_ranks", "memory_ranks"):
+        for field in ("stripe_bytes", "num_shards", "box_ranks", "memory_ranks", "server"):
             if getattr(self, field) is not None and field not in _OPTIONS[self.backend]:
                 raise ValueError(f"box.{field} is not an option of the {self.backend} backend")
         if self.memory_ranks and (self.box_ranks is not None or self.num_shards is not None):
@@ -304,7 +312,7 @@ def open_box(
     ``num_counters`` defaults to ``1 + world.world_size`` (counter 0 the version, ``1 + rank`` each
     worker's steps). ``layout_hash`` (``Layout.fingerprint()``) makes attaching with another model
     an error. Backend options: shm ``stripe_bytes``; rma ``num_shards``, ``box_ranks``, ``memory_ranks``,
-    ``comm``.
+    ``server``, ``comm``.
     ``backend`` is a backend name or the run's :class:`BoxConfig` (its options, then ``options``).
     """
     if isinstance(backend, BoxConfig):

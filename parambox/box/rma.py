@@ -86,7 +86,7 @@ class RmaBox(ParameterBox):
         super().__init__(name, numel, num_counters, timeout)
         # The box's own communicator: its barriers never mix with the caller's messages.
         self.comm, request = comm.Idup()
-        _wait_request(request, timeout, f"box {name!r}: duplicating the communicator")
+        wait_request(request, timeout, f"box {name!r}: duplicating the communicator")
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.fault_tolerant = pbmpi.fault_tolerant()
         self.box_ranks = box_ranks
@@ -164,7 +164,7 @@ class RmaBox(ParameterBox):
 
     def barrier(self, timeout: float | None = None) -> None:
         self._check_open()
-        _wait_request(
+        wait_request(
             self.comm.Ibarrier(), self.timeout if timeout is None else timeout, f"box {self.name!r} barrier"
         )
 
@@ -223,7 +223,7 @@ def bounded(call: Callable[[], T], timeout: float, what: str) -> T:
     return value
 
 
-def _wait_request(req: MPI.Request, timeout: float, what: str) -> None:
+def wait_request(req: MPI.Request, timeout: float, what: str) -> None:
     wait_until(req.Test, timeout, lambda: f"{what}: not every rank arrived within {timeout:.0f} s")
 
 
@@ -261,7 +261,7 @@ def _check_agreement(comm: MPI.Comm, name: str, fields: list[int], timeout: floa
     rec[: len(name)] = np.frombuffer(name.encode(), dtype=np.uint8)
     rec[_NAME_BYTES:] = np.array(fields, dtype=np.int64).view(np.uint8)
     everyone = np.zeros((comm.Get_size(), rec.size), dtype=np.uint8)
-    _wait_request(comm.Iallgather([rec, MPI.BYTE], [everyone, MPI.BYTE]), timeout, f"opening box {name!r}")
+    wait_request(comm.Iallgather([rec, MPI.BYTE], [everyone, MPI.BYTE]), timeout, f"opening box {name!r}")
 
     def describe(row: np.ndarray) -> str:
         other = bytes(row[:_NAME_BYTES]).rstrip(b"\0").decode(errors="replace")
@@ -272,7 +272,7 @@ def _check_agreement(comm: MPI.Comm, name: str, fields: list[int], timeout: floa
         if not np.array_equal(everyone[r], everyone[0]):
             mine, theirs = describe(everyone[0]), describe(everyone[r])
             if mine == theirs:
-                theirs += " with another shard placement (num_shards or box_ranks)"
+                theirs += " with another shard placement or server (num_shards, box_ranks, server)"
             raise UserError(f"ranks disagree on box {name!r}: rank 0 opened {mine}, rank {r} opened {theirs}")
 
 
@@ -288,8 +288,12 @@ def open_rma_box(
     box_ranks: Sequence[int] | None = None,
     memory_ranks: int | None = None,
     comm: MPI.Comm | None = None,
+    server: bool | None = None,
 ) -> RmaBox:
-    """Collective over ``comm`` (default: every rank of the run)."""
+    """Collective over ``comm`` (default: every rank of the run). ``server``: the box ranks apply the
+    pushes themselves over two-sided messages (``box/server.py``); default: across nodes, where
+    Open MPI's one-sided accumulate moves 3x the bytes, and not within one node, where the windows
+    are shared memory."""
     comm = MPI.COMM_WORLD if comm is None else comm
     size = comm.Get_size()
     if comm == MPI.COMM_WORLD and size != world.world_size:
@@ -298,6 +302,13 @@ def open_rma_box(
             f"the run has {world.world_size}"
         )
     ranks = _box_ranks(size, num_shards, box_ranks, memory_ranks)
-    placement = int.from_bytes(hashlib.blake2b(repr(ranks).encode(), digest_size=7).digest(), "little")
+    server = world.num_nodes > 1 if server is None else server
+    placement = int.from_bytes(
+        hashlib.blake2b(repr((ranks, server)).encode(), digest_size=7).digest(), "little"
+    )
     _check_agreement(comm, name, [numel, num_counters, layout_hash, placement], timeout)
+    if server:
+        from parambox.box.server import ServerBox
+
+        return ServerBox(comm, name, numel, num_counters, ranks, timeout)
     return RmaBox(comm, name, numel, num_counters, ranks, timeout)

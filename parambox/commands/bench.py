@@ -24,14 +24,18 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="timed steps per setup and round (sync, async)")
     p.add_argument("--out", default=None, help="also write the JSON to this file")
     cluster = p.add_argument_group("bench cluster (an emulated cluster: needs root)")
-    cluster.add_argument(
-        "--nodes", type=int, default=None, help="emulated nodes, one worker each (default 2)"
-    )
+    cluster.add_argument("--nodes", type=int, default=None, help="emulated nodes (default 2)")
     cluster.add_argument("--gbps", default=None, help="link rates in Gbit/s, comma list (default 1,0.1)")
+    cluster.add_argument(
+        "--workers-per-node", type=int, default=None, help="workers on each emulated node (default 1)"
+    )
     cluster.add_argument("--setups", default=None, help="comma list of setups (cluster, sync; default: all)")
     defaults = p.add_argument_group("bench defaults (each strategy's default run over seeds)")
     defaults.add_argument("--seeds", default=None, help="seeds, a range or a list: 0-9 (default), 0,3,5")
     defaults.add_argument("--strategies", default=None, help="comma list of strategies (default: all)")
+    link = p.add_argument_group("bench box across an emulated link (needs root)")
+    link.add_argument("--emulate-nodes", type=int, default=None, help="bench box: 2 nodes, one link each")
+    link.add_argument("--link-gbps", type=float, default=None, help="bench box: the link rate (default 1)")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -46,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--rounds and --steps must be at least 1")
     kwargs.update(_cluster_options(args))
     kwargs.update(_defaults_options(args))
+    kwargs.update(_link_options(args))
     if args.quick:
         if "quick" not in inspect.signature(bench).parameters:
             raise UserError(f"bench {args.which} has no --quick form")
@@ -63,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _cluster_options(args: argparse.Namespace) -> dict:
-    given = {k: getattr(args, k) for k in ("nodes", "gbps", "setups") if getattr(args, k) is not None}
+    names = ("nodes", "gbps", "setups", "workers_per_node")
+    given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if args.which == "sync" and set(given) == {"setups"}:
         pass  # bench sync picks setups too
     elif given and args.which != "cluster":
@@ -88,6 +94,15 @@ def _defaults_options(args: argparse.Namespace) -> dict:
         given["seeds"] = parse_seeds(given["seeds"])
     if "strategies" in given:
         given["strategies"] = [s.strip() for s in given["strategies"].split(",") if s.strip()]
+    return given
+
+
+def _link_options(args: argparse.Namespace) -> dict:
+    given = {k: getattr(args, k) for k in ("emulate_nodes", "link_gbps") if getattr(args, k) is not None}
+    if given and args.which != "box":
+        raise UserError("--emulate-nodes and --link-gbps apply to bench box only")
+    if "link_gbps" in given and "emulate_nodes" not in given:
+        raise UserError("--link-gbps needs --emulate-nodes")
     return given
 
 

@@ -8,13 +8,11 @@ local gradient and steps its own optimizer (all replicas stay identical, as with
 On the ``shm`` box the parameters' ``.grad`` are views into the worker's shared slot, so backward
 accumulates straight into shared memory: no gradient is copied before averaging, and there are no
 communication threads competing with the compute threads (what costs DDP ~9 ms a step here). On
-the ``rma`` box each worker ``write``s its gradient (MPI Put) and ``pull``s the others' slots.
-
-Any module: a slot holds the trainable parameters' gradients (frozen ones are never moved; tied
-weights appear once), then one flag per parameter ("this worker computed its gradient"): a parameter
-no worker computed a gradient for in a step (an unused branch) has ``.grad = None`` when the
-optimizer steps, as in one process. Buffers (batch-norm statistics) are rank 0's, broadcast before
-each forward pass as DDP does (over the process group, not the box).
+boxes without that view (``rma``, or ``zero_copy=false``) the box holds no slots but one sum per
+step (``box/levels.py``): each worker pushes its gradient scaled by 1/n into it and after the barrier
+pulls the mean (a byte of gradient crosses the link once each way, as in a ring allreduce, instead of
+every worker reading every slot); across nodes with several workers per node, in two levels: the
+node's shm box sums its workers' gradients and only the node's leader crosses the link.
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ import torch
 from pydantic import Field
 
 from parambox.box import Layout, open_box
+from parambox.box.levels import BoxMean
 from parambox.strategies.base import (
     Context,
     GradViews,
@@ -48,18 +47,25 @@ class BoxSync(Strategy):
         self.layout = Layout.from_shapes((name, p.shape) for name, p in named)
         n, numel = self.world.world_size, self.layout.numel
         self.slot = numel + len(self.params)  # gradients, then a "got a gradient" flag per parameter
-        self.box = open_box(
-            ctx.box,
-            self.world,
-            2 * n * self.slot,
-            name="box-sync-grads",
-            layout_hash=self.layout.fingerprint(),
-            timeout=ctx.timeout_s,
-        )
-        self.shared = self.box.local_view() if options.zero_copy else None
+        # Zero copy where backward can write into the box itself; elsewhere the box sums the pushes.
+        self.summing = not (options.zero_copy and ctx.box.has_local_view)
+        name, fingerprint = "box-sync-grads", self.layout.fingerprint()
+        if self.summing:  # one level, or two across nodes (box/levels.py)
+            self.box = BoxMean(
+                ctx.box, self.world, self.slot, name, layout_hash=fingerprint, timeout=ctx.timeout_s
+            )
+        else:
+            self.box = open_box(
+                ctx.box,
+                self.world,
+                2 * n * self.slot,
+                name=name,
+                layout_hash=fingerprint,
+                timeout=ctx.timeout_s,
+            )
+        self.shared = None if self.summing else self.box.local_view()
         self.mean = torch.zeros(self.slot)
         self.mean_grads = list(self.layout.views(self.mean[:numel]).values())
-        self.staging = torch.empty(n, self.slot) if self.shared is None else None
         self.local = torch.zeros(self.slot) if self.shared is None else None
         # This worker's slot of even and odd steps, and the parameters' .grad views into each.
         self.slot_of = [self._my_slot(parity) for parity in (0, 1)]
@@ -86,25 +92,24 @@ class BoxSync(Strategy):
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         n, numel, grad, slot = self.world.world_size, self.layout.numel, self.grad, self.slot
         grad[numel:].copy_(torch.tensor(self.grads.used, dtype=grad.dtype))
-        area, mine = self._slots(step % 2)
-        if self.shared is None:
-            with self.timers.phase("write"):
-                self.box.write(grad, start=mine)
-        with self.timers.phase("barrier"):
-            self.box.barrier()
-        with self.timers.phase("average"):
-            if self.shared is not None:
+        if self.summing:
+            self._sum_in_box(step)
+        else:
+            area, _ = self._slots(step % 2)
+            with self.timers.phase("barrier"):
+                self.box.barrier()
+            with self.timers.phase("average"):
                 slots = self.shared[area : area + n * slot].view(n, slot)
-            else:
-                slots = self.staging
-                for r in range(n):
-                    self.box.pull(slots[r], start=area + r * slot)
-            torch.sum(slots, dim=0, out=self.mean).mul_(1.0 / n)
+                torch.sum(slots, dim=0, out=self.mean).mul_(1.0 / n)
         got = self.mean[numel:].tolist() if not all(self.grads.used) else None
         for i, (p, view) in enumerate(zip(self.params, self.mean_grads)):
             p.grad = view if got is None or got[i] else None  # no worker computed it: as in one process
         self.optimizer.step()
         return StepResult(loss_value(loss), samples, self.timers.pop())
+
+    def _sum_in_box(self, step: int) -> None:
+        with self.timers.phase("average"):
+            self.box.mean_(self.grad, step, out=self.mean)
 
     def close(self) -> None:
         self.grads.close()  # no hooks left on a user's model, which outlives the strategy

@@ -1,0 +1,377 @@
+"""The ``rma`` box with a memory server: the box ranks apply pushes themselves (``box.server``).
+
+Why: Open MPI's one-sided component over TCP (osc/rdma on btl/tcp) has no network atomics, so each
+``Accumulate`` is a locked get-modify-put: 3.14x the bytes of the buffer cross the link (measured in
+issue 17). The Soft Memory Box's memory node applies accumulates itself; so does this box. Every box
+rank runs a serving thread that receives requests over two-sided messages (``Isend``/``Irecv`` of
+float32 chunks on a communicator of its own) and applies ``buf += scale * delta`` in place: a pushed
+byte and a pulled byte cross the link once. Where the shards live is decided as for the window box
+(``memory_ranks``, ``num_shards``, ``box_ranks``).
+
+Protocol. A request is an int64 header ``[op, tag, start, n, counter, value]`` (``value``: the scale's
+float64 bits for a push) sent with ``REQUEST_TAG`` to the shard's rank; its payload (push, write)
+follows as chunks of ``CHUNK`` elements on the request's own ``tag``, and the reply (an int64 ack or
+the counter's old value; for a pull, the chunks) comes back on its twin tag, into receives posted before
+the header went out. Tags count up per client, so two outstanding requests never match each other's
+messages. The server applies each chunk of a push as it lands, under a lock that its own rank's local
+operations take too (atomic per element against other pushers, as the contract asks); a push's
+handle completes when the server has applied it (its ack), like a ``Flush``.
+
+Faults: every wait has a deadline. The server never blocks: it polls its receives (``Test``, sleeping
+with a back-off when idle, so it costs a training rank no CPU to speak of); a request whose peer dies
+(``ERR_PROC_FAILED`` under ``mpiexec --with-ft ulfm``) or stalls past the box's timeout is dropped,
+and the serving goes on for the others. ``close`` stops the thread after the closing barrier.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from parambox.box.base import Handle, ParameterBox, wait_until
+from parambox.box.layout import shard_range
+from parambox.box.rma import MPI, pbmpi, wait_request
+from parambox.errors import CommTimeout
+
+REQUEST_TAG = 1
+_FIRST_TAG = 16
+CHUNK = 1 << 20  # 4 MiB messages: the server adds one while the next is on the wire
+PUSH, PULL, WRITE, COUNTER = 1, 2, 3, 4
+_HEADER = 6
+_IDLE_SLEEP_S = 5e-4  # the longest nap of an idle server: a request waits at most this to be seen
+_FAILED = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+
+
+def _failure_class(e: MPI.Exception) -> str | None:
+    """The ULFM error class name of ``e`` if it says a peer failed, else None."""
+    cls = e.Get_error_class()
+    for name in _FAILED:
+        if getattr(MPI, name, None) == cls:
+            return name
+    return None
+
+
+def _payload(tag: int) -> int:
+    """The tag of a request's payload, client to server; its reply goes the other way on another one:
+    a rank that serves and also asks must never match its peer's payload with a reply it awaits."""
+    return 2 * tag
+
+
+def _reply(tag: int) -> int:
+    return 2 * tag + 1
+
+
+def _chunks(lo: int, hi: int):
+    for a in range(lo, hi, CHUNK):
+        yield a, min(hi, a + CHUNK)
+
+
+def _cancel(reqs: list) -> None:
+    """Cancel receives and complete them: a receive left pending holds MPI_Finalize up for ~30 s."""
+    for r in reqs:
+        try:
+            r.Cancel()
+            r.Wait()
+        except MPI.Exception:
+            pass
+
+
+class _Requests(Handle):
+    """Requests of one transfer; ``wait`` until all complete (``CommTimeout`` after the deadline)."""
+
+    def __init__(self, reqs: list, keep: list, timeout: float, what: str):
+        self.reqs, self.keep, self.timeout, self.what = reqs, keep, timeout, what
+
+    def wait(self) -> None:
+        if self.reqs:
+            msg = f"{self.what}: no answer within {self.timeout:.0f} s"
+            wait_until(lambda: MPI.Request.Testall(self.reqs), self.timeout, lambda: msg)
+        self.reqs, self.keep = [], []
+
+
+class _Job:
+    """A request the server is working on: chunks to receive and apply, or sends to complete."""
+
+    def __init__(self, src: int, header: np.ndarray, deadline: float):
+        self.src, self.header, self.deadline = src, header, deadline
+        self.recvs: list[tuple[MPI.Request, int, int]] = []  # (request, lo, hi) in the shard
+        self.sends: list[MPI.Request] = []
+        self.keep: list = []
+        self.next = 0
+
+
+class _Server(threading.Thread):
+    """The serving loop of one box rank (a daemon thread; ``stop()`` ends it)."""
+
+    def __init__(self, box: ServerBox):
+        super().__init__(name=f"parambox-box-{box.name}", daemon=True)
+        self.box, self.comm = box, box.data
+        self._halt = threading.Event()
+        self.jobs: list[_Job] = []
+        self.dropped = 0
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._halt.set()
+        self.join(timeout)
+
+    def run(self) -> None:
+        try:
+            self._serve()
+        except Exception as e:  # the clients time out naming the box; say why here
+            warnings.warn(f"box {self.box.name!r}: its server stopped: {type(e).__name__}: {e}", stacklevel=1)
+
+    def _serve(self) -> None:
+        header = np.empty(_HEADER, dtype=np.int64)
+        status = MPI.Status()
+        req = self.comm.Irecv(header, MPI.ANY_SOURCE, REQUEST_TAG)
+        idle = 0
+        while not self._halt.is_set():
+            busy = False
+            try:
+                got = req.Test(status)
+            except MPI.Exception as e:
+                if _failure_class(e) is None:
+                    raise
+                self.comm.Ack_failed()  # a peer died: the any-source receive goes on for the others
+                got = False
+                if _failure_class(e) != "ERR_PROC_FAILED_PENDING":
+                    req = self.comm.Irecv(header, MPI.ANY_SOURCE, REQUEST_TAG)
+            if got:
+                self._start(status.Get_source(), header.copy())
+                req = self.comm.Irecv(header, MPI.ANY_SOURCE, REQUEST_TAG)
+                busy = True
+            busy = self._progress() or busy
+            idle = 0 if busy else idle + 1
+            time.sleep(0 if idle < 50 else min(_IDLE_SLEEP_S, 1e-5 * idle))
+        _cancel([req])
+        for job in self.jobs:
+            _cancel([r for r, _, _ in job.recvs[job.next :]])
+
+    def _start(self, src: int, h: np.ndarray) -> None:
+        op, tag, start, n = (int(v) for v in h[:4])
+        box = self.box
+        job = _Job(src, h, time.monotonic() + box.timeout)
+        if op == COUNTER:
+            with box.lock:
+                old = box.counters[h[4]].copy()
+                box.counters[h[4]] += h[5]
+            job.keep = [old.reshape(1)]
+            job.sends.append(self.comm.Isend(job.keep[0], src, _reply(tag)))
+        elif op == PULL:
+            # Straight from the shard, no copy first (it cost a 32 MB pull 0.82 instead of 0.88 of a
+            # 1 Gbit/s link): a pull takes no lock and may see a push half applied, as the box's contract
+            # allows; aligned float32 words are never torn.
+            view = box.shard[start - box.my_start :][:n]
+            job.sends = [self.comm.Isend(view[a:b], src, _reply(tag)) for a, b in _chunks(0, n)]
+        else:  # PUSH or WRITE: receive the chunks into a staging buffer, apply each as it lands
+            stage = np.empty(n, dtype=np.float32)
+            job.keep = [stage]
+            lo = start - box.my_start
+            job.recvs = [
+                (self.comm.Irecv(stage[a:b], src, _payload(tag)), lo + a, lo + b) for a, b in _chunks(0, n)
+            ]
+        self.jobs.append(job)
+
+    def _progress(self) -> bool:
+        """Advance every job a little; True if anything moved."""
+        moved, left = False, []
+        for job in self.jobs:
+            try:
+                moved = self._advance(job) or moved
+            except MPI.Exception as e:
+                if _failure_class(e) is None:
+                    raise
+                self._drop(job, "its peer failed")
+                continue
+            if job.next < len(job.recvs) or not MPI.Request.Testall(job.sends):
+                if time.monotonic() > job.deadline:
+                    self._drop(job, f"no progress within {self.box.timeout:.0f} s")
+                    continue
+                left.append(job)
+        self.jobs = left
+        return moved
+
+    def _advance(self, job: _Job) -> bool:
+        moved = False
+        box = self.box
+        scale = float(job.header[5:6].view(np.float64)[0])
+        stage = job.keep[0] if job.recvs else None
+        while job.next < len(job.recvs) and job.recvs[job.next][0].Test():
+            _, lo, hi = job.recvs[job.next]
+            src = stage[(lo - job.recvs[0][1]) :][: hi - lo]
+            box.apply(int(job.header[0]), lo, hi, src, scale)
+            job.next += 1
+            moved = True
+            if job.next == len(job.recvs):  # applied: the ack completes the client's push
+                ack = np.ones(1, dtype=np.int64)
+                job.keep.append(ack)
+                job.sends.append(self.comm.Isend(ack, job.src, _reply(int(job.header[1]))))
+        return moved
+
+    def _drop(self, job: _Job, why: str) -> None:
+        self.dropped += 1
+        _cancel([r for r, _, _ in job.recvs[job.next :]])
+        if self.dropped == 1:
+            warnings.warn(f"box {self.box.name!r}: dropped a request of rank {job.src} ({why})", stacklevel=2)
+
+
+class ServerBox(ParameterBox):
+    """An rma box whose box ranks serve requests (``open_box("rma", world, ..., server=True)``).
+
+    >>> box = open_box("rma", World.from_env(), numel=10**6, memory_ranks=1, server=True)  # doctest: +SKIP
+    >>> box.push(delta, scale=0.5)  # one trip over the link; the memory rank adds  # doctest: +SKIP
+    """
+
+    backend = "rma"
+
+    def __init__(
+        self, comm: MPI.Comm, name: str, numel: int, num_counters: int, box_ranks: list[int], timeout: float
+    ):
+        self._setup_common(comm, name, numel, num_counters, box_ranks, timeout)
+        self.data = self.comm.Dup()  # requests and replies: never mixed with the box's barriers
+        self.data.Set_errhandler(MPI.ERRORS_RETURN)
+        self.tag_ub = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
+        self._tags = itertools.count()
+        self._tag_lock = threading.Lock()
+        self.lock = threading.Lock()  # the shard's: the server's applies and this rank's own
+        mine = [k for k, r in enumerate(box_ranks) if r == self.rank]
+        self.my_start, my_stop = self.shards[mine[0]] if mine else (0, 0)
+        self.shard = np.zeros(my_stop - self.my_start, dtype=np.float32)
+        ncount = num_counters if self.rank == self.counter_rank else 0
+        self.counters = np.zeros(ncount, dtype=np.int64)
+        self.server = _Server(self) if mine or ncount else None
+        if self.server is not None:
+            self.server.start()
+        self.barrier()
+
+    def _setup_common(self, comm, name, numel, num_counters, box_ranks, timeout) -> None:
+        super().__init__(name, numel, num_counters, timeout)
+        self.comm = comm.Dup()  # the box's own barriers never mix with the caller's messages
+        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self.fault_tolerant = pbmpi.fault_tolerant()
+        self.box_ranks = box_ranks
+        self.shards = [shard_range(numel, k, len(box_ranks)) for k in range(len(box_ranks))]
+        self.rank = self.comm.Get_rank()
+        # A process that holds no shard may exit while the box lives on (memory ranks).
+        self.outlives_processes = self.rank not in box_ranks
+        self.counter_rank = box_ranks[0]
+        self._failed: set[int] = set()
+
+    def barrier(self, timeout: float | None = None) -> None:
+        self._check_open()
+        wait_request(
+            self.comm.Ibarrier(), self.timeout if timeout is None else timeout, f"box {self.name!r} barrier"
+        )
+
+    def failed_ranks(self) -> list[int]:
+        """Ranks of the box known dead (under ``--with-ft ulfm``; empty otherwise)."""
+        if self.fault_tolerant and not self._closed:
+            self._failed.update(pbmpi.failed_ranks(self.comm))
+        return sorted(self._failed)
+
+    def apply(self, op: int, lo: int, hi: int, src: np.ndarray, scale: float) -> None:
+        """``shard[lo:hi] += scale * src`` (PUSH) or ``= src`` (WRITE), under the shard's lock."""
+        if op == PUSH and scale != 1.0:
+            src = src * np.float32(scale)
+        with self.lock:
+            if op == PUSH:
+                np.add(self.shard[lo:hi], src, out=self.shard[lo:hi])
+            else:
+                np.copyto(self.shard[lo:hi], src)
+
+    # -- the client side ------------------------------------------------------------------------
+    def _tag(self) -> int:
+        with self._tag_lock:
+            return _FIRST_TAG + next(self._tags) % (self.tag_ub // 2 - _FIRST_TAG)
+
+    def _pieces_by_shard(self, start: int, stop: int):
+        for k, (s0, s1) in enumerate(self.shards):
+            lo, hi = max(start, s0), min(stop, s1)
+            if lo < hi:
+                yield self.box_ranks[k], lo, hi
+
+    def _transfer(self, op: int, buf: np.ndarray, start: int, scale: float = 1.0) -> Handle:
+        reqs, keep = [], []
+        for rank, lo, hi in self._pieces_by_shard(start, start + len(buf)):
+            part = buf[lo - start : hi - start]
+            if rank == self.rank:  # this rank's own shard: no message
+                if op == PULL:
+                    np.copyto(part, self.shard[lo - self.my_start : hi - self.my_start])
+                else:
+                    self.apply(op, lo - self.my_start, hi - self.my_start, part, scale)
+                continue
+            tag = self._tag()
+            if op == PULL:
+                reqs += [self.data.Irecv(part[a:b], rank, _reply(tag)) for a, b in _chunks(0, hi - lo)]
+            else:
+                ack = np.zeros(1, dtype=np.int64)
+                keep.append(ack)
+                reqs.append(self.data.Irecv(ack, rank, _reply(tag)))
+            header = np.array([op, tag, lo, hi - lo, 0, 0], dtype=np.int64)
+            header[5:6].view(np.float64)[0] = scale
+            keep.append(header)
+            reqs.append(self.data.Isend(header, rank, REQUEST_TAG))
+            if op != PULL:
+                reqs += [self.data.Isend(part[a:b], rank, _payload(tag)) for a, b in _chunks(0, hi - lo)]
+        return _Requests(reqs, keep + [buf], self.timeout, f"box {self.name!r}")
+
+    def _pull_into(self, out: torch.Tensor, start: int) -> Handle:
+        return self._transfer(PULL, out.numpy(), start)
+
+    def _push_from(self, src: torch.Tensor, scale: float, start: int) -> Handle:
+        return self._transfer(PUSH, src.numpy(), start, scale)
+
+    def _write_from(self, src: torch.Tensor, start: int) -> None:
+        self._transfer(WRITE, src.numpy(), start).wait()
+
+    def _fetch_add(self, i: int, v: int) -> int:
+        if self.rank == self.counter_rank:
+            with self.lock:
+                old = int(self.counters[i])
+                self.counters[i] += v
+            return old
+        tag, old = self._tag(), np.zeros(1, dtype=np.int64)
+        header = np.array([COUNTER, tag, 0, 0, i, v], dtype=np.int64)
+        reqs = [
+            self.data.Irecv(old, self.counter_rank, _reply(tag)),
+            self.data.Isend(header, self.counter_rank, REQUEST_TAG),
+        ]
+        _Requests(reqs, [header], self.timeout, f"box {self.name!r} counter {i}").wait()
+        return int(old[0])
+
+    def read_counter(self, i: int) -> int:
+        return self._fetch_add(self._counter_index(i), 0)
+
+    def add_counter(self, i: int, v: int) -> int:
+        return self._fetch_add(self._counter_index(i), v)
+
+    def close(self) -> None:
+        """Collective over the live ranks: once all are here no request can come, so the server stops."""
+        if self._closed:
+            return
+        try:
+            if self.fault_tolerant:
+                pbmpi.ft_barrier(self.comm, min(self.timeout, 60.0), f"closing box {self.name!r}")
+            else:
+                self.barrier(timeout=min(self.timeout, 10.0))
+        except CommTimeout:
+            warnings.warn(
+                f"box {self.name!r}: a peer did not close the box; stopping its server", stacklevel=2
+            )
+            self._stop_server()
+            return
+        finally:
+            self._closed = True
+        self._stop_server()
+        self.data.Free()
+        self.comm.Free()
+
+    def _stop_server(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None

@@ -1,0 +1,79 @@
+"""The mean through the box in two levels (ShmCaffe: a node's workers sum in its shm box, its leader
+alone crosses to the cross-node box) equals the one-level mean and the closed form, to 1e-6.
+
+2 nodes x 2 workers on loopback: 4 ranks under mpiexec, each told its node (``World`` built here:
+ranks 0-1 are node 0, 2-3 node 1), the rma box with its memory server. Run as a script this file is
+the worker; it prints one JSON line per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parambox.runtime import spawn
+from parambox.runtime.spawn import find_mpiexec
+
+SIZE, PER_NODE, NUMEL, STEPS = 4, 2, 10_001, 6
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_osc": "^ucx"}
+
+
+def worker() -> None:
+    import torch
+
+    from parambox.box import BoxConfig
+    from parambox.box.levels import BoxMean
+    from parambox.runtime.world import World
+
+    rank = World.from_env().rank
+    world = World(rank, SIZE, rank % PER_NODE, PER_NODE, rank // PER_NODE, SIZE // PER_NODE, "mpi")
+    box = BoxConfig(backend="rma", server=True)
+    ramp = torch.arange(NUMEL, dtype=torch.float32) / NUMEL
+    errors = {}
+    for two in (False, True):
+        mean = BoxMean(box, world, NUMEL, f"g{int(two)}", timeout=30, two_level=two)
+        x, out, worst = torch.zeros(NUMEL), torch.empty(NUMEL), 0.0
+        for step in range(STEPS):
+            g = ramp * (rank + 1) + step  # constant per rank and step: the mean is known
+            mean.mean_(g, step, out)
+            want = ramp * (sum(range(1, SIZE + 1)) / SIZE) + step
+            worst = max(worst, float((out - want).abs().max()))
+            x -= 0.1 * out
+        errors[f"two_level={two}"] = {"max_error": worst, "x": x[:: NUMEL // 7].tolist()}
+        assert mean.two_level == two
+        mean.close()
+    print(json.dumps({"rank": rank, **errors}), flush=True)
+
+
+@pytest.mark.timeout(150)
+def test_two_level_mean_equals_one_level_and_the_closed_form():
+    if find_mpiexec() is None:
+        pytest.skip("no mpiexec found")
+    prefix = f"pb_test_{secrets.token_hex(6)}_"
+    env = {**os.environ, **MPI_ENV, "OMP_NUM_THREADS": "1", "PARAMBOX_SHM_PREFIX": prefix}
+    # Open MPI's files in a private directory that a reaper removes, whatever way the job ends.
+    cmd = [sys.executable, str(Path(__file__).resolve())]
+    proc = spawn.start_mpi(cmd, SIZE, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=140)
+        left = list(Path("/dev/shm").glob(f"{prefix}*"))  # before the backstop below removes them
+    finally:
+        spawn.stop([proc])
+        spawn.remove_segments(prefix)
+    lines = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
+    assert sorted(line["rank"] for line in lines) == list(range(SIZE)), stderr[-3000:]
+    for line in lines:
+        one, two = line["two_level=False"], line["two_level=True"]
+        assert one["max_error"] <= 1e-6 and two["max_error"] <= 1e-6, line
+        assert max(abs(a - b) for a, b in zip(one["x"], two["x"])) <= 1e-6, line
+    assert not left  # the node boxes unlinked themselves
+
+
+if __name__ == "__main__":
+    worker()
