@@ -271,6 +271,7 @@ def test_downpour_warmup_longer_than_lost_after_s():
     assert res[1]["probe"] >= 30 and res[0]["worker_steps"] == [40, 40] and res[0]["lost_workers"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_samples_per_s_counts_every_workers_steps(tmp_path):
     """Under `fastest` termination a slow worker does far fewer steps than rank 0: the run's rate is

@@ -281,6 +281,7 @@ GLOO = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @needs_root
 def test_gloo_across_two_nodes():
     pytest.importorskip("torch")

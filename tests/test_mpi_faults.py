@@ -190,6 +190,7 @@ def test_slurm_submit_with_the_rma_box_runs_to_the_end(tmp_path):
     assert _private_dirs() - before == set()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_user_error_under_mpi_leaves_nothing(tmp_path):
     """Every rank fails with the same bad input: one line, exit 2, and Open MPI's files are gone."""

@@ -109,6 +109,7 @@ def test_every_strategy_trains_a_users_workload(name, tmp_path):
     assert "final_test_accuracy" not in s  # a regression: no meaningless accuracy
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_module_reference_from_the_current_directory(tmp_path):
     """``module:function`` imports from the directory parambox runs in, as ``python -c`` would."""
