@@ -36,7 +36,8 @@ def check_trust(run_dir: Path, cfg: Any, trust: bool) -> None:
     import it only from a directory this user owns, or with ``trust``."""
     from parambox.workload import CALLABLE_FIELDS
 
-    refs = [f"{f}={getattr(cfg, f)}" for f in CALLABLE_FIELDS if ":" in str(getattr(cfg, f) or "")]
+    named = {f: str(getattr(cfg, f) or "") for f in CALLABLE_FIELDS}
+    refs = [f"{f}={v}" for f, v in named.items() if ":" in v and not v.startswith("<in-process>")]
     if not refs:
         return
     owner = run_dir.stat().st_uid

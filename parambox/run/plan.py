@@ -142,6 +142,9 @@ def continue_recorded(cfg: RunConfig, caller: Caller) -> RunConfig:
     is refused; the ones in ``RESUMABLE`` may change."""
     if cfg.out is None:
         raise UserError(f"{caller.field('resume')} needs {caller.field('out')}: the run directory")
+    last = Path(cfg.out).resolve() / "checkpoints" / "last.pt"
+    if not last.exists():
+        raise UserError(f"{caller.field('resume')}: {last} does not exist")
     recorded = load_recorded(Path(cfg.out))
     changed = [f for f in sorted(cfg.model_fields_set - RESUMABLE) if getattr(cfg, f) != getattr(recorded, f)]
     if changed:
