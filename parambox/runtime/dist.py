@@ -13,10 +13,17 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from parambox.errors import CommTimeout
+from parambox.runtime.elastic import ElasticGroup
 from parambox.runtime.spawn import free_port
 from parambox.runtime.world import World
 
 _STARTS = itertools.count()  # process groups this process has started
+_ELASTIC: ElasticGroup | None = None  # this process's group when the run survives in place
+
+
+def elastic_group() -> ElasticGroup | None:
+    """The group that goes on without lost ranks (``on_failure = "shrink"``); None otherwise."""
+    return _ELASTIC
 
 
 def rendezvous_address(world: World) -> tuple[str, int]:
@@ -37,8 +44,15 @@ def rendezvous_address(world: World) -> tuple[str, int]:
 
 
 def init_distributed(world: World, timeout_s: float) -> None:
-    """Join the default process group (gloo on CPU, nccl on GPU); a no-op for one process."""
+    """Join the default process group (gloo on CPU, nccl on GPU); a no-op for one process. In a run
+    that survives in place (the launcher names its store), generation 0 of an ``ElasticGroup``."""
+    global _ELASTIC
     if world.world_size == 1 or dist.is_initialized():
+        return
+    group = ElasticGroup.from_env(world.rank, world.world_size, timeout_s, world.backend)
+    if group is not None:
+        group.join()
+        _ELASTIC = group
         return
     addr, port = rendezvous_address(world)
     timeout = timedelta(seconds=timeout_s)
@@ -62,6 +76,10 @@ def init_distributed(world: World, timeout_s: float) -> None:
 
 def destroy_distributed() -> None:
     # Without this, gloo workers sometimes abort at exit ("terminate called without an active exception").
+    global _ELASTIC
+    if _ELASTIC is not None:
+        _ELASTIC.close()
+        _ELASTIC = None
     if dist.is_initialized():
         with suppress(Exception):
             dist.destroy_process_group()

@@ -7,6 +7,10 @@ Every 50 ms it polls the workers. What it does when one exits non-zero depends o
   does its remaining steps); otherwise it is marked dead on the :class:`WorkerBoard`, so the others
   stop waiting for it, and listed as lost. Rank 0 (the one that collects the result) dead with no
   restart left fails the run.
+- synchronous, surviving in place (``shrink_store``: ``on_failure = "shrink"``, ``runtime/elastic.py``):
+  once every rank had joined the group, a dead rank other than 0 is marked dead on the board and listed
+  as lost, and the others regroup without it; a rank the survivors fenced out (it stalled past their
+  timeout) is SIGKILLed. A death before the group formed, or of rank 0, falls back to the next case.
 - synchronous: every worker is stopped. With restarts left the whole group starts again from the
   last checkpoint (torchrun's behaviour: nothing before the checkpoint is lost); otherwise the run
   fails, naming the rank that caused it.
@@ -23,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from parambox.runtime.control import DEAD, EXITED, SegmentKeeper, WorkerBoard
 
@@ -68,6 +73,7 @@ class Supervisor:
         muted: threading.Event | None = None,
         heartbeat: Path | None = None,
         stall_s: float = 0.0,
+        shrink_store: Any = None,
     ):
         self.procs, self.log_dir, self.tolerate_loss = procs, log_dir, tolerate_loss
         self.board, self.starters, self.keeper = board, starters, keeper
@@ -81,6 +87,8 @@ class Supervisor:
         # Rank 0 alone, the others gone: its metrics file must keep growing (a hung rank 0 would
         # otherwise hold the run forever, since no peer is left to time out on it).
         self.heartbeat, self.stall_s = heartbeat, stall_s
+        self.shrink_store = shrink_store  # the elastic group's store (a run that survives in place)
+        self._fenced: set[int] = set()
         self._beat: tuple[float, float] = (0.0, time.monotonic())  # (file size, when it last changed)
 
     def run(self) -> LaunchResult:
@@ -100,8 +108,10 @@ class Supervisor:
             return True
         self._keep_segments()
         codes = [p.poll() for p in self.procs]
-        if self.tolerate_loss and len(self.procs) > 1 and codes[0] == 0 and self._stragglers(codes):
+        goes_on = self.tolerate_loss or self.shrink_store is not None
+        if goes_on and len(self.procs) > 1 and codes[0] == 0 and self._stragglers(codes):
             return True
+        self._kill_fenced(codes)
         if codes[0] is None and len(self.procs) > 1 and self._rank0_stalled(codes):
             return True
         for rank, code in enumerate(codes):
@@ -109,7 +119,7 @@ class Supervisor:
                 continue
             if code == 0:
                 self._finished(rank, EXITED)
-            elif self.tolerate_loss and self._replace_or_lose(rank, code):
+            elif (self.tolerate_loss and self._replace_or_lose(rank, code)) or self._shrink(rank, code):
                 continue
             elif not self.tolerate_loss and self._restart_group(code):
                 return False
@@ -181,6 +191,35 @@ class Supervisor:
         if force or now - self._scanned_at > SCAN_EVERY_S:
             self._scanned_at = now
             self.keeper.scan(p.pid for p in self.procs if p.poll() is None)
+
+    # -- synchronous, surviving in place: go on without the rank ------------------------------------------
+    def _life_store(self) -> Any:
+        from torch.distributed import PrefixStore
+
+        # Each restart of the whole group starts the elastic protocol over, under a prefix of its own.
+        return PrefixStore(f"life{self.result.restarts}", self.shrink_store)
+
+    def _shrink(self, rank: int, code: int) -> bool:
+        """True if the others go on without ``rank`` (see the module docstring)."""
+        if self.shrink_store is None or code == USER_ERROR or rank == 0:
+            return False
+        from parambox.runtime.elastic import FORMED_KEY
+
+        if self._life_store().add(FORMED_KEY, 0) < len(self.procs):
+            return False  # a rank died before every rank had joined: nobody can regroup (gloo#520)
+        self._finished(rank, DEAD)
+        self.result.lost.append(rank)
+        return True
+
+    def _kill_fenced(self, codes: list[int | None]) -> None:
+        if self.shrink_store is None:
+            return
+        from parambox.runtime.elastic import fenced_ranks
+
+        for rank in fenced_ranks(self._life_store()):
+            if rank not in self._fenced and codes[rank] is None:
+                self._fenced.add(rank)
+                self.procs[rank].kill()  # its late messages go to a group nobody listens to; end it
 
     # -- synchronous: restart everyone from the last checkpoint -------------------------------------------
     def _restart_group(self, code: int) -> bool:

@@ -22,7 +22,8 @@ from torch import nn
 
 from parambox.box import BoxConfig, Layout
 from parambox.errors import UserError
-from parambox.runtime.dist import ProgressBoard, collective
+from parambox.runtime.dist import ProgressBoard, collective, elastic_group
+from parambox.runtime.elastic import PeerLost
 from parambox.runtime.world import World
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -73,6 +74,9 @@ class Strategy:
     Options: ClassVar[type[Options]] = Options
     # Asynchronous strategies carry on when a worker dies; the launcher then does not stop the others.
     tolerates_worker_loss: ClassVar[bool] = False
+    # Synchronous strategies that go on as a smaller group when a worker dies (``on_failure = "shrink"``):
+    # their exchanges run through ``exchange``, which regroups and repeats them.
+    survives_in_place: ClassVar[bool] = False
     # Strategies that need MPI (the rma box) are started through mpiexec by the local launcher.
     needs_mpi: ClassVar[bool] = False
     # torch.distributed's default group (a rendezvous of every rank) is set up before the strategy.
@@ -131,11 +135,36 @@ class Strategy:
         self.options = options
         self.timers = PhaseTimers()
         self.optimizer: torch.optim.Optimizer | None = None  # set by strategies with a local optimizer
+        self.group = elastic_group()  # set when the run survives a lost worker in place
 
     def collective(self, phase: str) -> AbstractContextManager[None]:
         """Wrap blocking communication: a timeout becomes a ``CommTimeout`` naming the phase, the step
-        and the ranks that never arrived (read from the run's progress board)."""
+        and the ranks that never arrived (read from the run's progress board); in a run that survives
+        in place, a ``PeerLost`` that :meth:`exchange` answers by regrouping."""
+        if self.group is not None:
+            return self.group.guard(phase, self.ctx.board.step if self.ctx.board is not None else None)
         return collective(phase, self.ctx.board)
+
+    def exchange(self, fn: Callable[[], Any], step: int, again: Callable[[], Any] | None = None) -> Any:
+        """``fn()``, an exchange whose collectives run under :meth:`collective`. In a run that survives
+        in place, a lost peer makes the survivors regroup and repeat it (``again()``, where a first
+        attempt already spent its input, as an in-place allreduce does)."""
+        try:
+            return fn()
+        except PeerLost:
+            if self.group is None:
+                raise
+        while True:
+            self.group.regroup(step)
+            try:
+                return (again or fn)()
+            except PeerLost:
+                continue
+
+    @property
+    def group_size(self) -> int:
+        """Ranks in the exchange now: the launch's, less those lost in a run that survives in place."""
+        return self.group.group_size if self.group is not None else self.world.world_size
 
     # -- data ---------------------------------------------------------------------------------
     def data_partition(self) -> tuple[int, int]:
@@ -204,10 +233,14 @@ class Strategy:
         here: an allreduce over the workers."""
         if self.world.world_size == 1:
             return float(local)
-        total = torch.tensor([float(local)])
-        with self.collective("summary"):
-            dist.all_reduce(total)
-        return float(total)
+
+        def reduce() -> float:
+            total = torch.tensor([float(local)])
+            with self.collective("summary"):
+                dist.all_reduce(total)
+            return float(total)
+
+        return self.exchange(reduce, self.ctx.steps)
 
     def wall_time(self, local: float) -> float:
         """The run's training time, given this process's."""

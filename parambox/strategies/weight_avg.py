@@ -26,25 +26,30 @@ class WeightAveraging(Strategy):
     name = "weight-avg"
     period_options = ("period",)
     Options = WeightAvgOptions
+    survives_in_place = True
 
     def __init__(self, ctx: Context, options: WeightAvgOptions):
         super().__init__(ctx, options)
         self.params = trainable(self.model)
         self.buffers = [b for b in self.model.buffers() if b.is_floating_point()]
         self.optimizer = ctx.make_optimizer(self.params)
-        self._average()
+        self._average(-1)
 
-    def _average(self) -> None:
+    def _average(self, step: int) -> None:
         if self.world.world_size == 1:
             return
         tensors = self.params + self.buffers
-        flat = parameters_to_vector(tensors).detach()
-        with self.timers.phase("allreduce"), self.collective("weight averaging"):
-            dist.all_reduce(flat)
-        flat.div_(self.world.world_size)
-        with torch.no_grad():
-            for t, mean in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
-                t.copy_(mean.view_as(t))
+
+        def average() -> None:
+            flat = parameters_to_vector(tensors).detach()  # a copy: a failed allreduce leaves the weights
+            with self.timers.phase("allreduce"), self.collective("weight averaging"):
+                dist.all_reduce(flat)
+            flat.div_(self.group_size)
+            with torch.no_grad():
+                for t, mean in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
+                    t.copy_(mean.view_as(t))
+
+        self.exchange(average, step)  # survives in place: the survivors average their own weights
 
     def begin_step(self, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -52,10 +57,10 @@ class WeightAveraging(Strategy):
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         self.optimizer.step()
         if (step + 1) % self.options.period == 0:
-            self._average()
+            self._average(step)
         return StepResult(loss_value(loss), samples, self.timers.pop())
 
     def finish(self) -> None:
         # The result is the average of the replicas, also when the run did not end on a period.
-        self._average()
+        self._average(self.ctx.steps)
         self.timers.pop()

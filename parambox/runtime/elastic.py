@@ -1,0 +1,172 @@
+"""A synchronous run that survives in place (``on_failure = "shrink"``): when a worker dies or stalls,
+the others go on as a smaller group over a new process group, without a restart and without disk.
+
+The local launcher hosts a key-value store of its own (a ``TCPStore`` in the launcher process: it
+outlives every worker, unlike the usual rendezvous store on rank 0) and names it to the workers in
+``PARAMBOX_GROUP_STORE``. Generation ``g`` of the group is a gloo process group over the prefix
+``gen{g}/`` of that store, so a new generation never reads an old one's addresses.
+
+A collective that fails (a peer's connection closed: it died; or ``--timeout`` passed: it stalled)
+raises :class:`PeerLost` in each survivor. Each then:
+
+1. destroys its old process group (which closes its sockets, so a survivor still blocked on *it*
+   fails at once instead of at its own timeout);
+2. checks in for generation ``g + 1`` with the step it was at;
+3. the first to check in (a ticket from the store's atomic ``add``) decides the members: every rank of
+   generation ``g`` that checked in once all the others are dead on the launcher's board, or once
+   ``grace_s`` passed (a stalled rank never checks in). It writes them, and the ranks it leaves out
+   (*fenced*), under ``gen{g+1}/``; the launcher reads the fenced ranks and SIGKILLs them;
+4. a rank that finds itself outside the members raises :class:`Fenced` (a stalled rank that wakes:
+   its old group is gone, so nothing it sends reaches the survivors); the members join the new group.
+
+The survivors then repeat the exchange that failed (``Strategy.exchange``), so the step ends as if
+the dead rank had never taken part in it. Members that disagree on the step (a kill in the middle of
+a collective that some ranks had finished) cannot be reconciled here: that raises, and the run falls
+back to restart-all (``--max-restarts``) or fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from parambox.errors import CommTimeout
+from parambox.runtime.control import WorkerBoard, current_life
+
+STORE_ENV = "PARAMBOX_GROUP_STORE"  # host:port of the launcher's store in a run that survives in place
+FORMED_KEY = "formed"  # every rank adds 1 once it is in generation 0: deaths after that are survived
+FENCED_KEY = "fenced"  # the ranks (of the launch) the survivors left out, JSON; the launcher kills them
+_POLL_S = 0.05
+
+
+class PeerLost(RuntimeError):
+    """A collective failed because a peer died or stalled; the group can go on without it."""
+
+
+class Fenced(CommTimeout):
+    """This rank stalled past the others' timeout and was left out of the group."""
+
+
+def host_store() -> tuple[dist.TCPStore, str]:
+    """The launcher's store (on loopback) and its address for the workers' environment."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    return store, f"127.0.0.1:{store.port}"
+
+
+def connect_store(address: str, timeout_s: float) -> dist.TCPStore:
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def fenced_ranks(store: dist.Store) -> list[int]:
+    """The ranks the survivors left out so far (the launcher's view); [] before any."""
+    with suppress(Exception):
+        if store.check([FENCED_KEY]):
+            return json.loads(store.get(FENCED_KEY))
+    return []
+
+
+class ElasticGroup:
+    """The current generation of a run's process group, and how it goes on without lost ranks.
+
+    ``rank`` is this process's rank at launch (its data shard, its logs); ``group_rank`` and
+    ``group_size`` are its place in the current generation (rank 0 of the launch is always a member:
+    its death is not survived in place)."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float, backend: str):
+        self.store, self.rank, self.timeout_s, self.backend = store, rank, timeout_s, backend
+        self.members = list(range(world_size))
+        self.generation = 0
+        self.board = WorkerBoard.from_env()
+        self.grace_s = min(timeout_s, 10.0)  # how long the decider waits for members still on their way
+
+    @classmethod
+    def from_env(cls, rank: int, world_size: int, timeout_s: float, backend: str) -> ElasticGroup | None:
+        address = os.environ.get(STORE_ENV)
+        if not address or world_size == 1:
+            return None
+        # Each restart of the whole group (a life) runs the protocol afresh: keys of its own.
+        store = dist.PrefixStore(f"life{current_life()}", connect_store(address, timeout_s))
+        return cls(store, rank, world_size, timeout_s, backend)
+
+    @property
+    def group_rank(self) -> int:
+        return self.members.index(self.rank)
+
+    @property
+    def group_size(self) -> int:
+        return len(self.members)
+
+    def join(self) -> None:
+        """Generation 0: every rank of the launch."""
+        self._init(0)
+        self.store.add(FORMED_KEY, 1)
+
+    def _init(self, generation: int) -> None:
+        store = dist.PrefixStore(f"gen{generation}", self.store)
+        timeout = timedelta(seconds=self.timeout_s)
+        dist.init_process_group(
+            self.backend, store=store, rank=self.group_rank, world_size=self.group_size, timeout=timeout
+        )
+
+    @contextmanager
+    def guard(self, phase: str, step: int | None = None) -> Iterator[None]:
+        """Blocking communication whose failure means a lost peer: ``PeerLost`` naming the phase."""
+        try:
+            yield
+        except RuntimeError as e:
+            if isinstance(e, PeerLost):
+                raise
+            raise PeerLost(f"{phase} at step {step}: {(str(e).splitlines() or [''])[0]}") from None
+
+    def regroup(self, step: int) -> None:
+        """Go on without the ranks that are gone (see the module docstring); ``Fenced`` if this rank
+        is one of them."""
+        with suppress(Exception):
+            dist.destroy_process_group()  # closes our sockets: peers blocked on us fail now
+        gen = self.generation + 1
+        prefix = f"gen{gen}/"
+        self.store.set(f"{prefix}in/{self.rank}", str(step))
+        if self.store.add(f"{prefix}ticket", 1) == 1:
+            self._decide(prefix)
+        decided = json.loads(self._get(f"{prefix}members"))
+        if self.rank not in decided:
+            raise Fenced(f"rank {self.rank} stalled past the others' timeout and was left out of the group")
+        steps = {int(self._get(f"{prefix}in/{r}")) for r in decided}
+        if steps != {step}:
+            raise CommTimeout(
+                f"the surviving ranks {decided} stopped at different steps {sorted(steps)} "
+                "(a failure inside a collective): they cannot go on in place"
+            )
+        self.members, self.generation = decided, gen
+        self._init(gen)
+
+    def _decide(self, prefix: str) -> None:
+        """The decider of a generation: who is in (checked in), who is fenced (stalled)."""
+        deadline = time.monotonic() + self.grace_s
+        while True:
+            arrived = [r for r in self.members if self.store.check([f"{prefix}in/{r}"])]
+            dead = set(self.board.dead_ranks()) if self.board is not None else set()
+            waiting = [r for r in self.members if r not in arrived and r not in dead]
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(_POLL_S)
+        fenced = [r for r in waiting if r not in arrived]
+        if fenced:
+            self.store.set(FENCED_KEY, json.dumps(sorted(set(fenced_ranks(self.store)) | set(fenced))))
+        self.store.set(f"{prefix}members", json.dumps(arrived))
+
+    def _get(self, key: str) -> str:
+        try:
+            return self.store.get(key).decode()
+        except RuntimeError as e:  # the store's own timeout: the decider died too
+            raise CommTimeout(f"regrouping: no word on {key!r} within {self.timeout_s:g} s") from e
+
+    def close(self) -> None:
+        self.store = None
