@@ -84,7 +84,7 @@ class ElasticGroup:
         self.members = list(range(world_size))
         self.generation = 0
         self.board = WorkerBoard.from_env()
-        self.grace_s = min(timeout_s, 10.0)  # how long the decider waits for members still on their way
+        self.grace_s = min(timeout_s, 5.0)  # how long the decider waits for members still on their way
 
     @classmethod
     def from_env(cls, rank: int, world_size: int, timeout_s: float, backend: str) -> ElasticGroup | None:
@@ -163,7 +163,8 @@ class ElasticGroup:
         self.store.set(f"{prefix}members", json.dumps(arrived))
 
     def _get(self, key: str) -> str:
-        try:
+        try:  # the decider may take its grace, then the store its round trip
+            self.store.wait([key], timedelta(seconds=self.grace_s + self.timeout_s))
             return self.store.get(key).decode()
         except RuntimeError as e:  # the store's own timeout: the decider died too
             raise CommTimeout(f"regrouping: no word on {key!r} within {self.timeout_s:g} s") from e
