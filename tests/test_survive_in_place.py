@@ -15,11 +15,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 import parambox
 from parambox.runtime.elastic import STORE_ENV, host_store
 from tests.conftest import ROOT, final_weights, run_cli, summary
-from tests.workloads.constant_gradient import closed_form
+from tests.workloads.constant_gradient import closed_form, weight_after
 
 W = "tests/workloads/constant_gradient.py"
 LR, STEPS, KILLED, AT = 0.01, 12, 1, 5
@@ -61,6 +62,57 @@ def _check_closed_form(out: Path) -> None:
 def test_a_killed_worker_is_survived_in_place_to_the_closed_form(tmp_path, strategy):
     out, _ = _run(tmp_path, strategy, "kill", timeout_s=30)
     _check_closed_form(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_replacement_joins_with_a_live_ranks_state(tmp_path):
+    """--max-restarts: the killed rank's replacement joins at a step boundary, receives the weights and
+    the optimizer's momentum from rank 0 over the new group, and trains on the dead rank's slice: the
+    weights are those of 3, then 2, then 3 ranks' mean gradients (momentum SGD), and its replica and
+    momentum at the end equal the survivors'."""
+    out, steps, momentum = tmp_path / "run", 150, 0.5
+    run_cli(
+        "train",
+        "--strategy",
+        "allreduce",
+        *ARGS,
+        "--steps",
+        str(steps),
+        "--timeout",
+        "60",
+        "--momentum",
+        str(momentum),
+        "--max-restarts",
+        "1",
+        "--out",
+        str(out),
+        env={"PARAMBOX_FAULT": f"{KILLED}:{AT}:kill,0:0:slow"},
+        timeout=380,
+    )  # fmt: skip  (rank 0 sleeps 0.2 s a step: time for the replacement to start)
+    lines = (out / f"metrics.rank{KILLED}.jsonl").read_text().splitlines()
+    joined = [json.loads(x) for x in lines if '"world"' in x][-1]
+    at = joined["step"]
+    assert joined["life"] == 1 and AT < at < steps
+    phases = [(AT, [0, 1, 2]), (at - AT, [0, 2]), (steps - at, [0, 1, 2])]
+    expected = weight_after(LR, phases, momentum)
+    weight = final_weights(out)["weight"]
+    assert (weight - expected).abs().max().item() < 1e-4 * max(1.0, abs(expected)), (weight, expected, at)
+    states = {
+        r: torch.load(next((out / "checkpoints").glob(f"rank{r}-*.pt")), weights_only=True) for r in (1, 2)
+    }
+    for key in ("replica", "strategy"):
+        assert json.dumps(_flat(states[1][key])) == json.dumps(_flat(states[2][key]))
+    assert summary(out)["restarts"] == 1 and summary(out)["lost_workers"] == []
+
+
+def _flat(obj):
+    """Tensors as lists, for an exact comparison of two saved states."""
+    if isinstance(obj, dict):
+        return {str(k): _flat(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_flat(v) for v in obj]
+    return obj.tolist() if isinstance(obj, torch.Tensor) else obj
 
 
 @pytest.mark.slow

@@ -37,9 +37,11 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from parambox.errors import CommTimeout
-from parambox.runtime.control import WorkerBoard, current_life
+from parambox.runtime.control import WorkerBoard, current_life, rejoining
 
 STORE_ENV = "PARAMBOX_GROUP_STORE"  # host:port of the launcher's store in a run that survives in place
+GROUP_LIFE_ENV = "PARAMBOX_GROUP_LIFE"  # restarts of the whole group so far: each runs the protocol afresh
+JOINS_KEY = "joins"  # replacements that asked to join so far (a counter)
 FORMED_KEY = "formed"  # every rank adds 1 once it is in generation 0: deaths after that are survived
 FENCED_KEY = "fenced"  # the ranks (of the launch) the survivors left out, JSON; the launcher kills them
 _POLL_S = 0.05
@@ -81,10 +83,14 @@ class ElasticGroup:
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float, backend: str):
         self.store, self.rank, self.timeout_s, self.backend = store, rank, timeout_s, backend
+        self.world_size = world_size
         self.members = list(range(world_size))
         self.generation = 0
         self.board = WorkerBoard.from_env()
         self.grace_s = min(timeout_s, 5.0)  # how long the decider waits for members still on their way
+        self.lives = self._lives()  # each member's life: a replacement (a later life) is not waited for
+        self.joined_at: int | None = None  # a replacement: the step at which it joined
+        self.admitted = 0  # replacements admitted so far (group rank 0 counts)
 
     @classmethod
     def from_env(cls, rank: int, world_size: int, timeout_s: float, backend: str) -> ElasticGroup | None:
@@ -92,7 +98,8 @@ class ElasticGroup:
         if not address or world_size == 1:
             return None
         # Each restart of the whole group (a life) runs the protocol afresh: keys of its own.
-        store = dist.PrefixStore(f"life{current_life()}", connect_store(address, timeout_s))
+        life = os.environ.get(GROUP_LIFE_ENV, "0")
+        store = dist.PrefixStore(f"life{life}", connect_store(address, timeout_s))
         return cls(store, rank, world_size, timeout_s, backend)
 
     @property
@@ -103,10 +110,60 @@ class ElasticGroup:
     def group_size(self) -> int:
         return len(self.members)
 
+    def _lives(self) -> dict[int, int]:
+        return {r: self.board.life(r) if self.board is not None else 0 for r in self.members}
+
     def join(self) -> None:
-        """Generation 0: every rank of the launch."""
+        """Generation 0: every rank of the launch; a replacement waits to be admitted instead."""
+        if rejoining():
+            self._join_late()
+            return
         self._init(0)
         self.store.add(FORMED_KEY, 1)
+
+    # -- replacements: admitted at a step boundary --------------------------------------------------
+    def _join_late(self) -> None:
+        key = f"admit/{self.rank}/{current_life()}"
+        self.store.set(f"join/{self.rank}", str(current_life()))
+        self.store.add(JOINS_KEY, 1)
+        word = json.loads(self._get(key, wait_s=self.timeout_s))
+        self.members, self.generation, self.joined_at = word["members"], word["generation"], word["step"]
+        self.lives = self._lives()
+        self._init(self.generation)
+
+    def admission(self, step: int, next_exchange: int) -> dict | None:
+        """At the start of ``step``, on every member: the replacements that join now, if any. Group rank 0
+        sees new ones and names them and the step after ``next_exchange`` (the next step whose exchange
+        every member must pass with rank 0: none can begin the step after it without having read the
+        store after rank 0 wrote); the others read the plan. A store round trip or two per step."""
+        if self.group_rank == 0:
+            asked = int(self.store.add(JOINS_KEY, 0))
+            if asked > self.admitted:
+                self.admitted = asked
+                joiners = [r for r in range(self.world_size) if r not in self.members and self._asked(r)]
+                self.store.set("admit_at", json.dumps({"step": next_exchange + 1, "ranks": joiners}))
+        if not self.store.check(["admit_at"]):
+            return None
+        plan = json.loads(self._get("admit_at"))
+        return plan if plan["step"] == step and self.rank not in plan["ranks"] else None
+
+    def admit(self, plan: dict) -> None:
+        """Every member at the start of the planned step: the named replacements come in (generation + 1)."""
+        members = sorted(set(self.members) | set(plan["ranks"]))
+        gen = self.generation + 1
+        if self.group_rank == 0:
+            word = json.dumps({"members": members, "generation": gen, "step": plan["step"]})
+            for r in plan["ranks"]:
+                self.store.set(f"admit/{r}/{self._get(f'join/{r}')}", word)
+                self.store.delete_key(f"join/{r}")  # answered: a later death of r asks anew
+        with suppress(Exception):
+            dist.destroy_process_group()
+        self.members, self.generation = members, gen
+        self.lives = self._lives()
+        self._init(gen)
+
+    def _asked(self, rank: int) -> bool:
+        return self.store.check([f"join/{rank}"])
 
     def _init(self, generation: int) -> None:
         store = dist.PrefixStore(f"gen{generation}", self.store)
@@ -145,6 +202,7 @@ class ElasticGroup:
                 "(a failure inside a collective): they cannot go on in place"
             )
         self.members, self.generation = decided, gen
+        self.lives = {r: self.lives[r] for r in decided}
         self._init(gen)
 
     def _decide(self, prefix: str) -> None:
@@ -153,7 +211,7 @@ class ElasticGroup:
         while True:
             arrived = [r for r in self.members if self.store.check([f"{prefix}in/{r}"])]
             dead = set(self.board.dead_ranks()) if self.board is not None else set()
-            waiting = [r for r in self.members if r not in arrived and r not in dead]
+            waiting = [r for r in self.members if r not in arrived and r not in dead and not self._renewed(r)]
             if not waiting or time.monotonic() > deadline:
                 break
             time.sleep(_POLL_S)
@@ -162,9 +220,14 @@ class ElasticGroup:
             self.store.set(FENCED_KEY, json.dumps(sorted(set(fenced_ranks(self.store)) | set(fenced))))
         self.store.set(f"{prefix}members", json.dumps(arrived))
 
-    def _get(self, key: str) -> str:
+    def _renewed(self, rank: int) -> bool:
+        """A later life of ``rank`` (a replacement) runs: the member of that rank is gone."""
+        return self.board is not None and self.board.life(rank) > self.lives.get(rank, 0)
+
+    def _get(self, key: str, wait_s: float | None = None) -> str:
         try:  # the decider may take its grace, then the store its round trip
-            self.store.wait([key], timedelta(seconds=self.grace_s + self.timeout_s))
+            wait_s = self.grace_s + self.timeout_s if wait_s is None else wait_s
+            self.store.wait([key], timedelta(seconds=wait_s))
             return self.store.get(key).decode()
         except RuntimeError as e:  # the store's own timeout: the decider died too
             raise CommTimeout(f"regrouping: no word on {key!r} within {self.timeout_s:g} s") from e

@@ -127,7 +127,8 @@ def _launch_processes(
         for rank in range(n):
             board.set_state(rank, RUNNING)
         genv = spawn.loopback_env(base=env)  # a fresh rendezvous port
-        genv[LIFE_ENV] = str(life)
+        genv[LIFE_ENV] = genv[elastic.GROUP_LIFE_ENV] = str(life)
+        env[elastic.GROUP_LIFE_ENV] = str(life)  # a replacement joins this life's elastic group
         return ranks.start_all(resume_cmd if resume else cmd, genv, [board.fd])
 
     def one(rank: int, life: int, extra: dict[str, str], fds: list[int]) -> subprocess.Popen:

@@ -9,8 +9,9 @@ Every 50 ms it polls the workers. What it does when one exits non-zero depends o
   restart left fails the run.
 - synchronous, surviving in place (``shrink_store``: ``on_failure = "shrink"``, ``runtime/elastic.py``):
   once every rank had joined the group, a dead rank other than 0 is marked dead on the board and listed
-  as lost, and the others regroup without it; a rank the survivors fenced out (it stalled past their
-  timeout) is SIGKILLed. A death before the group formed, or of rank 0, falls back to the next case.
+  as lost, and the others regroup without it (with restarts left, a replacement is started instead:
+  it joins at a step boundary and receives its state from a live rank); a rank the survivors fenced
+  out (it stalled past their timeout) is SIGKILLed. A death before the group formed, or of rank 0, falls back to the next case.
 - synchronous: every worker is stopped. With restarts left the whole group starts again from the
   last checkpoint (torchrun's behaviour: nothing before the checkpoint is lost); otherwise the run
   fails, naming the rank that caused it.
@@ -89,6 +90,7 @@ class Supervisor:
         self.heartbeat, self.stall_s = heartbeat, stall_s
         self.shrink_store = shrink_store  # the elastic group's store (a run that survives in place)
         self._fenced: set[int] = set()
+        self._group_life = 0  # restarts of the whole group (each runs the elastic protocol afresh)
         self._beat: tuple[float, float] = (0.0, time.monotonic())  # (file size, when it last changed)
 
     def run(self) -> LaunchResult:
@@ -197,7 +199,7 @@ class Supervisor:
         from torch.distributed import PrefixStore
 
         # Each restart of the whole group starts the elastic protocol over, under a prefix of its own.
-        return PrefixStore(f"life{self.result.restarts}", self.shrink_store)
+        return PrefixStore(f"life{self._group_life}", self.shrink_store)
 
     def _shrink(self, rank: int, code: int) -> bool:
         """True if the others go on without ``rank`` (see the module docstring)."""
@@ -207,6 +209,11 @@ class Supervisor:
 
         if self._life_store().add(FORMED_KEY, 0) < len(self.procs):
             return False  # a rank died before every rank had joined: nobody can regroup (gloo#520)
+        if self._restarts_left():  # a replacement joins at a step boundary, state from a live rank
+            life = self.board.begin_life(rank) if self.board is not None else self.result.restarts + 1
+            self.procs[rank] = self.starters.rank(rank, life, {}, [])
+            self.result.restarts += 1
+            return True
         self._finished(rank, DEAD)
         self.result.lost.append(rank)
         return True
@@ -227,6 +234,7 @@ class Supervisor:
             return False
         self.starters.stop(self.procs)
         self.result.restarts += 1
+        self._group_life = self.result.restarts
         self.procs[:] = self.starters.group(self.result.restarts, self.starters.can_resume())
         self.finished.clear()
         return True

@@ -82,13 +82,15 @@ class AllReduce(Strategy):
         super().__init__(ctx, options)
         params = trainable(self.model)
         self.distributed = self.world.world_size > 1 and dist.is_initialized()
-        if self.distributed:
+        if self.distributed and not self.joining:
             for p in params:  # same start everywhere, whatever each rank's seed did
                 dist.broadcast(p.data, src=0)
         self.buckets = build_buckets(list(reversed(params)), options.bucket_mb, options.first_bucket_mb)
         for b in self.buckets:
             b.grads = GradViews(b.params, b.views, track=True, on_ready=self._ready_in(b))
         self.optimizer = ctx.make_optimizer(params)
+        if self.joining:
+            self.share_state()  # a replacement: the survivors' weights and optimizer state
 
     def _ready_in(self, b: _Bucket):
         def on_ready(i: int, first: bool) -> None:
@@ -112,6 +114,7 @@ class AllReduce(Strategy):
             b.buffer.zero_()
             b.ready, b.work = 0, None
             b.grads.rebind_()
+        self.admit_replacements(step)
         self.sync_buffers()
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:

@@ -9,6 +9,7 @@ on the device; the loss is the user's ``loss_fn(model, batch) -> scalar tensor``
 
 from __future__ import annotations
 
+import io
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -136,6 +137,7 @@ class Strategy:
         self.timers = PhaseTimers()
         self.optimizer: torch.optim.Optimizer | None = None  # set by strategies with a local optimizer
         self.group = elastic_group()  # set when the run survives a lost worker in place
+        self._awaits_state = self.joining  # a replacement, until share_state has given it a peer's state
 
     def collective(self, phase: str) -> AbstractContextManager[None]:
         """Wrap blocking communication: a timeout becomes a ``CommTimeout`` naming the phase, the step
@@ -160,6 +162,44 @@ class Strategy:
                 return (again or fn)()
             except PeerLost:
                 continue
+
+    @property
+    def joining(self) -> bool:
+        """This process replaces a lost rank of a run that survives in place: its state comes from a peer."""
+        return self.group is not None and self.group.joined_at is not None
+
+    def admit_replacements(self, step: int) -> None:
+        """At the start of ``step`` (survives in place, ``--max-restarts``): replacements that asked to
+        join come in, and receive the model and the strategy's state from group rank 0."""
+        if self.group is not None:
+            plan = self.group.admission(step, self.next_exchange(step))
+            if plan is not None:
+                self.group.admit(plan)
+                self.share_state()
+
+    def next_exchange(self, step: int) -> int:
+        """The first step from ``step`` on whose exchange every rank takes part (every step here)."""
+        return step
+
+    def share_state(self) -> None:
+        """Group rank 0's weights and resume state (optimizer, counters) to a replacement that joined,
+        over the new group: serialised by ``torch.save``, read back with ``weights_only=True``."""
+        receive, self._awaits_state = self._awaits_state, False
+        data = torch.empty(0, dtype=torch.uint8)
+        if self.group.group_rank == 0:
+            buffer = io.BytesIO()
+            torch.save({"model": self.model.state_dict(), "strategy": self.state_dict()}, buffer)
+            data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        with self.collective("state to a replacement"):
+            dist.broadcast(size, src=0)
+            if self.group.group_rank != 0:
+                data = torch.empty(int(size), dtype=torch.uint8)
+            dist.broadcast(data, src=0)
+        if receive:
+            state = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+            self.load_model_state(state["model"])
+            self.load_state_dict(state["strategy"])
 
     @property
     def group_size(self) -> int:
@@ -205,8 +245,8 @@ class Strategy:
         return step >= self.ctx.steps
 
     def rejoin_step(self) -> int | None:
-        """Where a replacement of a dead worker starts (asynchronous runs); None: a fresh start or resume."""
-        return None
+        """Where a replacement of a dead worker starts; None: a fresh start or resume."""
+        return self.group.joined_at if self.joining else None
 
     def finish(self) -> None:
         """After the last step: synchronise or collect the final weights (collective on all ranks)."""

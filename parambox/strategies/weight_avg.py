@@ -33,7 +33,10 @@ class WeightAveraging(Strategy):
         self.params = trainable(self.model)
         self.buffers = [b for b in self.model.buffers() if b.is_floating_point()]
         self.optimizer = ctx.make_optimizer(self.params)
-        self._average(-1)
+        if self.joining:
+            self.share_state()  # a replacement: a survivor's weights and optimizer state
+        else:
+            self._average(-1)
 
     def _average(self, step: int) -> None:
         if self.world.world_size == 1:
@@ -53,6 +56,11 @@ class WeightAveraging(Strategy):
 
     def begin_step(self, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        self.admit_replacements(step)
+
+    def next_exchange(self, step: int) -> int:
+        period = self.options.period
+        return step + (period - 1 - step % period)  # the first a >= step with (a + 1) % period == 0
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         self.optimizer.step()

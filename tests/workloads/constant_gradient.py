@@ -45,3 +45,15 @@ def closed_form(lr: float, steps: int, ranks: list[int], killed: int, at: int) -
     full = sum(gradient_of(r) for r in ranks) / len(ranks)
     rest = sum(gradient_of(r) for r in survivors) / len(survivors)
     return -lr * (at * full + (steps - at) * rest)
+
+
+def weight_after(lr: float, phases: list[tuple[int, list[int]]], momentum: float = 0.0) -> float:
+    """Every weight after SGD (torch's momentum form) through ``phases``: (steps, the ranks whose mean
+    gradient those steps take)."""
+    w, buf = 0.0, None
+    for steps, ranks in phases:
+        g = sum(gradient_of(r) for r in ranks) / len(ranks)
+        for _ in range(steps):
+            buf = g if buf is None else momentum * buf + g
+            w -= lr * buf
+    return w
