@@ -98,8 +98,8 @@ class ProgressBoard:
     def __init__(self) -> None:
         self.store: dist.Store | None = None
         self.step = -1
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return
+        if not dist.is_initialized() or dist.get_world_size() == 1 or _ELASTIC is not None:
+            return  # (a run that survives in place names lost peers its own way: runtime/elastic.py)
         from torch.distributed.distributed_c10d import _get_default_store
 
         pg_store, rank = _get_default_store(), dist.get_rank()
