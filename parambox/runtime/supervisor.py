@@ -21,6 +21,8 @@ A worker's exit code 2 is a user error (bad input): restarting cannot help, so i
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import threading
@@ -209,6 +211,7 @@ class Supervisor:
 
         if self._life_store().add(FORMED_KEY, 0) < len(self.procs):
             return False  # a rank died before every rank had joined: nobody can regroup (gloo#520)
+        _kill_session(self.procs[rank])  # its loader processes hold its sockets: the peers see it gone now
         if self._restarts_left():  # a replacement joins at a step boundary, state from a live rank
             life = self.board.begin_life(rank) if self.board is not None else self.result.restarts + 1
             self.procs[rank] = self.starters.rank(rank, life, {}, [])
@@ -226,7 +229,7 @@ class Supervisor:
         for rank in fenced_ranks(self._life_store()):
             if rank not in self._fenced and codes[rank] is None:
                 self._fenced.add(rank)
-                self.procs[rank].kill()  # its late messages go to a group nobody listens to; end it
+                _kill_session(self.procs[rank])  # its late messages go to a group nobody listens to
 
     # -- synchronous: restart everyone from the last checkpoint -------------------------------------------
     def _restart_group(self, code: int) -> bool:
@@ -246,6 +249,14 @@ class Supervisor:
         code = self.procs[rank].returncode
         self.result.failed[rank] = (code, worker_error(self.log_dir, rank, code))
         self.result.returncode = 1
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL a worker and what it started (data loader processes: they inherit its sockets, and keep
+    a dead rank's connections open until their own watchdog notices, ~5 s later). Each worker leads a
+    session of its own (``spawn.start``), so its process group is its id."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 # Errors a rank reports when a *peer* failed: they are symptoms, not the cause.
