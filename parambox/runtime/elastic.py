@@ -14,10 +14,16 @@ raises :class:`PeerLost` in each survivor. Each then:
 2. checks in for generation ``g + 1`` with the step it was at;
 3. the first to check in (a ticket from the store's atomic ``add``) decides the members: every rank of
    generation ``g`` that checked in once all the others are dead on the launcher's board, or once
-   ``grace_s`` passed (a stalled rank never checks in). It writes them, and the ranks it leaves out
+   ``--timeout`` passed (a stalled rank never checks in). It writes them, and the ranks it leaves out
    (*fenced*), under ``gen{g+1}/``; the launcher reads the fenced ranks and SIGKILLs them;
 4. a rank that finds itself outside the members raises :class:`Fenced` (a stalled rank that wakes:
    its old group is gone, so nothing it sends reaches the survivors); the members join the new group.
+
+A replacement (``--max-restarts``; the launcher starts it at once, so the dead rank's board life is
+newer and nobody waits for it) asks to join in the store; group rank 0 names the step at which it
+comes in (after the next exchange every member must pass with rank 0, so all have read the plan);
+at the start of that step the members and the replacement form the next generation, and rank 0
+broadcasts its weights and resume state to it (``Strategy.share_state``).
 
 The survivors then repeat the exchange that failed (``Strategy.exchange``), so the step ends as if
 the dead rank had never taken part in it. Members that disagree on the step (a kill in the middle of
@@ -87,7 +93,10 @@ class ElasticGroup:
         self.members = list(range(world_size))
         self.generation = 0
         self.board = WorkerBoard.from_env()
-        self.grace_s = min(timeout_s, 5.0)  # how long the decider waits for members still on their way
+        # How long the decider waits for members still on their way: --timeout, as any wait. A stalled
+        # rank is so fenced after twice --timeout (the collective's, then this); a live one that a
+        # loaded machine starves for seconds is not mistaken for it.
+        self.grace_s = timeout_s
         self.lives = self._lives()  # each member's life: a replacement (a later life) is not waited for
         self.joined_at: int | None = None  # a replacement: the step at which it joined
         self.admitted = 0  # replacements admitted so far (group rank 0 counts)
