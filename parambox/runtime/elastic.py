@@ -33,6 +33,7 @@ back to restart-all (``--max-restarts``) or fails.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
@@ -40,6 +41,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from parambox.errors import CommTimeout
@@ -70,6 +72,24 @@ def host_store() -> tuple[dist.TCPStore, str]:
 def connect_store(address: str, timeout_s: float) -> dist.TCPStore:
     host, port = address.rsplit(":", 1)
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def broadcast_state(state: dict | None) -> dict:
+    """Rank 0's ``state`` (tensors, numbers, strings in dicts and lists) on every rank of the current
+    group: ``torch.save`` bytes in two broadcasts, read back with ``weights_only=True`` (no pickle)."""
+    data = torch.empty(0, dtype=torch.uint8)
+    if dist.get_rank() == 0:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    dist.broadcast(size, src=0)
+    if dist.get_rank() != 0:
+        data = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=0)
+    return (
+        state if dist.get_rank() == 0 else torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+    )
 
 
 def fenced_ranks(store: dist.Store) -> list[int]:

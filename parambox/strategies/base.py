@@ -9,7 +9,6 @@ on the device; the loss is the user's ``loss_fn(model, batch) -> scalar tensor``
 
 from __future__ import annotations
 
-import io
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -24,7 +23,7 @@ from torch import nn
 from parambox.box import BoxConfig, Layout
 from parambox.errors import UserError
 from parambox.runtime.dist import ProgressBoard, collective, elastic_group
-from parambox.runtime.elastic import PeerLost
+from parambox.runtime.elastic import PeerLost, broadcast_state
 from parambox.runtime.world import World
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -182,22 +181,12 @@ class Strategy:
         return step
 
     def share_state(self) -> None:
-        """Group rank 0's weights and resume state (optimizer, counters) to a replacement that joined,
-        over the new group: serialised by ``torch.save``, read back with ``weights_only=True``."""
+        """Group rank 0's weights and resume state (optimizer, counters) to a replacement that joined."""
         receive, self._awaits_state = self._awaits_state, False
-        data = torch.empty(0, dtype=torch.uint8)
-        if self.group.group_rank == 0:
-            buffer = io.BytesIO()
-            torch.save({"model": self.model.state_dict(), "strategy": self.state_dict()}, buffer)
-            data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-        size = torch.tensor([data.numel()], dtype=torch.int64)
+        mine = {"model": self.model.state_dict(), "strategy": self.state_dict()}
         with self.collective("state to a replacement"):
-            dist.broadcast(size, src=0)
-            if self.group.group_rank != 0:
-                data = torch.empty(int(size), dtype=torch.uint8)
-            dist.broadcast(data, src=0)
+            state = broadcast_state(mine if self.group.group_rank == 0 else None)
         if receive:
-            state = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
             self.load_model_state(state["model"])
             self.load_state_dict(state["strategy"])
 
