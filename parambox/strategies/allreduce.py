@@ -132,7 +132,7 @@ class AllReduce(Strategy):
         return StepResult(loss_value(loss), samples, self.timers.pop())
 
     def _start(self, b: _Bucket) -> None:
-        if self.group is not None:  # the allreduce is in place: keep the input, to repeat it if a peer dies
+        if self.elastic is not None:  # the allreduce is in place: keep the input, to repeat it if a peer dies
             b.local = b.buffer.clone()
         b.work = dist.all_reduce(b.buffer, async_op=True)
 

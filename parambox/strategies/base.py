@@ -135,15 +135,15 @@ class Strategy:
         self.options = options
         self.timers = PhaseTimers()
         self.optimizer: torch.optim.Optimizer | None = None  # set by strategies with a local optimizer
-        self.group = elastic_group()  # set when the run survives a lost worker in place
+        self.elastic = elastic_group()  # set when the run survives a lost worker in place
         self._awaits_state = self.joining  # a replacement, until share_state has given it a peer's state
 
     def collective(self, phase: str) -> AbstractContextManager[None]:
         """Wrap blocking communication: a timeout becomes a ``CommTimeout`` naming the phase, the step
         and the ranks that never arrived (read from the run's progress board); in a run that survives
         in place, a ``PeerLost`` that :meth:`exchange` answers by regrouping."""
-        if self.group is not None:
-            return self.group.guard(phase, self.ctx.board.step if self.ctx.board is not None else None)
+        if self.elastic is not None:
+            return self.elastic.guard(phase, self.ctx.board.step if self.ctx.board is not None else None)
         return collective(phase, self.ctx.board)
 
     def exchange(self, fn: Callable[[], Any], step: int, again: Callable[[], Any] | None = None) -> Any:
@@ -153,10 +153,10 @@ class Strategy:
         try:
             return fn()
         except PeerLost:
-            if self.group is None:
+            if self.elastic is None:
                 raise
         while True:
-            self.group.regroup(step)
+            self.elastic.regroup(step)
             try:
                 return (again or fn)()
             except PeerLost:
@@ -165,15 +165,15 @@ class Strategy:
     @property
     def joining(self) -> bool:
         """This process replaces a lost rank of a run that survives in place: its state comes from a peer."""
-        return self.group is not None and self.group.joined_at is not None
+        return self.elastic is not None and self.elastic.joined_at is not None
 
     def admit_replacements(self, step: int) -> None:
         """At the start of ``step`` (survives in place, ``--max-restarts``): replacements that asked to
         join come in, and receive the model and the strategy's state from group rank 0."""
-        if self.group is not None:
-            plan = self.group.admission(step, self.next_exchange(step))
+        if self.elastic is not None:
+            plan = self.elastic.admission(step, self.next_exchange(step))
             if plan is not None:
-                self.group.admit(plan)
+                self.elastic.admit(plan)
                 self.share_state()
 
     def next_exchange(self, step: int) -> int:
@@ -185,7 +185,7 @@ class Strategy:
         receive, self._awaits_state = self._awaits_state, False
         mine = {"model": self.model.state_dict(), "strategy": self.state_dict()}
         with self.collective("state to a replacement"):
-            state = broadcast_state(mine if self.group.group_rank == 0 else None)
+            state = broadcast_state(mine if self.elastic.group_rank == 0 else None)
         if receive:
             self.load_model_state(state["model"])
             self.load_state_dict(state["strategy"])
@@ -193,7 +193,7 @@ class Strategy:
     @property
     def group_size(self) -> int:
         """Ranks in the exchange now: the launch's, less those lost in a run that survives in place."""
-        return self.group.group_size if self.group is not None else self.world.world_size
+        return self.elastic.group_size if self.elastic is not None else self.world.world_size
 
     # -- data ---------------------------------------------------------------------------------
     def data_partition(self) -> tuple[int, int]:
@@ -235,7 +235,7 @@ class Strategy:
 
     def rejoin_step(self) -> int | None:
         """Where a replacement of a dead worker starts; None: a fresh start or resume."""
-        return self.group.joined_at if self.joining else None
+        return self.elastic.joined_at if self.joining else None
 
     def finish(self) -> None:
         """After the last step: synchronise or collect the final weights (collective on all ranks)."""
