@@ -70,6 +70,11 @@ class RunConfig(BaseModel):
         description="local launcher: replace dead workers (asynchronous) or restart all from the last "
         "checkpoint (synchronous), at most this many times",
     )
+    on_failure: Literal["restart", "shrink"] = Field(
+        "restart",
+        description="local launcher, synchronous run: after a lost worker, restart all (with max_restarts) "
+        "or go on in place as a smaller group (shrink: allreduce, weight-avg)",
+    )
     warm_spare: bool = Field(
         False,
         description="with max_restarts, an asynchronous run keeps one worker process warmed up (torch "

@@ -116,6 +116,7 @@ def _launch_local(plan: Plan, run_dir: Path):
             f"{plan.caller.field('max_restarts').split()[0]} is ignored under MPI (one job): a dead rank "
             "is lost, the others carry on"
         )
+    shrink = _survives_in_place(plan, use_mpi)
     return launch_local(
         [str(run_dir), *(["--resume"] if plan.resume else [])],
         plan.processes,
@@ -130,7 +131,24 @@ def _launch_local(plan: Plan, run_dir: Path):
         resume_argv=[str(run_dir), "--resume"],
         checkpoint=run_dir / "checkpoints" / "last.pt",
         stall_timeout_s=cfg.timeout,
+        shrink=shrink,
     )
+
+
+def _survives_in_place(plan: Plan, use_mpi: bool) -> bool:
+    """``on_failure = "shrink"``: checked before any process starts."""
+    cfg, cls = plan.cfg, plan.strategy_cls
+    if cfg.on_failure != "shrink" or cls.tolerates_worker_loss:
+        return False  # asynchronous runs go on without a lost worker anyway
+    if not cls.survives_in_place:
+        raise UserError(
+            f"on_failure=shrink: strategy {cls.name!r} cannot go on as a "
+            "smaller group (allreduce and weight-avg can); use restart"
+        )
+    if use_mpi or cfg.cluster.enabled:
+        warn("on_failure=shrink works under the local launcher on one host; a lost worker ends this run")
+        return False
+    return True
 
 
 def mark_lost(run_dir: Path, lost: list[int], restarts: int = 0) -> None:

@@ -131,6 +131,7 @@ RESUMABLE = frozenset(
         "checkpoint_every",
         "max_restarts",
         "warm_spare",
+        "on_failure",
         "threads",
         "loader_workers",
     }

@@ -14,11 +14,18 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from parambox.errors import CommTimeout
+from parambox.runtime.elastic import ElasticGroup
 from parambox.runtime.spawn import free_port
 from parambox.runtime.world import World
 
-_STARTS = itertools.count()
-_ADDR_BYTES = 1024  # room for rank 0's "host:port"  # process groups this process has started
+_STARTS = itertools.count()  # process groups this process has started
+_ADDR_BYTES = 1024  # room for rank 0's "host:port"
+_ELASTIC: ElasticGroup | None = None  # this process's group when the run survives in place
+
+
+def elastic_group() -> ElasticGroup | None:
+    """The group that goes on without lost ranks (``on_failure = "shrink"``); None otherwise."""
+    return _ELASTIC
 
 
 def rendezvous_address(world: World, timeout_s: float = 300.0) -> tuple[str, int]:
@@ -50,8 +57,15 @@ def rendezvous_address(world: World, timeout_s: float = 300.0) -> tuple[str, int
 
 
 def init_distributed(world: World, timeout_s: float) -> None:
-    """Join the default process group (gloo on CPU, nccl on GPU); a no-op for one process."""
+    """Join the default process group (gloo on CPU, nccl on GPU); a no-op for one process. In a run
+    that survives in place (the launcher names its store), generation 0 of an ``ElasticGroup``."""
+    global _ELASTIC
     if world.world_size == 1 or dist.is_initialized():
+        return
+    group = ElasticGroup.from_env(world.rank, world.world_size, timeout_s, world.backend)
+    if group is not None:
+        group.join()
+        _ELASTIC = group
         return
     addr, port = rendezvous_address(world, timeout_s)
     timeout = timedelta(seconds=timeout_s)
@@ -131,6 +145,10 @@ def is_loopback_name(addr: str) -> bool:
 
 def destroy_distributed() -> None:
     # Without this, gloo workers sometimes abort at exit ("terminate called without an active exception").
+    global _ELASTIC
+    if _ELASTIC is not None:
+        _ELASTIC.close()
+        _ELASTIC = None
     if dist.is_initialized():
         with suppress(Exception):
             dist.destroy_process_group()
@@ -149,8 +167,8 @@ class ProgressBoard:
     def __init__(self) -> None:
         self.store: dist.Store | None = None
         self.step = -1
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return
+        if not dist.is_initialized() or dist.get_world_size() == 1 or _ELASTIC is not None:
+            return  # (a run that survives in place names lost peers its own way: runtime/elastic.py)
         from torch.distributed.distributed_c10d import _get_default_store
 
         pg_store, rank = _get_default_store(), dist.get_rank()

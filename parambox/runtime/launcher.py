@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from parambox.runtime import spawn
+from parambox.runtime import elastic, spawn
 from parambox.runtime.cluster import ClusterConfig
 from parambox.runtime.control import LIFE_ENV, REJOIN_ENV, RUNNING, SPARE_FLAG, SegmentKeeper, WorkerBoard
 from parambox.runtime.supervisor import LaunchResult, Starters, Supervisor, worker_error
@@ -47,6 +47,7 @@ def launch_local(
     resume_argv: list[str] | None = None,
     checkpoint: Path | None = None,
     stall_timeout_s: float = 0.0,
+    shrink: bool = False,
 ) -> LaunchResult:
     """Run ``python -m <module> <argv>`` as ``num_workers`` ranks and supervise them.
 
@@ -54,7 +55,8 @@ def launch_local(
     ``max_restarts``: replacements of dead workers (``tolerate_loss``; from a ``warm_spare`` process
     where there is one) or restarts of the whole group (synchronous), with ``resume_argv`` once
     ``checkpoint`` exists. Not under MPI (one job). ``stall_timeout_s``: how long rank 0 may write
-    nothing to ``metrics.jsonl`` (beside ``log_dir``) once it is the last rank running."""
+    nothing to ``metrics.jsonl`` (beside ``log_dir``) once it is the last rank running. ``shrink``: a
+    synchronous run whose survivors go on in place (``runtime/elastic.py``) over a store hosted here."""
     log_dir.mkdir(parents=True, exist_ok=True)
     prefix = spawn.new_prefix()
     n_threads = threads_per_worker(num_workers, threads)
@@ -71,6 +73,10 @@ def launch_local(
         restart = (max_restarts, resume_cmd, checkpoint, warm_spare)
         placement = net.placement(num_workers) if net is not None else None
         watch = {"heartbeat": log_dir.parent / "metrics.jsonl", "stall_s": stall_timeout_s}
+        if shrink:
+            store, address = elastic.host_store()  # lives as long as this process holds it
+            watch["shrink_store"] = store
+            env[elastic.STORE_ENV] = address
         return _launch_processes(
             cmd, num_workers, env, log_dir, tolerate_loss, restart, prefix, placement, watch
         )
@@ -121,7 +127,8 @@ def _launch_processes(
         for rank in range(n):
             board.set_state(rank, RUNNING)
         genv = spawn.loopback_env(base=env)  # a fresh rendezvous port
-        genv[LIFE_ENV] = str(life)
+        genv[LIFE_ENV] = genv[elastic.GROUP_LIFE_ENV] = str(life)
+        env[elastic.GROUP_LIFE_ENV] = str(life)  # a replacement joins this life's elastic group
         return ranks.start_all(resume_cmd if resume else cmd, genv, [board.fd])
 
     def one(rank: int, life: int, extra: dict[str, str], fds: list[int]) -> subprocess.Popen:

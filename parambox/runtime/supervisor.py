@@ -7,6 +7,11 @@ Every 50 ms it polls the workers. What it does when one exits non-zero depends o
   does its remaining steps); otherwise it is marked dead on the :class:`WorkerBoard`, so the others
   stop waiting for it, and listed as lost. Rank 0 (the one that collects the result) dead with no
   restart left fails the run.
+- synchronous, surviving in place (``shrink_store``: ``on_failure = "shrink"``, ``runtime/elastic.py``):
+  once every rank had joined the group, a dead rank other than 0 is marked dead on the board and listed
+  as lost, and the others regroup without it (with restarts left, a replacement is started instead:
+  it joins at a step boundary and receives its state from a live rank); a rank the survivors fenced
+  out (it stalled past their timeout) is SIGKILLed. A death before the group formed, or of rank 0, falls back to the next case.
 - synchronous: every worker is stopped. With restarts left the whole group starts again from the
   last checkpoint (torchrun's behaviour: nothing before the checkpoint is lost); otherwise the run
   fails, naming the rank that caused it.
@@ -16,6 +21,8 @@ A worker's exit code 2 is a user error (bad input): restarting cannot help, so i
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import threading
@@ -23,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from parambox.runtime.control import DEAD, EXITED, SegmentKeeper, WorkerBoard
 
@@ -68,6 +76,7 @@ class Supervisor:
         muted: threading.Event | None = None,
         heartbeat: Path | None = None,
         stall_s: float = 0.0,
+        shrink_store: Any = None,
     ):
         self.procs, self.log_dir, self.tolerate_loss = procs, log_dir, tolerate_loss
         self.board, self.starters, self.keeper = board, starters, keeper
@@ -81,6 +90,9 @@ class Supervisor:
         # Rank 0 alone, the others gone: its metrics file must keep growing (a hung rank 0 would
         # otherwise hold the run forever, since no peer is left to time out on it).
         self.heartbeat, self.stall_s = heartbeat, stall_s
+        self.shrink_store = shrink_store  # the elastic group's store (a run that survives in place)
+        self._fenced: set[int] = set()
+        self._group_life = 0  # restarts of the whole group (each runs the elastic protocol afresh)
         self._beat: tuple[float, float] = (0.0, time.monotonic())  # (file size, when it last changed)
 
     def run(self) -> LaunchResult:
@@ -100,8 +112,10 @@ class Supervisor:
             return True
         self._keep_segments()
         codes = [p.poll() for p in self.procs]
-        if self.tolerate_loss and len(self.procs) > 1 and codes[0] == 0 and self._stragglers(codes):
+        goes_on = self.tolerate_loss or self.shrink_store is not None
+        if goes_on and len(self.procs) > 1 and codes[0] == 0 and self._stragglers(codes):
             return True
+        self._kill_fenced(codes)
         if codes[0] is None and len(self.procs) > 1 and self._rank0_stalled(codes):
             return True
         for rank, code in enumerate(codes):
@@ -109,7 +123,7 @@ class Supervisor:
                 continue
             if code == 0:
                 self._finished(rank, EXITED)
-            elif self.tolerate_loss and self._replace_or_lose(rank, code):
+            elif (self.tolerate_loss and self._replace_or_lose(rank, code)) or self._shrink(rank, code):
                 continue
             elif not self.tolerate_loss and self._restart_group(code):
                 return False
@@ -182,12 +196,48 @@ class Supervisor:
             self._scanned_at = now
             self.keeper.scan(p.pid for p in self.procs if p.poll() is None)
 
+    # -- synchronous, surviving in place: go on without the rank ------------------------------------------
+    def _life_store(self) -> Any:
+        from torch.distributed import PrefixStore
+
+        # Each restart of the whole group starts the elastic protocol over, under a prefix of its own.
+        return PrefixStore(f"life{self._group_life}", self.shrink_store)
+
+    def _shrink(self, rank: int, code: int) -> bool:
+        """True if the others go on without ``rank`` (see the module docstring)."""
+        if self.shrink_store is None or code == USER_ERROR or rank == 0:
+            return False
+        from parambox.runtime.elastic import FORMED_KEY
+
+        if self._life_store().add(FORMED_KEY, 0) < len(self.procs):
+            return False  # a rank died before every rank had joined: nobody can regroup (gloo#520)
+        _kill_session(self.procs[rank])  # its loader processes hold its sockets: the peers see it gone now
+        if self._restarts_left():  # a replacement joins at a step boundary, state from a live rank
+            life = self.board.begin_life(rank) if self.board is not None else self.result.restarts + 1
+            self.procs[rank] = self.starters.rank(rank, life, {}, [])
+            self.result.restarts += 1
+            return True
+        self._finished(rank, DEAD)
+        self.result.lost.append(rank)
+        return True
+
+    def _kill_fenced(self, codes: list[int | None]) -> None:
+        if self.shrink_store is None:
+            return
+        from parambox.runtime.elastic import fenced_ranks
+
+        for rank in fenced_ranks(self._life_store()):
+            if rank not in self._fenced and codes[rank] is None:
+                self._fenced.add(rank)
+                _kill_session(self.procs[rank])  # its late messages go to a group nobody listens to
+
     # -- synchronous: restart everyone from the last checkpoint -------------------------------------------
     def _restart_group(self, code: int) -> bool:
         if code == USER_ERROR or not self._restarts_left():
             return False
         self.starters.stop(self.procs)
         self.result.restarts += 1
+        self._group_life = self.result.restarts
         self.procs[:] = self.starters.group(self.result.restarts, self.starters.can_resume())
         self.finished.clear()
         return True
@@ -199,6 +249,14 @@ class Supervisor:
         code = self.procs[rank].returncode
         self.result.failed[rank] = (code, worker_error(self.log_dir, rank, code))
         self.result.returncode = 1
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL a worker and what it started (data loader processes: they inherit its sockets, and keep
+    a dead rank's connections open until their own watchdog notices, ~5 s later). Each worker leads a
+    session of its own (``spawn.start``), so its process group is its id."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 # Errors a rank reports when a *peer* failed: they are symptoms, not the cause.

@@ -15,11 +15,14 @@ forward pass, as DDP does.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from pydantic import Field
 
 from parambox.errors import UserError
+from parambox.runtime.elastic import PeerLost
 from parambox.strategies.base import (
     Context,
     GradViews,
@@ -52,6 +55,7 @@ class _Bucket:
         self.grads: GradViews | None = None
         self.ready = 0
         self.work: dist.Work | None = None
+        self.local: torch.Tensor | None = None  # this rank's gradients, kept where a step may be repeated
 
 
 def build_buckets(params: list[torch.nn.Parameter], bucket_mb: float, first_mb: float) -> list[_Bucket]:
@@ -72,18 +76,21 @@ def build_buckets(params: list[torch.nn.Parameter], bucket_mb: float, first_mb: 
 class AllReduce(Strategy):
     name = "allreduce"
     Options = AllReduceOptions
+    survives_in_place = True
 
     def __init__(self, ctx: Context, options: AllReduceOptions):
         super().__init__(ctx, options)
         params = trainable(self.model)
         self.distributed = self.world.world_size > 1 and dist.is_initialized()
-        if self.distributed:
+        if self.distributed and not self.joining:
             for p in params:  # same start everywhere, whatever each rank's seed did
                 dist.broadcast(p.data, src=0)
         self.buckets = build_buckets(list(reversed(params)), options.bucket_mb, options.first_bucket_mb)
         for b in self.buckets:
             b.grads = GradViews(b.params, b.views, track=True, on_ready=self._ready_in(b))
         self.optimizer = ctx.make_optimizer(params)
+        if self.joining:
+            self.share_state()  # a replacement: the survivors' weights and optimizer state
 
     def _ready_in(self, b: _Bucket):
         def on_ready(i: int, first: bool) -> None:
@@ -98,7 +105,7 @@ class AllReduce(Strategy):
             if b.ready == len(b.params):
                 b.flags.fill_(1.0)
                 if self.distributed:
-                    b.work = dist.all_reduce(b.buffer, async_op=True)
+                    self._start(b)
 
         return on_ready
 
@@ -107,6 +114,7 @@ class AllReduce(Strategy):
             b.buffer.zero_()
             b.ready, b.work = 0, None
             b.grads.rebind_()
+        self.admit_replacements(step)
         self.sync_buffers()
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
@@ -114,18 +122,45 @@ class AllReduce(Strategy):
         for b in partial:  # parameters without a gradient on this rank: their flag stays 0
             b.flags.copy_(torch.tensor(b.grads.used, dtype=b.flags.dtype))
         if self.distributed:
-            with self.timers.phase("allreduce_wait"), self.collective("gradient allreduce"):
-                for b in self.buckets:
-                    if b.work is None:
-                        b.work = dist.all_reduce(b.buffer, async_op=True)
-                    b.work.wait()
-                    b.buffer.div_(self.world.world_size)
+            with self.timers.phase("allreduce_wait"):
+                self.exchange(self._wait_all, step, again=self._reduce_again)
         for b in partial:  # a rank whose every parameter got a gradient has no flag to read
             b.grads.drop_unused_(b.flags.tolist())
         self.optimizer.step()
         for b in self.buckets:
             b.work = None  # a finished Work kept alive past destroy_process_group can abort the process
         return StepResult(loss_value(loss), samples, self.timers.pop())
+
+    def _start(self, b: _Bucket) -> None:
+        if self.elastic is not None:  # the allreduce is in place: keep the input, to repeat it if a peer dies
+            b.local = b.buffer.clone()
+        b.work = dist.all_reduce(b.buffer, async_op=True)
+
+    def _wait_all(self) -> None:
+        try:
+            with self.collective("gradient allreduce"):
+                for b in self.buckets:
+                    if b.work is None:
+                        self._start(b)
+                    b.work.wait()
+        except PeerLost:
+            for b in self.buckets:  # every bucket's allreduce ends (failed) before the group goes
+                if b.work is not None:
+                    with contextlib.suppress(Exception):
+                        b.work.wait()
+                    b.work = None
+            raise
+        for b in self.buckets:
+            b.buffer.div_(self.group_size)
+
+    def _reduce_again(self) -> None:
+        """The step's allreduce once more, over the survivors, from the gradients each rank kept."""
+        with self.collective("gradient allreduce"):
+            for b in self.buckets:
+                b.buffer.copy_(b.local)
+                dist.all_reduce(b.buffer)
+        for b in self.buckets:
+            b.buffer.div_(self.group_size)
 
     def close(self) -> None:
         for b in self.buckets:

@@ -22,7 +22,8 @@ from torch import nn
 
 from parambox.box import BoxConfig, Layout
 from parambox.errors import UserError
-from parambox.runtime.dist import ProgressBoard, collective
+from parambox.runtime.dist import ProgressBoard, collective, elastic_group
+from parambox.runtime.elastic import PeerLost, broadcast_state
 from parambox.runtime.world import World
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -73,6 +74,9 @@ class Strategy:
     Options: ClassVar[type[Options]] = Options
     # Asynchronous strategies carry on when a worker dies; the launcher then does not stop the others.
     tolerates_worker_loss: ClassVar[bool] = False
+    # Synchronous strategies that go on as a smaller group when a worker dies (``on_failure = "shrink"``):
+    # their exchanges run through ``exchange``, which regroups and repeats them.
+    survives_in_place: ClassVar[bool] = False
     # Strategies that need MPI (the rma box) are started through mpiexec by the local launcher.
     needs_mpi: ClassVar[bool] = False
     # torch.distributed's default group (a rendezvous of every rank) is set up before the strategy.
@@ -140,11 +144,65 @@ class Strategy:
         self.options = options
         self.timers = PhaseTimers()
         self.optimizer: torch.optim.Optimizer | None = None  # set by strategies with a local optimizer
+        self.elastic = elastic_group()  # set when the run survives a lost worker in place
+        self._awaits_state = self.joining  # a replacement, until share_state has given it a peer's state
 
     def collective(self, phase: str) -> AbstractContextManager[None]:
         """Wrap blocking communication: a timeout becomes a ``CommTimeout`` naming the phase, the step
-        and the ranks that never arrived (read from the run's progress board)."""
+        and the ranks that never arrived (read from the run's progress board); in a run that survives
+        in place, a ``PeerLost`` that :meth:`exchange` answers by regrouping."""
+        if self.elastic is not None:
+            return self.elastic.guard(phase, self.ctx.board.step if self.ctx.board is not None else None)
         return collective(phase, self.ctx.board)
+
+    def exchange(self, fn: Callable[[], Any], step: int, again: Callable[[], Any] | None = None) -> Any:
+        """``fn()``, an exchange whose collectives run under :meth:`collective`. In a run that survives
+        in place, a lost peer makes the survivors regroup and repeat it (``again()``, where a first
+        attempt already spent its input, as an in-place allreduce does)."""
+        try:
+            return fn()
+        except PeerLost:
+            if self.elastic is None:
+                raise
+        while True:
+            self.elastic.regroup(step)
+            try:
+                return (again or fn)()
+            except PeerLost:
+                continue
+
+    @property
+    def joining(self) -> bool:
+        """This process replaces a lost rank of a run that survives in place: its state comes from a peer."""
+        return self.elastic is not None and self.elastic.joined_at is not None
+
+    def admit_replacements(self, step: int) -> None:
+        """At the start of ``step`` (survives in place, ``--max-restarts``): replacements that asked to
+        join come in, and receive the model and the strategy's state from group rank 0."""
+        if self.elastic is not None:
+            plan = self.elastic.admission(step, self.next_exchange(step))
+            if plan is not None:
+                self.elastic.admit(plan)
+                self.share_state()
+
+    def next_exchange(self, step: int) -> int:
+        """The first step from ``step`` on whose exchange every rank takes part (every step here)."""
+        return step
+
+    def share_state(self) -> None:
+        """Group rank 0's weights and resume state (optimizer, counters) to a replacement that joined."""
+        receive, self._awaits_state = self._awaits_state, False
+        mine = {"model": self.model.state_dict(), "strategy": self.state_dict()}
+        with self.collective("state to a replacement"):
+            state = broadcast_state(mine if self.elastic.group_rank == 0 else None)
+        if receive:
+            self.load_model_state(state["model"])
+            self.load_state_dict(state["strategy"])
+
+    @property
+    def group_size(self) -> int:
+        """Ranks in the exchange now: the launch's, less those lost in a run that survives in place."""
+        return self.elastic.group_size if self.elastic is not None else self.world.world_size
 
     # -- data ---------------------------------------------------------------------------------
     def data_partition(self) -> tuple[int, int]:
@@ -185,8 +243,8 @@ class Strategy:
         return step >= self.ctx.steps
 
     def rejoin_step(self) -> int | None:
-        """Where a replacement of a dead worker starts (asynchronous runs); None: a fresh start or resume."""
-        return None
+        """Where a replacement of a dead worker starts; None: a fresh start or resume."""
+        return self.elastic.joined_at if self.joining else None
 
     def finish(self) -> None:
         """After the last step: synchronise or collect the final weights (collective on all ranks)."""
@@ -213,10 +271,14 @@ class Strategy:
         here: an allreduce over the workers."""
         if self.world.world_size == 1:
             return float(local)
-        total = torch.tensor([float(local)])
-        with self.collective("summary"):
-            dist.all_reduce(total)
-        return float(total)
+
+        def reduce() -> float:
+            total = torch.tensor([float(local)])
+            with self.collective("summary"):
+                dist.all_reduce(total)
+            return float(total)
+
+        return self.exchange(reduce, self.ctx.steps)
 
     def wall_time(self, local: float) -> float:
         """The run's training time, given this process's."""

@@ -31,14 +31,18 @@ class WeightAveraging(Strategy):
     name = "weight-avg"
     period_options = ("period",)
     Options = WeightAvgOptions
+    survives_in_place = True
 
     def __init__(self, ctx: Context, options: WeightAvgOptions):
         super().__init__(ctx, options)
         self.params = trainable(self.model)
         self.buffers = [b for b in self.model.buffers() if b.is_floating_point()]
         self.optimizer = ctx.make_optimizer(self.params)
-        self._average()
         self.averager: DeltaAverager | None = None
+        if self.joining:
+            self.share_state()  # a replacement: a survivor's weights and optimizer state
+        else:
+            self._average(-1)
         if options.overlap or options.compression != "none":
             flat = parameters_to_vector(self.params + self.buffers).detach().clone()
             n = self.world.world_size
@@ -53,27 +57,36 @@ class WeightAveraging(Strategy):
             )
             self.averager = DeltaAverager(flat, flat.sub_, exchange, options.overlap, self.world.rank)
 
-    def _average(self) -> None:
+    def _average(self, step: int) -> None:
         if self.world.world_size == 1:
             return
         tensors = self.params + self.buffers
-        flat = parameters_to_vector(tensors).detach()
-        with self.timers.phase("allreduce"), self.collective("weight averaging"):
-            dist.all_reduce(flat)
-        flat.div_(self.world.world_size)
-        with torch.no_grad():
-            for t, mean in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
-                t.copy_(mean.view_as(t))
+
+        def average() -> None:
+            flat = parameters_to_vector(tensors).detach()  # a copy: a failed allreduce leaves the weights
+            with self.timers.phase("allreduce"), self.collective("weight averaging"):
+                dist.all_reduce(flat)
+            flat.div_(self.group_size)
+            with torch.no_grad():
+                for t, mean in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
+                    t.copy_(mean.view_as(t))
+
+        self.exchange(average, step)  # survives in place: the survivors average their own weights
 
     def begin_step(self, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        self.admit_replacements(step)
+
+    def next_exchange(self, step: int) -> int:
+        period = self.options.period
+        return step + (period - 1 - step % period)  # the first a >= step with (a + 1) % period == 0
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         self.optimizer.step()
         extra: dict[str, float] = {}
         if (step + 1) % self.options.period == 0:
             if self.averager is None:
-                self._average()
+                self._average(step)
                 extra["exchange_bytes"] = 4.0 * sum(t.numel() for t in self.params + self.buffers)
             else:
                 self._round_end()
@@ -101,7 +114,7 @@ class WeightAveraging(Strategy):
     def finish(self) -> None:
         # The result is the average of the replicas, also when the run did not end on a period.
         if self.averager is None:
-            self._average()
+            self._average(self.ctx.steps)
         else:
             self._round_end()  # the last (partial) round, then what is still pending
             with self.timers.phase("allreduce"):

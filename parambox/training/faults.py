@@ -2,7 +2,8 @@
 
 KIND is ``kill`` (SIGKILL this worker before the step), ``nan`` (from that step on every floating
 tensor of its batch is NaN, so its loss and gradients become non-finite) ``slow`` (sleep 0.2 s per step from then on)
-or ``hang`` (stall at that step). The plan is read once, in set-up, and handed to the loop.
+``hang`` (stall at that step, sleeping) or ``stop`` (SIGSTOP itself at that step: frozen, it holds its
+connections open and answers nothing, until its launcher kills it). The plan is read once, in set-up, and handed to the loop.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class FaultPlan:
                 time.sleep(0.2)
             elif kind == "hang" and step == f_step:
                 time.sleep(3600)
+            elif kind == "stop" and step == f_step:
+                os.kill(os.getpid(), signal.SIGSTOP)
         return batch
 
 

@@ -1,0 +1,268 @@
+"""A synchronous run that survives in place (``on_failure = "shrink"``): when a worker dies or stalls,
+the others go on as a smaller group over a new process group, without a restart and without disk.
+
+The local launcher hosts a key-value store of its own (a ``TCPStore`` in the launcher process: it
+outlives every worker, unlike the usual rendezvous store on rank 0) and names it to the workers in
+``PARAMBOX_GROUP_STORE``. Generation ``g`` of the group is a gloo process group over the prefix
+``gen{g}/`` of that store, so a new generation never reads an old one's addresses.
+
+A collective that fails (a peer's connection closed: it died; or ``--timeout`` passed: it stalled)
+raises :class:`PeerLost` in each survivor. Each then:
+
+1. destroys its old process group (which closes its sockets, so a survivor still blocked on *it*
+   fails at once instead of at its own timeout);
+2. checks in for generation ``g + 1`` with the step it was at;
+3. the first to check in (a ticket from the store's atomic ``add``) decides the members: every rank of
+   generation ``g`` that checked in once all the others are dead on the launcher's board, or once
+   ``--timeout`` passed (a stalled rank never checks in). It writes them, and the ranks it leaves out
+   (*fenced*), under ``gen{g+1}/``; the launcher reads the fenced ranks and SIGKILLs them;
+4. a rank that finds itself outside the members raises :class:`Fenced` (a stalled rank that wakes:
+   its old group is gone, so nothing it sends reaches the survivors); the members join the new group.
+
+A replacement (``--max-restarts``; the launcher starts it at once, so the dead rank's board life is
+newer and nobody waits for it) asks to join in the store; group rank 0 names the step at which it
+comes in (after the next exchange every member must pass with rank 0, so all have read the plan);
+at the start of that step the members and the replacement form the next generation, and rank 0
+broadcasts its weights and resume state to it (``Strategy.share_state``).
+
+The survivors then repeat the exchange that failed (``Strategy.exchange``), so the step ends as if
+the dead rank had never taken part in it. Members that disagree on the step (a kill in the middle of
+a collective that some ranks had finished) cannot be reconciled here: that raises, and the run falls
+back to restart-all (``--max-restarts``) or fails.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from parambox.errors import CommTimeout
+from parambox.runtime.control import WorkerBoard, current_life, rejoining
+
+STORE_ENV = "PARAMBOX_GROUP_STORE"  # host:port of the launcher's store in a run that survives in place
+GROUP_LIFE_ENV = "PARAMBOX_GROUP_LIFE"  # restarts of the whole group so far: each runs the protocol afresh
+JOINS_KEY = "joins"  # replacements that asked to join so far (a counter)
+FORMED_KEY = "formed"  # every rank adds 1 once it is in generation 0: deaths after that are survived
+FENCED_KEY = "fenced"  # the ranks (of the launch) the survivors left out, JSON; the launcher kills them
+_POLL_S = 0.05
+
+
+class PeerLost(RuntimeError):
+    """A collective failed because a peer died or stalled; the group can go on without it."""
+
+
+class Fenced(CommTimeout):
+    """This rank stalled past the others' timeout and was left out of the group."""
+
+
+def host_store() -> tuple[dist.TCPStore, str]:
+    """The launcher's store (on loopback) and its address for the workers' environment."""
+    from parambox.runtime.dist import listening_store  # (dist imports this module)
+
+    # Bound to loopback alone, as the run's own stores (torch's would listen on every interface).
+    store = listening_store("127.0.0.1", 0, 1, timedelta(seconds=300), wait=False)
+    return store, f"127.0.0.1:{store.port}"
+
+
+def connect_store(address: str, timeout_s: float) -> dist.TCPStore:
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def broadcast_state(state: dict | None) -> dict:
+    """Rank 0's ``state`` (tensors, numbers, strings in dicts and lists) on every rank of the current
+    group: ``torch.save`` bytes in two broadcasts, read back with ``weights_only=True`` (no pickle)."""
+    data = torch.empty(0, dtype=torch.uint8)
+    if dist.get_rank() == 0:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    dist.broadcast(size, src=0)
+    if dist.get_rank() != 0:
+        data = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=0)
+    return (
+        state if dist.get_rank() == 0 else torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+    )
+
+
+def fenced_ranks(store: dist.Store) -> list[int]:
+    """The ranks the survivors left out so far (the launcher's view); [] before any."""
+    with suppress(Exception):
+        if store.check([FENCED_KEY]):
+            return json.loads(store.get(FENCED_KEY))
+    return []
+
+
+class ElasticGroup:
+    """The current generation of a run's process group, and how it goes on without lost ranks.
+
+    ``rank`` is this process's rank at launch (its data shard, its logs); ``group_rank`` and
+    ``group_size`` are its place in the current generation (rank 0 of the launch is always a member:
+    its death is not survived in place)."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float, backend: str):
+        self.store, self.rank, self.timeout_s, self.backend = store, rank, timeout_s, backend
+        self.world_size = world_size
+        self.members = list(range(world_size))
+        self.generation = 0
+        self.board = WorkerBoard.from_env()
+        # How long the decider waits for members still on their way: --timeout, as any wait. A stalled
+        # rank is so fenced after twice --timeout (the collective's, then this); a live one that a
+        # loaded machine starves for seconds is not mistaken for it.
+        self.grace_s = timeout_s
+        self.lives = self._lives()  # each member's life: a replacement (a later life) is not waited for
+        self.joined_at: int | None = None  # a replacement: the step at which it joined
+        self.admitted = 0  # replacements admitted so far (group rank 0 counts)
+
+    @classmethod
+    def from_env(cls, rank: int, world_size: int, timeout_s: float, backend: str) -> ElasticGroup | None:
+        address = os.environ.get(STORE_ENV)
+        if not address or world_size == 1:
+            return None
+        # Each restart of the whole group (a life) runs the protocol afresh: keys of its own.
+        life = os.environ.get(GROUP_LIFE_ENV, "0")
+        store = dist.PrefixStore(f"life{life}", connect_store(address, timeout_s))
+        return cls(store, rank, world_size, timeout_s, backend)
+
+    @property
+    def group_rank(self) -> int:
+        return self.members.index(self.rank)
+
+    @property
+    def group_size(self) -> int:
+        return len(self.members)
+
+    def _lives(self) -> dict[int, int]:
+        return {r: self.board.life(r) if self.board is not None else 0 for r in self.members}
+
+    def join(self) -> None:
+        """Generation 0: every rank of the launch; a replacement waits to be admitted instead."""
+        if rejoining():
+            self._join_late()
+            return
+        self._init(0)
+        self.store.add(FORMED_KEY, 1)
+
+    # -- replacements: admitted at a step boundary --------------------------------------------------
+    def _join_late(self) -> None:
+        key = f"admit/{self.rank}/{current_life()}"
+        self.store.set(f"join/{self.rank}", str(current_life()))
+        self.store.add(JOINS_KEY, 1)
+        word = json.loads(self._get(key, wait_s=self.timeout_s))
+        self.members, self.generation, self.joined_at = word["members"], word["generation"], word["step"]
+        self.lives = self._lives()
+        self._init(self.generation)
+
+    def admission(self, step: int, next_exchange: int) -> dict | None:
+        """At the start of ``step``, on every member: the replacements that join now, if any. Group rank 0
+        sees new ones and names them and the step after ``next_exchange`` (the next step whose exchange
+        every member must pass with rank 0: none can begin the step after it without having read the
+        store after rank 0 wrote); the others read the plan. A store round trip or two per step."""
+        if self.group_rank == 0:
+            asked = int(self.store.add(JOINS_KEY, 0))
+            if asked > self.admitted:
+                self.admitted = asked
+                joiners = [r for r in range(self.world_size) if r not in self.members and self._asked(r)]
+                self.store.set("admit_at", json.dumps({"step": next_exchange + 1, "ranks": joiners}))
+        if not self.store.check(["admit_at"]):
+            return None
+        plan = json.loads(self._get("admit_at"))
+        return plan if plan["step"] == step and self.rank not in plan["ranks"] else None
+
+    def admit(self, plan: dict) -> None:
+        """Every member at the start of the planned step: the named replacements come in (generation + 1)."""
+        members = sorted(set(self.members) | set(plan["ranks"]))
+        gen = self.generation + 1
+        if self.group_rank == 0:
+            word = json.dumps({"members": members, "generation": gen, "step": plan["step"]})
+            for r in plan["ranks"]:
+                self.store.set(f"admit/{r}/{self._get(f'join/{r}')}", word)
+                self.store.delete_key(f"join/{r}")  # answered: a later death of r asks anew
+        with suppress(Exception):
+            dist.destroy_process_group()
+        self.members, self.generation = members, gen
+        self.lives = self._lives()
+        self._init(gen)
+
+    def _asked(self, rank: int) -> bool:
+        return self.store.check([f"join/{rank}"])
+
+    def _init(self, generation: int) -> None:
+        store = dist.PrefixStore(f"gen{generation}", self.store)
+        timeout = timedelta(seconds=self.timeout_s)
+        dist.init_process_group(
+            self.backend, store=store, rank=self.group_rank, world_size=self.group_size, timeout=timeout
+        )
+
+    @contextmanager
+    def guard(self, phase: str, step: int | None = None) -> Iterator[None]:
+        """Blocking communication whose failure means a lost peer: ``PeerLost`` naming the phase."""
+        try:
+            yield
+        except RuntimeError as e:
+            if isinstance(e, PeerLost):
+                raise
+            raise PeerLost(f"{phase} at step {step}: {(str(e).splitlines() or [''])[0]}") from None
+
+    def regroup(self, step: int) -> None:
+        """Go on without the ranks that are gone (see the module docstring); ``Fenced`` if this rank
+        is one of them."""
+        with suppress(Exception):
+            dist.destroy_process_group()  # closes our sockets: peers blocked on us fail now
+        gen = self.generation + 1
+        prefix = f"gen{gen}/"
+        self.store.set(f"{prefix}in/{self.rank}", str(step))
+        if self.store.add(f"{prefix}ticket", 1) == 1:
+            self._decide(prefix)
+        decided = json.loads(self._get(f"{prefix}members"))
+        if self.rank not in decided:
+            raise Fenced(f"rank {self.rank} stalled past the others' timeout and was left out of the group")
+        steps = {int(self._get(f"{prefix}in/{r}")) for r in decided}
+        if steps != {step}:
+            raise CommTimeout(
+                f"the surviving ranks {decided} stopped at different steps {sorted(steps)} "
+                "(a failure inside a collective): they cannot go on in place"
+            )
+        self.members, self.generation = decided, gen
+        self.lives = {r: self.lives[r] for r in decided}
+        self._init(gen)
+
+    def _decide(self, prefix: str) -> None:
+        """The decider of a generation: who is in (checked in), who is fenced (stalled)."""
+        deadline = time.monotonic() + self.grace_s
+        while True:
+            arrived = [r for r in self.members if self.store.check([f"{prefix}in/{r}"])]
+            dead = set(self.board.dead_ranks()) if self.board is not None else set()
+            waiting = [r for r in self.members if r not in arrived and r not in dead and not self._renewed(r)]
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(_POLL_S)
+        fenced = [r for r in waiting if r not in arrived]
+        if fenced:
+            self.store.set(FENCED_KEY, json.dumps(sorted(set(fenced_ranks(self.store)) | set(fenced))))
+        self.store.set(f"{prefix}members", json.dumps(arrived))
+
+    def _renewed(self, rank: int) -> bool:
+        """A later life of ``rank`` (a replacement) runs: the member of that rank is gone."""
+        return self.board is not None and self.board.life(rank) > self.lives.get(rank, 0)
+
+    def _get(self, key: str, wait_s: float | None = None) -> str:
+        try:  # the decider may take its grace, then the store its round trip
+            wait_s = self.grace_s + self.timeout_s if wait_s is None else wait_s
+            self.store.wait([key], timedelta(seconds=wait_s))
+            return self.store.get(key).decode()
+        except RuntimeError as e:  # the store's own timeout: the decider died too
+            raise CommTimeout(f"regrouping: no word on {key!r} within {self.timeout_s:g} s") from e
+
+    def close(self) -> None:
+        self.store = None

@@ -1,0 +1,59 @@
+"""A workload whose gradient is constant and differs per rank, for closed-form fault tests: the loss of
+rank ``r`` (its launch rank, ``RANK``) is ``2**r * sum(w)``, so its gradient is ``2**r`` everywhere,
+whatever the weights and the batch. With plain SGD, N ranks averaging for K steps and then the
+survivors for the rest end at a weight that is known exactly."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+DIM = 8
+
+
+def make_model():
+    model = nn.Linear(DIM, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    return model
+
+
+def make_data():
+    x = torch.zeros(256, DIM)
+    return TensorDataset(x, torch.zeros(256, 1)), TensorDataset(x[:32], torch.zeros(32, 1))
+
+
+def gradient_of(rank: int) -> float:
+    return float(2**rank)
+
+
+def loss(model, batch):
+    return gradient_of(int(os.environ.get("RANK", "0"))) * model.weight.sum()
+
+
+def metrics(model, batch):
+    return {"loss": float(model.weight.sum())}
+
+
+def closed_form(lr: float, steps: int, ranks: list[int], killed: int, at: int) -> float:
+    """Every weight after ``steps`` SGD steps: the mean gradient of ``ranks`` for ``at`` steps, then of
+    the survivors (``ranks`` less ``killed``) for the rest."""
+    survivors = [r for r in ranks if r != killed]
+    full = sum(gradient_of(r) for r in ranks) / len(ranks)
+    rest = sum(gradient_of(r) for r in survivors) / len(survivors)
+    return -lr * (at * full + (steps - at) * rest)
+
+
+def weight_after(lr: float, phases: list[tuple[int, list[int]]], momentum: float = 0.0) -> float:
+    """Every weight after SGD (torch's momentum form) through ``phases``: (steps, the ranks whose mean
+    gradient those steps take)."""
+    w, buf = 0.0, None
+    for steps, ranks in phases:
+        g = sum(gradient_of(r) for r in ranks) / len(ranks)
+        for _ in range(steps):
+            buf = g if buf is None else momentum * buf + g
+            w -= lr * buf
+    return w
