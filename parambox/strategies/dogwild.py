@@ -134,7 +134,9 @@ class Dogwild(Strategy):
         if self.world.rank == 0:
             if self.options.max_ahead is not None:
                 with self.timers.phase("wait_weights"):
-                    self.master.await_progress(step - self.options.max_ahead)
+                    # Counted in this life's gradients, not steps: after a resume the ranks restart
+                    # from their own checkpoints' steps, which differ (an asynchronous run).
+                    self.master.await_progress(self.master.taken[0] - self.options.max_ahead)
             self.model.zero_grad(set_to_none=True)
         else:
             self.peer.begin_step()
