@@ -93,6 +93,7 @@ def test_the_sharded_rma_box_is_reachable_from_the_cli(tmp_path):
         "num_shards": None,
         "box_ranks": [1],
         "memory_ranks": None,
+        "server": None,  # decided where the box opens: on across nodes, off on one
     }
     assert s["launcher"] == "mpi" and s["worker_steps"] == [20, 20]
 

@@ -27,7 +27,7 @@ def test_strategies_bring_their_own_optimizer_unless_the_user_chose():
     cfg = build_config({"strategy": "diloco"})
     assert (cfg.optimizer, cfg.lr, cfg.strategy_options().inner_steps) == ("adamw", 1e-3, 10)
     cfg = build_config({"strategy": "diloco", "options": {"diloco": {"asynchronous": True}}})
-    assert cfg.strategy_options().outer_momentum == 0.8
+    assert cfg.strategy_options().outer_momentum == 0.5
     cfg = build_config({"strategy": "diloco", "lr": 0.01, "options": {"diloco": {"inner_steps": 5}}})
     assert (cfg.optimizer, cfg.lr, cfg.strategy_options().inner_steps) == ("sgd", 0.01, 5)
     assert build_config({"strategy": "dogwild"}).lr == 0.015
