@@ -385,3 +385,17 @@ def test_digits_lenet_reaches_95_percent():
 def test_unknown_data_set():
     with pytest.raises(UserError, match="unknown data set 'imagenet'"):
         load_dataset("imagenet")
+
+
+def test_digits_read_without_sklearn_equal_sklearns_loader():
+    """The file is read directly (scikit-learn's import takes ~2 s a worker); the arrays must be the
+    ones its loader gives."""
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    from parambox.data.digits import _read_digits
+
+    images, target = _read_digits()
+    bunch = sk_load_digits()
+    assert images.dtype == np.float32 and images.shape == (1797, 8, 8)
+    np.testing.assert_array_equal(images, bunch.images.astype(np.float32))
+    np.testing.assert_array_equal(target, bunch.target)

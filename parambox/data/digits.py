@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from pathlib import Path
 
@@ -37,17 +38,15 @@ def stratified_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np
 @register("digits")
 def load_digits(data_path: Path | None, seed: int) -> Dataset:
     """1,438 train / 359 test images, (N, 1, 8, 8), normalised with the train set's mean and std."""
-    from sklearn.datasets import load_digits as sk_load_digits  # slow import; only when asked for
-
     del seed  # the split is fixed on purpose
     if data_path is not None:
         warnings.warn(
             f"data set 'digits' ships with scikit-learn; ignoring data path {data_path}", stacklevel=2
         )
-    bunch = sk_load_digits()
-    x = torch.from_numpy(bunch.images.astype(np.float32)).unsqueeze(1)
-    y = torch.from_numpy(bunch.target.astype(np.int64))
-    train_idx, test_idx = stratified_split(bunch.target, TEST_FRACTION, SPLIT_SEED)
+    images, target = _read_digits()
+    x = torch.from_numpy(images).unsqueeze(1)
+    y = torch.from_numpy(target)
+    train_idx, test_idx = stratified_split(target, TEST_FRACTION, SPLIT_SEED)
     train_x, test_x = x[train_idx], x[test_idx]
     mean, std = channel_stats(train_x, per_channel=False)
     return Dataset(
@@ -58,3 +57,19 @@ def load_digits(data_path: Path | None, seed: int) -> Dataset:
         test_y=y[test_idx],
         num_classes=10,
     )
+
+
+def _read_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's own file (``sklearn/datasets/data/digits.csv.gz``: 64 pixels and the label a
+    row), read without importing scikit-learn, whose import takes ~2 s, longer than a short run;
+    ``sklearn.datasets.load_digits`` where a release keeps the file elsewhere."""
+    spec = importlib.util.find_spec("sklearn")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(root) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            rows = np.loadtxt(path, delimiter=",", dtype=np.float32)
+            return rows[:, :-1].reshape(-1, 8, 8), rows[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    bunch = sk_load_digits()
+    return bunch.images.astype(np.float32), bunch.target.astype(np.int64)
