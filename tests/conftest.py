@@ -46,7 +46,12 @@ NO_SLURM = "no SLURM controller here (../shared/tools/slurm-up.sh starts one)"
 def _kill_orphans():
     """Like hivemind's conftest: a failed multi-process test must not leave workers behind."""
     yield
+    from parambox.runtime import zygote
+
+    spared = zygote.pid()  # this session's zygote: its children (the test's workers) are not spared
     for child in psutil.Process().children(recursive=True):
+        if child.pid == spared:
+            continue
         try:
             child.kill()
         except psutil.NoSuchProcess:

@@ -36,7 +36,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         model.weight.copy_(W0)
     opt = lambda p: torch.optim.SGD(p, lr=LR)  # noqa: E731
     ctx = Context(world, model, opt, lambda model, batch: model(batch[0]).sum(), STEPS, 20.0)
-    strategy = Hybrid(ctx, HybridOptions(group_size=2, tau=STEPS, alpha=ALPHA))
+    # "all": every rank runs exactly STEPS steps (by default a group that starts first runs on until
+    # the steps of all add up, and its extra exchanges move the center on)
+    strategy = Hybrid(ctx, HybridOptions(group_size=2, tau=STEPS, alpha=ALPHA, termination="all"))
     x = ROWS[BATCH_OF_RANK[rank]]
     step = 0
     while not strategy.should_stop(step):

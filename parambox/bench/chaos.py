@@ -132,7 +132,7 @@ def _kill_one(launcher: subprocess.Popen, out: Path, steps: int, rng: random.Ran
     """SIGKILL one random worker that is training (it has logged steps in this life, and is not about
     to finish: a replacement still starting up is spared), while at least two are; returns its rank."""
     workers = {}
-    for child in psutil.Process(launcher.pid).children():
+    for child in psutil.Process(launcher.pid).children(recursive=True):
         try:
             rank = _rank_of(child)
             born = child.create_time()
@@ -152,11 +152,11 @@ def _kill_one(launcher: subprocess.Popen, out: Path, steps: int, rng: random.Ran
 
 
 def _rank_of(child: psutil.Process) -> int:
-    """The rank a worker process runs: its RANK at start, or, for a warm spare (started before it had
-    one: /proc shows the environment at exec), the metrics file it has open."""
-    rank = child.environ().get("RANK")
-    if rank is not None:
-        return int(rank)
+    """The rank a worker process runs: its name (``parambox-r3``), or, for a warm spare that has
+    not taken one yet, the metrics file it has open."""
+    name = child.name()
+    if name.startswith("parambox-r"):
+        return int(name[len("parambox-r") :])
     for f in child.open_files():
         name = Path(f.path).name
         if name == "metrics.jsonl":

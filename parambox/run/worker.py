@@ -67,8 +67,10 @@ def write_failure(e: BaseException, world: World, run_dir: Path) -> None:
 def run_worker(cfg, world: World, run_dir: Path, resume: bool) -> int:
     """A spawned (or externally launched CLI) rank: train, print the summary on rank 0, exit code."""
     from parambox.run.result import print_summary
+    from parambox.runtime import spawn
     from parambox.runtime.mpi import exit_now
 
+    spawn.name_this_process(spawn.rank_name(world.rank))  # ps shows parambox-r3
     try:
         summary = train_rank(cfg, world, run_dir, resume)
     except (KeyboardInterrupt, SystemExit):
@@ -128,7 +130,7 @@ def _become_a_replacement(cfg) -> bool:
     line = sys.stdin.readline()
     if not line.strip():
         return False
-    env = reopen_box_fds(json.loads(line), owner=os.getppid())
+    env = reopen_box_fds(json.loads(line))
     os.environ.clear()
     os.environ.update(env)
     return True

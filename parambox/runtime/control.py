@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping
 BOARD_ENV = "PARAMBOX_BOARD_FD"  # the board's descriptor in a worker
 LIFE_ENV = "PARAMBOX_LIFE"  # 0 in a worker's first life, k in its k-th replacement (or group restart)
 BOX_FDS_ENV = "PARAMBOX_BOX_FDS"  # "name:fd,..." shared-memory boxes a replacement attaches to
+BOX_OWNER_ENV = "PARAMBOX_BOX_OWNER"  # the pid holding those descriptors (the launcher)
 REJOIN_ENV = "PARAMBOX_REJOIN"  # "1" in a replacement that joins a run in progress
 SPARE_FLAG = "--spare"  # the worker entry waits, warmed up, to be told which dead rank it replaces
 SPARE_ENV = "PARAMBOX_FROM_SPARE"  # "1" in a replacement that was a warm spare
@@ -128,9 +129,11 @@ def rejoining(env: Mapping[str, str] | None = None) -> bool:
     return (os.environ if env is None else env).get(REJOIN_ENV) == "1"
 
 
-def reopen_box_fds(env: dict[str, str], owner: int) -> dict[str, str]:
-    """``env`` with the box descriptors it names (``owner``'s, the launcher's) opened in this process,
-    through ``/proc/<owner>/fd``: how a spare, started before the boxes existed, gets them."""
+def reopen_box_fds(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the box descriptors it names (those of the launcher, ``PARAMBOX_BOX_OWNER``)
+    opened in this process, through ``/proc/<owner>/fd``: how a spare, started before the boxes
+    existed (and forked by the zygote: not the launcher's child), gets them."""
+    owner = env.get(BOX_OWNER_ENV, str(os.getppid()))
     items = []
     for item in env.get(BOX_FDS_ENV, "").split(","):
         box, _, fd = item.rpartition(":")

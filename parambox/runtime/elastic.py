@@ -158,7 +158,9 @@ class ElasticGroup:
         key = f"admit/{self.rank}/{current_life()}"
         self.store.set(f"join/{self.rank}", str(current_life()))
         self.store.add(JOINS_KEY, 1)
-        word = json.loads(self._get(key, wait_s=self.timeout_s))
+        # The survivors may notice the death only when a collective times out (gloo over loopback:
+        # the whole --timeout), and admit at a step after that: a warm start asks at once.
+        word = json.loads(self._get(key, wait_s=2 * self.timeout_s))
         self.members, self.generation, self.joined_at = word["members"], word["generation"], word["step"]
         self.lives = self._lives()
         self._init(self.generation)
@@ -170,10 +172,13 @@ class ElasticGroup:
         store after rank 0 wrote); the others read the plan. A store round trip or two per step."""
         if self.group_rank == 0:
             asked = int(self.store.add(JOINS_KEY, 0))
-            if asked > self.admitted:
+            asking = [r for r in range(self.world_size) if self._asked(r)] if asked > self.admitted else []
+            # A replacement that asks before the group has regrouped without its rank (a warm start
+            # takes well under a second) waits for that regroup: admitted now, it would be left out.
+            if asked > self.admitted and not any(r in self.members for r in asking):
                 self.admitted = asked
-                joiners = [r for r in range(self.world_size) if r not in self.members and self._asked(r)]
-                self.store.set("admit_at", json.dumps({"step": next_exchange + 1, "ranks": joiners}))
+                if asking:
+                    self.store.set("admit_at", json.dumps({"step": next_exchange + 1, "ranks": asking}))
         if not self.store.check(["admit_at"]):
             return None
         plan = json.loads(self._get("admit_at"))
@@ -262,7 +267,7 @@ class ElasticGroup:
             self.store.wait([key], timedelta(seconds=wait_s))
             return self.store.get(key).decode()
         except RuntimeError as e:  # the store's own timeout: the decider died too
-            raise CommTimeout(f"regrouping: no word on {key!r} within {self.timeout_s:g} s") from e
+            raise CommTimeout(f"regrouping: no word on {key!r} within {wait_s:g} s") from e
 
     def close(self) -> None:
         self.store = None

@@ -22,7 +22,15 @@ from pathlib import Path
 
 from parambox.runtime import elastic, spawn
 from parambox.runtime.cluster import ClusterConfig
-from parambox.runtime.control import LIFE_ENV, REJOIN_ENV, RUNNING, SPARE_FLAG, SegmentKeeper, WorkerBoard
+from parambox.runtime.control import (
+    BOX_OWNER_ENV,
+    LIFE_ENV,
+    REJOIN_ENV,
+    RUNNING,
+    SPARE_FLAG,
+    SegmentKeeper,
+    WorkerBoard,
+)
 from parambox.runtime.supervisor import LaunchResult, Starters, Supervisor, worker_error
 
 __all__ = ["LaunchResult", "launch_local", "threads_per_worker", "worker_error"]
@@ -216,9 +224,10 @@ class _Ranks:
         if self.spare is None or self.spare[0].poll() is not None:
             return None
         (proc, label), self.spare = self.spare, None
+        owner = {BOX_OWNER_ENV: str(os.getpid())}  # whose descriptors it reopens
         try:
             proc.stdin.write(
-                (json.dumps(spawn.rank_env(env, rank, self.n, local_launcher=True)) + "\n").encode()
+                (json.dumps(spawn.rank_env(env, rank, self.n, local_launcher=True) | owner) + "\n").encode()
             )
             proc.stdin.close()
         except OSError:  # it died just now

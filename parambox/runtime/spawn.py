@@ -35,6 +35,7 @@ from typing import Any
 import psutil
 
 from parambox.errors import UserError
+from parambox.runtime import zygote
 from parambox.runtime.world import LOCAL_LAUNCHER_ENV
 
 STOP_GRACE_S = 3.0
@@ -119,7 +120,13 @@ def mpi_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def start(cmd: Sequence[str], env: dict[str, str], **popen: Any) -> subprocess.Popen:
-    """One child in a session of its own that dies with this process; ``popen``: stdin, stdout, text..."""
+    """One child in a session of its own that dies with this process; ``popen``: stdin, stdout, text...
+    ``python -m MODULE ...`` is forked warm from this process's zygote where it can be
+    (:mod:`parambox.runtime.zygote`: no interpreter start-up, no torch import)."""
+    if zygote.can_start(cmd, popen):
+        forked = zygote.start(cmd[2], cmd[3:], env, **popen)
+        if forked is not None:
+            return forked  # type: ignore[return-value]  (answers like a Popen)
     return subprocess.Popen(list(cmd), env=env, start_new_session=True, preexec_fn=_die_with_parent, **popen)
 
 
@@ -289,6 +296,30 @@ def stop(procs: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> No
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(p.pid, sig)
+
+
+def name_this_process(name: str) -> None:
+    """``name`` (15 characters at most) in ``ps``, ``top`` and ``psutil.Process.name()``: a worker
+    shows as ``parambox-r3``, which :func:`find_rank` looks for."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15])  # PR_SET_NAME
+
+
+def rank_name(rank: int) -> str:
+    return f"parambox-r{rank}"
+
+
+def find_rank(root_pid: int, rank: int) -> psutil.Process | None:
+    """The live worker of ``rank`` among the processes below ``root_pid`` (a launcher, or the
+    process that started one), or None."""
+    with contextlib.suppress(psutil.Error):
+        for p in psutil.Process(root_pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if p.name() == rank_name(rank) and p.status() != psutil.STATUS_ZOMBIE:
+                    return p
+    return None
 
 
 def _die_with_parent() -> None:

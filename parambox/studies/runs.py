@@ -23,7 +23,7 @@ from typing import Any
 
 from parambox.config import RunConfig, build_config
 from parambox.errors import UserError
-from parambox.runtime import spawn
+from parambox.runtime import spawn, zygote
 
 # Fields a sweep sets on every run; a finished run directory must agree on them to be reused.
 CHECKED_FIELDS = ("strategy", "workers", "model", "data", "batch_size", "lr", "steps", "seed", "momentum")
@@ -147,7 +147,7 @@ def launch_run(p: PlannedRun, run_dir: Path, timeout_s: float) -> Outcome:
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     cmd = [sys.executable, "-m", "parambox", *train_args(p.config, run_dir)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **zygote.shared_env())  # workers forked warm
     with open(run_dir / "train.log", "w") as log:
         # A session of its own, so a timeout or Ctrl-C stops the run's workers too, not just the launcher.
         proc = spawn.start(cmd, env, stdout=log, stderr=subprocess.STDOUT)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parambox.runtime import spawn
+from parambox.runtime import spawn, zygote
 from parambox.studies.pick.model import Curve, StepCost, samples_to_accuracy, step_cost
 from parambox.studies.runs import _last_error, _terminate_as_interrupt, clock_lead, train_args
 
@@ -194,7 +194,7 @@ def _run(config: dict[str, Any], run_dir: Path, timeout_s: float, done: Callable
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     cmd = [sys.executable, "-m", "parambox", *train_args(config, run_dir)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **zygote.shared_env())  # workers forked warm
     out = Measured(run_dir)
     with _terminate_as_interrupt(), open(run_dir / "train.log", "w") as log:
         # A session of its own: stopping it stops the run's workers (and its cluster) too.
