@@ -60,7 +60,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if _spawns_local_workers(argv):
+        from parambox.runtime import zygote
+
+        zygote.prestart()  # its torch import runs beside ours
+    args = parse(argv)
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except UserError as e:
@@ -72,6 +77,18 @@ def main(argv: list[str] | None = None) -> int:
         if type(e).__name__ == "ValidationError":  # pydantic, without importing it here
             return _fail(validation_message(e))
         raise
+
+
+def _spawns_local_workers(argv: list[str]) -> bool:
+    """``parambox train`` that will most likely fork workers here: not one worker, not under a
+    cluster's launcher, not MPI's or an emulated cluster's (they start their processes themselves)."""
+    if argv[:1] != ["train"] or any(v in os.environ for v in _EXTERNAL_RANK_ENV):
+        return False
+    flags = dict(zip(argv, argv[1:]))
+    return flags.get("--workers") != "1" and "--emulate-nodes" not in flags and flags.get("--box") != "rma"
+
+
+_EXTERNAL_RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 
 
 def _fail(message: str) -> int:

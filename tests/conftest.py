@@ -84,7 +84,11 @@ def run_cli(
 def _run_fresh(
     args, timeout: float, env: dict | None, prefix: list[str] | None
 ) -> subprocess.CompletedProcess:
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    from parambox.runtime import zygote
+
+    # The session's zygote forks its workers, as pick's does for the runs it starts (a fresh launcher
+    # would otherwise import torch twice over: once itself, once in a zygote of its own).
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **zygote.shared_env(), **(env or {}))
     cmd = [*(prefix or []), sys.executable, "-m", "parambox", *args]
     if prefix and prefix[-1] == "-m":  # torchrun takes the module itself
         cmd = [*prefix, "parambox", *args]

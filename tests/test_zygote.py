@@ -72,3 +72,17 @@ def test_a_run_forked_warm_ends_bit_for_bit_where_a_fresh_one_does(tmp_path):
         assert summary(tmp_path / name)["steps"] == 30
     warm, fresh = final_weights(tmp_path / "warm"), final_weights(tmp_path / "fresh")
     assert all(torch.equal(warm[k], fresh[k]) for k in fresh)
+
+
+def test_the_cli_starts_its_zygote_early_only_where_it_will_fork_workers(monkeypatch):
+    from parambox.cli import _spawns_local_workers
+
+    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    assert _spawns_local_workers(["train", "--strategy", "easgd"])  # 2 workers by default
+    assert not _spawns_local_workers(["train", "--workers", "1"])
+    assert not _spawns_local_workers(["train", "--box", "rma"])  # mpiexec starts the ranks
+    assert not _spawns_local_workers(["train", "--emulate-nodes", "2"])
+    assert not _spawns_local_workers(["pick"])
+    monkeypatch.setenv("RANK", "0")  # under torchrun: this process is a rank
+    assert not _spawns_local_workers(["train"])

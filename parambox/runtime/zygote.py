@@ -112,6 +112,8 @@ class _Client:
     def connected(self) -> socket.socket | None:
         if self.sock is not None and (self.process is None or self.process.poll() is None):
             return self.sock
+        if self.sock is None and self.process is not None and self.process.poll() is None:
+            return self._connect(self.name)  # started ahead (prestart)
         self.close()
         name = os.environ.get(ENV, "")
         if name and name != "0":
@@ -141,6 +143,7 @@ class _Client:
             )
         finally:
             listener.close()
+        self.name = name
         return name
 
     def _connect(self, name: str) -> socket.socket:
@@ -201,6 +204,16 @@ def start(module: str, args: Sequence[str], env: dict[str, str], **popen: Any) -
         except OSError:
             _CLIENT.close()
             return None
+
+
+def prestart() -> None:
+    """Start this process's zygote now, without waiting for it: its torch import then overlaps the
+    caller's own start-up (``parambox train`` calls this before it imports torch itself)."""
+    if not enabled() or os.environ.get(ENV):
+        return
+    with _CLIENT.lock, contextlib.suppress(OSError):
+        if _CLIENT.sock is None and _CLIENT.process is None:
+            _CLIENT._start()
 
 
 def pid() -> int | None:
