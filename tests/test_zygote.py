@@ -86,3 +86,15 @@ def test_the_cli_starts_its_zygote_early_only_where_it_will_fork_workers(monkeyp
     assert not _spawns_local_workers(["pick"])
     monkeypatch.setenv("RANK", "0")  # under torchrun: this process is a rank
     assert not _spawns_local_workers(["train"])
+
+
+def test_a_forked_child_runs_torch_on_the_threads_its_environment_asks_for():
+    """The zygote imports torch on one OpenMP thread (so that no libgomp pool exists to be forked);
+    the child gets OMP_NUM_THREADS's count back, and a parallel region runs on it."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
+    proc = spawn.start([sys.executable, "-m", "tests.zygote_child", "threads"], env, stdout=subprocess.PIPE)
+    assert isinstance(proc, zygote.Forked)
+    assert proc.wait(60) == 0
+    lines = proc.stdout.read().decode().splitlines()
+    threads, total = lines[-1].split()
+    assert int(threads) == 2 and float(total) == 512.0**3

@@ -20,6 +20,10 @@ if __name__ == "__main__":
         )
     )
     print("to stderr", file=sys.stderr)
+    if sys.argv[1:] == ["threads"]:  # a parallel region on 2 threads: hangs if the zygote's pool leaked
+        import torch
+
+        print(torch.get_num_threads(), float(torch.ones(512, 512).mm(torch.ones(512, 512)).sum()), flush=True)
     if sys.argv[1:] == ["sleep"]:
         import time
 

@@ -86,7 +86,7 @@ def bench_local_and_shm(sizes_mb: Sequence[int], repeats: int) -> tuple[dict, di
     env = dict(os.environ, OMP_NUM_THREADS="1", **{PREFIX_ENV: prefix})
     numel = _numel(max(sizes_mb))
     cmd = [sys.executable, "-m", _MODULE, "--role", "shm-peer", "--numel", str(numel)]
-    peer = spawn.start(cmd, env, stdin=subprocess.PIPE)
+    peer = spawn.start(cmd, env, stdin=subprocess.PIPE, warm=False)  # timed: a fresh interpreter
     old_prefix, threads = os.environ.get(PREFIX_ENV), torch.get_num_threads()
     os.environ[PREFIX_ENV] = prefix
     torch.set_num_threads(1)
@@ -267,7 +267,9 @@ def _plain_get(box, out: np.ndarray) -> None:
 
 def bench_gloo(sizes_mb: Sequence[int], repeats: int) -> dict:
     cmd = [sys.executable, "-m", _MODULE, "--role", "gloo", *_role_args(sizes_mb, repeats)]
-    procs = spawn.start_ranks(cmd, 2, spawn.loopback_env(threads=1), stdout=subprocess.PIPE, text=True)
+    procs = spawn.start_ranks(
+        cmd, 2, spawn.loopback_env(threads=1), stdout=subprocess.PIPE, text=True, warm=False
+    )
     try:
         outs = [p.communicate(timeout=300)[0] for p in procs]
     except subprocess.TimeoutExpired:

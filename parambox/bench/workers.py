@@ -72,7 +72,9 @@ def spawn_workers(
         if mpi:
             procs = [spawn.start_mpi(cmd, workers, env, mpi_command=cluster and cluster.mpi_launch)]
         else:
-            procs = spawn.start_ranks(cmd, workers, env, placement=cluster and cluster.placement(workers))
+            procs = spawn.start_ranks(
+                cmd, workers, env, placement=cluster and cluster.placement(workers), warm=False
+            )  # timed: fresh interpreters
         try:
             codes = [p.wait() for p in procs]
         finally:

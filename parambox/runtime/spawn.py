@@ -119,11 +119,12 @@ def mpi_env(env: dict[str, str]) -> dict[str, str]:
 # -- starting and stopping ---------------------------------------------------------------------------
 
 
-def start(cmd: Sequence[str], env: dict[str, str], **popen: Any) -> subprocess.Popen:
+def start(cmd: Sequence[str], env: dict[str, str], *, warm: bool = True, **popen: Any) -> subprocess.Popen:
     """One child in a session of its own that dies with this process; ``popen``: stdin, stdout, text...
     ``python -m MODULE ...`` is forked warm from this process's zygote where it can be
-    (:mod:`parambox.runtime.zygote`: no interpreter start-up, no torch import)."""
-    if zygote.can_start(cmd, popen):
+    (:mod:`parambox.runtime.zygote`: no interpreter start-up, no torch import); ``warm=False``: a
+    fresh interpreter (the benchmarks' processes: what they time must not depend on a forked state)."""
+    if warm and zygote.can_start(cmd, popen):
         forked = zygote.start(cmd[2], cmd[3:], env, **popen)
         if forked is not None:
             return forked  # type: ignore[return-value]  (answers like a Popen)

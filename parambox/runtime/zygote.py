@@ -129,7 +129,9 @@ class _Client:
         listener.bind("\0" + name)  # abstract: nothing on disk to leave behind
         listener.listen(64)
         try:
-            env = {k: v for k, v in os.environ.items() if k != ENV}
+            # One OpenMP thread while it imports: with more, torch's import starts libgomp's pool,
+            # and a forked child's first parallel region would hang (libgomp is not fork-safe).
+            env = {k: v for k, v in os.environ.items() if k != ENV} | {"OMP_NUM_THREADS": "1"}
             cmd = [sys.executable, "-m", "parambox.runtime.zygote", str(listener.fileno())]
             self.process = subprocess.Popen(  # not spawn.start, which would ask the zygote
                 cmd,
@@ -410,6 +412,7 @@ def become(request: dict[str, Any]) -> None:
         os.close(fd)
     os.environ.clear()
     os.environ.update(request["env"])
+    _threads_as_fresh()
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))  # as a fresh interpreter sets its streams up
     sys.stdout.reconfigure(line_buffering=unbuffered or os.isatty(1), write_through=unbuffered)
     sys.stderr.reconfigure(line_buffering=True, write_through=unbuffered)
@@ -424,6 +427,17 @@ def become(request: dict[str, Any]) -> None:
     import runpy
 
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+
+
+def _threads_as_fresh() -> None:
+    """torch's threads as a fresh interpreter would pick them: ``OMP_NUM_THREADS`` from the child's
+    environment, else one per CPU it may run on (the zygote imported torch with one)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        given = os.environ.get("OMP_NUM_THREADS", "")
+        torch.set_num_threads(
+            int(given) if given.isdigit() and int(given) > 0 else len(os.sched_getaffinity(0))
+        )
 
 
 def _own_parambox_or_none() -> None:
