@@ -154,9 +154,9 @@ def _kill_one(launcher: subprocess.Popen, out: Path, steps: int, rng: random.Ran
 def _rank_of(child: psutil.Process) -> int:
     """The rank a worker process runs: its name (``parambox-r3``), or, for a warm spare that has
     not taken one yet, the metrics file it has open."""
-    name = child.name()
-    if name.startswith("parambox-r"):
-        return int(name[len("parambox-r") :])
+    rank = spawn.rank_of(child)
+    if rank is not None:
+        return rank
     for f in child.open_files():
         name = Path(f.path).name
         if name == "metrics.jsonl":

@@ -299,17 +299,31 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
         os.killpg(p.pid, sig)
 
 
-def name_this_process(name: str) -> None:
-    """``name`` (15 characters at most) in ``ps``, ``top`` and ``psutil.Process.name()``: a worker
-    shows as ``parambox-r3``, which :func:`find_rank` looks for."""
+def _prctl(option: int, arg: Any) -> None:
+    """Linux ``prctl``; nothing where there is none."""
     with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15])  # PR_SET_NAME
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg)
+
+
+_RANK_NAME = "parambox-r"
+
+
+def name_this_process(name: str) -> None:
+    """``name`` (15 characters at most) in ``ps``, ``top`` and ``psutil.Process.name()``: a worker
+    shows as ``parambox-r3``, which :func:`find_rank` looks for."""
+    _prctl(15, name.encode()[:15])  # PR_SET_NAME
 
 
 def rank_name(rank: int) -> str:
-    return f"parambox-r{rank}"
+    return f"{_RANK_NAME}{rank}"
+
+
+def rank_of(process: psutil.Process) -> int | None:
+    """The rank a worker process runs, by its name; None for a process not (yet) named so."""
+    name = process.name()
+    return int(name[len(_RANK_NAME) :]) if name.startswith(_RANK_NAME) else None
 
 
 def find_rank(root_pid: int, rank: int) -> psutil.Process | None:
@@ -318,19 +332,14 @@ def find_rank(root_pid: int, rank: int) -> psutil.Process | None:
     with contextlib.suppress(psutil.Error):
         for p in psutil.Process(root_pid).children(recursive=True):
             with contextlib.suppress(psutil.Error):
-                if p.name() == rank_name(rank) and p.status() != psutil.STATUS_ZOMBIE:
+                if rank_of(p) == rank and p.status() != psutil.STATUS_ZOMBIE:
                     return p
     return None
 
 
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGKILL when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    except OSError:
-        pass
+    _prctl(1, signal.SIGKILL)
 
 
 # -- liveness of peers on this host ------------------------------------------------------------------

@@ -390,11 +390,10 @@ def _reap(status: dict[int, tuple[int, socket.socket]], owners: dict[socket.sock
 def become(request: dict[str, Any]) -> None:
     """In the child: its session, its death with the zygote, its descriptors, environment, working
     directory and ``sys.path`` (as ``python -m`` from there would have them); then run the module."""
-    os.setsid()
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
+    from parambox.runtime import spawn  # preloaded
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    os.setsid()
+    spawn._die_with_parent()  # with the zygote
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGPIPE else signal.SIG_IGN)
