@@ -51,6 +51,41 @@ def worker() -> None:
     print(json.dumps({"rank": rank, **errors}), flush=True)
 
 
+@pytest.mark.parametrize("numel,ranks", [(10_001, 2), (7, 3), (1_000_003, 4), (5, 8)])
+def test_every_area_is_cut_over_every_shard(numel, ranks):
+    """Each rank sends and receives the same bytes (both directions of a link at once): part k of
+    every area lies in shard k, the parts cover the vector, and no two overlap in the box."""
+    from types import SimpleNamespace
+
+    from parambox.box.layout import shard_range
+    from parambox.box.levels import AREAS, _area_pieces, _padded
+
+    total = _padded(numel, ranks)
+    box = SimpleNamespace(
+        shards=[shard_range(total, k, ranks) for k in range(ranks)], box_ranks=list(range(ranks))
+    )
+    pieces = _area_pieces(box, numel)
+    used = set()
+    for area in pieces:
+        assert [p[:2] for p in area] == [
+            shard_range(numel, k, ranks) for k in range(ranks) if p_len(numel, k, ranks)
+        ]
+        for lo, hi, at, owner in area:
+            s0, s1 = box.shards[owner]
+            assert s0 <= at and at + hi - lo <= s1
+            span = range(at, at + hi - lo)
+            assert not used.intersection(span)
+            used.update(span)
+    assert len(used) == AREAS * numel
+
+
+def p_len(numel: int, k: int, ranks: int) -> int:
+    from parambox.box.layout import shard_range
+
+    lo, hi = shard_range(numel, k, ranks)
+    return hi - lo
+
+
 @pytest.mark.timeout(150)
 def test_two_level_mean_equals_one_level_and_the_closed_form():
     if find_mpiexec() is None:

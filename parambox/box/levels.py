@@ -13,6 +13,12 @@ reads the mean there. A node's link carries two vectors per step whether it runs
 Sums rotate over three areas: step t sums into area t % 3, and after step t's barrier each rank
 zeroes its own part of area t + 2 (= t - 1: everyone read it before step t's barrier; nobody pushes
 into it before step t + 1's).
+
+Where the cross-node box is sharded over several ranks, every area is cut over all of them (shard k
+holds part k of each area): each rank then sends and receives the same bytes, both directions of
+every link carry the exchange at once, as in a ring allreduce. Laid end to end, one area would sit
+on one rank, its link busy one way while the other way idles (box-sync ran at 0.60x allreduce at
+0.1 Gbit/s that way).
 """
 
 from __future__ import annotations
@@ -20,9 +26,31 @@ from __future__ import annotations
 import torch
 
 from parambox.box.base import BoxConfig, ParameterBox, open_box
+from parambox.box.layout import shard_range
 from parambox.runtime.world import World
 
 AREAS = 3
+
+
+def _padded(numel: int, ranks: int) -> int:
+    """The cross box's size: the areas, plus room for each shard's part of them to be whole."""
+    return AREAS * (numel + 2 * ranks)
+
+
+def _area_pieces(box: ParameterBox, numel: int) -> list[list[tuple[int, int, int, int | None]]]:
+    """Per area, ``(lo, hi, at, owner)``: ``v[lo:hi]`` lives at ``box[at:at + hi - lo]`` on rank
+    ``owner`` (None: one buffer every rank maps, as shm's). Part k of every area is in shard k."""
+    shards = getattr(box, "shards", None)
+    if shards is None:
+        return [[(0, numel, a * numel, None)] for a in range(AREAS)]
+    pieces: list[list[tuple[int, int, int, int | None]]] = [[] for _ in range(AREAS)]
+    for k, (s0, s1) in enumerate(shards):
+        lo, hi = shard_range(numel, k, len(shards))
+        assert AREAS * (hi - lo) <= s1 - s0, "the cross box is padded for this"
+        for a in range(AREAS):
+            if hi > lo:
+                pieces[a].append((lo, hi, s0 + a * (hi - lo), box.box_ranks[k]))
+    return pieces
 
 
 class BoxMean:
@@ -52,9 +80,16 @@ class BoxMean:
         self.cross: ParameterBox | None = None
         if not two_level:
             self.cross = open_box(
-                box, world, AREAS * numel, 0, name, layout_hash=layout_hash, timeout=timeout
+                box,
+                world,
+                _padded(numel, world.world_size),
+                0,
+                name,
+                layout_hash=layout_hash,
+                timeout=timeout,
             )
             self.leader = True
+            self.pieces = _area_pieces(self.cross, numel)
             return
         from mpi4py import MPI  # two levels are an rma box's: MPI is up
 
@@ -73,8 +108,16 @@ class BoxMean:
         )
         if self.leader:
             self.cross = open_box(
-                box, world, AREAS * numel, 0, name, layout_hash=layout_hash, timeout=timeout, comm=leaders
+                box,
+                world,
+                _padded(numel, leaders.Get_size()),
+                0,
+                name,
+                layout_hash=layout_hash,
+                timeout=timeout,
+                comm=leaders,
             )
+            self.pieces = _area_pieces(self.cross, numel)
             self.mean_buf = torch.empty(numel)
             leaders.Free()
 
@@ -83,38 +126,32 @@ class BoxMean:
         later = ((step + 2) % AREAS) * self.numel
         n = self.world.world_size
         if self.node is None:
-            self.cross.push(v, scale=1.0 / n, start=area)
-            self.cross.barrier()
-            self.cross.pull(out, start=area)
-            self._zero_own(self.cross, later, self.world.rank)
+            self._cross_mean(v, 1.0 / n, step, out)
             return out
         self.node.push(v, scale=1.0 / n, start=area)
         self.node.barrier()
         if self.leader:
             node_sum = self.node.local_view()[area : area + self.numel]
-            self.cross.push(node_sum, start=area)  # no copy: the node's box is this process's memory
-            self.cross.barrier()
-            self.cross.pull(self.mean_buf, start=area)
+            # no copy: the node's box is this process's memory
+            self._cross_mean(node_sum, 1.0, step, self.mean_buf)
             self.node.write(self.mean_buf, start=AREAS * self.numel + area)
-            self._zero_own(self.cross, later, self.cross_rank())
             self.node.write(self.zeros, start=later)  # the node's sum of step t + 2
         self.node.barrier()
         return self.node.pull(out, start=AREAS * self.numel + area)
 
-    def cross_rank(self) -> int:
-        return self.cross.comm.Get_rank()
-
-    def _zero_own(self, box: ParameterBox, area: int, rank: int) -> None:
-        """Zero this rank's own part of the sum at ``area`` (its shard: no link bytes)."""
-        stop = area + self.numel
-        shards = getattr(box, "shards", None)
-        if shards is None:  # one shared buffer (shm): rank 0 zeroes it all
-            lo, hi = (area, stop) if rank == 0 else (0, 0)
-        else:
-            mine = [shards[k] for k, r in enumerate(box.box_ranks) if r == rank]
-            lo, hi = (max(area, mine[0][0]), min(stop, mine[0][1])) if mine else (0, 0)
-        if hi > lo:
-            box.write(self.zeros[: hi - lo], start=lo)
+    def _cross_mean(self, v: torch.Tensor, scale: float, step: int, out: torch.Tensor) -> None:
+        """Push ``scale * v`` into step's area of the cross box, meet there, pull the sum into ``out``,
+        and zero this rank's own part of the area step + 2 will use (its shard: no link bytes)."""
+        pieces = self.pieces[step % AREAS]
+        for h in [self.cross.push_async(v[lo:hi], scale, at) for lo, hi, at, _ in pieces]:
+            h.wait()
+        self.cross.barrier()
+        for h in [self.cross.pull_async(out[lo:hi], at) for lo, hi, at, _ in pieces]:
+            h.wait()
+        rank = self.cross.comm.Get_rank() if hasattr(self.cross, "comm") else self.world.rank
+        for lo, hi, at, owner in self.pieces[(step + 2) % AREAS]:
+            if owner == rank or (owner is None and rank == 0):
+                self.cross.write(self.zeros[: hi - lo], start=at)
 
     def close(self) -> None:
         for box in (self.cross, self.node):

@@ -40,7 +40,9 @@ from parambox.errors import CommTimeout
 
 REQUEST_TAG = 1
 _FIRST_TAG = 16
-CHUNK = 1 << 20  # 4 MiB messages: the server adds one while the next is on the wire
+# 1 MiB messages: the server adds one while the next is on the wire, and each goes out eagerly over
+# Open MPI's TCP transport (``runtime.spawn.TCP_EAGER_ENV``), so ranks that serve each other send at once.
+CHUNK = 1 << 18
 PUSH, PULL, WRITE, COUNTER = 1, 2, 3, 4
 _HEADER = 6
 _IDLE_SLEEP_S = 5e-4  # the longest nap of an idle server: a request waits at most this to be seen
