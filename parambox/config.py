@@ -105,10 +105,6 @@ class RunConfig(BaseModel):
     def _workers_fill_nodes(self) -> RunConfig:
         if self.cluster.enabled:
             self.cluster.ranks_per_node(self.workers)  # a UserError unless they spread evenly
-            if self.box.backend == "rma" and self.box.memory_ranks is None:
-                # A memory rank would be one process more than the nodes share evenly: on an emulated
-                # cluster the rma box is sharded over the workers unless box.memory_ranks says otherwise.
-                self.box = self.box.model_copy(update={"memory_ranks": 0})
         return self
 
     @field_validator("strategy")

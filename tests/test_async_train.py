@@ -92,7 +92,7 @@ def test_the_sharded_rma_box_is_reachable_from_the_cli(tmp_path):
         "stripe_bytes": None,
         "num_shards": None,
         "box_ranks": [1],
-        "memory_ranks": None,
+        "memory_ranks": 0,  # decided once by the plan: the user placed the shards
         "server": None,  # decided where the box opens: on across nodes, off on one
     }
     assert s["launcher"] == "mpi" and s["worker_steps"] == [20, 20]

@@ -29,7 +29,17 @@ HOT_PUSHES = 300
 HOT_NUMEL = 1 << 18  # 1 MB: within one default stripe, so every pusher hits the same lock
 COUNTER_ADDS = 5000
 SERVER_ENV = "PB_TEST_BOX_SERVER"
-CHECKS = ["push_sum", "push_hot", "pull_after_push", "counters", "shard_bounds", "mismatch", "missing"]
+CHECKS = [
+    "push_sum",
+    "push_hot",
+    "pull_after_push",
+    "push_pull",
+    "counters",
+    "shard_bounds",
+    "mismatch",
+    "missing",
+]
+PUSH_PULL_NUMEL = 1_000_003  # more than one server message (box/server.py's CHUNK) per shard
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -102,6 +112,31 @@ class Worker:
         ok_first = first[:10].eq(0).all() and first[10:].eq(5).all()
         ok_second = second.flatten().tolist() == [5.0, 5.0, -1.0, -1.0]
         return bool(ok_first and ok_second), f"first[8:12]={first[8:12].tolist()} second={second.tolist()}"
+
+    def check_push_pull(self):
+        """Every rank push-pulls at once: each answer holds its own pushes so far and no more than
+        all of them; the last state is every push. A float64 answer is staged through the host."""
+        import torch
+
+        n, rounds = PUSH_PULL_NUMEL, 12
+        box = self.open(n + 5, "pp")
+        ones, out, ok, seen = torch.ones(n), torch.empty(n), True, []
+        box.barrier()
+        for i in range(rounds):
+            if i % 3:
+                box.push_pull(ones, out, scale=2.0, start=5)
+            else:
+                box.push_pull_async(ones, out, 2.0, 5).wait()
+            seen.append((float(out.min()), float(out.max())))
+            ok = ok and 2 * (i + 1) <= out.min() and out.max() <= 2 * rounds * SIZE
+        wide = torch.empty(n, dtype=torch.float64)
+        box.push_pull(torch.zeros(n), wide, start=5)
+        box.barrier()
+        got = box.pull(torch.empty(n + 5))
+        box.close()
+        ok = ok and bool(got[:5].eq(0).all() and got[5:].eq(2 * rounds * SIZE).all())
+        ok = ok and float(wide.min()) >= 2 * rounds
+        return ok, f"answers (min, max) {seen[:3]}..., last {float(got[5:].min())}..{float(got.max())}"
 
     def check_counters(self):
         box = self.open(8, "count", num_counters=1 + SIZE)

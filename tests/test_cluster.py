@@ -458,16 +458,14 @@ def test_world_reads_the_node_the_local_launcher_placed_it_on():
 def test_rma_box_on_an_emulated_cluster_has_no_memory_rank_unless_asked():
     """A memory rank would be one process more than the nodes share evenly (the README's example)."""
     from parambox.config import build_config
-    from parambox.run.plan import CLI, Plan
-    from parambox.runtime.world import World
-    from parambox.strategies import strategy_class
+    from parambox.run import plan
 
-    def processes(cfg):
-        return Plan(
-            cfg, strategy_class(cfg.strategy, cfg.strategy_options()), World.from_env(), CLI
-        ).processes
+    def planned(cfg):  # the plan decides the memory ranks once, from the strategy class
+        p = plan.resolve(cfg, plan.CLI)
+        return p.cfg.box.memory_ranks, p.processes
 
-    on_nodes = build_config({"strategy": "easgd", "workers": 2, "box": "rma", "cluster": {"nodes": 2}})
-    assert (on_nodes.box.memory_ranks, processes(on_nodes)) == (0, 2)
-    local = build_config({"strategy": "easgd", "workers": 2, "box": "rma"})
-    assert processes(local) == 3  # the memory rank of an asynchronous strategy, off the cluster
+    base = {"strategy": "easgd", "workers": 2, "box": "rma"}
+    assert planned(build_config({**base, "cluster": {"nodes": 2}})) == (0, 2)
+    assert planned(build_config(base)) == (1, 3)  # an asynchronous strategy's memory rank, off the cluster
+    assert planned(build_config({**base, "box": {"backend": "rma", "num_shards": 2}})) == (0, 2)  # placed
+    assert planned(build_config({**base, "strategy": "box-sync"})) == (0, 2)  # synchronous: on the workers

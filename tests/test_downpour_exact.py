@@ -32,10 +32,11 @@ def box():
     b.close()
 
 
+@pytest.mark.parametrize("fuse", [False, True])  # True: a push and the next fetch as one push_pull
 @pytest.mark.parametrize("n_fetch,n_push", PAIRS)
-def test_constant_gradient_every_step_reaches_the_center(box, n_fetch, n_push):
+def test_constant_gradient_every_step_reaches_the_center(box, n_fetch, n_push, fuse):
     x = torch.zeros(N)
-    worker = DownpourWorker(CenterClient(box, N), x, n_fetch, n_push)
+    worker = DownpourWorker(CenterClient(box, N), x, n_fetch, n_push, fuse=fuse)
     steps = 12
     for step in range(steps):
         worker.before_step(step)
@@ -77,3 +78,39 @@ def test_downpour_equals_single_for_every_exchange_period(tmp_path, monkeypatch)
         weights = _run(tmp_path, monkeypatch, "downpour", {"n_fetch": n_fetch, "n_push": n_push})
         diffs[(n_fetch, n_push)] = max_abs_diff(weights, reference)
     assert all(d < 1e-6 for d in diffs.values()), diffs
+
+
+@pytest.mark.parametrize("period", [1, 3])
+def test_overlapped_exchanges_bring_every_step_to_the_center_once(period):
+    """``downpour.overlap``: two workers whose push-and-fetch runs in the background, applied one
+    exchange late (``x <- c + (x - x_pushed)``): every step of both reaches the center exactly once,
+    and a worker's replica is the center it fetched plus its own steps since."""
+    from parambox.strategies.exchange import Background
+
+    box = open_box("shm", World(), N, CounterMap(2).num_counters, name=f"dpo-{uuid.uuid4().hex[:8]}")
+    try:
+        xs = [torch.zeros(N), torch.zeros(N)]
+        workers = [
+            DownpourWorker(CenterClient(box, N), x, period, period, background=Background(10.0, "t"))
+            for x in xs
+        ]
+        steps, rates = 12, (0.5, 0.25)
+        for step in range(steps):
+            for w, x, r in zip(workers, xs, rates):
+                w.before_step(step)
+                x.sub_(r)
+                assert w.after_step(step)
+        for w in workers:
+            w.settle()
+            assert w.push()  # the run's flush: the steps after the last exchange that went out
+        center = box.pull(torch.empty(N))
+        assert torch.equal(center, torch.full((N,), -(0.5 + 0.25) * steps))
+    finally:
+        box.close()
+
+
+def test_overlap_needs_equal_periods():
+    from parambox.strategies.downpour import DownpourOptions
+
+    with pytest.raises(ValueError, match="n_fetch == n_push"):
+        DownpourOptions(overlap=True, n_fetch=2, n_push=1)

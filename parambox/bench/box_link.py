@@ -16,7 +16,8 @@ For each transfer of S bytes (medians of ``repeats`` after one warm-up):
   0.956 of it).
 
 And the SMB claim across the link: ``box_push_pull`` (a push, then a pull, of S bytes: one worker's
-exchange with the memory node; ``_overlapped`` when started together) against ``mpi_allreduce`` and
+exchange with the memory node; ``_fused``: one ``box.push_pull``, whose server sends each applied
+chunk straight back, so both directions of the link carry it at once) against ``mpi_allreduce`` and
 ``gloo_allreduce`` of the same S bytes between the two ranks on the same link (``*_vs_*``: the
 allreduce's time over the box's, above 1 when the box is faster).
 """
@@ -63,11 +64,9 @@ def _idle_barrier(comm, timeout: float = 600.0) -> None:
         time.sleep(0.005)
 
 
-def _push_pull(box, delta, out, overlapped: bool) -> None:
-    if overlapped:
-        h = box.push_async(delta)
-        box.pull_async(out).wait()
-        h.wait()
+def _push_pull(box, delta, out, fused: bool) -> None:
+    if fused:
+        box.push_pull(delta, out)
     else:
         box.push(delta)
         box.pull(out)
@@ -85,7 +84,7 @@ def _box_ops(world, comm, numel: int, repeats: int, meter) -> dict:
                 "push": partial(box.push, delta),
                 "pull": partial(box.pull, out),
                 "push_pull": partial(_push_pull, box, delta, out, False),
-                "push_pull_overlapped": partial(_push_pull, box, delta, out, True),
+                "push_pull_fused": partial(_push_pull, box, delta, out, True),
             }
             if not server:  # MPI's windows take ~30x the server's time here: push and pull suffice
                 calls = {k: v for k, v in calls.items() if k in ("push", "pull")}
@@ -155,7 +154,7 @@ def summarize(ops: dict, size_mb: int, gbps: float) -> dict:
         out["ops"][name] = entry
     for form in FORMS:
         for ref in ("mpi_allreduce", "gloo_allreduce"):
-            for kind in ("push_pull", "push_pull_overlapped"):
+            for kind in ("push_pull", "push_pull_fused"):
                 key = f"{form}_{kind}"
                 if key in ops and ref in ops:
                     out[f"{key}_vs_{ref}"] = round(ops[ref]["s"] / ops[key]["s"], 3)

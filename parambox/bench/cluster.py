@@ -116,6 +116,12 @@ SETUPS: dict[str, Setup] = {
     "easgd-tau4": strategy_setup("easgd", box="rma", tau=4),
     "easgd-tau16": strategy_setup("easgd", box="rma", tau=16),
     "downpour": strategy_setup("downpour", box="rma"),
+    "downpour-overlap": strategy_setup(
+        "downpour",
+        box="rma",
+        what="parambox downpour, its push and fetch behind the next step (overlap)",
+        overlap=True,
+    ),
     "post-local-sgd": Setup(
         "torch PostLocalSGDOptimizer (period 4: weight-avg's peer)", make=_post_local_sgd
     ),

@@ -65,15 +65,6 @@ class BoxConfig(BaseModel):
             )
         return self
 
-    def resolved(self, tolerates_worker_loss: bool) -> BoxConfig:
-        """This config with ``memory_ranks`` decided: by default the box of a strategy that survives a
-        dead worker lives on one memory rank (the Soft Memory Box's memory node), since a shard on a
-        worker would die with it; elsewhere (and with an explicit placement) on the workers."""
-        if self.backend != "rma" or self.memory_ranks is not None:
-            return self
-        auto = tolerates_worker_loss and self.box_ranks is None and self.num_shards is None
-        return self.model_copy(update={"memory_ranks": 1 if auto else 0})
-
     def needs_process_group(self, world: World) -> bool:
         """The shm box under torchrun/srun agrees on its segment names through torch.distributed's store."""
         import os
@@ -182,6 +173,29 @@ class ParameterBox(ABC):
         self._span(src.numel(), start)
         return self._push_from(src, float(scale), start)
 
+    def push_pull(
+        self, delta: torch.Tensor, out: torch.Tensor, scale: float = 1.0, start: int = 0
+    ) -> torch.Tensor:
+        """``push(delta, scale, start)``, then ``pull(out, start)``: ``out`` holds the values this push
+        left (and whatever others pushed meanwhile); returns ``out``."""
+        self.push_pull_async(delta, out, scale, start).wait()
+        return out
+
+    def push_pull_async(
+        self, delta: torch.Tensor, out: torch.Tensor, scale: float = 1.0, start: int = 0
+    ) -> Handle:
+        """Start a ``push_pull``. On the memory server (``box/server.py``) it is one request: each
+        applied piece comes back at once, so the push and the pull use the link's two directions
+        together; elsewhere a push, then a pull."""
+        src = _host_flat(delta)
+        self._span(src.numel(), start)
+        if out.numel() != src.numel():
+            raise ValueError(f"box {self.name!r}: push_pull of {src.numel()} values into {out.numel()}")
+        if _is_host_flat(out):
+            return self._push_pull(src, out.view(-1), float(scale), start)
+        stage = torch.empty(out.numel(), dtype=torch.float32)
+        return _StagedPull(self._push_pull(src, stage, float(scale), start), stage, out)
+
     def write(self, src: torch.Tensor, start: int = 0) -> None:
         """``box[start:start + n] = src`` (atomic per element with respect to pushers)."""
         flat = _host_flat(src)
@@ -233,6 +247,11 @@ class ParameterBox(ABC):
 
     @abstractmethod
     def _write_from(self, src: torch.Tensor, start: int) -> None: ...
+
+    def _push_pull(self, src: torch.Tensor, out: torch.Tensor, scale: float, start: int) -> Handle:
+        """A backend that can answer a push with the values it left overrides this."""
+        self._push_from(src, scale, start).wait()
+        return self._pull_into(out, start)
 
     def _check_open(self) -> None:
         if self._closed:

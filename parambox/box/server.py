@@ -13,7 +13,8 @@ float64 bits for a push) sent with ``REQUEST_TAG`` to the shard's rank; its payl
 follows as chunks of ``CHUNK`` elements on the request's own ``tag``, and the reply (an int64 ack or
 the counter's old value; for a pull, the chunks) comes back on its twin tag, into receives posted before
 the header went out. Tags count up per client, so two outstanding requests never match each other's
-messages. The server applies each chunk of a push as it lands, under a lock that its own rank's local
+messages. A push-pull is a push whose server sends each chunk of the shard back as soon as it has
+applied it (no ack): the pull's bytes flow back while the push's still flow out. The server applies each chunk of a push as it lands, under a lock that its own rank's local
 operations take too (atomic per element against other pushers, as the contract asks); a push's
 handle completes when the server has applied it (its ack), like a ``Flush``.
 
@@ -43,7 +44,7 @@ _FIRST_TAG = 16
 # 1 MiB messages: the server adds one while the next is on the wire, and each goes out eagerly over
 # Open MPI's TCP transport (``runtime.spawn.TCP_EAGER_ENV``), so ranks that serve each other send at once.
 CHUNK = 1 << 18
-PUSH, PULL, WRITE, COUNTER = 1, 2, 3, 4
+PUSH, PULL, WRITE, COUNTER, PUSH_PULL = 1, 2, 3, 4, 5
 _HEADER = 6
 _IDLE_SLEEP_S = 5e-4  # the longest nap of an idle server: a request waits at most this to be seen
 _FAILED = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
@@ -170,7 +171,7 @@ class _Server(threading.Thread):
             # allows; aligned float32 words are never torn.
             view = box.shard[start - box.my_start :][:n]
             job.sends = [self.comm.Isend(view[a:b], src, _reply(tag)) for a, b in _chunks(0, n)]
-        else:  # PUSH or WRITE: receive the chunks into a staging buffer, apply each as it lands
+        else:  # PUSH, PUSH_PULL or WRITE: receive the chunks into a staging buffer, apply each as it lands
             stage = np.empty(n, dtype=np.float32)
             job.keep = [stage]
             lo = start - box.my_start
@@ -206,10 +207,13 @@ class _Server(threading.Thread):
         while job.next < len(job.recvs) and job.recvs[job.next][0].Test():
             _, lo, hi = job.recvs[job.next]
             src = stage[(lo - job.recvs[0][1]) :][: hi - lo]
-            box.apply(int(job.header[0]), lo, hi, src, scale)
+            op = int(job.header[0])
+            box.apply(op, lo, hi, src, scale)
             job.next += 1
             moved = True
-            if job.next == len(job.recvs):  # applied: the ack completes the client's push
+            if op == PUSH_PULL:  # the chunk as this push left it, straight from the shard (as a pull)
+                job.sends.append(self.comm.Isend(box.shard[lo:hi], job.src, _reply(int(job.header[1]))))
+            elif job.next == len(job.recvs):  # applied: the ack completes the client's push
                 ack = np.ones(1, dtype=np.int64)
                 job.keep.append(ack)
                 job.sends.append(self.comm.Isend(ack, job.src, _reply(int(job.header[1]))))
@@ -277,11 +281,11 @@ class ServerBox(ParameterBox):
         return sorted(self._failed)
 
     def apply(self, op: int, lo: int, hi: int, src: np.ndarray, scale: float) -> None:
-        """``shard[lo:hi] += scale * src`` (PUSH) or ``= src`` (WRITE), under the shard's lock."""
-        if op == PUSH and scale != 1.0:
+        """``shard[lo:hi] += scale * src`` (PUSH, PUSH_PULL) or ``= src`` (WRITE), under the shard's lock."""
+        if op != WRITE and scale != 1.0:
             src = src * np.float32(scale)
         with self.lock:
-            if op == PUSH:
+            if op != WRITE:
                 np.add(self.shard[lo:hi], src, out=self.shard[lo:hi])
             else:
                 np.copyto(self.shard[lo:hi], src)
@@ -297,19 +301,24 @@ class ServerBox(ParameterBox):
             if lo < hi:
                 yield self.box_ranks[k], lo, hi
 
-    def _transfer(self, op: int, buf: np.ndarray, start: int, scale: float = 1.0) -> Handle:
+    def _transfer(
+        self, op: int, buf: np.ndarray, start: int, scale: float = 1.0, out: np.ndarray | None = None
+    ) -> Handle:
+        """``op`` on ``buf`` (``out``: where a push-pull's values land) over every shard it spans."""
         reqs, keep = [], []
         for rank, lo, hi in self._pieces_by_shard(start, start + len(buf)):
             part = buf[lo - start : hi - start]
+            back = part if out is None else out[lo - start : hi - start]
+            mine = slice(lo - self.my_start, hi - self.my_start)
             if rank == self.rank:  # this rank's own shard: no message
-                if op == PULL:
-                    np.copyto(part, self.shard[lo - self.my_start : hi - self.my_start])
-                else:
-                    self.apply(op, lo - self.my_start, hi - self.my_start, part, scale)
+                if op != PULL:
+                    self.apply(op, mine.start, mine.stop, part, scale)
+                if op in (PULL, PUSH_PULL):
+                    np.copyto(back, self.shard[mine])
                 continue
             tag = self._tag()
-            if op == PULL:
-                reqs += [self.data.Irecv(part[a:b], rank, _reply(tag)) for a, b in _chunks(0, hi - lo)]
+            if op in (PULL, PUSH_PULL):
+                reqs += [self.data.Irecv(back[a:b], rank, _reply(tag)) for a, b in _chunks(0, hi - lo)]
             else:
                 ack = np.zeros(1, dtype=np.int64)
                 keep.append(ack)
@@ -320,7 +329,7 @@ class ServerBox(ParameterBox):
             reqs.append(self.data.Isend(header, rank, REQUEST_TAG))
             if op != PULL:
                 reqs += [self.data.Isend(part[a:b], rank, _payload(tag)) for a, b in _chunks(0, hi - lo)]
-        return _Requests(reqs, keep + [buf], self.timeout, f"box {self.name!r}")
+        return _Requests(reqs, [*keep, buf, out], self.timeout, f"box {self.name!r}")
 
     def _pull_into(self, out: torch.Tensor, start: int) -> Handle:
         return self._transfer(PULL, out.numpy(), start)
@@ -330,6 +339,9 @@ class ServerBox(ParameterBox):
 
     def _write_from(self, src: torch.Tensor, start: int) -> None:
         self._transfer(WRITE, src.numpy(), start).wait()
+
+    def _push_pull(self, src: torch.Tensor, out: torch.Tensor, scale: float, start: int) -> Handle:
+        return self._transfer(PUSH_PULL, src.numpy(), start, scale, out=out.numpy())
 
     def _fetch_add(self, i: int, v: int) -> int:
         if self.rank == self.counter_rank:

@@ -83,7 +83,7 @@ class Plan:
     @property
     def processes(self) -> int:
         """The run's processes: its workers, plus the rma box's memory ranks."""
-        return self.cfg.workers + self.strategy_cls.extra_ranks(self.cfg.box)
+        return self.cfg.workers + self.strategy_cls.memory_ranks(self.cfg.box)
 
     @property
     def external(self) -> bool:
@@ -106,6 +106,9 @@ def resolve(cfg: RunConfig, caller: Caller, resume: bool = False) -> Plan:
     cls = strategy_class(cfg.strategy, options)
     if cls.max_workers == 1 and "workers" not in cfg.model_fields_set:
         cfg.workers = 1  # `--strategy single` needs no `--workers 1`
+    if cfg.box.backend == "rma" and cfg.box.memory_ranks is None:  # decided once, recorded for the workers
+        ranks = cls.memory_ranks(cfg.box, emulated_nodes=cfg.cluster.enabled)
+        cfg.box = cfg.box.model_copy(update={"memory_ranks": ranks})
     plan = Plan(cfg, cls, World.from_env(), caller, resume)
     if plan.external:
         _check_external(plan)

@@ -108,8 +108,15 @@ class AsyncStrategy(Strategy):
     box_name: ClassVar[str] = "center"
 
     @classmethod
-    def extra_ranks(cls, box: BoxConfig) -> int:
-        return box.resolved(cls.tolerates_worker_loss).memory_ranks or 0
+    def memory_ranks(cls, box: BoxConfig, *, emulated_nodes: bool = False) -> int:
+        """``box.memory_ranks`` where set; else, on the rma box, one memory rank for a strategy that
+        survives a dead worker (a shard on a worker would die with it) unless the user placed the
+        shards (``box_ranks``, ``num_shards``) or the nodes are emulated (a memory rank would be one
+        process more than the nodes share evenly: the box is sharded over the workers there)."""
+        if box.memory_ranks is not None or box.backend != "rma":
+            return box.memory_ranks or 0
+        placed = box.box_ranks is not None or box.num_shards is not None
+        return int(cls.tolerates_worker_loss and not placed and not emulated_nodes)
 
     def __init__(self, ctx: Context, options: AsyncOptions, *, extra_numel: int = 0, extra_counters: int = 0):
         super().__init__(ctx, options)
@@ -149,7 +156,8 @@ class AsyncStrategy(Strategy):
 
     def _place_ranks(self, box: BoxConfig) -> BoxConfig:
         """The box config with its memory ranks decided; which ranks train (``num_workers``), which serve."""
-        box = box.resolved(self.tolerates_worker_loss)
+        if box.backend == "rma" and box.memory_ranks is None:  # in process; a launched run's plan decided
+            box = box.model_copy(update={"memory_ranks": self.memory_ranks(box)})
         self.memory_ranks = box.memory_ranks or 0
         if self.memory_ranks and not self.tolerates_worker_loss:
             raise UserError(f"box.memory_ranks serves asynchronous strategies, not {self.name!r}")

@@ -113,8 +113,10 @@ class Strategy:
         return cls
 
     @classmethod
-    def extra_ranks(cls, box: BoxConfig) -> int:
-        """Processes the run needs beyond its ``--workers`` (the rma box's memory ranks)."""
+    def memory_ranks(cls, box: BoxConfig, *, emulated_nodes: bool = False) -> int:
+        """Processes the run needs beyond its ``--workers``: ranks that hold the rma box and train
+        nothing (the Soft Memory Box's memory node). None here: a synchronous strategy's box lives
+        on its workers. ``emulated_nodes``: the run is on an emulated cluster."""
         return 0
 
     @classmethod

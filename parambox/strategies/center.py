@@ -4,7 +4,8 @@
 ``status`` and ``ident``, ``total``, ``reached``, then a strategy's own); the status bits ``DONE``,
 ``NONFINITE`` and ``FINAL`` live in ``status(r)``. :class:`CenterClient` is one worker's handle on
 ``c = box[start:start + numel]``: ``pull``, ``push`` (refusing non-finite updates, optionally damped
-by staleness) and the fused elastic exchange of EASGD.
+by staleness), ``push_pull`` (a push, then a pull, in one box request) and the fused elastic exchange
+of EASGD.
 """
 
 from __future__ import annotations
@@ -94,6 +95,23 @@ class CenterClient:
             if damped:
                 scale /= self.staleness + 1
             self.box.push(delta, scale, self.start)
+        return True
+
+    def push_pull(
+        self, delta: torch.Tensor, out: torch.Tensor, scale: float = 1.0, damped: bool = False
+    ) -> bool:
+        """``c <- c + scale * delta``, then ``out <- c`` (with this push in), as one box request
+        (``ParameterBox.push_pull``: on the memory server the pull flows back while the push flows out);
+        False, moving nothing, if ``delta`` is not finite."""
+        if not is_finite(delta):
+            return False
+        with self.timers.phase("push_pull"):
+            version = self.box.add_counter(VERSION_COUNTER, 1)
+            self.staleness = version - self.pulled_version
+            if damped:
+                scale /= self.staleness + 1
+            self.box.push_pull(delta, out, scale, self.start)
+            self.pulled_version = version + 1
         return True
 
     def elastic_(self, x: torch.Tensor, alpha: float) -> bool:

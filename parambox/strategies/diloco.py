@@ -300,8 +300,9 @@ class AsyncDiloco(AsyncStrategy):
             g = self.compressor.round_trip(g)
         t0 = time.perf_counter()
         if self.background is None:
-            self.outer.apply_(g, lambda u, scale: self.client.push(u, scale))
-            self.client.pull(self.x)
+            # The outer step's push of theta and the pull of the new theta: one push-pull request.
+            if not self._outer_step(g, lambda u, scale: self.client.push_pull(u, self.x, scale)):
+                self.client.pull(self.x)
         else:  # theta after our last push, plus this round's own progress; then push it meanwhile
             if self.background.busy:
                 self.background.wait()
@@ -346,9 +347,20 @@ class AsyncDiloco(AsyncStrategy):
     def _push_pull(self, g: torch.Tensor, out: torch.Tensor) -> None:
         """The outer step with ``g`` and the pull of the new theta (in the background thread: the box
         directly, not the client whose timers the step reports)."""
-        self.outer.apply_(g, lambda u, scale: self.box.push(u, scale))
+
+        def push_pull(u: torch.Tensor, scale: float) -> bool:
+            self.box.push_pull(u, out, scale)
+            return True
+
+        self._outer_step(g, push_pull)
         self.box.add_counter(self.counters.version, 1)
-        self.box.pull(out)
+
+    def _outer_step(self, g: torch.Tensor, push_pull: Any) -> bool:
+        """Delayed Nesterov's outer step with ``g``, its push of theta made by ``push_pull(u, scale)``
+        (which pulls the new theta too); False if that push was refused (nothing pulled)."""
+        done = []
+        self.outer.apply_(g, lambda u, scale: done.append(push_pull(u, scale)))
+        return bool(done and done[0])
 
     def flush(self) -> None:
         # The last partial round counts too (as the synchronous form's last outer step does).

@@ -10,6 +10,10 @@ one flat subtraction yields ``a``.
 squared gradients of every worker kept in the box next to ``c`` (the box only accumulates them;
 each worker computes its rate from the sums it pulled plus its own unpushed squares).
 ``warmup_steps``: rank 0 trains alone for that many steps before the others start (warm start).
+``overlap`` (with ``n_fetch == n_push``): the push and the fetch that follows it run in the
+background while the next steps compute; the fetched center arrives one exchange late and the
+worker's own steps since are re-applied on it (``x <- c + (x - x_pushed)``). Across nodes the link
+then hides behind the compute, as Streaming DiLoCo's overlap does for its outer step.
 
 As the rule says, a pull replaces the replica, also its own steps not yet pushed: with
 ``n_fetch < n_push`` and momentum a worker keeps re-taking those steps and overshoots (0.57 test
@@ -20,13 +24,16 @@ rate than SGD here: ``--lr 0.01`` (preset ``digits-downpour-adagrad``).
 from __future__ import annotations
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from parambox.box import VERSION_COUNTER
 from parambox.box.base import wait_until
 from parambox.errors import CommTimeout, warn
+from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
 from parambox.strategies.base import Context, StepResult
 from parambox.strategies.center import CenterClient
+from parambox.strategies.exchange import Background
 
 ADAGRAD_EPS = 1e-10
 
@@ -36,6 +43,15 @@ class DownpourOptions(AsyncOptions):
     n_push: int = Field(1, ge=1, description="push the accumulated update every n_push steps")
     adagrad: bool = Field(False, description="per-parameter Adagrad rates from squared sums kept in the box")
     warmup_steps: int = Field(0, ge=0, description="rank 0 trains alone this many steps first")
+    overlap: bool = Field(
+        False, description="push and fetch in the background; the center arrives one exchange late"
+    )
+
+    @model_validator(mode="after")
+    def _overlap_fetches_at_push(self) -> DownpourOptions:
+        if self.overlap and (self.n_fetch != self.n_push or self.adagrad):
+            raise ValueError("downpour.overlap needs n_fetch == n_push and no adagrad")
+        return self
 
 
 class DownpourWorker:
@@ -46,21 +62,44 @@ class DownpourWorker:
     """
 
     def __init__(
-        self, client: CenterClient, x: torch.Tensor, n_fetch: int, n_push: int, damped: bool = False
+        self,
+        client: CenterClient,
+        x: torch.Tensor,
+        n_fetch: int,
+        n_push: int,
+        damped: bool = False,
+        fuse: bool = False,
+        background: Background | None = None,
     ):
         self.client, self.x, self.n_fetch, self.n_push, self.damped = client, x, n_fetch, n_push, damped
         self.acc = torch.zeros_like(x)  # a: the local update not yet pushed
         self.snap = x.clone()  # x right after the last exchange; a = acc + (x - snap)
         self.acc_live = False  # acc holds something (a pull came between two pushes)
+        # A push followed at once by the next step's fetch goes as one push-pull request.
+        self.fuse, self.fetched_for = fuse, -1
+        # overlap: the exchange in flight, the update it carries and the center it brings back
+        self.background = background
+        self.sending = torch.empty_like(x) if background is not None else None
+        self.pulled = torch.empty_like(x) if background is not None else None
+        self.waited = 0.0  # seconds the steps blocked on the background exchange
 
     def before_step(self, step: int) -> None:
-        if step % self.n_fetch == 0:
+        if step % self.n_fetch == 0 and self.fetched_for != step:
             # Step ``step - 1`` ended with a push iff ``step % n_push == 0``: then x == snap and
             # there is nothing to keep (one pass over the buffers saved).
             self.fetch(keep=step % self.n_push != 0)
 
     def after_step(self, step: int) -> bool:
-        return self.push() if (step + 1) % self.n_push == 0 else True
+        if (step + 1) % self.n_push:
+            return True
+        if self.background is not None:
+            self.fetched_for = step + 1
+            return self.exchange_in_background()
+        fetch_next = self.fuse and (step + 1) % self.n_fetch == 0
+        ok = self.push(fetch=fetch_next)
+        if ok and fetch_next:
+            self.fetched_for = step + 1
+        return ok
 
     def fetch(self, keep: bool = True) -> None:
         """``x <- c``, keeping the local update made since the last exchange in ``acc`` (``keep``:
@@ -72,13 +111,45 @@ class DownpourWorker:
         self.client.pull(self.x)
         self.snap.copy_(self.x)
 
-    def push(self) -> bool:
-        """``c <- c + a`` (scaled by ``1/(s+1)`` when damped); False, pushing nothing, if ``a`` is not finite."""
+    def settle(self) -> None:
+        """Wait for the exchange in flight; ``x <- c + (x - x_pushed)``: the center it brought back,
+        with this worker's steps since the push re-applied."""
+        if self.background is not None and self.background.busy:
+            self.waited += self.background.wait()
+            self.x.add_(self.pulled).sub_(self.snap)
+            self.snap.copy_(self.pulled)
+
+    def exchange_in_background(self) -> bool:
+        """Settle the last exchange, then start pushing ``x - x_last`` and fetching ``c`` (the box
+        directly: the step's timers are not the thread's); False, starting nothing, if not finite."""
+        self.settle()
+        torch.sub(self.x, self.snap, out=self.sending)
+        if not is_finite(self.sending):
+            return False
+        self.snap.copy_(self.x)
+        client, damped = self.client, self.damped
+
+        def task() -> None:
+            box = client.box
+            version = box.add_counter(VERSION_COUNTER, 1)
+            scale = 1.0 / (version - client.pulled_version + 1) if damped else 1.0
+            box.push_pull(self.sending, self.pulled, scale, client.start)
+            client.pulled_version = version + 1
+
+        self.background.start(task)
+        return True
+
+    def push(self, fetch: bool = False) -> bool:
+        """``c <- c + a`` (scaled by ``1/(s+1)`` when damped); False, pushing nothing, if ``a`` is not finite.
+        ``fetch``: then ``x <- c``, in the same box request."""
         if self.acc_live:
             self.acc.add_(self.x).sub_(self.snap)
         else:
             torch.sub(self.x, self.snap, out=self.acc)
-        ok = self.client.push(self.acc, damped=self.damped)
+        if fetch:
+            ok = self.client.push_pull(self.acc, self.x, damped=self.damped)
+        else:
+            ok = self.client.push(self.acc, damped=self.damped)
         self.acc.zero_()
         self.acc_live = False
         self.snap.copy_(self.x)
@@ -122,7 +193,14 @@ class Downpour(AsyncStrategy):
         super().__init__(ctx, options, extra_numel=numel if getattr(options, "adagrad", False) else 0)
         self.optimizer = ctx.make_optimizer(self.params)
         n_fetch, n_push = self.exchange_periods()
-        self.worker = DownpourWorker(self.client, self.x, n_fetch, n_push, damped)
+        # Across nodes (a box with no local view) a push and the next step's fetch go as one
+        # push-pull: the center flows back while the update flows out. Not with Adagrad's sums,
+        # fetched with the center, nor on shm, where both are memory copies anyway.
+        fuse = not getattr(options, "adagrad", False) and self.box.local_view() is None
+        background = (
+            Background(ctx.timeout_s, f"{self.name} exchange") if getattr(options, "overlap", False) else None
+        )
+        self.worker = DownpourWorker(self.client, self.x, n_fetch, n_push, damped, fuse, background)
         self.adagrad = None
         if getattr(options, "adagrad", False):
             group = self.optimizer.param_groups[0]
@@ -151,11 +229,16 @@ class Downpour(AsyncStrategy):
                 self.adagrad.step_(self.x, self.g)
             else:
                 self.optimizer.step()
-            if (step + 1) % self.worker.n_push == 0 and not self._push():
+            if (step + 1) % self.worker.n_push == 0 and not self._push(step):
                 self.halt("update", step)
-        return self.step_result(loss, samples)
+        result = self.step_result(loss, samples)
+        if self.worker.background is not None:
+            result.extra["exchange_wait_s"], self.worker.waited = self.worker.waited, 0.0
+        return result
 
-    def _push(self) -> bool:
+    def _push(self, step: int | None = None) -> bool:
+        if step is not None and self.adagrad is None:  # fused with the next fetch, or overlapped
+            return self.worker.after_step(step)
         if not self.worker.push():
             return False
         return self.adagrad is None or self.adagrad.push()
@@ -179,11 +262,19 @@ class Downpour(AsyncStrategy):
         self.warm = True
 
     def flush(self) -> None:
+        self.worker.settle()
         # The last steps' update when the run does not end on a push.
         if self.worker.acc_live or not torch.equal(self.x, self.worker.snap):
             self._push()
 
+    def close(self) -> None:
+        try:
+            self.worker.settle()  # the exchange in flight lands before the box goes
+        finally:
+            super().close()
+
     def state_dict(self) -> dict:
+        self.worker.settle()  # the exchange in flight lands first: the state is one point
         state = super().state_dict()
         state["downpour"] = {
             "acc": self.worker.acc,

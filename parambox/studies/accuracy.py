@@ -143,8 +143,9 @@ def plan(
             for seed in seeds:
                 cfg = merge(base, setup.train_config())
                 if cfg["box"].get("backend") == "rma":
-                    # The box sharded over the workers, as bench cluster runs it: no memory rank,
-                    # which would be a third process on two one-worker nodes.
+                    # Every setup on the same processes, also on loopback: the box sharded over the
+                    # workers (an asynchronous strategy would get a memory rank there,
+                    # AsyncStrategy.memory_ranks), as bench cluster runs it.
                     cfg["box"] = {"memory_ranks": 0, **cfg["box"]}
                 cfg = merge(cfg, {"seed": seed, "lr": lr_for(setup.strategy, base["lr"], base["workers"])})
                 # A strategy whose optimizer is part of the method brings it (diloco: AdamW at 1e-3;

@@ -59,8 +59,8 @@ class Candidate:
         }
         if self.box:
             update["box"] = {"backend": self.box}
-            if self.box == "rma":  # shards on the workers: a memory rank would not fit the cluster's nodes,
-                update["box"]["memory_ranks"] = 0  # and pick measures speed, not surviving a lost worker
+            if self.box == "rma":  # every candidate on the same processes: pick measures speed, not
+                update["box"]["memory_ranks"] = 0  # surviving a lost worker (AsyncStrategy.memory_ranks)
         return merge(base, update)
 
     def on_box(self, backend: str) -> Candidate:
