@@ -64,7 +64,7 @@ def test_sigkill_everything_then_resume(tmp_path, strategy, extra):
         "--out",
         str(out),
     ]
-    launcher = start(*args)
+    launcher = start(*args, shared_zygote=True)
     deadline = time.monotonic() + 200
     while not _checkpointed(out, 1, 200):
         assert launcher.poll() is None, launcher.communicate()[1][-3000:]

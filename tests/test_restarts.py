@@ -27,14 +27,20 @@ def _shm() -> set[str]:
     return {p.name for p in SHM.iterdir() if p.name.startswith("pb")} if SHM.is_dir() else set()
 
 
-def start(*args: str, env: dict | None = None) -> subprocess.Popen:
+def start(*args: str, env: dict | None = None, shared_zygote: bool = False) -> subprocess.Popen:
+    """A launcher in a session of its own. ``shared_zygote``: its workers fork from the test session's
+    zygote (no torch import of its own), so they are not below it: only for tests that do not look
+    for the launcher's workers among its children."""
+    from parambox.runtime import zygote
+
+    shared = zygote.shared_env() if shared_zygote else {}
     return subprocess.Popen(
         [sys.executable, "-m", "parambox", *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+        env=dict(os.environ, PYTHONUNBUFFERED="1", **shared, **(env or {})),
         start_new_session=True,
     )
 

@@ -72,7 +72,7 @@ def test_a_replacement_joins_with_a_live_ranks_state(tmp_path):
     the optimizer's momentum from rank 0 over the new group, and trains on the dead rank's slice: the
     weights are those of 3, then 2, then 3 ranks' mean gradients (momentum SGD), and its replica and
     momentum at the end equal the survivors'."""
-    out, steps, momentum = tmp_path / "run", 150, 0.5
+    out, steps, momentum = tmp_path / "run", 90, 0.5
     run_cli(
         "train",
         "--strategy",

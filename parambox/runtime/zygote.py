@@ -313,6 +313,12 @@ def serve(listen_fd: int) -> dict[str, Any]:
         with contextlib.suppress(Exception):
             __import__(name)
     with contextlib.suppress(Exception):
+        # A torch optimizer's first add_param_group imports torch._dynamo (1.9 s here, no thread):
+        # once here instead of in every child that builds an optimizer.
+        import torch
+
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    with contextlib.suppress(Exception):
         from parambox import strategies
 
         for reference in strategies.STRATEGIES.values():
