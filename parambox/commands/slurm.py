@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from parambox.errors import UserError
-from parambox.runtime.spawn import MPI_ENV, MPI_FILE_PARAMS, find_mpiexec
+from parambox.runtime.spawn import MPI_ENV, MPI_FILE_PARAMS, TCP_EAGER_ENV, find_mpiexec
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -118,6 +118,7 @@ def mpi_lines() -> list[str]:
     return [
         *lines,
         'export OMPI_MCA_osc="${OMPI_MCA_osc:-^ucx}"',
+        *(f'export {k}="${{{k}:-{v}}}"' for k, v in TCP_EAGER_ENV.items()),  # the memory server's messages
         'private=$(mktemp -d "${PARAMBOX_MPI_DIR:-/dev/shm}/pb_mpi.XXXXXX")',
         "trap 'rm -rf \"$private\"' EXIT",
         f"export {private}",
