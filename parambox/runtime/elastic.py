@@ -158,8 +158,7 @@ class ElasticGroup:
         key = f"admit/{self.rank}/{current_life()}"
         self.store.set(f"join/{self.rank}", str(current_life()))
         self.store.add(JOINS_KEY, 1)
-        # The survivors may notice the death only when a collective times out (gloo over loopback:
-        # the whole --timeout), and admit at a step after that: a warm start asks at once.
+        # The survivors admit at a step boundary after they regrouped; a warm start may ask first.
         word = json.loads(self._get(key, wait_s=2 * self.timeout_s))
         self.members, self.generation, self.joined_at = word["members"], word["generation"], word["step"]
         self.lives = self._lives()

@@ -11,7 +11,11 @@ DataLoader worker's traceback.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
+import socket
+import stat
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -84,6 +88,7 @@ class LoaderSource:
                     prefetch_factor=PREFETCH_BATCHES,
                     pin_memory=self.pin_memory,
                     multiprocessing_context=_fork_context(),
+                    worker_init_fn=_drop_network_sockets,
                 )
             )
         else:
@@ -105,6 +110,28 @@ class LoaderSource:
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
+
+
+def _drop_network_sockets(_worker_id: int) -> None:
+    """In a loader process: close the TCP sockets it inherited from its worker (the process group's
+    connections, the store's). A copy left open here keeps a connection up after the worker closed
+    it, so a peer blocked on it waits for ``--timeout`` instead of failing at once (a run surviving
+    in place regrouped 20 s late when a worker with loaders closed its group). Pipes and Unix
+    sockets, which the loader uses itself, stay."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # no /proc: nothing to do
+        return
+    for name in names:
+        with contextlib.suppress(OSError, ValueError):
+            fd = int(name)
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            probe = socket.socket(fileno=os.dup(fd))
+            family = probe.family
+            probe.close()
+            if family in (socket.AF_INET, socket.AF_INET6):
+                os.close(fd)
 
 
 def load_items(dataset: TorchDataset, indices: list[int], collate: Collate, name: str) -> Any:
@@ -137,6 +164,7 @@ def test_batches(
         collate_fn=collate,
         num_workers=num_workers,
         multiprocessing_context=_fork_context(),
+        worker_init_fn=_drop_network_sockets,
     )
     it = iter(loader)
     try:
