@@ -17,7 +17,10 @@ EXAMPLES = ROOT / "examples"
 
 
 def run_example(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    from parambox.runtime import zygote
+
+    # parambox.train in the example forks its workers from this session's zygote (no torch import)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **zygote.shared_env())
     proc = subprocess.run(
         [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
     )
@@ -59,6 +62,10 @@ def test_notebook_executes(tmp_path, monkeypatch):
     monkeypatch.setenv("PARAMBOX_NOTEBOOK_STEPS", "40")
     monkeypatch.setenv("PARAMBOX_NOTEBOOK_OUT", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    from parambox.runtime import zygote
+
+    for key, value in zygote.shared_env().items():  # the kernel's runs fork from this session's zygote
+        monkeypatch.setenv(key, value)
     nb = nbformat.read(EXAMPLES / "notebook.ipynb", as_version=4)
     client = nbclient.NotebookClient(
         nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(EXAMPLES)}}

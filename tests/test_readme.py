@@ -75,7 +75,9 @@ def test_every_python_block_runs(index, tmp_path):
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     import os
 
-    env = {**os.environ, **env}
+    from parambox.runtime import zygote
+
+    env = {**os.environ, **env, **zygote.shared_env()}  # its workers fork from this session's zygote
     proc = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=280, cwd=tmp_path, env=env
     )

@@ -144,8 +144,11 @@ def test_workers_see_the_callers_sys_path(tmp_path):
             print("done", r.steps)
     """)
     )
+    from parambox.runtime import zygote
+
+    env = {**os.environ, **zygote.shared_env()}  # the workers fork from this session's zygote
     proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=220, cwd=tmp_path
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=220, cwd=tmp_path, env=env
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "done 5" in proc.stdout

@@ -27,7 +27,10 @@ def run_script(
     *args: str, prefix: list[str] | None = None, timeout: float = 150, env: dict | None = None
 ) -> None:
     cmd = [*(prefix or [sys.executable]), SCRIPT, *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), **(env or {}))
+    from parambox.runtime import zygote
+
+    shared = zygote.shared_env()  # the script's workers fork from this session's zygote
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), **shared, **(env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
 
