@@ -60,16 +60,22 @@ torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
 @pytest.mark.timeout(90)
 def test_hybrid_rule_allreduce_in_group_then_elastic_exchange_of_the_leaders(tmp_path):
     """K synchronous steps on the group-mean gradient, then each leader's d = alpha (x - c), x -= d,
-    c += d, broadcast in the group. Both groups reach x = w0 - lr K g, so c = x - (1 - alpha)^2 (x - w0)."""
+    c += d, broadcast in the group. Both groups reach x = w0 - lr K g, so c = x - (1 - alpha)^2 (x - w0)
+    when one leader's exchange follows the other's; asynchronous EASGD does not lock the center, so
+    when both leaders read c = w0 before either pushed, c = w0 + 2 alpha (x - w0) (seen under load)."""
     fork_ranks(_worker, 4, (free_port(), str(tmp_path)), timeout=60)
     res = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
     g = (ROWS[0] + ROWS[1]).flatten() / 2  # the group mean, not either member's own gradient
     x = W0 - LR * STEPS * g
     c1 = W0 + ALPHA * (x - W0)  # after the first leader's exchange
-    assert torch.equal(torch.tensor(res[0]["center"]), x - (1 - ALPHA) ** 2 * (x - W0))
-    first, second = x - ALPHA * (x - W0), x - ALPHA * (x - c1)
+    center = torch.tensor(res[0]["center"])
     replicas = [torch.tensor(r["replica"]) for r in res]
     assert torch.equal(replicas[0], replicas[1]) and torch.equal(replicas[2], replicas[3])  # broadcast
+    if torch.equal(center, W0 + 2 * ALPHA * (x - W0)):  # the two exchanges at once: both from w0
+        assert torch.equal(replicas[0], x - ALPHA * (x - W0)) and torch.equal(replicas[2], replicas[0])
+        return
+    assert torch.equal(center, x - (1 - ALPHA) ** 2 * (x - W0))
+    first, second = x - ALPHA * (x - W0), x - ALPHA * (x - c1)
     assert {tuple(replicas[0].tolist()), tuple(replicas[2].tolist())} == {
         tuple(first.tolist()),
         tuple(second.tolist()),
