@@ -41,6 +41,9 @@ def slurm_running() -> bool:
 
 NO_SLURM = "no SLURM controller here (../shared/tools/slurm-up.sh starts one)"
 
+# The benchmarks' smoke runs check keys, not speed: their workers fork warm from the session's zygote.
+os.environ.setdefault("PARAMBOX_BENCH_WARM", "1")
+
 
 @pytest.fixture(autouse=True)
 def _kill_orphans():

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from parambox.bench.rounds import paired_ratio, time_calls
-from parambox.bench.workers import exit_worker
+from parambox.bench.workers import exit_worker, warm
 from parambox.runtime import spawn
 
 MIB = 1 << 20
@@ -86,7 +86,7 @@ def bench_local_and_shm(sizes_mb: Sequence[int], repeats: int) -> tuple[dict, di
     env = dict(os.environ, OMP_NUM_THREADS="1", **{PREFIX_ENV: prefix})
     numel = _numel(max(sizes_mb))
     cmd = [sys.executable, "-m", _MODULE, "--role", "shm-peer", "--numel", str(numel)]
-    peer = spawn.start(cmd, env, stdin=subprocess.PIPE, warm=False)  # timed: a fresh interpreter
+    peer = spawn.start(cmd, env, stdin=subprocess.PIPE, warm=warm())  # timed: a fresh interpreter
     old_prefix, threads = os.environ.get(PREFIX_ENV), torch.get_num_threads()
     os.environ[PREFIX_ENV] = prefix
     torch.set_num_threads(1)
@@ -268,7 +268,7 @@ def _plain_get(box, out: np.ndarray) -> None:
 def bench_gloo(sizes_mb: Sequence[int], repeats: int) -> dict:
     cmd = [sys.executable, "-m", _MODULE, "--role", "gloo", *_role_args(sizes_mb, repeats)]
     procs = spawn.start_ranks(
-        cmd, 2, spawn.loopback_env(threads=1), stdout=subprocess.PIPE, text=True, warm=False
+        cmd, 2, spawn.loopback_env(threads=1), stdout=subprocess.PIPE, text=True, warm=warm()
     )
     try:
         outs = [p.communicate(timeout=300)[0] for p in procs]

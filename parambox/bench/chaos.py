@@ -34,7 +34,7 @@ from typing import Any
 
 import psutil
 
-from parambox.runtime import spawn
+from parambox.runtime import spawn, zygote
 
 WORKERS = 3
 # The clean run trains ~40 s here, so a kill every 5 s hits it ~8 times: a run under steady failures,
@@ -94,14 +94,17 @@ def _run(
     log = out.parent / f"{out.name}.log"
     t0 = time.monotonic()
     with open(log, "wb") as sink:
-        launcher = spawn.start(cmd, dict(os.environ), stdout=sink, stderr=subprocess.STDOUT)
+        # The workers fork from this process's zygote (started once, not in every run's launcher);
+        # _kill_one finds them below this process.
+        env = {**os.environ, **zygote.shared_env()}
+        launcher = spawn.start(cmd, env, stdout=sink, stderr=subprocess.STDOUT)
         kills = []
         try:
             next_kill = t0 + (kill_every_s or 0)
             while launcher.poll() is None:
                 time.sleep(0.1)
                 if kill_every_s and len(kills) < max_kills and time.monotonic() >= next_kill:
-                    victim = _kill_one(launcher, out, steps, rng)
+                    victim = _kill_one(out, steps, rng)
                     if victim is None:  # nobody training yet (or all near their end): look again soon
                         next_kill = time.monotonic() + RETRY_S
                     else:
@@ -128,11 +131,12 @@ def _run(
     return result
 
 
-def _kill_one(launcher: subprocess.Popen, out: Path, steps: int, rng: random.Random) -> int | None:
+def _kill_one(out: Path, steps: int, rng: random.Random) -> int | None:
     """SIGKILL one random worker that is training (it has logged steps in this life, and is not about
-    to finish: a replacement still starting up is spared), while at least two are; returns its rank."""
+    to finish: a replacement still starting up is spared), while at least two are; returns its rank.
+    The workers are below this process: under the run's launcher, or under this process's zygote."""
     workers = {}
-    for child in psutil.Process(launcher.pid).children(recursive=True):
+    for child in psutil.Process().children(recursive=True):
         try:
             rank = _rank_of(child)
             born = child.create_time()

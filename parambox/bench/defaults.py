@@ -51,7 +51,10 @@ def _train(strategy: str, seed: int, run_dir: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "parambox", "train", "--strategy", strategy, "--seed", str(seed)]
     cmd += ["--out", str(run_dir), "--no-progress"]
     t0 = time.perf_counter()
-    proc = spawn.start(cmd, dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    from parambox.runtime import zygote
+
+    env = {**os.environ, **zygote.shared_env()}  # its workers fork from this process's zygote, as pick's
+    proc = spawn.start(cmd, env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:

@@ -5,6 +5,7 @@ their figures back as JSON in a file: no pickle crosses the processes."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -57,6 +58,15 @@ def exit_worker() -> None:
     exit_now(0)
 
 
+# Benchmarks time fresh interpreters, as a user's run starts them. "1": fork them warm from the zygote
+# instead (runtime/zygote.py), for the test suite's smoke runs of the benchmarks, which check keys, not speed.
+WARM_ENV = "PARAMBOX_BENCH_WARM"
+
+
+def warm() -> bool:
+    return os.environ.get(WARM_ENV) == "1"
+
+
 def spawn_workers(
     module: str, args: list[str], workers: int = 2, cluster: EmulatedCluster | None = None, mpi: bool = False
 ) -> Any:
@@ -73,8 +83,8 @@ def spawn_workers(
             procs = [spawn.start_mpi(cmd, workers, env, mpi_command=cluster and cluster.mpi_launch)]
         else:
             procs = spawn.start_ranks(
-                cmd, workers, env, placement=cluster and cluster.placement(workers), warm=False
-            )  # timed: fresh interpreters
+                cmd, workers, env, placement=cluster and cluster.placement(workers), warm=warm()
+            )  # timed: fresh interpreters (WARM_ENV)
         try:
             codes = [p.wait() for p in procs]
         finally:
