@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from parambox.runtime import cluster
+from parambox.runtime import cluster, spawn
 from parambox.runtime.cluster import ClusterConfig, ClusterUnavailable, EmulatedCluster
 from parambox.runtime.cluster_agent import DROPPED_CONNECTION
 
@@ -357,18 +357,23 @@ OWNER_MPI = textwrap.dedent("""
 
 @pytest.mark.slow
 @needs_root
-def test_nothing_left_after_sigkill_during_an_mpi_job():
-    """mpiexec's daemon and ranks on node 1 are not our children: the holders' sweep kills them."""
+def test_nothing_left_after_sigkill_during_an_mpi_job(tmp_path):
+    """mpiexec's daemon and ranks on node 1 are not our children: the holders' sweep kills them. Open
+    MPI's files go to a private directory, as ``spawn.start_mpi`` gives a run (killed, mpiexec leaves
+    PMIx's contact files behind: they used to land in /tmp)."""
     pytest.importorskip("mpi4py")
     mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
     if not Path(mpiexec).exists():
         pytest.skip("no mpiexec")
     before = root_state()
+    tmp_before = {p.name for p in Path("/tmp").glob("ompi.*")}
+    private = {k: str(tmp_path) for k in spawn.MPI_FILE_PARAMS}
     owner = subprocess.Popen(
         [sys.executable, "-c", OWNER_MPI.format(mpiexec=mpiexec)],
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        env={**os.environ, **private},
     )
     try:
         info = json.loads(owner.stdout.readline())
@@ -378,6 +383,7 @@ def test_nothing_left_after_sigkill_during_an_mpi_job():
         owner.kill()
         owner.wait(10)
     assert_gone(info["ns"], info["inside"], before)
+    assert {p.name for p in Path("/tmp").glob("ompi.*")} <= tmp_before
 
 
 # ----- the parts parambox adds: config, placement, the mpiexec filter ------------------------------
