@@ -1,9 +1,11 @@
 """Shared fixtures: run the CLI (in this process, or as a user would), and kill any orphaned worker after
-each test."""
+each test. Under pytest-xdist (``scripts/test.sh`` runs ``-n 2``) a test marked ``solo`` runs alone:
+the ones that look at the whole machine (/dev/shm, /tmp, network namespaces, SLURM) or time a failure."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
 import os
@@ -43,6 +45,40 @@ NO_SLURM = "no SLURM controller here (../shared/tools/slurm-up.sh starts one)"
 
 # The benchmarks' smoke runs check keys, not speed: their workers fork warm from the session's zygote.
 os.environ.setdefault("PARAMBOX_BENCH_WARM", "1")
+
+
+LOCKS = "PARAMBOX_TEST_LOCKS"  # the directory of the two lock files every xdist worker shares
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER") is None and getattr(config.option, "numprocesses", None):
+        os.environ[LOCKS] = tempfile.mkdtemp(prefix="pytest-locks-")  # the workers inherit it
+
+
+def pytest_unconfigure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER") is None and os.environ.get(LOCKS):
+        import shutil
+
+        shutil.rmtree(os.environ.pop(LOCKS), ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A readers-writer lock over the xdist workers: a ``solo`` test (set-up, call and tear-down) holds
+    it alone, every other test shares it. A turnstile keeps a waiting solo test from starving."""
+    where = os.environ.get(LOCKS) if os.environ.get("PYTEST_XDIST_WORKER") else None
+    if not where:
+        yield
+        return
+    solo = item.get_closest_marker("solo") is not None
+    with open(os.path.join(where, "turnstile"), "a") as turnstile, open(os.path.join(where, "rw"), "a") as rw:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(rw, fcntl.LOCK_EX if solo else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(rw, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)

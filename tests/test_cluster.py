@@ -23,6 +23,8 @@ from parambox.runtime import cluster, spawn
 from parambox.runtime.cluster import ClusterConfig, ClusterUnavailable, EmulatedCluster
 from parambox.runtime.cluster_agent import DROPPED_CONNECTION
 
+pytestmark = pytest.mark.solo  # network namespaces and links; checks them
+
 CAN_RUN = os.geteuid() == 0 and all(shutil.which(t) for t in cluster.TOOLS)
 needs_root = pytest.mark.skipif(not CAN_RUN, reason="needs root and ip, tc, nsenter, unshare")
 

@@ -40,6 +40,7 @@ def test_mpiexec(tmp_path, local_run):
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.solo
 @pytest.mark.skipif(not slurm_running(), reason=NO_SLURM)
 def test_srun(tmp_path, local_run):
     out = tmp_path / "run"

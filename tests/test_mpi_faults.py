@@ -22,6 +22,8 @@ from parambox.runtime.spawn import find_mpiexec
 from tests.conftest import MPI_ENV, NO_SLURM, ROOT, run_cli, slurm_running, summary
 from tests.test_restarts import start
 
+pytestmark = pytest.mark.solo  # checks /dev/shm and /tmp; SLURM
+
 FAST = ["--model", "mlp", "--eval-every", "0", "--no-progress", "--threads", "1"]
 SHM = Path("/dev/shm")
 

@@ -364,6 +364,7 @@ def test_pick_quick_validate_json(tmp_path):
     assert {r["family"] for r in result["ranking"]} <= {"synchronous", "local SGD", "asynchronous"}
 
 
+@pytest.mark.solo
 @needs_root
 @pytest.mark.slow
 @pytest.mark.timeout(300)

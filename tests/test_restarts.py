@@ -18,6 +18,8 @@ import pytest
 from parambox.runtime import spawn
 from tests.conftest import ROOT, final_weights, max_abs_diff, run_cli, summary
 
+pytestmark = pytest.mark.solo  # checks /dev/shm; kills and times start-up
+
 FAST = ["--model", "mlp", "--eval-every", "0", "--no-progress", "--threads", "1"]
 SHM = Path("/dev/shm")
 

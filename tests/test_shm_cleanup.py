@@ -14,6 +14,8 @@ import pytest
 
 from tests.conftest import ROOT, run_cli
 
+pytestmark = pytest.mark.solo  # checks /dev/shm
+
 SHM = Path("/dev/shm")
 ARGS = [
     "train",

@@ -23,6 +23,8 @@ from parambox.runtime.elastic import STORE_ENV, host_store
 from tests.conftest import ROOT, final_weights, run_cli, summary
 from tests.workloads.constant_gradient import closed_form, weight_after
 
+pytestmark = pytest.mark.solo  # checks /dev/shm; times the regroup after a kill
+
 W = "tests/workloads/constant_gradient.py"
 LR, STEPS, KILLED, AT = 0.01, 12, 1, 5
 ARGS = [
