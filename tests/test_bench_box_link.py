@@ -15,11 +15,10 @@ import pytest
 from tests.conftest import MPI_ENV, run_cli
 from tests.test_cluster import live_namespaces, needs_root, root_state
 
-pytestmark = pytest.mark.solo  # emulated nodes; checks /dev/shm and the namespaces
-
 SHM = Path("/dev/shm")
 
 
+@pytest.mark.solo  # looks at the whole machine
 @pytest.mark.slow
 @needs_root
 @pytest.mark.timeout(300)

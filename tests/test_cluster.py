@@ -23,8 +23,6 @@ from parambox.runtime import cluster, spawn
 from parambox.runtime.cluster import ClusterConfig, ClusterUnavailable, EmulatedCluster
 from parambox.runtime.cluster_agent import DROPPED_CONNECTION
 
-pytestmark = pytest.mark.solo  # network namespaces and links; checks them
-
 CAN_RUN = os.geteuid() == 0 and all(shutil.which(t) for t in cluster.TOOLS)
 needs_root = pytest.mark.skipif(not CAN_RUN, reason="needs root and ip, tc, nsenter, unshare")
 
@@ -168,6 +166,7 @@ def test_bad_arguments():
 
 
 # ----- topology and traffic -----------------------------------------------------------------------
+@pytest.mark.solo  # looks at the whole machine
 @needs_root
 def test_nodes_have_addresses_names_and_shaped_links_and_root_namespace_untouched():
     before = root_state()
@@ -218,6 +217,7 @@ def test_rate_is_limited():
 
 
 # ----- clean-up in every exit path ---------------------------------------------------------------
+@pytest.mark.solo  # looks at the whole machine
 @needs_root
 def test_nothing_left_after_a_normal_end():
     before = root_state()
@@ -233,6 +233,7 @@ def test_nothing_left_after_a_normal_end():
     assert c.close() == []  # idempotent
 
 
+@pytest.mark.solo  # looks at the whole machine
 @needs_root
 def test_nothing_left_after_an_exception():
     before = root_state()
@@ -242,6 +243,7 @@ def test_nothing_left_after_an_exception():
     assert_gone(ns, pids, before)
 
 
+@pytest.mark.solo  # looks at the whole machine
 @needs_root
 def test_nothing_left_when_set_up_fails(monkeypatch):
     before, ns_before = root_state(), live_namespaces()
@@ -258,6 +260,7 @@ def test_nothing_left_when_set_up_fails(monkeypatch):
     assert_gone(list(live_namespaces() - ns_before), made, before)
 
 
+@pytest.mark.solo  # looks at the whole machine
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL", "SIGKILL of the process group"])
 @needs_root
 def test_nothing_left_after_the_owner_is_signalled(how):
@@ -357,6 +360,7 @@ OWNER_MPI = textwrap.dedent("""
 """)
 
 
+@pytest.mark.solo  # looks at the whole machine
 @pytest.mark.slow
 @needs_root
 def test_nothing_left_after_sigkill_during_an_mpi_job(tmp_path):

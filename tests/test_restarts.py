@@ -18,8 +18,6 @@ import pytest
 from parambox.runtime import spawn
 from tests.conftest import ROOT, final_weights, max_abs_diff, run_cli, summary
 
-pytestmark = pytest.mark.solo  # checks /dev/shm; kills and times start-up
-
 FAST = ["--model", "mlp", "--eval-every", "0", "--no-progress", "--threads", "1"]
 SHM = Path("/dev/shm")
 
@@ -165,6 +163,7 @@ def test_sync_easgd_is_not_loss_tolerant(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.solo  # looks at the whole machine
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigkilled_launcher_holding_the_box_leaves_nothing(tmp_path):
@@ -202,6 +201,32 @@ def test_sigkilled_launcher_holding_the_box_leaves_nothing(tmp_path):
     launcher.wait(10)
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
+    assert _shm() - before == set()
+
+
+@pytest.mark.solo  # looks at the whole machine
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigkilled_launcher_during_the_box_rendezvous_leaves_no_segment(tmp_path):
+    """The creator of the shm box holds its name in /dev/shm until every local process has mapped it.
+    Rank 1 stopped before it attaches keeps that window open; SIGKILL of the launcher then kills both
+    workers, and the launcher's reaper removes the name."""
+    before = _shm()
+    launcher = start("train", "--strategy", "easgd", "--steps", "100000", *FAST, "--out", str(tmp_path / "r"))
+    late = worker(launcher, 1)
+    late.suspend()
+    deadline = time.monotonic() + 60
+    while not (_shm() - before):
+        assert time.monotonic() < deadline and launcher.poll() is None, "rank 0 made no segment"
+        time.sleep(0.05)
+    workers = psutil.Process(launcher.pid).children(recursive=True)
+    os.killpg(launcher.pid, signal.SIGKILL)
+    launcher.wait(10)
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive
+    deadline = time.monotonic() + 5
+    while _shm() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _shm() - before == set()
 
 

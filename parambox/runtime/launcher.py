@@ -72,7 +72,7 @@ def launch_local(
     env.update(PARAMBOX_LOG_DIR=str(log_dir), PARAMBOX_THREADS=str(n_threads))
     cmd = [sys.executable, "-m", module, *argv]
     with contextlib.ExitStack() as stack:  # the cluster closes after the workers are stopped
-        stack.callback(spawn.remove_segments, prefix)
+        stack.enter_context(spawn.segments_guarded(prefix))
         net = stack.enter_context(cluster.build(num_workers)) if cluster is not None else None
         if use_mpi:
             mpi_command = net.mpi_launch if net is not None else None
@@ -268,8 +268,17 @@ def _emit(lines: list[bytes]) -> None:
         sys.stderr.flush()
 
 
+# torch.distributed's complaints that a peer or the store went away (``[W... TCPStore.cpp] ...
+# recvValue failed``) reach a rank's stderr before its launcher has seen that peer exit: they wait
+# this long for the supervisor to mute the run's symptoms, and print only if it did not.
+_SYMPTOMS = (b"TCPStore", b"c10d", b"ProcessGroupGloo", b"gloo/transport")
+SYMPTOM_HOLD_S = 2.0
+
+
 def _pump(stream, sink, label: list[str], muted: threading.Event) -> None:
     for raw in iter(stream.readline, b""):
+        if not muted.is_set() and any(m in raw for m in _SYMPTOMS):
+            muted.wait(SYMPTOM_HOLD_S)
         if muted.is_set():
             continue  # keep draining, so the rank never blocks on a full pipe
         sink.write(f"[rank {label[0]}] {raw.decode(errors='replace')}")

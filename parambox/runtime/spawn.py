@@ -234,10 +234,12 @@ MPI_FILE_PARAMS = (
 )
 _GUARDS: dict[int, tuple[int, subprocess.Popen]] = {}  # mpiexec pid -> its reaper's pipe, the reaper
 _REAPER = r"""
-import os, shutil, signal, sys, time
-private = sys.argv[1]
-data = sys.stdin.read()  # returns at EOF: the launcher closed the pipe or died
-sid = int(data.split()[0]) if data.split() else 0
+import glob, os, shutil, signal, sys, time
+private, segments = sys.argv[1], sys.argv[2]
+data = sys.stdin.read().split()  # returns at EOF: the launcher closed the pipe or died
+if data == ["done"]:
+    sys.exit()  # the launcher cleaned up itself
+sid = int(data[0]) if data else 0
 
 def members(s):
     out = []
@@ -261,16 +263,28 @@ for _ in range(100 if sid else 0):
         except ProcessLookupError:
             pass
     time.sleep(0.05)
-shutil.rmtree(private, ignore_errors=True)
+if private:
+    shutil.rmtree(private, ignore_errors=True)
+# The workers die with their launcher (PR_SET_PDEATHSIG, or the zygote), but one may still be
+# creating a segment: look again for a second.
+for _ in range(20 if segments else 0):
+    for path in glob.glob(glob.escape(segments) + "*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    time.sleep(0.05)
 """
 
 
-def _start_reaper(private: str) -> tuple[int, subprocess.Popen]:
-    """The reaper (its own session; it must outlive this process) and the write end of its pipe."""
+def _start_reaper(private: str = "", segments: str = "") -> tuple[int, subprocess.Popen]:
+    """The reaper (its own session; it must outlive this process) and the write end of its pipe.
+    Once the pipe closes without a "done" it removes ``private`` (a directory) and the files whose
+    path starts with ``segments``."""
     r, w = os.pipe()
     try:
         reaper = subprocess.Popen(
-            [sys.executable, "-c", _REAPER, private],
+            [sys.executable, "-S", "-c", _REAPER, private, segments],
             stdin=r,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -281,6 +295,23 @@ def _start_reaper(private: str) -> tuple[int, subprocess.Popen]:
         os.close(r)
     os.set_inheritable(w, False)
     return w, reaper
+
+
+@contextlib.contextmanager
+def segments_guarded(prefix: str, root: str = SHM_ROOT):
+    """The run's shared-memory segments (``<root>/<prefix>*``) are removed when the block ends, and
+    by a reaper if this process is SIGKILLed before: the creator of a box holds its name until
+    every local process has mapped it, and dies with the launcher."""
+    guard, reaper = _start_reaper(segments=os.path.join(root, prefix))
+    try:
+        yield
+    finally:
+        remove_segments(prefix, root)
+        with contextlib.suppress(OSError):
+            os.write(guard, b"done")
+        os.close(guard)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            reaper.wait(5)
 
 
 def release_mpi(proc: subprocess.Popen) -> None:
