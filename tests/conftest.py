@@ -1,6 +1,8 @@
 """Shared fixtures: run the CLI (in this process, or as a user would), and kill any orphaned worker after
-each test. Under pytest-xdist (``scripts/test.sh`` runs ``-n 2``) a test marked ``solo`` runs alone:
-the ones that look at the whole machine (/dev/shm, /tmp, network namespaces, SLURM) or time a failure."""
+each test. Under pytest-xdist (``scripts/test.sh`` runs ``-n 2 --dist loadgroup``) a test marked
+``solo`` runs alone: the ones that judge what is left in /dev/shm or /tmp, where a test beside them
+would leave its own files. The emulated-cluster tests share the ``xdist_group`` "netns" (one cluster
+at a time: their checks see every network namespace)."""
 
 from __future__ import annotations
 

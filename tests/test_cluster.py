@@ -27,6 +27,9 @@ CAN_RUN = os.geteuid() == 0 and all(shutil.which(t) for t in cluster.TOOLS)
 needs_root = pytest.mark.skipif(not CAN_RUN, reason="needs root and ip, tc, nsenter, unshare")
 
 
+pytestmark = pytest.mark.xdist_group("netns")  # emulated nodes: one cluster at a time
+
+
 # ----- helpers ------------------------------------------------------------------------------------
 def _out(*argv: str) -> str:
     return subprocess.run(argv, capture_output=True, text=True).stdout
@@ -166,7 +169,6 @@ def test_bad_arguments():
 
 
 # ----- topology and traffic -----------------------------------------------------------------------
-@pytest.mark.solo  # looks at the whole machine
 @needs_root
 def test_nodes_have_addresses_names_and_shaped_links_and_root_namespace_untouched():
     before = root_state()
@@ -217,7 +219,6 @@ def test_rate_is_limited():
 
 
 # ----- clean-up in every exit path ---------------------------------------------------------------
-@pytest.mark.solo  # looks at the whole machine
 @needs_root
 def test_nothing_left_after_a_normal_end():
     before = root_state()
@@ -233,7 +234,6 @@ def test_nothing_left_after_a_normal_end():
     assert c.close() == []  # idempotent
 
 
-@pytest.mark.solo  # looks at the whole machine
 @needs_root
 def test_nothing_left_after_an_exception():
     before = root_state()
@@ -243,7 +243,6 @@ def test_nothing_left_after_an_exception():
     assert_gone(ns, pids, before)
 
 
-@pytest.mark.solo  # looks at the whole machine
 @needs_root
 def test_nothing_left_when_set_up_fails(monkeypatch):
     before, ns_before = root_state(), live_namespaces()
@@ -260,7 +259,6 @@ def test_nothing_left_when_set_up_fails(monkeypatch):
     assert_gone(list(live_namespaces() - ns_before), made, before)
 
 
-@pytest.mark.solo  # looks at the whole machine
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL", "SIGKILL of the process group"])
 @needs_root
 def test_nothing_left_after_the_owner_is_signalled(how):
@@ -360,9 +358,9 @@ OWNER_MPI = textwrap.dedent("""
 """)
 
 
-@pytest.mark.solo  # looks at the whole machine
 @pytest.mark.slow
 @needs_root
+@pytest.mark.solo  # looks at /tmp
 def test_nothing_left_after_sigkill_during_an_mpi_job(tmp_path):
     """mpiexec's daemon and ranks on node 1 are not our children: the holders' sweep kills them. Open
     MPI's files go to a private directory, as ``spawn.start_mpi`` gives a run (killed, mpiexec leaves

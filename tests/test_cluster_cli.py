@@ -21,7 +21,10 @@ import pytest
 from tests.conftest import MPI_ENV, ROOT, run_cli, summary
 from tests.test_cluster import live_namespaces, needs_root, root_state
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.solo]  # emulated nodes: namespaces and links
+pytestmark = [
+    pytest.mark.timeout(240),
+    pytest.mark.xdist_group("netns"),
+]  # emulated nodes: one cluster at a time
 
 
 def world_records(run_dir: Path, workers: int) -> list[dict]:

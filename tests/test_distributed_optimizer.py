@@ -30,6 +30,9 @@ from tests.distopt_worker import (
     uses_aux,
 )
 
+# Its module-scoped fixture runs once: every test of it on one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("test_distributed_optimizer")
+
 # Every registered strategy whose step is local forward/backward + exchange: the registry says which.
 DATA_PARALLEL = [
     name

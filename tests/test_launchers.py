@@ -7,6 +7,9 @@ import pytest
 from parambox.runtime.spawn import find_mpiexec
 from tests.conftest import MPI_ENV, NO_SLURM, final_weights, max_abs_diff, run_cli, slurm_running, summary
 
+# Its module-scoped fixture runs once: every test of it on one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("test_launchers")
+
 ARGS = ["train", "--model", "mlp", "--steps", "30", "--no-progress", "--threads", "1", "--eval-every", "0"]
 
 
@@ -40,7 +43,6 @@ def test_mpiexec(tmp_path, local_run):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.solo
 @pytest.mark.skipif(not slurm_running(), reason=NO_SLURM)
 def test_srun(tmp_path, local_run):
     out = tmp_path / "run"

@@ -22,8 +22,6 @@ from parambox.runtime.spawn import find_mpiexec
 from tests.conftest import MPI_ENV, NO_SLURM, ROOT, run_cli, slurm_running, summary
 from tests.test_restarts import start
 
-pytestmark = pytest.mark.solo  # checks /dev/shm and /tmp; SLURM
-
 FAST = ["--model", "mlp", "--eval-every", "0", "--no-progress", "--threads", "1"]
 SHM = Path("/dev/shm")
 
@@ -85,6 +83,7 @@ def test_rma_box_under_mpiexec_with_ft_ulfm(tmp_path, server):
     assert "worker rank 1 is lost" in proc.stderr
 
 
+@pytest.mark.solo  # looks at /dev/shm or /tmp
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_open_mpi_files_live_in_a_private_directory_that_goes(tmp_path):
@@ -114,6 +113,7 @@ def test_open_mpi_files_live_in_a_private_directory_that_goes(tmp_path):
     assert _private_dirs() - before == set()
 
 
+@pytest.mark.solo  # looks at /dev/shm or /tmp
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("server", [False, True], ids=["windows", "server"])
@@ -135,6 +135,7 @@ def test_sigkilled_launcher_under_mpi_leaves_no_rank_and_no_file(tmp_path, serve
     assert not {p for p in set(Path("/tmp").iterdir()) - tmp_before if "pb" in p.name or "ompi" in p.name}
 
 
+@pytest.mark.solo  # looks at /dev/shm or /tmp
 @pytest.mark.timeout(60)
 def test_srun_with_the_rma_box_says_so_in_one_line(tmp_path):
     """srun here starts singletons (its PMIx cannot wire this Open MPI up): one line, exit 2, and MPI
@@ -177,6 +178,7 @@ def test_slurm_script_for_the_rma_box_runs_mpiexec_inside_the_allocation():
     assert "\nsrun " in run_cli("slurm", "--", "--strategy", "easgd").stdout  # shm or collectives: srun
 
 
+@pytest.mark.solo  # looks at /dev/shm or /tmp
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not slurm_running(), reason=NO_SLURM)
@@ -192,6 +194,7 @@ def test_slurm_submit_with_the_rma_box_runs_to_the_end(tmp_path):
     assert _private_dirs() - before == set()
 
 
+@pytest.mark.solo  # looks at /dev/shm or /tmp
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_user_error_under_mpi_leaves_nothing(tmp_path):

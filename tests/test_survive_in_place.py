@@ -23,8 +23,6 @@ from parambox.runtime.elastic import STORE_ENV, host_store
 from tests.conftest import ROOT, final_weights, run_cli, summary
 from tests.workloads.constant_gradient import closed_form, weight_after
 
-pytestmark = pytest.mark.solo  # checks /dev/shm; times the regroup after a kill
-
 W = "tests/workloads/constant_gradient.py"
 LR, STEPS, KILLED, AT = 0.01, 12, 1, 5
 ARGS = [
@@ -48,8 +46,14 @@ def _run(tmp_path: Path, strategy: str, fault: str, timeout_s: float) -> tuple[P
         "train", "--strategy", strategy, *ARGS, "--timeout", str(timeout_s), "--out", str(out),
         env={"PARAMBOX_FAULT": f"{KILLED}:{AT}:{fault}"},
     )  # fmt: skip
-    assert _pb_shm() <= before  # nothing of this run left in /dev/shm
-    return out, time.monotonic() - t0
+    took = time.monotonic() - t0
+    # Nothing of this run left in /dev/shm. A test beside this one (pytest-xdist) holds a box's name
+    # only while its workers attach, a second or so: a name left by this run would stay.
+    deadline = time.monotonic() + 10
+    while not _pb_shm() <= before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _pb_shm() <= before
+    return out, took
 
 
 def _check_closed_form(out: Path) -> None:
