@@ -9,6 +9,7 @@ Each rank trains on its own random batches of the digits data set (it ships with
 """
 
 import argparse
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -40,4 +41,5 @@ opt.close()  # every rank's model is now the run's result (the center weights fo
 
 with torch.no_grad():
     accuracy = (model(test_x).argmax(1) == test_y).float().mean()
-print(f"rank {opt.rank}: {args.strategy} final loss {loss.item():.3f}, test accuracy {accuracy:.3f}")
+# one write per line: the ranks share the terminal, and print() writes the text and its newline apart
+sys.stdout.write(f"rank {opt.rank}: {args.strategy} final loss {loss.item():.3f}, test accuracy {accuracy:.3f}\n")

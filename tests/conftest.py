@@ -1,8 +1,8 @@
 """Shared fixtures: run the CLI (in this process, or as a user would), and kill any orphaned worker after
 each test. Under pytest-xdist (``scripts/test.sh`` runs ``-n 2 --dist loadgroup``) a test marked
 ``solo`` runs alone: the ones that judge what is left in /dev/shm or /tmp, where a test beside them
-would leave its own files. The emulated-cluster tests share the ``xdist_group`` "netns" (one cluster
-at a time: their checks see every network namespace)."""
+would leave its own files. Tests marked ``lock(NAME)`` run one at a time among themselves: "netns",
+the emulated-cluster tests (their checks see every network namespace)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ NO_SLURM = "no SLURM controller here (../shared/tools/slurm-up.sh starts one)"
 os.environ.setdefault("PARAMBOX_BENCH_WARM", "1")
 
 
-LOCKS = "PARAMBOX_TEST_LOCKS"  # the directory of the two lock files every xdist worker shares
+LOCKS = "PARAMBOX_TEST_LOCKS"  # the directory of the lock files every xdist worker shares
 
 
 def pytest_configure(config):
@@ -67,20 +67,22 @@ def pytest_unconfigure(config):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """A readers-writer lock over the xdist workers: a ``solo`` test (set-up, call and tear-down) holds
-    it alone, every other test shares it. A turnstile keeps a waiting solo test from starving."""
+    it alone, every other test shares it. A turnstile keeps a waiting solo test from starving. Then the
+    test's named locks (``lock(NAME)``), each held alone."""
     where = os.environ.get(LOCKS) if os.environ.get("PYTEST_XDIST_WORKER") else None
     if not where:
         yield
         return
     solo = item.get_closest_marker("solo") is not None
-    with open(os.path.join(where, "turnstile"), "a") as turnstile, open(os.path.join(where, "rw"), "a") as rw:
+    named = [m.args[0] for m in item.iter_markers("lock")]
+    with contextlib.ExitStack() as held:
+        turnstile, rw = (held.enter_context(open(os.path.join(where, n), "a")) for n in ("turnstile", "rw"))
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         fcntl.flock(rw, fcntl.LOCK_EX if solo else fcntl.LOCK_SH)
         fcntl.flock(turnstile, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(rw, fcntl.LOCK_UN)
+        for name in sorted(set(named)):  # always after rw, in one order: no cycle
+            fcntl.flock(held.enter_context(open(os.path.join(where, f"lock-{name}"), "a")), fcntl.LOCK_EX)
+        yield  # closing the files releases the locks
 
 
 @pytest.fixture(autouse=True)

@@ -27,7 +27,7 @@ CAN_RUN = os.geteuid() == 0 and all(shutil.which(t) for t in cluster.TOOLS)
 needs_root = pytest.mark.skipif(not CAN_RUN, reason="needs root and ip, tc, nsenter, unshare")
 
 
-pytestmark = pytest.mark.xdist_group("netns")  # emulated nodes: one cluster at a time
+pytestmark = pytest.mark.lock("netns")  # emulated nodes: one cluster at a time
 
 
 # ----- helpers ------------------------------------------------------------------------------------

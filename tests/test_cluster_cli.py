@@ -23,7 +23,7 @@ from tests.test_cluster import live_namespaces, needs_root, root_state
 
 pytestmark = [
     pytest.mark.timeout(240),
-    pytest.mark.xdist_group("netns"),
+    pytest.mark.lock("netns"),
 ]  # emulated nodes: one cluster at a time
 
 

@@ -7,9 +7,6 @@ import pytest
 from parambox.runtime.spawn import find_mpiexec
 from tests.conftest import MPI_ENV, NO_SLURM, final_weights, max_abs_diff, run_cli, slurm_running, summary
 
-# Its module-scoped fixture runs once: every test of it on one pytest-xdist worker.
-pytestmark = pytest.mark.xdist_group("test_launchers")
-
 ARGS = ["train", "--model", "mlp", "--steps", "30", "--no-progress", "--threads", "1", "--eval-every", "0"]
 
 

@@ -66,6 +66,7 @@ def test_rma_box_locally_survives_a_killed_worker(tmp_path):
     assert s["final_test_accuracy"] >= 0.93, s["final_test_accuracy"]
 
 
+@pytest.mark.solo  # failure detection under load: the server variant hung once beside other tests
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("server", [False, True], ids=["windows", "server"])

@@ -364,7 +364,7 @@ def test_pick_quick_validate_json(tmp_path):
     assert {r["family"] for r in result["ranking"]} <= {"synchronous", "local SGD", "asynchronous"}
 
 
-@pytest.mark.xdist_group("netns")  # emulated nodes: one cluster at a time (their checks see all namespaces)
+@pytest.mark.lock("netns")  # emulated nodes: one cluster at a time (their checks see all namespaces)
 @needs_root
 @pytest.mark.slow
 @pytest.mark.timeout(300)

@@ -231,7 +231,7 @@ def test_reproduce_rejects_an_unknown_claim(tmp_path):
     assert proc.returncode == 2 and "claims are neuron" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.xdist_group("netns")  # emulated nodes: one cluster at a time (their checks see all namespaces)
+@pytest.mark.lock("netns")  # emulated nodes: one cluster at a time (their checks see all namespaces)
 @needs_root
 @pytest.mark.slow
 def test_time_to_accuracy_quick_on_the_emulated_cluster(tmp_path):

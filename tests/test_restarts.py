@@ -18,9 +18,6 @@ import pytest
 from parambox.runtime import spawn
 from tests.conftest import ROOT, final_weights, max_abs_diff, run_cli, summary
 
-# Its module-scoped fixture runs once: every test of it on one pytest-xdist worker.
-pytestmark = pytest.mark.xdist_group("test_restarts")
-
 FAST = ["--model", "mlp", "--eval-every", "0", "--no-progress", "--threads", "1"]
 SHM = Path("/dev/shm")
 

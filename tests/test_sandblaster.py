@@ -27,9 +27,6 @@ from parambox.strategies.sandblaster.shards import (
 from parambox.strategies.sandblaster.worker import PortionWorker
 from tests.conftest import final_weights, run_cli, summary
 
-# Its module-scoped fixture runs once: every test of it on one pytest-xdist worker.
-pytestmark = pytest.mark.xdist_group("test_sandblaster")
-
 
 # -- tier (a): dispatch ----------------------------------------------------------------------------
 def simulate(costs: dict[int, float], num_portions: int, backup: bool) -> tuple[float, PortionScheduler]:

@@ -17,9 +17,6 @@ from parambox.strategies import STRATEGIES
 from tests.conftest import MPI_ENV, ROOT, final_weights, max_abs_diff, run_cli, summary
 from tests.workloads import user_regression
 
-# Its module-scoped fixture runs once: every test of it on one pytest-xdist worker.
-pytestmark = pytest.mark.xdist_group("test_user_workload")
-
 SCRIPT = user_regression.__file__
 REFS = ["--model", f"{SCRIPT}:make_model", "--data", f"{SCRIPT}:make_data", "--loss", f"{SCRIPT}:mse"]
 QUICK = ["--no-progress", "--eval-every", "0", "--threads", "1"]
