@@ -72,3 +72,27 @@ def test_python_dash_m_and_help():
     proc = run_cli("--help")
     assert "train" in proc.stdout and "bench" in proc.stdout
     assert "--strategy" in run_cli("train", "--help").stdout
+
+
+def test_a_rendezvous_port_is_taken_below_the_ephemeral_range():
+    """Outgoing connections take their local port from the ephemeral range: a rendezvous port from
+    there can be taken by another run's client between the pick and the bind."""
+    from parambox.runtime.spawn import _ephemeral_range, free_port
+
+    low, _ = _ephemeral_range()
+    if low <= 12000:
+        pytest.skip("no room below this host's ephemeral range")
+    ports = {free_port() for _ in range(20)}
+    assert all(10000 <= p < low for p in ports) and len(ports) > 1
+
+
+def test_a_benchmark_whose_worker_fails_does_not_wait_on_the_others():
+    """One worker fails; the other would wait for it (in a collective) for its full timeout."""
+    from parambox.bench.workers import wait_all
+
+    failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], start_new_session=True)
+    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    start = time.monotonic()
+    codes = wait_all([failing, waiting], grace_s=0.5)
+    assert codes == [3, -signal.SIGTERM]
+    assert time.monotonic() - start < 10

@@ -72,6 +72,39 @@ def test_ctrl_c_leaves_a_checkpoint_that_resume_continues(strategy, tmp_path):
     assert json.loads((out / "summary.json").read_text())["steps"] == last["step"] + 5, proc.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_synchronous_rank_stopped_long_before_rank_0_waits_for_the_step_rank_0_names(tmp_path):
+    """The race the Ctrl-C test can lose under load, made certain: rank 1 sees the stop 1.5 s (many
+    steps) before rank 0. It must not leave on its own (rank 0 would then fail inside an allreduce and
+    write no checkpoint): it trains on until rank 0 names the step, and both leave there."""
+    from parambox.runtime.spawn import find_rank
+
+    out = tmp_path / "r"
+    cmd = [sys.executable, "-m", "parambox", "train", "--strategy", "allreduce", "--workers", "2"]
+    cmd += ["--model", "mlp", "--steps", "100000", "--out", str(out), *QUIET]
+    launcher = subprocess.Popen(
+        cmd, cwd=ROOT, env={**os.environ, **MPI_ENV}, stderr=subprocess.PIPE, text=True
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 150
+    while not (metrics.exists() and metrics.stat().st_size > 2000) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    rank1 = find_rank(launcher.pid, 1)
+    assert rank1 is not None
+    rank1.send_signal(signal.SIGTERM)
+    time.sleep(1.5)
+    assert launcher.poll() is None and rank1.is_running()  # it trains on, waiting for rank 0's word
+    before = metrics.stat().st_size
+    time.sleep(1.0)
+    assert metrics.stat().st_size > before
+    launcher.send_signal(signal.SIGINT)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 130, err
+    last = checkpoint.load(out / "checkpoints" / "last.pt")
+    assert (out / "checkpoints" / f"rank1-step{last['step']}.pt").exists()  # both left at one step
+
+
 def test_an_earlier_lifes_error_file_is_removed_when_a_rank_starts(tmp_path):
     from parambox.run.plan import build
     from parambox.run.worker import train_rank

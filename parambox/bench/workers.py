@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,6 +68,22 @@ def warm() -> bool:
     return os.environ.get(WARM_ENV) == "1"
 
 
+def wait_all(procs: list, grace_s: float = 30.0) -> list[int]:
+    """Every worker's exit code. Once one has failed, the others get ``grace_s`` to end on their own
+    (they may be waiting on it in a collective, whose timeout is long) and are then stopped."""
+    failed_at = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return codes
+        if failed_at is None and any(codes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            spawn.stop(procs)
+            return [p.wait() for p in procs]
+        time.sleep(0.05)
+
+
 def spawn_workers(
     module: str, args: list[str], workers: int = 2, cluster: EmulatedCluster | None = None, mpi: bool = False
 ) -> Any:
@@ -86,7 +103,7 @@ def spawn_workers(
                 cmd, workers, env, placement=cluster and cluster.placement(workers), warm=warm()
             )  # timed: fresh interpreters (WARM_ENV)
         try:
-            codes = [p.wait() for p in procs]
+            codes = wait_all(procs)
         finally:
             spawn.stop(procs)
             spawn.remove_segments(prefix)

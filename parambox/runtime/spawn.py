@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -48,9 +49,28 @@ MpiCommand = Callable[[str, int, list[str], dict[str, str]], tuple[list[str], di
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, for a rendezvous that binds it a moment later. Taken below the kernel's
+    ephemeral range where there is room: a port from that range can meanwhile become the local end
+    of any outgoing connection (a store or gloo client of another run on this host), and the
+    rendezvous then fails with "address already in use" while its peers wait on the wrong address."""
+    low, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(64 if low > 12000 else 0):
+        port = rng.randrange(10000, low)
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind((host, port))
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 0, 0
 
 
 def find_mpiexec() -> str | None:

@@ -94,7 +94,7 @@ def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | Non
         bar = Progress(cfg.steps, enabled=cfg.progress and world.rank == 0, start=step)
         samples = 0
         while not run.strategy.should_stop(step):
-            if stop.is_set():
+            if stop.is_set() and _stops_here(run, step):
                 save_checkpoint(run, step, barrier=False)
                 raise KeyboardInterrupt
             run.board.post(step)
@@ -119,6 +119,23 @@ def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | Non
         return write_summary(run, step, wall, samples, final)
     finally:
         log.close()
+
+
+def _stops_here(run: Run, step: int) -> bool:
+    """Whether a stopped rank (Ctrl-C) leaves at this step boundary. Asynchronous ranks leave where
+    they are. Synchronous ranks leave at the step rank 0 names on the board, the boundary after the
+    one where it saw the signal: a rank a step ahead or behind would otherwise leave rank 0 inside a
+    collective it can never finish, and the run without its checkpoint."""
+    store = run.board.store
+    if run.strategy.tolerates_worker_loss or store is None:
+        return True
+    if run.world.rank == 0 and not store.check([STOP_KEY]):
+        store.set(STOP_KEY, str(step + 1))  # every rank reaches it: the step between is collective
+        return False
+    return store.check([STOP_KEY]) and step >= int(store.get(STOP_KEY))
+
+
+STOP_KEY = "stop_at"
 
 
 def world_record(world: World) -> dict[str, Any]:
