@@ -23,6 +23,7 @@ class DynSGD(Downpour):
 
     name = "dynsgd"
     shared_center = False  # its 1/(staleness + 1) scaling already damps the N writers
+    default_optimizer = {}  # ... so the run's rate (downpour's half rate is not for it)
     Options = DynSGDOptions
 
     def __init__(self, ctx: Context, options: DynSGDOptions):
