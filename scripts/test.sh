@@ -9,4 +9,4 @@ python -m ruff check parambox tests
 python -m ruff format --check parambox tests
 # Two pytest workers (both cores: many tests wait on their own workers), a test file each; a test marked
 # solo runs alone, and tests marked lock(NAME) one at a time (tests/conftest.py).
-python -m pytest -q -n "${PARAMBOX_TEST_WORKERS:-2}" --dist loadfile --durations=25 "$@"
+python -m pytest -q -p no:benchmark -n "${PARAMBOX_TEST_WORKERS:-2}" --dist loadfile --durations=25 "$@"

@@ -30,7 +30,13 @@ def test_strategies_bring_their_own_optimizer_unless_the_user_chose():
     assert cfg.strategy_options().outer_momentum == 0.5
     cfg = build_config({"strategy": "diloco", "lr": 0.01, "options": {"diloco": {"inner_steps": 5}}})
     assert (cfg.optimizer, cfg.lr, cfg.strategy_options().inner_steps) == ("sgd", 0.01, 5)
-    assert build_config({"strategy": "dogwild"}).lr == 0.015
+    rates = {
+        name: build_config({"strategy": name}).lr for name in ("hogwild", "downpour", "dogwild", "dynsgd")
+    }
+    assert rates == {"hogwild": 0.015, "downpour": 0.015, "dogwild": 0.01, "dynsgd": 0.03}  # (dynsgd damps)
+    assert build_config({"strategy": "hogwild", "optimizer": "adam"}).lr == 0.03  # not a rate meant for SGD
     cfg = build_config({"strategy": "sandblaster", "steps": 40})
-    assert (cfg.batch_size, cfg.steps) == (1024, 40)
+    assert (cfg.batch_size, cfg.weight_decay, cfg.steps) == (1438, 1e-3, 40)
+    assert build_config({"strategy": "single"}).batch_size == 64  # the default run's global batch
+    assert build_config({"strategy": "single", "batch_size": 8}).batch_size == 8
     assert build_config({"strategy": "allreduce"}).lr == 0.03

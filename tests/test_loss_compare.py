@@ -31,7 +31,7 @@ RUNS: dict[str, list[str]] = {
         "--strategy", "pipeline", "--workers", "2", "--model", "lenet",
         "--set", "pipeline.num_microbatches=4", "--set", "pipeline.schedule=gpipe",
     ],
-    "single-lenet-1": ["--strategy", "single", "--workers", "1", "--model", "lenet"],
+    "single-lenet-1": ["--strategy", "single", "--workers", "1", "--model", "lenet", "--batch-size", "32"],
 }  # fmt: skip
 
 

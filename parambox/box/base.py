@@ -144,6 +144,10 @@ class ParameterBox(ABC):
     # True where the buffer stays readable after a process of the box exits (shm: shared memory);
     # False where each rank hosts a shard of it (rma), so a rank must stay until the others are done.
     outlives_processes: ClassVar[bool] = False
+    # True where the box's own servers apply asynchronous DiLoCo's outer step (``outer_step_async``,
+    # ``pull_companion``, ``write_companion``: the rma box's memory server); elsewhere the strategy
+    # runs it with pulls, writes and pushes.
+    fuses_outer_step: ClassVar[bool] = False
 
     def __init__(self, name: str, numel: int, num_counters: int, timeout: float):
         self.name, self.numel, self.num_counters, self.timeout = name, numel, num_counters, timeout

@@ -114,6 +114,19 @@ class CenterClient:
             self.pulled_version = version + 1
         return True
 
+    def outer_step(self, g: torch.Tensor, out: torch.Tensor, coefficients: tuple, last: bool) -> bool:
+        """Asynchronous DiLoCo's outer step applied by the box itself (``fuses_outer_step``), the new
+        theta brought back into ``out``, as a ``push_pull`` is; False, moving nothing, if ``g`` is not
+        finite."""
+        if not is_finite(g):
+            return False
+        with self.timers.phase("push_pull"):
+            version = self.box.add_counter(VERSION_COUNTER, 1)
+            self.staleness = version - self.pulled_version
+            self.box.outer_step_async(g, out, coefficients, last, self.start).wait()
+            self.pulled_version = version + 1
+        return True
+
     def elastic_(self, x: torch.Tensor, alpha: float) -> bool:
         """Asynchronous EASGD exchange: ``d = alpha (x - c); x <- x - d; c <- c + d``.
 

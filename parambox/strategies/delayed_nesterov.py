@@ -30,6 +30,11 @@ class DelayedNesterov:
     With ``c = 0`` and the ``N`` pseudo-gradients of a block all taken from the same ``theta``, a block
     is one synchronous Nesterov step on their mean.
 
+    On a box that applies the step itself (``box.fuses_outer_step``: the rma box's memory server), the
+    holder of the turn sends ``g`` with the coefficients and gets theta back (``outer_step`` of
+    ``apply_``), and ``m`` and ``a`` live beside theta on its servers: one trip of the model each way,
+    instead of the block's accumulator and momentum pulled and written back by a worker.
+
     >>> dn = DelayedNesterov(box, numel=4, m_start=4, a_start=8, ticket=0, lr=0.7, momentum=0.9, n=2)  # doctest: +SKIP
     >>> dn.apply_(g, push_theta=lambda u, scale: box.push(u, scale))  # doctest: +SKIP
     """
@@ -58,8 +63,20 @@ class DelayedNesterov:
         self.passed_over = 0  # turns taken from a holder found lost
         self.last_ticket = -1
 
-    def apply_(self, g: torch.Tensor, push_theta: Any) -> bool:
-        """One arrival; returns whether this arrival updated the momentum (it held a block's last ticket)."""
+    @property
+    def fused(self) -> bool:
+        return getattr(self.box, "fuses_outer_step", False)
+
+    def coefficients(self) -> tuple[float, float, float, float, float]:
+        """``(lr, beta, 1 / N, k, k_last)`` of the box's fused step: theta moves by ``-lr (k m + g / N)``,
+        at a block's last arrival ``-lr (k_last m + g / N)`` with the new ``m``."""
+        n, c, beta = self.n, self.c, self.beta
+        return (self.lr, beta, 1.0 / n, c * beta, (1 - c * n + c) * beta)
+
+    def apply_(self, g: torch.Tensor, push_theta: Any, outer_step: Any = None) -> bool:
+        """One arrival; returns whether this arrival updated the momentum (it held a block's last ticket).
+        ``push_theta(u, scale)`` pushes theta's update; where the box fuses the step, ``outer_step(g,
+        coefficients, last)`` is called instead (given: the caller brings the new theta back with it)."""
         n, beta = self.n, self.beta
         if beta == 0:  # no momentum: every arrival is its own step, scaled 1/N
             push_theta(g, -self.lr / n)
@@ -67,9 +84,32 @@ class DelayedNesterov:
         t = self.last_ticket = self.box.add_counter(self.ticket, 1)
         self._await_turn(t)
         try:
+            if outer_step is not None and self.fused:
+                last = (t + 1) % n == 0
+                outer_step(g, self.coefficients(), last)
+                return last
             return self._step(t, g, push_theta)
         finally:
             self.box.add_counter(self.served, 1)
+
+    def state(self) -> torch.Tensor:
+        """``[m | a]`` as the box holds them now (for a checkpoint)."""
+        if self.fused:
+            out = torch.empty(2 * self.numel)
+            self.box.pull_companion(out[: self.numel], 0)
+            self.box.pull_companion(out[self.numel :], 1)
+            return out
+        return torch.cat([self.box.pull(torch.empty(self.numel), s) for s in (self.m_start, self.a_start)])
+
+    def load_state(self, state: torch.Tensor) -> None:
+        """Put ``[m | a]`` back (before anyone pushes)."""
+        m, a = state[: self.numel], state[self.numel :]
+        if self.fused:
+            self.box.write_companion(m, 0)
+            self.box.write_companion(a, 1)
+        else:
+            self.box.write(m, self.m_start)
+            self.box.write(a, self.a_start)
 
     def _step(self, t: int, g: torch.Tensor, push_theta: Any) -> bool:
         """Arrival ``t``'s outer step; the caller holds the turn."""

@@ -300,8 +300,14 @@ class AsyncDiloco(AsyncStrategy):
             g = self.compressor.round_trip(g)
         t0 = time.perf_counter()
         if self.background is None:
-            # The outer step's push of theta and the pull of the new theta: one push-pull request.
-            if not self._outer_step(g, lambda u, scale: self.client.push_pull(u, self.x, scale)):
+            # The outer step's push of theta and the pull of the new theta: one request (where the box
+            # applies the step itself, the pseudo-gradient goes and theta comes back).
+            pushed = self._outer_step(
+                g,
+                lambda u, scale: self.client.push_pull(u, self.x, scale),
+                lambda g, k, last: self.client.outer_step(g, self.x, k, last),
+            )
+            if not pushed:
                 self.client.pull(self.x)
         else:  # theta after our last push, plus this round's own progress; then push it meanwhile
             if self.background.busy:
@@ -352,14 +358,23 @@ class AsyncDiloco(AsyncStrategy):
             self.box.push_pull(u, out, scale)
             return True
 
-        self._outer_step(g, push_pull)
+        def outer_step(g: torch.Tensor, k: tuple, last: bool) -> bool:
+            self.box.outer_step_async(g, out, k, last).wait()
+            return True
+
+        self._outer_step(g, push_pull, outer_step)
         self.box.add_counter(self.counters.version, 1)
 
-    def _outer_step(self, g: torch.Tensor, push_pull: Any) -> bool:
-        """Delayed Nesterov's outer step with ``g``, its push of theta made by ``push_pull(u, scale)``
-        (which pulls the new theta too); False if that push was refused (nothing pulled)."""
+    def _outer_step(self, g: torch.Tensor, push_pull: Any, outer_step: Any) -> bool:
+        """Delayed Nesterov's outer step with ``g``: its push of theta made by ``push_pull(u, scale)``
+        (which pulls the new theta too), or where the box applies the step, ``outer_step(g,
+        coefficients, last)`` (which brings theta back); False if the push was refused (nothing pulled)."""
         done = []
-        self.outer.apply_(g, lambda u, scale: done.append(push_pull(u, scale)))
+        self.outer.apply_(
+            g,
+            lambda u, scale: done.append(push_pull(u, scale)),
+            lambda g, k, last: done.append(outer_step(g, k, last)),
+        )
         return bool(done and done[0])
 
     def flush(self) -> None:
@@ -384,14 +399,14 @@ class AsyncDiloco(AsyncStrategy):
             return state
         state.update(pulled=self.pulled.clone(), round_steps=self.round_steps, round_target=self.round_target)
         if self.world.rank == 0:
-            state["outer_state"] = self.box.pull(torch.empty(2 * self.numel), self.extra_start).clone()
+            state["outer_state"] = self.outer.state()
             state["ticket"] = self.box.read_counter(self.counters.extra(0))
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not self.serves and self.world.rank == 0 and "outer_state" in state:
             # before super() bumps `ready`: nobody pushes before the momentum is back
-            self.box.write(state["outer_state"], self.extra_start)
+            self.outer.load_state(state["outer_state"])
             self._set_counter(self.counters.extra(0), int(state.get("ticket", 0)))
             self._set_counter(self.counters.extra(1), int(state.get("ticket", 0)))  # no turn in flight
         super().load_state_dict(state)

@@ -10,9 +10,9 @@ from parambox.strategies.base import Context, Options, StepResult, Strategy, los
 class Single(Strategy):
     name = "single"
     max_workers = 1
-    # The global batch of the default run (2 workers x 32), so that the baseline sees the samples per
-    # step a default data-parallel run does, and equals allreduce's default run step for step. At 32
-    # it saw half of them: 3 of 10 default digits runs ended at 0.941-0.947; at 64, 0.961-0.981.
+    # The global batch of the default run (2 workers x 32), so that the baseline sees the samples of
+    # each step of a default data-parallel run (the same ones: data/base.py's sampler). At 32 it saw
+    # half of them: 3 of 10 default digits runs ended at 0.941-0.947; at 64, 0.961-0.981.
     default_run = {"batch_size": 64}
 
     def __init__(self, ctx: Context, options: Options):
