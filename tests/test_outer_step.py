@@ -78,8 +78,8 @@ def worker() -> None:
             g = pseudo_gradient(rank, i)
             dn.apply_(
                 g,
-                lambda u, s: box.push_pull(u, got, s),
-                lambda g, k, last: box.outer_step_async(g, got, k, last).wait(),
+                lambda u, s, box=box, got=got: box.push_pull(u, got, s),
+                lambda g, k, last, box=box, got=got: box.outer_step_async(g, got, k, last).wait(),
             )
             arrivals.append((dn.last_ticket, i, got.clone()))
         box.barrier()
