@@ -133,6 +133,20 @@ SETUPS: dict[str, Setup] = {
         inner_steps=16,
         asynchronous=True,
     ),
+    "diloco-overlap": strategy_setup(
+        "diloco",
+        what="parambox diloco, each round's allreduce behind the next round (overlap, inner_steps 16)",
+        inner_steps=16,
+        overlap=True,
+    ),
+    "diloco-async-overlap": strategy_setup(
+        "diloco",
+        box="rma",
+        what="parambox diloco, asynchronous, each push-pull behind the next round (overlap, inner_steps 16)",
+        inner_steps=16,
+        asynchronous=True,
+        overlap=True,
+    ),
     "hybrid": strategy_setup(
         "hybrid", box="rma", what="parambox hybrid (groups = nodes: with 1 worker per node, EASGD tau 4)"
     ),
