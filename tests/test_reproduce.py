@@ -181,6 +181,47 @@ def test_verdict_smb(speedup, verdict):
 
 
 @pytest.mark.parametrize(
+    "one_node, across, verdict",
+    [(2.1, 2.03, "reproduced"), (2.1, 1.5, "partly"), (0.9, 0.8, "not reproduced"), (0.9, 2.2, "partly")],
+)
+def test_verdict_smb_on_one_node_and_across_a_link(one_node, across, verdict):
+    link = {"link_gbps": 1.0, "size_mb": 32, "speedup": across}
+    got, why = rp.verdict_smb({"speedup": one_node, "size_mb": 100, "across_link": link})
+    assert got == verdict and "one node" in why and "across a 1 Gbit/s link" in why
+    skipped = rp.verdict_smb(
+        {"speedup": one_node, "size_mb": 100, "across_link": {"skipped": "the quick form"}}
+    )
+    assert skipped[0] == rp.verdict_smb({"speedup": one_node, "size_mb": 100})[0]
+    assert "across a link: not measured (the quick form)" in skipped[1]
+
+
+def test_the_smb_claim_across_a_link_reads_bench_box_link(monkeypatch, tmp_path):
+    """The full form runs `bench box --emulate-nodes 2` and reads the memory server's fused push-pull
+    against MPI_Allreduce; the quick form and a run without root leave it out, saying why."""
+    figures = {
+        "size_mb": 32,
+        "ops": {"server_push_pull_fused": {"ms": 291.0}, "mpi_allreduce": {"ms": 591.0}},
+        "server_push_pull_fused_vs_mpi_allreduce": 2.031,
+    }
+    asked = []
+    monkeypatch.setattr(rp, "cli", lambda args, timeout_s=0: asked.append(args) or json.dumps(figures))
+    link, run = rp._smb_across_link(rp.Ctx(tmp_path, quick=False, root=True))
+    assert asked == [["bench", "box", "--emulate-nodes", "2", "--link-gbps", "1", "--json"]]
+    assert (
+        link["speedup"] == 2.031
+        and link["box_push_pull_ms"] == 291.0
+        and run.startswith("parambox bench box")
+    )
+    assert rp._smb_across_link(rp.Ctx(tmp_path, quick=True, root=True)) == (
+        {"skipped": "the quick form"},
+        None,
+    )
+    assert rp._smb_across_link(rp.Ctx(tmp_path, quick=False, root=False))[0]["skipped"].startswith(
+        "needs root"
+    )
+
+
+@pytest.mark.parametrize(
     "speedups, verdict",
     [
         ({"threads": 1.2, "allreduce": 1.8, "box-sync": 1.7, "pipeline": 1.1}, "reproduced"),
