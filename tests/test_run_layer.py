@@ -284,3 +284,22 @@ def test_target_metric_names_the_users_metric_in_report(tmp_path):
     header, rows = summary_rows([load_run(out)])
     assert "final test mse" in header
     assert rows[0][header.index("final test mse")] not in ("-", "")
+
+
+@pytest.mark.parametrize("data, cluster, fetched", [("mnist", True, 1), ("mnist", False, 0), ("digits", True, 0)])
+def test_mnist_is_fetched_before_an_emulated_cluster_starts(monkeypatch, data, cluster, fetched):
+    """An emulated node has no network: a run on one fetches MNIST on the host first (it failed in
+    every worker with pip's "No matching distribution" before)."""
+    import parambox.data.mnist as mnist
+    import parambox.runtime.launcher as launcher
+    from parambox.run import execute
+    from parambox.run.plan import CLI, Plan, build
+    from parambox.strategies import strategy_class
+    from parambox.runtime.world import World
+
+    calls = []
+    monkeypatch.setattr(mnist, "fetch_mnist", lambda: calls.append("fetch"))
+    monkeypatch.setattr(launcher, "launch_local", lambda *a, **k: calls.append("launch"))
+    cfg = build({"strategy": "allreduce", "data": data, **({"cluster": {"nodes": 2}} if cluster else {})})
+    execute._launch_local(Plan(cfg, strategy_class("allreduce"), World(), CLI, False), Path("/nonexistent"))
+    assert calls == ["fetch"] * fetched + ["launch"]

@@ -117,6 +117,10 @@ def _launch_local(plan: Plan, run_dir: Path):
             "is lost, the others carry on"
         )
     shrink = _survives_in_place(plan, use_mpi)
+    if cfg.cluster.enabled and cfg.data == "mnist" and cfg.data_path is None:
+        from parambox.data.mnist import fetch_mnist
+
+        fetch_mnist()  # here, once: an emulated node has no network to fetch it from
     return launch_local(
         [str(run_dir), *(["--resume"] if plan.resume else [])],
         plan.processes,
