@@ -286,7 +286,9 @@ def test_target_metric_names_the_users_metric_in_report(tmp_path):
     assert rows[0][header.index("final test mse")] not in ("-", "")
 
 
-@pytest.mark.parametrize("data, cluster, fetched", [("mnist", True, 1), ("mnist", False, 0), ("digits", True, 0)])
+@pytest.mark.parametrize(
+    "data, cluster, fetched", [("mnist", True, 1), ("mnist", False, 0), ("digits", True, 0)]
+)
 def test_mnist_is_fetched_before_an_emulated_cluster_starts(monkeypatch, data, cluster, fetched):
     """An emulated node has no network: a run on one fetches MNIST on the host first (it failed in
     every worker with pip's "No matching distribution" before)."""
@@ -294,8 +296,8 @@ def test_mnist_is_fetched_before_an_emulated_cluster_starts(monkeypatch, data, c
     import parambox.runtime.launcher as launcher
     from parambox.run import execute
     from parambox.run.plan import CLI, Plan, build
-    from parambox.strategies import strategy_class
     from parambox.runtime.world import World
+    from parambox.strategies import strategy_class
 
     calls = []
     monkeypatch.setattr(mnist, "fetch_mnist", lambda: calls.append("fetch"))
