@@ -212,6 +212,25 @@ def single_b32(tmp_path_factory) -> dict[str, torch.Tensor]:
     return final_weights(out)
 
 
+def run_mpi_script(
+    script: str, ranks: int, env: dict[str, str], timeout: float = 100
+) -> tuple[str, str, int]:
+    """``python SCRIPT`` as ``ranks`` MPI ranks (``spawn.start_mpi``: a private directory for Open
+    MPI's files); its (stdout, stderr, exit code), the job stopped whatever happens."""
+    from parambox.runtime import spawn
+
+    if spawn.find_mpiexec() is None:
+        pytest.skip("no mpiexec found")
+    pytest.importorskip("mpi4py")
+    cmd = [sys.executable, str(Path(script).resolve())]
+    proc = spawn.start_mpi(cmd, ranks, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        spawn.stop([proc])
+    return stdout, stderr, proc.returncode
+
+
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 

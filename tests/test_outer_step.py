@@ -13,19 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-from parambox.runtime import spawn
-from parambox.runtime.spawn import find_mpiexec
 
 NUMEL = 300_007
 ARRIVALS = 5
 LR, BETA, C = 0.7, 0.5, 0.2
-MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_osc": "^ucx"}
 
 
 def pseudo_gradient(rank: int, i: int):
@@ -113,17 +106,10 @@ def worker() -> None:
 
 @pytest.mark.timeout(120)
 def test_the_servers_outer_step_is_alg3_and_the_worker_side_step(tmp_path):
-    if find_mpiexec() is None:
-        pytest.skip("no mpiexec found")
-    pytest.importorskip("mpi4py")
-    env = {**os.environ, **MPI_ENV, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(Path(__file__).resolve())]
-    proc = spawn.start_mpi(cmd, 2, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=100)
-    finally:
-        spawn.stop([proc])
-    assert proc.returncode == 0, stderr[-3000:]
+    from tests.conftest import MPI_ENV, run_mpi_script  # (not at the top: the file is also the worker)
+
+    stdout, stderr, code = run_mpi_script(__file__, 2, {**os.environ, **MPI_ENV, "OMP_NUM_THREADS": "1"})
+    assert code == 0, stderr[-3000:]
     lines = [json.loads(s) for s in stdout.splitlines() if s.startswith("{")]
     result = next(x for x in lines if x["rank"] == 0)
     for key in ("fused", "worker_side"):

@@ -12,18 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from parambox.runtime import spawn
-from parambox.runtime.spawn import find_mpiexec
-
 TIMEOUT_S = 1.0
-MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_osc": "^ucx"}
 
 
 def worker() -> None:
@@ -74,16 +68,10 @@ def worker() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_each_rma_wait_gives_up_at_its_deadline(tmp_path):
-    if find_mpiexec() is None:
-        pytest.skip("no mpiexec found")
-    pytest.importorskip("mpi4py")
+    from tests.conftest import MPI_ENV, run_mpi_script  # (not at the top: the file is also the worker)
+
     env = {**os.environ, **MPI_ENV, "OMP_NUM_THREADS": "1", "DEADLINES_DIR": str(tmp_path)}
-    cmd = [sys.executable, str(Path(__file__).resolve())]
-    proc = spawn.start_mpi(cmd, 2, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=100)
-    finally:
-        spawn.stop([proc])
+    stdout, stderr, _ = run_mpi_script(__file__, 2, env)
     lines = {x["rank"]: x for x in (json.loads(s) for s in stdout.splitlines() if s.startswith("{"))}
     assert sorted(lines) == [0, 1], stderr[-3000:]
     waits = {**lines[0], **lines[1]}

@@ -49,11 +49,8 @@ def test_a_hung_rank_0_left_alone_is_stopped_at_the_timeout(tmp_path):
     assert time.monotonic() - start < 200
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["allreduce", "easgd"])
-def test_ctrl_c_leaves_a_checkpoint_that_resume_continues(strategy, tmp_path):
-    out = tmp_path / "r"
+def _train_until_it_logs(strategy: str, out: Path) -> tuple[subprocess.Popen, Path]:
+    """A 2-worker run that would go on for ever, once its metrics show it training."""
     cmd = [sys.executable, "-m", "parambox", "train", "--strategy", strategy, "--workers", "2"]
     cmd += ["--model", "mlp", "--steps", "100000", "--out", str(out), *QUIET]
     launcher = subprocess.Popen(
@@ -63,6 +60,15 @@ def test_ctrl_c_leaves_a_checkpoint_that_resume_continues(strategy, tmp_path):
     deadline = time.monotonic() + 150
     while not (metrics.exists() and metrics.stat().st_size > 2000) and time.monotonic() < deadline:
         time.sleep(0.2)
+    return launcher, metrics
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["allreduce", "easgd"])
+def test_ctrl_c_leaves_a_checkpoint_that_resume_continues(strategy, tmp_path):
+    out = tmp_path / "r"
+    launcher, metrics = _train_until_it_logs(strategy, out)
     launcher.send_signal(signal.SIGINT)
     _, err = launcher.communicate(timeout=60)
     assert launcher.returncode == 130, err
@@ -81,15 +87,7 @@ def test_a_synchronous_rank_stopped_long_before_rank_0_waits_for_the_step_rank_0
     from parambox.runtime.spawn import find_rank
 
     out = tmp_path / "r"
-    cmd = [sys.executable, "-m", "parambox", "train", "--strategy", "allreduce", "--workers", "2"]
-    cmd += ["--model", "mlp", "--steps", "100000", "--out", str(out), *QUIET]
-    launcher = subprocess.Popen(
-        cmd, cwd=ROOT, env={**os.environ, **MPI_ENV}, stderr=subprocess.PIPE, text=True
-    )
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 150
-    while not (metrics.exists() and metrics.stat().st_size > 2000) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    launcher, metrics = _train_until_it_logs("allreduce", out)
     rank1 = find_rank(launcher.pid, 1)
     assert rank1 is not None
     rank1.send_signal(signal.SIGTERM)
