@@ -9,7 +9,8 @@ byte and a pulled byte cross the link once. Where the shards live is decided as 
 (``memory_ranks``, ``num_shards``, ``box_ranks``).
 
 Protocol. A request is an int64 header ``[op, tag, start, n, counter, value, p0..p3]`` (``value``: the
-scale's float64 bits for a push; ``p0..p3``: an outer step's coefficients) sent with ``REQUEST_TAG`` to the shard's rank; its payload (push, write)
+scale's float64 bits for a push; ``p0..p3``: an outer step's coefficients) sent with ``REQUEST_TAG``
+to the shard's rank; its payload (push, write)
 follows as chunks of ``CHUNK`` elements on the request's own ``tag``, and the reply (an int64 ack or
 the counter's old value; for a pull, the chunks) comes back on its twin tag, into receives posted before
 the header went out. Tags count up per client, so two outstanding requests never match each other's
@@ -48,7 +49,7 @@ import warnings
 import numpy as np
 import torch
 
-from parambox.box.base import Handle, ParameterBox, _StagedPull, wait_until
+from parambox.box.base import Handle, ParameterBox, _host_flat, _is_host_flat, _StagedPull, wait_until
 from parambox.box.layout import shard_range
 from parambox.box.rma import MPI, pbmpi, wait_request
 from parambox.errors import CommTimeout
@@ -410,16 +411,13 @@ class ServerBox(ParameterBox):
         """Start the outer step of one arrival with pseudo-gradient ``g`` on ``box[start:start + n]``;
         ``out`` holds the new theta once the handle's ``wait()`` returns. ``coefficients``: ``(lr,
         beta, 1 / N, k, k_last)``; ``last``: the arrival closes its block (the momentum moves)."""
-        src = g.detach().to("cpu", torch.float32).contiguous().view(-1)
+        src = _host_flat(g)
         self._span(src.numel(), start)
-        stage = (
-            out if out.is_contiguous() and out.dtype == torch.float32 and out.device.type == "cpu" else None
-        )
-        got = stage if stage is not None else torch.empty(out.numel())
+        got = out.view(-1) if _is_host_flat(out) else torch.empty(out.numel())
         handle = self._transfer(
-            OUTER, src.numpy(), start, coefficients[0], got.view(-1).numpy(), int(last), coefficients[1:]
+            OUTER, src.numpy(), start, coefficients[0], got.numpy(), int(last), coefficients[1:]
         )
-        return handle if stage is not None else _StagedPull(handle, got, out)
+        return handle if _is_host_flat(out) else _StagedPull(handle, got, out)
 
     def pull_companion(self, out: torch.Tensor, row: int, start: int = 0) -> torch.Tensor:
         """``out <- m`` (``row`` 0) or ``a`` (1) of the elements ``[start, start + n)``."""
@@ -428,7 +426,7 @@ class ServerBox(ParameterBox):
         return out
 
     def write_companion(self, src: torch.Tensor, row: int, start: int = 0) -> None:
-        flat = src.detach().to("cpu", torch.float32).contiguous().view(-1)
+        flat = _host_flat(src)
         self._span(flat.numel(), start)
         self._transfer(COMPANION_WRITE, flat.numpy(), start, counter=row).wait()
 

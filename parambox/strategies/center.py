@@ -10,6 +10,9 @@ of EASGD.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from parambox.box import VERSION_COUNTER, ParameterBox
@@ -105,13 +108,10 @@ class CenterClient:
         False, moving nothing, if ``delta`` is not finite."""
         if not is_finite(delta):
             return False
-        with self.timers.phase("push_pull"):
-            version = self.box.add_counter(VERSION_COUNTER, 1)
-            self.staleness = version - self.pulled_version
+        with self._exchange():
             if damped:
                 scale /= self.staleness + 1
             self.box.push_pull(delta, out, scale, self.start)
-            self.pulled_version = version + 1
         return True
 
     def outer_step(self, g: torch.Tensor, out: torch.Tensor, coefficients: tuple, last: bool) -> bool:
@@ -120,12 +120,19 @@ class CenterClient:
         finite."""
         if not is_finite(g):
             return False
+        with self._exchange():
+            self.box.outer_step_async(g, out, coefficients, last, self.start).wait()
+        return True
+
+    @contextlib.contextmanager
+    def _exchange(self) -> Iterator[None]:
+        """A push that brings the center back: counted as one version (``staleness`` is set on entry),
+        after which this worker holds the version it made."""
         with self.timers.phase("push_pull"):
             version = self.box.add_counter(VERSION_COUNTER, 1)
             self.staleness = version - self.pulled_version
-            self.box.outer_step_async(g, out, coefficients, last, self.start).wait()
+            yield
             self.pulled_version = version + 1
-        return True
 
     def elastic_(self, x: torch.Tensor, alpha: float) -> bool:
         """Asynchronous EASGD exchange: ``d = alpha (x - c); x <- x - d; c <- c + d``.

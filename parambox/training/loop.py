@@ -121,6 +121,9 @@ def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | Non
         log.close()
 
 
+STOP_KEY = "stop_at"  # on the run's board: the step at which a stopped synchronous run leaves
+
+
 def _stops_here(run: Run, step: int) -> bool:
     """Whether a stopped rank (Ctrl-C) leaves at this step boundary. Asynchronous ranks leave where
     they are. Synchronous ranks leave at the step rank 0 names on the board, the boundary after the
@@ -133,9 +136,6 @@ def _stops_here(run: Run, step: int) -> bool:
         store.set(STOP_KEY, str(step + 1))  # every rank reaches it: the step between is collective
         return False
     return store.check([STOP_KEY]) and step >= int(store.get(STOP_KEY))
-
-
-STOP_KEY = "stop_at"
 
 
 def world_record(world: World) -> dict[str, Any]:
