@@ -242,7 +242,7 @@ def test_verdict_keuper(n_peak, err, verdict):
 
 
 def test_every_claim_has_a_source_and_an_id():
-    assert len(rp.CLAIMS) == 9 and len(set(rp.claim_ids())) == 9
+    assert len(rp.CLAIMS) == 14 and len(set(rp.claim_ids())) == 14
     assert all(c.source and c.claim for c in rp.CLAIMS)
 
 
@@ -252,7 +252,9 @@ def test_every_claim_has_a_source_and_an_id():
 @pytest.mark.slow
 def test_reproduce_quick_writes_claims_json_and_page(tmp_path):
     out = tmp_path / "repro"
-    run_cli("reproduce", "--out", str(out), "--quick", "--only", "neuron,grid", timeout=200)
+    run_cli(
+        "reproduce", "--out", str(out), "--quick", "--only", "neuron,grid,phases-sim,gain-sim", timeout=200
+    )
     result = json.loads((out / "claims.json").read_text())
     claims = {c["id"]: c for c in result["claims"]}
     assert list(claims) == rp.claim_ids()
@@ -262,6 +264,11 @@ def test_reproduce_quick_writes_claims_json_and_page(tmp_path):
         assert claims[cid]["verdict"] in rp.VERDICTS, claims[cid]
         assert claims[cid]["run"].startswith("parambox sweep")
         assert (out / claims[cid]["plot"]).exists()
+    for cid in ("phases-sim", "gain-sim"):  # simulated from measured one-process runs
+        assert claims[cid]["verdict"] in rp.VERDICTS and claims[cid]["why"].startswith("simulated"), claims[
+            cid
+        ]
+        assert claims[cid]["measured"]["basis"] == "simulated" and claims[cid]["measured"]["compute_ms"] > 0
     assert claims["smb"]["verdict"] == "skipped" and claims["smb"]["why"] == "not in --only"
     page = (out / "index.html").read_text()
     assert "neuron/loss_curves.png" in page and "not in --only" in page

@@ -3,6 +3,11 @@
 Defaults: global batch 1024 (so every n up to 1024 gets at least one sample: the strong-scaling curve is
 defined on the whole grid), 10 Gbit/s links with 10 us latency, 4 servers / box shards, overlap 0, T_comp
 measured here with 1 thread (the fastest of 5 passes) over the local batch sizes the grid needs (powers of two up to 256, linear above).
+
+``--simulate allreduce,ps-sync`` adds curves from ``perfmodel/simulate.py`` (named ``sim:SETUP``): each
+point a flow-level simulation of the setup's steps on n nodes with the same T_comp and network, where
+the analytic model has one formula per topology (bucketed allreduce behind backward, contention
+shared max-min fairly, ps-sync's gather at one link).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from parambox.perfmodel.compute import (
 )
 from parambox.perfmodel.output import plot_speedup, print_report
 from parambox.perfmodel.scaling import DEFAULT_WORKER_COUNTS, ScalingCurve, local_batches, predict_curve
+from parambox.perfmodel.simulate import PATTERNS, SIMULATED_MAX_NODES, simulate_curve
 from parambox.perfmodel.topology import Network, parse_topologies
 
 
@@ -51,6 +57,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--repeats", type=int, default=5, help="timed passes over the batch sizes (fastest counts; default 5)")
     a("--max-measure-batch", type=int, default=256, help="largest batch to time; linear above (default 256)")
     a("--max-workers", type=int, default=1024, help="largest n of the grid 1, 2, 4, ... (default 1024)")
+    a(
+        "--simulate",
+        help="also simulate these setups (comma list: allreduce, ps-sync, box-sync, downpour, diloco, ...; "
+        "a flow-level event simulation of each step, n <= 256): curves named sim:SETUP",
+    )
     a("--validate", action="store_true", help="measure 1 and 2 workers here and compare with ring")
     a("--validate-batch", type=int, help="global batch of the validation (default min(global batch, 64))")
     a("--emulate-nodes", type=int, help="--validate on 2 emulated nodes (network namespaces; needs root)")
@@ -75,6 +86,7 @@ def _check(args: argparse.Namespace) -> None:
             raise UserError("--measure-bandwidth probes loopback; with --emulate-nodes the link's rate is BW")
     if not 0.0 <= args.overlap <= 1.0:
         raise UserError(f"--overlap must be within 0..1, got {args.overlap}")
+    _simulated(args)  # names checked before anything is measured
     for name in ("global_batch", "local_batch", "threads", "repeats", "max_measure_batch", "max_workers"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -133,6 +145,16 @@ def _compute(args, build, shape, batches: dict[str, int], validate_batch: int | 
     return measure.measure_compute(args.model, shape, args.num_classes, sizes, args.threads, args.repeats)
 
 
+def _simulated(args: argparse.Namespace) -> list[str]:
+    if not args.simulate:
+        return []
+    names = list(dict.fromkeys(t.strip() for t in args.simulate.split(",") if t.strip()))
+    bad = [t for t in names if t not in PATTERNS]
+    if bad or not names:
+        raise UserError(f"--simulate {args.simulate!r}: choose from {', '.join(PATTERNS)}")
+    return names
+
+
 def _grid(args: argparse.Namespace) -> list[int]:
     return [n for n in DEFAULT_WORKER_COUNTS if n <= args.max_workers] or [1]
 
@@ -164,6 +186,12 @@ def run(args: argparse.Namespace) -> int:
         ]
         for scaling, batch in batches.items()
     }
+    for setup in _simulated(args):
+        _say(args, f"simulating {setup} at n = 1..{min(_grid(args)[-1], SIMULATED_MAX_NODES)}")
+        for scaling, batch in batches.items():
+            curve = simulate_curve(setup, compute, size_bytes, net, batch, scaling == "weak", _grid(args))
+            curve.topology = f"sim:{setup}"
+            curves[scaling].append(curve)
     result = result_json(args, parameters, net, source, compute, curves, batches)
     if validate_batch is not None:
         _say(args, f"validating: 1 and 2 processes x {args.threads} thread(s), global batch {validate_batch}")

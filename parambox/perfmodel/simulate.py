@@ -1,0 +1,405 @@
+"""A flow-level event simulator of the strategies' steps on a cluster: what ``parambox reproduce``
+uses for the claims one machine cannot host (1 to 256 nodes).
+
+Each node runs one worker. A worker computes (its measured step time, optionally with jitter) and
+exchanges as its strategy does, one pattern per setup of ``PATTERNS`` (the names of ``bench cluster``'s
+setups, plus ``ps-sync``):
+
+- ``allreduce``: gloo's ring (reduce-scatter then all-gather, 2(n-1) rounds of S/n) in buckets that
+  start during backward (1 MB first, then 25 MB, as ``strategies/allreduce.py``);
+- ``box-sync``: every node pushes its gradient's shards to the nodes holding them, a barrier, then
+  pulls the sums (the rma box cut over every node, the memory server adding);
+- ``box``: one fused push-pull against every shard, no barrier (Downpour; EASGD and asynchronous
+  DiLoCo every ``period`` steps);
+- ``allreduce`` with a ``period``: a whole-model allreduce every ``period`` steps (weight-avg, DiLoCo);
+- ``ps``: rank 0 gathers every gradient, averages it, broadcasts the weights (ps-sync, SHM-Learn-Dist §6);
+- ``overlap``: the exchange runs behind the next steps' compute; the next exchange first waits for it.
+
+The network: every node has one full-duplex link to a non-blocking switch (the emulated cluster's
+shape, and a rack's). A message waits the link's latency, then flows over its sender's uplink and its
+receiver's downlink; the flows on a link share it max-min fairly (TCP's steady state), recomputed
+whenever a flow starts or ends. Payload moves at ``LINK_EFFICIENCY`` of the link rate: what
+``bench box --emulate-nodes 2`` measured for the memory server's push and pull over ``tc``'s rate
+limit (0.954-0.957 at 1 and 0.1 Gbit/s, 25 Nov, with 1.001 wire bytes per payload byte: the bytes
+counted here are payload).
+
+Not modelled: the CPU the exchange itself takes (serving threads, summing), and compute slowed or
+sped up by the exchange's use of the cores. Both matter on an oversubscribed machine.
+
+>>> net = Network.from_gbps(1.0)
+>>> r = simulate("ceiling", nodes=4, compute_s=0.05, size_bytes=4e6, net=net)
+>>> round(r.step_s, 6), r.link_bytes_per_step
+(0.05, 0.0)
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import simpy
+
+from parambox.errors import UserError
+from parambox.perfmodel.compute import ComputeProfile
+from parambox.perfmodel.scaling import DEFAULT_WORKER_COUNTS, ScalingCurve
+from parambox.perfmodel.topology import Network
+
+LINK_EFFICIENCY = 0.955
+FORWARD_SHARE = 1 / 3  # of a step's compute; the rest is backward, where gradients become ready
+FIRST_BUCKET, BUCKET = 1 * 2**20, 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """How a setup's worker exchanges: ``exchange`` every ``period`` steps, behind compute or not."""
+
+    exchange: str  # none | allreduce | box-sync | box | ps
+    period: int = 1
+    overlap: bool = False
+    bucketed: bool = False  # the allreduce starts per bucket during backward
+
+
+PATTERNS: dict[str, Pattern] = {
+    "ceiling": Pattern("none"),
+    "ddp": Pattern("allreduce", bucketed=True),
+    "allreduce": Pattern("allreduce", bucketed=True),
+    "box-sync": Pattern("box-sync"),
+    "downpour": Pattern("box"),
+    "downpour-overlap": Pattern("box", overlap=True),
+    "weight-avg": Pattern("allreduce", period=4),
+    "easgd-tau4": Pattern("box", period=4),
+    "easgd-tau16": Pattern("box", period=16),
+    "diloco": Pattern("allreduce", period=16),
+    "diloco-overlap": Pattern("allreduce", period=16, overlap=True),
+    "diloco-async": Pattern("box", period=16),
+    "diloco-async-overlap": Pattern("box", period=16, overlap=True),
+    "ps-sync": Pattern("ps"),
+}
+
+
+@dataclass
+class SimResult:
+    """One simulated run: a worker's mean step, the cluster's samples/s, the wire bytes per step per
+    node (sent + received, as ``bench cluster`` counts them) and node 0's seconds per step by phase."""
+
+    setup: str
+    nodes: int
+    step_s: float
+    samples_per_s: float
+    link_bytes_per_step: float
+    phases_s: dict[str, float] = field(default_factory=dict)
+
+    def as_json(self) -> dict:
+        return {
+            "setup": self.setup,
+            "nodes": self.nodes,
+            "step_ms": self.step_s * 1e3,
+            "samples_per_s": self.samples_per_s,
+            "link_mb_per_step": self.link_bytes_per_step / 1e6,
+            "phases_ms": {k: v * 1e3 for k, v in self.phases_s.items()},
+        }
+
+
+class _Flow:
+    __slots__ = ("src", "dst", "left", "size", "rate", "done")
+
+    def __init__(self, src: int, dst: int, size: float, done: simpy.Event):
+        self.src, self.dst, self.left, self.size, self.rate, self.done = src, dst, size, size, 0.0, done
+
+
+class Fabric:
+    """Every node's uplink and downlink, ``rate`` payload bytes/s each way, shared max-min fairly."""
+
+    def __init__(self, env: simpy.Environment, nodes: int, rate: float, latency: float):
+        self.env, self.rate, self.latency = env, rate, latency
+        self.flows: list[_Flow] = []
+        self.wire = [0.0] * nodes  # bytes sent + received per node
+        self._stamp, self._generation, self._pending = 0.0, 0, False
+
+    def send(self, src: int, dst: int, nbytes: float) -> simpy.Event:
+        """An event that fires when ``nbytes`` have gone from ``src`` to ``dst`` (after the latency)."""
+        done = self.env.event()
+        if src == dst or nbytes <= 0:
+            return done.succeed()
+        self.wire[src] += nbytes
+        self.wire[dst] += nbytes
+        self.env.process(self._start(_Flow(src, dst, float(nbytes), done)))
+        return done
+
+    def _start(self, flow: _Flow):
+        yield self.env.timeout(self.latency)
+        self._drain()
+        self.flows.append(flow)
+        if not self._pending:  # one rate update per instant, after every flow of that instant started
+            self._pending = True
+            self.env.timeout(0).callbacks.append(self._update)
+
+    def _drain(self) -> None:
+        dt = self.env.now - self._stamp
+        if dt > 0:
+            for f in self.flows:
+                f.left -= f.rate * dt
+        self._stamp = self.env.now
+
+    def _update(self, _event=None) -> None:
+        self._pending = False
+        self._generation += 1
+        self._drain()
+        finished = [f for f in self.flows if f.left <= 1e-9 * f.size + 1e-6]
+        if finished:
+            self.flows = [f for f in self.flows if f.left > 1e-9 * f.size + 1e-6]
+            for f in finished:
+                f.done.succeed()
+        if not self.flows:
+            return
+        self._share()
+        generation = self._generation
+        wake = self.env.timeout(min(f.left / f.rate for f in self.flows))
+        wake.callbacks.append(lambda _e: generation == self._generation and self._update())
+
+    def _share(self) -> None:
+        """Max-min fair rates by progressive filling: the links with the smallest fair share fix their
+        flows' rates, which leave the other links; repeat."""
+        users: dict[tuple[str, int], list[_Flow]] = defaultdict(list)
+        for f in self.flows:
+            users["up", f.src].append(f)
+            users["down", f.dst].append(f)
+        capacity = {link: self.rate for link in users}
+        count = {link: len(fs) for link, fs in users.items()}
+        fixed: set[int] = set()
+        while len(fixed) < len(self.flows):
+            shares = {link: capacity[link] / count[link] for link in users if count[link] > 0}
+            least = min(shares.values())
+            for link, share in shares.items():
+                if share > least * (1 + 1e-9):
+                    continue
+                for f in users[link]:
+                    if id(f) in fixed:
+                        continue
+                    fixed.add(id(f))
+                    f.rate = least
+                    for other in (("up", f.src), ("down", f.dst)):
+                        capacity[other] -= least
+                        count[other] -= 1
+
+
+class _Cluster:
+    """The simulated run: the fabric, the collectives' rendezvous, each node's step clock."""
+
+    def __init__(self, nodes: int, net: Network, seed: int, jitter: float):
+        self.env = simpy.Environment()
+        self.n = nodes
+        self.fabric = Fabric(self.env, nodes, net.bandwidth * LINK_EFFICIENCY, net.latency)
+        self.rng, self.jitter = random.Random(seed), jitter
+        self._events: dict[tuple, simpy.Event] = {}
+        self.counts: dict[tuple, int] = defaultdict(int)
+
+    def event(self, key: tuple) -> simpy.Event:
+        if key not in self._events:
+            self._events[key] = self.env.event()
+        return self._events[key]
+
+    def compute(self, seconds: float) -> simpy.Event:
+        if self.jitter > 0:  # lognormal with mean 1
+            seconds *= math.exp(self.rng.gauss(0.0, self.jitter) - self.jitter**2 / 2)
+        return self.env.timeout(seconds)
+
+    def gate(self, key: tuple, delay: float = 0.0) -> simpy.Event:
+        """Fires ``delay`` after every node has arrived."""
+        self.counts[key] += 1
+        event = self.event(("gate", key))
+        if self.counts[key] == self.n:
+            self.env.timeout(delay).callbacks.append(lambda _e: event.succeed())
+        return event
+
+    def ring_allreduce(self, me: int, tag: tuple, nbytes: float):
+        """Node ``me``'s part of a ring allreduce of ``nbytes``: once every node has arrived (a round
+        needs its neighbours), 2(n-1) rounds of S/n to the next node, as one flow of 2(n-1)/n S over
+        that link after 2(n-1) latencies. Exact where nothing else shares the links; with other traffic
+        the ring's share of a link is one flow's."""
+        n = self.n
+        if n == 1:
+            return
+        yield self.gate(("ring", tag))
+        yield self.env.timeout((2 * (n - 1) - 1) * self.fabric.latency)  # the send waits the last one
+        sent = self.fabric.send(me, (me + 1) % n, 2 * (n - 1) / n * nbytes)
+        sent.callbacks.append(lambda _e: self.event(("ring in", tag, (me + 1) % n)).succeed())
+        yield self.env.all_of([sent, self.event(("ring in", tag, me))])
+
+    def push_pull(self, me: int, nbytes: float, barrier: tuple | None = None):
+        """Every shard's piece to its node and the new values back: fused (the server returns each
+        piece as it adds it), or push, ``barrier``, pull (box-sync)."""
+        others = [j for j in range(self.n) if j != me]
+        piece = nbytes / self.n
+        if barrier is None:
+            yield self.env.all_of(
+                [self.fabric.send(me, j, piece) for j in others]
+                + [self.fabric.send(j, me, piece) for j in others]
+            )
+            return
+        yield self.env.all_of([self.fabric.send(me, j, piece) for j in others])
+        yield self.gate(barrier, self.fabric.latency)  # the barrier: one message
+        yield self.env.all_of([self.fabric.send(j, me, piece) for j in others])
+
+
+def simulate(
+    setup: str | Pattern,
+    nodes: int,
+    compute_s: float,
+    size_bytes: float,
+    net: Network,
+    batch: int = 64,
+    steps: int | None = None,
+    jitter: float = 0.0,
+    seed: int = 0,
+    average_bytes_per_s: float = 5e9,
+) -> SimResult:
+    """``setup`` (a key of ``PATTERNS``, or a ``Pattern``) on ``nodes`` nodes, each step ``compute_s`` of compute on
+    ``batch`` samples and ``size_bytes`` of gradient or weights; measured over ``steps`` steps after one
+    exchange period of warm-up (default 4 periods, at least 8 steps). ``average_bytes_per_s``: how fast
+    ps-sync's server sums the gathered gradients (its ``average`` phase)."""
+    if isinstance(setup, Pattern):
+        pattern, setup = setup, f"{setup.exchange} every {setup.period}"
+    elif setup in PATTERNS:
+        pattern = PATTERNS[setup]
+    else:
+        raise UserError(f"simulate: setup {setup!r}; choose from {', '.join(PATTERNS)}")
+    if nodes < 1 or not compute_s > 0 or size_bytes < 0 or jitter < 0:
+        raise UserError("simulate: nodes >= 1, compute_s > 0, size_bytes >= 0, jitter >= 0")
+    warm = pattern.period
+    steps = steps or max(8, 4 * pattern.period)
+    run = _Cluster(nodes, net, seed, jitter)
+    clocks: list[list[float]] = [[] for _ in range(nodes)]
+    phases: dict[str, list[float]] = defaultdict(list)
+
+    def worker(me: int):
+        env, background = run.env, None
+        for k in range(warm + steps):
+            t0 = env.now
+            exchanging = (k + 1) % pattern.period == 0 and nodes > 1 and pattern.exchange != "none"
+            if pattern.bucketed and exchanging:
+                yield from _bucketed_step(run, me, k, compute_s, size_bytes)
+            else:
+                yield run.compute(compute_s)
+            t1 = env.now
+            if exchanging and not pattern.bucketed:
+                if pattern.overlap:
+                    if background is not None:
+                        yield background
+                    background = env.process(_exchange(run, pattern, me, k, size_bytes, average_bytes_per_s))
+                else:
+                    timed = yield env.process(_exchange(run, pattern, me, k, size_bytes, average_bytes_per_s))
+                    if me == 0 and k >= warm:
+                        for name, s in (timed or {}).items():
+                            phases[name].append(s)
+            if me == 0 and k >= warm:
+                phases["compute"].append(t1 - t0)
+                phases["exchange"].append(env.now - t1)
+            clocks[me].append(env.now)
+
+    for i in range(nodes):
+        run.env.process(worker(i))
+    run.env.run()
+    step_s = statistics.mean((c[-1] - c[warm - 1]) / steps for c in clocks)
+    per_step = {name: sum(v) / steps for name, v in phases.items()}
+    wire = statistics.mean(run.fabric.wire) / (warm + steps)
+    return SimResult(setup, nodes, step_s, nodes * batch / step_s, wire, per_step)
+
+
+def _bucketed_step(run: _Cluster, me: int, k: int, compute_s: float, size_bytes: float):
+    """Forward, then backward with each bucket's allreduce started once its gradients are ready and the
+    previous bucket's is done; the step ends with the last bucket."""
+    env = run.env
+    yield run.compute(compute_s * FORWARD_SHARE)
+    backward = compute_s * (1 - FORWARD_SHARE)
+    start = env.now
+    sizes, left = [], size_bytes
+    while left > 0:
+        sizes.append(min(left, FIRST_BUCKET if not sizes else BUCKET))
+        left -= sizes[-1]
+
+    def buckets():
+        ready = 0.0
+        for b, nbytes in enumerate(sizes):
+            ready += nbytes
+            wait = start + backward * ready / size_bytes - env.now
+            if wait > 0:
+                yield env.timeout(wait)
+            yield from run.ring_allreduce(me, ("bucket", k, b), nbytes)
+
+    comm = env.process(buckets())
+    yield run.compute(backward)
+    yield comm
+
+
+def _exchange(run: _Cluster, pattern: Pattern, me: int, k: int, size_bytes: float, average_bps: float):
+    """One exchange of ``pattern`` at step ``k``; returns node 0's phase times for ps-sync."""
+    if pattern.exchange == "allreduce":
+        yield from run.ring_allreduce(me, ("allreduce", k), size_bytes)
+    elif pattern.exchange == "box-sync":
+        yield from run.push_pull(me, size_bytes, barrier=("box-sync", k))
+    elif pattern.exchange == "box":
+        yield from run.push_pull(me, size_bytes)
+    elif pattern.exchange == "ps":
+        return (yield from _parameter_server(run, me, k, size_bytes, average_bps))
+    return None
+
+
+def _parameter_server(run: _Cluster, me: int, k: int, size_bytes: float, average_bps: float):
+    """ps-sync's step: gather at node 0 (timed there from its own gradient to the last arrival),
+    average, broadcast (node 0 sends every copy; each node goes on once its copy arrived)."""
+    env, gathered = run.env, run.event(("gathered", k))
+    if me != 0:
+        run.fabric.send(me, 0, size_bytes).callbacks.append(lambda _e: _arrive(run, k, gathered))
+        yield run.event(("weights", k, me))
+        return None
+    t0 = env.now
+    _arrive(run, k, gathered)
+    yield gathered
+    t1 = env.now
+    yield env.timeout(run.n * size_bytes / average_bps)
+    t2 = env.now
+    copies = []
+    for j in range(1, run.n):
+        copies.append(run.fabric.send(0, j, size_bytes))
+        copies[-1].callbacks.append(lambda _e, j=j: run.event(("weights", k, j)).succeed())
+    yield env.all_of(copies)
+    return {"gather": t1 - t0, "average": t2 - t1, "broadcast": env.now - t2}
+
+
+def _arrive(run: _Cluster, k: int, gathered: simpy.Event) -> None:
+    run.counts["gather", k] += 1
+    if run.counts["gather", k] == run.n:
+        gathered.succeed()
+
+
+SIMULATED_MAX_NODES = 256
+
+
+def simulate_curve(
+    setup: str,
+    compute: ComputeProfile,
+    size_bytes: float,
+    net: Network,
+    batch: int,
+    weak: bool = False,
+    worker_counts: list[int] = DEFAULT_WORKER_COUNTS,
+    jitter: float = 0.0,
+) -> ScalingCurve:
+    """``predict_curve``'s curve for ``setup``, each point simulated (n <= ``SIMULATED_MAX_NODES``):
+    strong scaling splits the global ``batch`` over n, weak keeps ``batch`` per worker."""
+    t_iter, t_comp, t_comm = [], [], []
+    for n in worker_counts:
+        local = batch if weak else batch / n
+        if local < 1 or n > SIMULATED_MAX_NODES:
+            t_iter.append(None), t_comp.append(None), t_comm.append(None)
+            continue
+        tc = compute.time_s(local)
+        step = simulate(setup, n, tc, size_bytes, net, batch=max(1, round(local)), jitter=jitter).step_s
+        t_iter.append(step)
+        t_comp.append(tc)
+        t_comm.append(max(0.0, step - tc))
+    return ScalingCurve(setup, list(worker_counts), t_iter, t_comp, t_comm, compute.time_s(batch), weak)

@@ -1,0 +1,201 @@
+"""The event simulator (``perfmodel/simulate.py``): each pattern against its closed form, the links'
+max-min sharing, overlap and buckets, and ``parambox predict --simulate`` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import simpy
+
+from parambox.errors import UserError
+from parambox.perfmodel.compute import ComputeProfile
+from parambox.perfmodel.scaling import predict_curve
+from parambox.perfmodel.simulate import LINK_EFFICIENCY, Fabric, _Flow, simulate, simulate_curve
+from parambox.perfmodel.topology import Network, ring_allreduce_s
+from tests.conftest import run_cli
+
+S = 4.0e6  # bytes
+NET = Network.from_gbps(1.0, latency_us=50.0)
+RATE = NET.bandwidth * LINK_EFFICIENCY  # payload bytes/s a link moves
+ALPHA = NET.latency
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_a_whole_model_allreduce_is_the_ring_closed_form(n):
+    r = simulate("weight-avg", n, 0.1, S, NET, steps=8)  # two exchanges in the 8 measured steps
+    ring = ring_allreduce_s(n, S, Network(RATE, ALPHA))
+    assert r.phases_s["exchange"] * 8 / 2 == pytest.approx(ring, rel=1e-9)
+    assert r.step_s == pytest.approx(0.1 + ring / 4, rel=1e-9)
+
+
+@pytest.mark.parametrize("n", [2, 4, 7])
+def test_ps_sync_gathers_and_broadcasts_through_one_link(n):
+    r = simulate("ps-sync", n, 0.1, S, NET, average_bytes_per_s=2e9)
+    one_link = ALPHA + (n - 1) * S / RATE  # n-1 copies share the server's downlink, then its uplink
+    assert r.phases_s["gather"] == pytest.approx(one_link, rel=1e-9)
+    assert r.phases_s["average"] == pytest.approx(n * S / 2e9, rel=1e-9)
+    assert r.phases_s["broadcast"] == pytest.approx(one_link, rel=1e-9)
+    assert r.step_s == pytest.approx(0.1 + 2 * one_link + n * S / 2e9, rel=1e-9)
+
+
+@pytest.mark.parametrize("n", [2, 3, 6])
+def test_the_box_moves_each_shard_once_each_way(n):
+    piece_phase = ALPHA + (n - 1) * (S / n) / RATE  # n-1 pieces in and out of every link at once
+    sync = simulate("box-sync", n, 0.1, S, NET)
+    assert sync.phases_s["exchange"] == pytest.approx(2 * piece_phase + ALPHA, rel=1e-9)  # + the barrier
+    # Fused: pushes and pulls at once, so every link carries its node's pushes and the pulls it serves.
+    fused = simulate("downpour", n, 0.1, S, NET)
+    assert fused.phases_s["exchange"] == pytest.approx(ALPHA + 2 * (n - 1) * (S / n) / RATE, rel=1e-9)
+    # Sent + received per node per step: every piece out and in, each way (n = 2: 2 S, bench's "need").
+    assert fused.link_bytes_per_step == pytest.approx(4 * (n - 1) / n * S, rel=1e-9)
+
+
+def test_flows_share_links_max_min_fairly():
+    fabric = Fabric(simpy.Environment(), 5, 90.0, 0.0)
+    env = fabric.env
+    a, b, c, d = (_Flow(s, t, 1.0, env.event()) for s, t in [(0, 1), (0, 2), (3, 2), (4, 2)])
+    fabric.flows = [a, b, c, d]
+    fabric._share()
+    # node 2's downlink is the bottleneck of b, c, d (30 each); a takes what is left of node 0's uplink
+    assert [f.rate for f in (b, c, d)] == pytest.approx([30.0] * 3) and a.rate == pytest.approx(60.0)
+
+
+def test_a_flow_finishes_when_its_bytes_have_gone_at_the_shared_rate():
+    env = simpy.Environment()
+    fabric = Fabric(env, 3, 100.0, 0.5)
+    first, second = fabric.send(0, 1, 100.0), fabric.send(2, 1, 300.0)
+    env.run()
+    # both share node 1's downlink at 50 until the first ends at 0.5 + 2; the second then has 200 left
+    assert first.ok and second.ok
+    assert env.now == pytest.approx(0.5 + 2.0 + 2.0)
+
+
+def test_overlap_hides_an_exchange_shorter_than_the_compute_between():
+    plain = simulate("downpour", 2, 0.1, S, NET)
+    hidden = simulate("downpour-overlap", 2, 0.1, S, NET)
+    assert plain.step_s > 0.1 and hidden.step_s == pytest.approx(0.1, rel=1e-9)
+    slow = simulate("downpour-overlap", 2, 0.001, S, NET)  # the link bounds the step instead
+    assert slow.step_s == pytest.approx(ALPHA + 2 * (S / 2) / RATE, rel=1e-6)  # as the fused exchange
+
+
+def test_buckets_start_during_backward():
+    size = 2 * 2**20  # two buckets of 1 MiB: the first ready half way through backward
+    compute = 0.3
+    r = simulate("allreduce", 2, compute, size, NET)
+    bucket = ring_allreduce_s(2, 2**20, Network(RATE, ALPHA))
+    assert bucket < compute * (2 / 3) / 2  # the first bucket is done before backward ends
+    assert r.step_s == pytest.approx(compute + bucket, rel=1e-9)
+
+
+def test_jitter_keeps_the_mean_and_a_seed_repeats_it():
+    runs = [simulate("ceiling", 1, 0.1, S, NET, steps=400, jitter=0.2, seed=s).step_s for s in (0, 1)]
+    assert runs[0] == pytest.approx(0.1, rel=0.05) and runs[0] != runs[1]
+    assert (
+        simulate("ceiling", 1, 0.1, S, NET, steps=40, jitter=0.2, seed=0).step_s
+        == simulate("ceiling", 1, 0.1, S, NET, steps=40, jitter=0.2, seed=0).step_s
+    )
+
+
+def test_the_simulated_ring_curve_matches_the_analytic_one_without_buckets_to_hide():
+    compute = ComputeProfile({1: 0.001, 1024: 0.4})
+    net = Network(RATE, ALPHA)  # the analytic model at the rate the simulator moves payload
+    small = 4e5  # under the first bucket: nothing to overlap, so the two models are the same ring
+    sim = simulate_curve("allreduce", compute, small, NET, 1024, worker_counts=[1, 2, 4, 16, 64])
+    ana = predict_curve("ring", compute, small, net, 1024, worker_counts=[1, 2, 4, 16, 64])
+    assert sim.t_iter_s == pytest.approx(ana.t_iter_s, rel=1e-9) and sim.n_peak == ana.n_peak
+
+
+def test_a_wrong_setup_or_size_names_the_problem():
+    with pytest.raises(UserError, match="choose from"):
+        simulate("allgather", 2, 0.1, S, NET)
+    with pytest.raises(UserError, match="nodes >= 1"):
+        simulate("allreduce", 0, 0.1, S, NET)
+
+
+def test_predict_simulate_adds_simulated_curves(tmp_path):
+    out = run_cli(
+        "predict", "--comp-table", "1:1,64:20,1024:300", "--bandwidth-gbps", "1", "--topology", "ring",
+        "--simulate", "allreduce,ps-sync", "--max-workers", "16", "--json",
+    )  # fmt: skip
+    result = json.loads(out.stdout)
+    curves = result["strong"]["topologies"]
+    assert set(curves) == {"ring", "sim:allreduce", "sim:ps-sync"}
+    assert set(result["n_peak"]) == set(curves)
+    assert all(math.isfinite(s) for s in curves["sim:ps-sync"]["speedup"])
+    bad = run_cli("predict", "--simulate", "allgather", check=False)
+    assert bad.returncode == 2 and "choose from" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# -- reproduce's simulated claims (studies/simulated.py) ------------------------------------------
+
+
+def _bench(step_s: dict[str, float], compute_s: float) -> dict:
+    rates = {name: 2 * 64 / s for name, s in step_s.items()} | {"ceiling": 2 * 64 / compute_s}
+    return {"nodes": 2, "workers": 2, "batch_per_worker": 64, "by_gbps": {"1": {"samples_per_s": rates}}}
+
+
+def test_the_validation_compares_each_setup_with_its_simulation_on_the_run_s_own_compute():
+    from parambox.studies import simulated
+
+    size = simulated.cnn_bytes()
+    ring = ring_allreduce_s(2, size, Network(RATE, NET.latency / 5))  # the validation's 10 us latency
+    # weight-avg as the closed form says; ddp twice as slow as any simulation of it could be
+    bench = _bench({"weight-avg": 0.1 + ring / 4, "ddp": 2 * (0.1 + ring)}, compute_s=0.1)
+    rows = {r["setup"]: r for r in simulated.validation_rows(bench)}
+    assert set(rows) == {"weight-avg", "ddp"} and rows["weight-avg"]["compute_ms"] == pytest.approx(100.0)
+    assert rows["weight-avg"]["error"] == pytest.approx(0.0, abs=1e-9)
+    assert rows["ddp"]["error"] < -0.4
+    m = {"rows": list(rows.values()), **simulated.error_summary(list(rows.values()))}
+    verdict, why = simulated.verdict_simulator(m)
+    assert verdict == "not reproduced" and "1 of 2 step times within 15%" in why and "worst ddp" in why
+
+
+@pytest.mark.parametrize("errors, verdict", [([0.1, -0.05], "reproduced"), ([0.1, 0.05, 0.3], "partly")])
+def test_verdict_simulator(errors, verdict):
+    from parambox.studies import simulated
+
+    rows = [{"nodes": 2, "gbps": 1.0, "setup": f"s{i}", "error": e} for i, e in enumerate(errors)]
+    assert simulated.verdict_simulator({"rows": rows, **simulated.error_summary(rows)})[0] == verdict
+
+
+@pytest.mark.parametrize(
+    "n_peak, verdict", [(32, "reproduced"), (256, "not reproduced"), (4, "not reproduced")]
+)
+def test_verdict_keuper_sim(n_peak, verdict):
+    from parambox.studies import simulated
+
+    m = {"n_peak": {"sim:allreduce": n_peak, "ring": 64}, "link_gbps": 1.0, "model": "alexnet"}
+    m |= {"global_batch": 1024, "max_step_difference_vs_analytic": 0.04}
+    got, why = simulated.verdict_keuper_sim(m)
+    assert got == verdict and why.startswith("simulated:")
+
+
+def test_step_statistics_leave_out_the_start_and_resist_a_burst(tmp_path):
+    from parambox.studies.simulated import step_statistics
+
+    times = [0.5 * i for i in range(6)] + [2.5 + 0.1 * i for i in range(1, 41)]
+    times[20:] = [t + 3.0 for t in times[20:]]  # one burst of foreign load: one long step
+    lines = [json.dumps({"kind": "world"})] + [json.dumps({"kind": "step", "time": t}) for t in times]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
+    median, cv = step_statistics(tmp_path)
+    assert median == pytest.approx(0.1) and cv == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_tau_h_table_times_measured_steps_by_the_simulated_step():
+    from parambox.studies import simulated
+
+    runs = {
+        f"{m}-{t}": {"final_test_accuracy": 0.98, "steps_to_target": None if t == 4 else 100 * t}
+        for m in simulated.TAU_H_EXCHANGE
+        for t in (1, 4)
+    }
+    rows = {(r["method"], r["tau"]): r for r in simulated.tau_h_rows(runs, (1, 4), 0.01, S, workers=2)}
+    assert len(rows) == 8 and rows["diloco", 4]["seconds_to_target"] == {"1": None, "0.1": None}
+    for g in ("1", "0.1"):
+        net = Network(float(g) * 1e9 / 8 * LINK_EFFICIENCY, 10e-6)
+        ring = ring_allreduce_s(2, S, net)  # diloco every step: the whole-model ring
+        assert rows["diloco", 1]["seconds_to_target"][g] == pytest.approx(100 * (0.01 + ring), rel=1e-9)
+        box = 10e-6 + 2 * (S / 2) / net.bandwidth  # easgd every step: the fused push-pull
+        assert rows["easgd", 1]["seconds_to_target"][g] == pytest.approx(100 * (0.01 + box), rel=1e-9)
