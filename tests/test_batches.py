@@ -40,6 +40,15 @@ def test_nan_fault_turns_every_floating_tensor_into_nan():
     assert not FaultPlan.from_env({})
 
 
+def test_a_partition_fault_needs_a_duration_and_an_emulated_node():
+    assert FaultPlan.parse("2:10:partition=2.5").faults == ((2, 10, "partition=2.5"),)
+    for bad in ("partition", "partition=0", "partition=x"):
+        with pytest.raises(ValueError, match="expected partition=SECONDS"):
+            FaultPlan.parse(f"1:3:{bad}")
+    with pytest.raises(RuntimeError, match="not on an emulated node"):  # this process: the host's links
+        FaultPlan.parse("0:1:partition=1").inject(0, 1, None)
+
+
 def test_single_steps_a_dict_batch_with_a_user_loss():
     torch.manual_seed(0)
     model = nn.Linear(3, 1)

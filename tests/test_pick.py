@@ -204,6 +204,9 @@ def test_top1_hit_rate_and_prediction_error_over_seeds():
     )
     # seed 2: b predicted faster but never reached the target (slowest): discordant
     assert out["rank_correlation_per_seed"] == [1.0, -1.0, -1.0] and out["rank_correlation"] == -1.0
+    # measured against measured, per pair of seeds (b unreached in seed 2: slowest there): (0, 1) swap,
+    # (0, 2) agree, (1, 2) swap -> median -1
+    assert out["measured_repeatability"] == pytest.approx(-1.0)
     assert scores.family("diloco", False) == "local SGD" and scores.family("diloco", True) == "asynchronous"
     assert scores.family("allreduce", False) == "synchronous"
 

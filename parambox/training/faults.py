@@ -2,17 +2,21 @@
 
 KIND is ``kill`` (SIGKILL this worker before the step), ``nan`` (from that step on every floating
 tensor of its batch is NaN, so its loss and gradients become non-finite) ``slow`` (sleep 0.2 s per step from then on)
-``hang`` (stall at that step, sleeping) or ``stop`` (SIGSTOP itself at that step: frozen, it holds its
-connections open and answers nothing, until its launcher kills it). The plan is read once, in set-up, and handed to the loop.
+``hang`` (stall at that step, sleeping), ``stop`` (SIGSTOP itself at that step: frozen, it holds its
+connections open and answers nothing, until its launcher kills it) or ``partition=T`` (on an emulated
+node: take the node's link down for T seconds, then up again; the process trains on, its messages
+wait in TCP's retransmissions). The plan is read once, in set-up, and handed to the loop.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +42,8 @@ class FaultPlan:
             if item.strip():
                 rank, step, kind = item.strip().split(":")
                 faults.append((int(rank), int(step), kind))
+                if kind.startswith("partition"):
+                    partition_seconds(kind)  # a malformed duration fails at start-up, not at the step
         return cls(tuple(faults))
 
     @classmethod
@@ -67,7 +73,31 @@ class FaultPlan:
                 time.sleep(3600)
             elif kind == "stop" and step == f_step:
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif kind.startswith("partition") and step == f_step:
+                partition(partition_seconds(kind))
         return batch
+
+
+def partition_seconds(kind: str) -> float:
+    """``partition=T`` -> T (seconds, > 0)."""
+    try:
+        seconds = float(kind.split("=", 1)[1])
+    except (IndexError, ValueError):
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"PARAMBOX_FAULT kind {kind!r}: expected partition=SECONDS, e.g. partition=2")
+    return seconds
+
+
+def partition(seconds: float) -> subprocess.Popen:
+    """Take this emulated node's link down for ``seconds``, then up, from a process of its own (in the
+    node's namespace, so the cluster's clean-up kills it with the node)."""
+    from parambox.runtime.cluster import NODE_IFNAME
+
+    if f" {NODE_IFNAME}:" not in Path("/proc/self/net/dev").read_text():  # this namespace's links
+        raise RuntimeError("PARAMBOX_FAULT partition: not on an emulated node (--emulate-nodes)")
+    script = f"ip link set {NODE_IFNAME} down; sleep {seconds:g}; ip link set {NODE_IFNAME} up"
+    return subprocess.Popen(["sh", "-c", script], start_new_session=True)
 
 
 def _nan_if_floating(t: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,9 @@
 - ``top1_hit_rate``: over seeds, the fraction in which the top pick was the fastest measured.
 - ``prediction_error``: per strategy setup, the median over seeds of |predicted - measured| / measured;
   per family (synchronous, local SGD, asynchronous), the median over the family's setups.
+- ``measured_repeatability``: Kendall's tau between two seeds' *measured* times, the median over pairs
+  of seeds. No prediction can rank better than the measurement repeats: where this is low, the
+  candidates' times differ by less than the runs' own spread, and ``rank_correlation`` cannot be high.
 
 >>> kendall_tau([1.0, 2.0, 3.0], [10.0, 30.0, 20.0])
 0.3333333333333333
@@ -116,9 +119,16 @@ def summarize_seeds(seeds: list[dict[str, Any]], families: dict[str, str]) -> di
     valid = [t for t in taus if t is not None]
     per_setup = prediction_error(predicted, measured)
     ratios = [s.get("top_pick_vs_best_measured") for s in seeds]
+    pairs = [
+        seed_rank_correlation({k: v for k, v in a.items() if v is not None}, b)
+        for i, a in enumerate(measured)
+        for b in measured[i + 1 :]
+    ]
+    pairs = [t for t in pairs if t is not None]
     return {
         "rank_correlation": statistics.median(valid) if valid else None,
         "rank_correlation_per_seed": taus,
+        "measured_repeatability": statistics.median(pairs) if pairs else None,
         "top1_hit_rate": top1_hit_rate([(s["top_pick"], s["measured_s"]) for s in seeds]),
         "top_pick_vs_best_measured_per_seed": ratios,
         "top_pick_within_1.2_of_best": sum(r is not None and r <= 1.2 for r in ratios),
