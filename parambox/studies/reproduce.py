@@ -535,22 +535,17 @@ def verdict_lerat(m: dict[str, Any]) -> tuple[str, str]:
 # -- 9. data-parallel speedup is communication bound and peaks at a few dozen nodes ----------------
 
 
+def predict_model_args(quick: bool) -> list[str]:
+    """The model ``predict`` measures for the Keuper claims: alexnet, or LeNet in the quick form."""
+    if quick:
+        return ["--model", "lenet", "--input-shape", "1,28,28", "--repeats", "1", "--max-measure-batch", "16"]
+    return ["--model", "alexnet", "--repeats", "3", "--max-measure-batch", "128"]
+
+
 def measure_keuper(ctx: Ctx):
     d = ctx.dir("keuper")
     args = ["predict", "--json", "--emulate-nodes", "2", "--link-gbps", "1", "--validate", "--out", str(d)]
-    if ctx.quick:
-        args += [
-            "--model",
-            "lenet",
-            "--input-shape",
-            "1,28,28",
-            "--repeats",
-            "1",
-            "--max-measure-batch",
-            "16",
-        ]
-    else:
-        args += ["--model", "alexnet", "--repeats", "3", "--max-measure-batch", "128"]
+    args += predict_model_args(ctx.quick)
     res = json.loads(cli(args))
     measured = {
         "model": "lenet" if ctx.quick else "alexnet",

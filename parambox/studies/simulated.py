@@ -298,20 +298,7 @@ def measure_keuper_sim(ctx):
     d = ctx.dir("keuper-sim")
     args = ["predict", "--json", "--bandwidth-gbps", str(SIM_LINK_GBPS), "--latency-us", str(SIM_LATENCY_US)]
     args += ["--topology", "ring", "--simulate", "allreduce", "--out", str(d)]
-    if ctx.quick:
-        args += [
-            "--model",
-            "lenet",
-            "--input-shape",
-            "1,28,28",
-            "--repeats",
-            "1",
-            "--max-measure-batch",
-            "16",
-        ]
-        args += ["--max-workers", "16"]
-    else:
-        args += ["--model", "alexnet", "--repeats", "3", "--max-measure-batch", "128", "--max-workers", "256"]
+    args += rp.predict_model_args(ctx.quick) + ["--max-workers", "16" if ctx.quick else "256"]
     res = json.loads(rp.cli(args))
     curves = res["strong"]["topologies"]
     sim, ring = curves["sim:allreduce"], curves["ring"]
