@@ -153,6 +153,14 @@ def test_clock_lead_is_how_long_before_rank_0_the_first_rank_started(tmp_path):
     ]:
         (tmp_path / name).write_text(json.dumps({"kind": "world", "rank": 0, "epoch": epoch}) + "\n{}\n")
     assert clock_lead(tmp_path) == pytest.approx(0.5)
+    (tmp_path / "config.json").write_text(json.dumps({"strategy": "easgd", "options": {"easgd": {"tau": 4}}}))
+    assert clock_lead(tmp_path) == pytest.approx(0.5)  # asynchronous: rank 1 trained before rank 0
+    # In lockstep rank 1 only waited in its first collective for rank 0: no lead (easgd's sync form too)
+    for strategy, options in [("ps-sync", {}), ("allreduce", {}), ("easgd", {"sync": True})]:
+        config = {"strategy": strategy, "options": {strategy: options}}
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert clock_lead(tmp_path) == 0.0, strategy
+    (tmp_path / "config.json").unlink()
     (tmp_path / "metrics.rank1.jsonl").write_text("")  # a rank that has not started: no lead from it
     assert clock_lead(tmp_path) == 0.0
 

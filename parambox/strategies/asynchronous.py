@@ -103,6 +103,7 @@ class AsyncStrategy(Strategy):
 
     Options = AsyncOptions
     tolerates_worker_loss = True
+    lockstep = False
     # No collective anywhere (the box is the only channel): a dead rank cannot block a rendezvous.
     needs_process_group = False
     box_name: ClassVar[str] = "center"

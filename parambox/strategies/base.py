@@ -74,6 +74,9 @@ class Strategy:
     Options: ClassVar[type[Options]] = Options
     # Asynchronous strategies carry on when a worker dies; the launcher then does not stop the others.
     tolerates_worker_loss: ClassVar[bool] = False
+    # Every rank's steps wait for every other's (a collective each step or each period): no rank can
+    # train ahead of rank 0. False where the ranks do not wait for each other (the box, a master).
+    lockstep: ClassVar[bool] = True
     # Synchronous strategies that go on as a smaller group when a worker dies (``on_failure = "shrink"``):
     # their exchanges run through ``exchange``, which regroups and repeats them.
     survives_in_place: ClassVar[bool] = False
