@@ -267,8 +267,19 @@ def run_bench_cluster(
             setup_s = cluster.setup_s
         entry = summarize(data, loopback["per_round"])
         entry.update(link_gbps=g, cluster_setup_s=setup_s, load_average_1m=[load0, os.getloadavg()[0]])
+        if workers_per_node == 1:
+            entry["simulated"] = _simulated(entry["samples_per_s"], nodes, g)
         result["by_gbps"][f"{g:g}"] = entry
     return result
+
+
+def _simulated(samples_per_s: dict[str, float], nodes: int, gbps: float) -> dict[str, dict[str, float]]:
+    """Each setup beside the event simulator's step for it on these links (``perfmodel/simulate.py``)."""
+    from parambox.perfmodel.simulate import against_measured
+    from parambox.perfmodel.topology import Network
+
+    size = 4.0 * sum(p.numel() for p in _cnn().parameters())
+    return against_measured(samples_per_s, nodes, BATCH, size, Network.from_gbps(gbps, 10.0))
 
 
 def _describe(setup: Setup) -> dict[str, Any]:

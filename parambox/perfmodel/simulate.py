@@ -379,6 +379,31 @@ def _arrive(run: _Cluster, k: int, gathered: simpy.Event) -> None:
 SIMULATED_MAX_NODES = 256
 
 
+def against_measured(
+    samples_per_s: dict[str, float], nodes: int, batch: int, size_bytes: float, net: Network
+) -> dict[str, dict[str, float]]:
+    """``bench cluster``'s view of one link rate (one worker per node): each setup's measured ms per
+    step beside its simulation, given that run's own compute time (its ``ceiling`` setup: the same
+    processes never communicating, on the same cores). ``error`` = simulated / measured - 1: a setup
+    far below 0 runs slower than its pattern over the links allows."""
+    if "ceiling" not in samples_per_s:
+        return {}
+    compute_s = nodes * batch / samples_per_s["ceiling"]
+    out = {}
+    for setup, rate in samples_per_s.items():
+        if setup == "ceiling" or setup not in PATTERNS or not rate > 0:
+            continue
+        measured = nodes * batch / rate
+        sim = simulate(setup, nodes, compute_s, size_bytes, net, batch=batch).step_s
+        out[setup] = {
+            "compute_ms": compute_s * 1e3,
+            "measured_ms": measured * 1e3,
+            "simulated_ms": sim * 1e3,
+            "error": sim / measured - 1,
+        }
+    return out
+
+
 def simulate_curve(
     setup: str,
     compute: ComputeProfile,

@@ -63,32 +63,16 @@ def measure_simulator(ctx):
 
 def validation_rows(bench: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per (rate, setup) of a ``bench cluster`` JSON: measured and simulated ms per step."""
-    from parambox.perfmodel.simulate import PATTERNS, simulate
+    from parambox.perfmodel.simulate import against_measured
     from parambox.perfmodel.topology import Network
 
-    size = cnn_bytes()
-    workers, batch = bench["workers"], bench["batch_per_worker"]
     rows = []
     for gbps, entry in bench["by_gbps"].items():
-        rates = entry["samples_per_s"]
-        compute_s = workers * batch / rates["ceiling"]
         net = Network.from_gbps(float(gbps), SIM_LATENCY_US)
-        for setup, rate in rates.items():
-            if setup == "ceiling" or setup not in PATTERNS:
-                continue
-            measured = workers * batch / rate
-            sim = simulate(setup, bench["nodes"], compute_s, size, net, batch=batch).step_s
-            rows.append(
-                {
-                    "nodes": bench["nodes"],
-                    "gbps": float(gbps),
-                    "setup": setup,
-                    "compute_ms": compute_s * 1e3,
-                    "measured_ms": measured * 1e3,
-                    "simulated_ms": sim * 1e3,
-                    "error": sim / measured - 1,
-                }
-            )
+        sims = against_measured(
+            entry["samples_per_s"], bench["nodes"], bench["batch_per_worker"], cnn_bytes(), net
+        )
+        rows += [{"nodes": bench["nodes"], "gbps": float(gbps), "setup": k, **v} for k, v in sims.items()]
     return rows
 
 
