@@ -278,8 +278,12 @@ def _simulated(samples_per_s: dict[str, float], nodes: int, gbps: float) -> dict
     from parambox.perfmodel.simulate import against_measured
     from parambox.perfmodel.topology import Network
 
-    size = 4.0 * sum(p.numel() for p in _cnn().parameters())
-    return against_measured(samples_per_s, nodes, BATCH, size, Network.from_gbps(gbps, 10.0))
+    return against_measured(samples_per_s, nodes, BATCH, cnn_bytes(), Network.from_gbps(gbps, 10.0))
+
+
+def cnn_bytes() -> float:
+    """The gradient bytes of the benchmark CNN."""
+    return 4.0 * sum(p.numel() for p in _cnn().parameters())
 
 
 def _describe(setup: Setup) -> dict[str, Any]:

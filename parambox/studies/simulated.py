@@ -78,9 +78,9 @@ def validation_rows(bench: dict[str, Any]) -> list[dict[str, Any]]:
 
 def cnn_bytes() -> float:
     """The gradient bytes of ``bench cluster``'s CNN."""
-    from parambox.models import build_model
+    from parambox.bench.cluster import cnn_bytes
 
-    return 4.0 * sum(p.numel() for p in build_model("cnn", (3, 32, 32), 10).parameters())
+    return cnn_bytes()
 
 
 def error_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -165,13 +165,13 @@ def step_statistics(run_dir: Path, skip: int = 5) -> tuple[float, float]:
     return median, (q[2] - q[0]) / 1.349 / median
 
 
-def lenet_digits_bytes() -> float:
+def lenet_bytes(data_name: str) -> float:
+    """The gradient bytes of LeNet for this data set."""
     from parambox.data.registry import load_dataset
     from parambox.models import build_model
 
-    data = load_dataset("digits")
-    model = build_model("lenet", data.input_shape, data.num_classes)
-    return 4.0 * sum(p.numel() for p in model.parameters())
+    data = load_dataset(data_name)
+    return 4.0 * sum(p.numel() for p in build_model("lenet", data.input_shape, data.num_classes).parameters())
 
 
 def summing_bytes_per_s(size_bytes: float, repeats: int = 20) -> float:
@@ -189,13 +189,17 @@ def summing_bytes_per_s(size_bytes: float, repeats: int = 20) -> float:
 
 def _ps_inputs(ctx) -> dict[str, Any]:
     """The measured inputs of the ps-sync simulations: compute per step at batch b and its jitter (from
-    the one-process run at n = 1), the gradient bytes, the summing rate."""
+    the one-process run at n = 1), the gradient bytes, the summing rate. Measured once per output
+    directory (``gain-sim/inputs.json``): phases-sim and gain-sim simulate the same measurements."""
+    saved = ctx.dir("gain-sim") / "inputs.json"
+    if saved.exists():
+        return json.loads(saved.read_text())
     counts = [1, 2] if ctx.quick else [1, 2, 4, 8, 16, 32]
     samples = 640 if ctx.quick else SCALING_SAMPLES
     runs = _one_process_runs(ctx, counts, samples)
     compute_s, cv = step_statistics(ctx.dir("gain-sim") / "runs" / runs[0]["name"])
-    size = lenet_digits_bytes()
-    return {
+    size = lenet_bytes("digits")
+    inputs = {
         "counts": counts,
         "samples": samples,
         "runs": runs,
@@ -204,6 +208,8 @@ def _ps_inputs(ctx) -> dict[str, Any]:
         "gradient_bytes": size,
         "summing_gb_per_s": summing_bytes_per_s(size) / 1e9,
     }
+    saved.write_text(json.dumps(inputs))
+    return inputs
 
 
 def _simulate_ps(inputs: dict[str, Any], n: int, seed: int = 0):
@@ -343,7 +349,6 @@ def _tau_h_plan(ctx) -> tuple[list, tuple[int, ...], float]:
 
 
 def measure_tau_h(ctx):
-    from parambox.models import build_model
     from parambox.report import load_run
     from parambox.studies.accuracy import first_crossing, training_clock
 
@@ -363,10 +368,7 @@ def measure_tau_h(ctx):
     # Compute per step: the runs that exchange least (every 64th step, or the quick form's largest).
     compute_s = statistics.median(runs[f"{m}-{taus[-1]}"]["median_step_s"] for m in TAU_H_EXCHANGE)
     data = planned[0].config["data"]
-    from parambox.data.registry import load_dataset
-
-    shape = load_dataset(data).input_shape
-    size = 4.0 * sum(p.numel() for p in build_model("lenet", shape, 10).parameters())
+    size = lenet_bytes(data)
     rows = tau_h_rows(runs, taus, compute_s, size, planned[0].config["workers"])
     measured = {
         "target_accuracy": target,
