@@ -90,13 +90,16 @@ def partition_seconds(kind: str) -> float:
 
 
 def partition(seconds: float) -> subprocess.Popen:
-    """Take this emulated node's link down for ``seconds``, then up, from a process of its own (in the
-    node's namespace, so the cluster's clean-up kills it with the node)."""
+    """Take this emulated node's link down now, and up again after ``seconds`` from a process of its own
+    (in the node's namespace, so the cluster's clean-up kills it with the node)."""
     from parambox.runtime.cluster import NODE_IFNAME
 
     if f" {NODE_IFNAME}:" not in Path("/proc/self/net/dev").read_text():  # this namespace's links
         raise RuntimeError("PARAMBOX_FAULT partition: not on an emulated node (--emulate-nodes)")
-    script = f"ip link set {NODE_IFNAME} down; sleep {seconds:g}; ip link set {NODE_IFNAME} up"
+    # Down before this step goes on (a loaded machine starts a process late: the fault would drift to a
+    # later step), up again from a process of its own while the worker trains on.
+    subprocess.run(["ip", "link", "set", NODE_IFNAME, "down"], check=True)
+    script = f"sleep {seconds:g}; ip link set {NODE_IFNAME} up"
     return subprocess.Popen(["sh", "-c", script], start_new_session=True)
 
 
