@@ -19,6 +19,7 @@ from parambox.strategies.sandblaster.lbfgs import LBFGSHistory, LineSearch, lbfg
 from parambox.strategies.sandblaster.portions import PortionScheduler
 from parambox.strategies.sandblaster.shards import (
     G,
+    Gram,
     LocalOps,
     ShardedHistory,
     W,
@@ -167,21 +168,34 @@ def test_armijo_reaches_torch_strong_wolfe_minimum():
 
 
 @pytest.mark.parametrize("line_search", ["none", "armijo"])
-@pytest.mark.parametrize("num_shards", [1, 3])
-def test_sharded_iteration_is_lbfgs_iteration_on_shards(line_search, num_shards):
-    """The coordinator's vector operations on shards give lbfgs.py's iterates (up to the order in
-    which a dot product's shard sums are added), history wrap-around included."""
+@pytest.mark.parametrize("num_shards,decay_on_shards", [(1, False), (3, False), (3, True)])
+def test_sharded_iteration_is_lbfgs_iteration_on_shards(line_search, num_shards, decay_on_shards):
+    """The coordinator's vector-free iteration on shards gives lbfgs.py's iterates (up to float32
+    rounding: both take their dot products in the vectors' precision, as torch.optim.LBFGS does, but
+    add them in another order), history wrap-around included; with the weight decay on the shards,
+    its term in every trial's objective comes from the dot products alone."""
     _, evaluate = _logistic_problem(1e-2)
     ls = LineSearch(line_search)
     w, hist = torch.zeros(10), LBFGSHistory(3)
     f, g = evaluate(w)
-    ops, shist = LocalOps(torch.zeros(10), evaluate, num_shards, history_size=3), ShardedHistory(3)
-    f_s = ops.evaluate(W, G)
+    data_only = _logistic_problem(0.0)[1] if decay_on_shards else evaluate
+    local = LocalOps(
+        torch.zeros(10), data_only, num_shards, history_size=3, weight_decay=1e-2 * decay_on_shards
+    )
+    ops, shist = Gram(local), ShardedHistory(3)
+    asked = []  # the holders' round trips: one per iteration, whatever the line search evaluates
+    local.reduce = lambda *a, reduce=local.reduce: asked.append(a) or reduce(*a)
+    f_s = ops.objective_at_w()
+    assert len(asked) == 1
     for i in range(12):
         w, f, g, t, n = lbfgs_iteration(evaluate, w, f, g, hist, lr=0.5, first=i == 0, line_search=ls)
+        before = len(asked)
         f_s, t_s, n_s = sharded_lbfgs_iteration(ops, f_s, shist, lr=0.5, first=i == 0, line_search=ls)
+        assert len(asked) - before == 1 + (i == 0), i  # the first also fills the start's products
         assert (n_s, len(shist)) == (n, len(hist)) and t_s == pytest.approx(t, rel=1e-5), i
-        assert torch.allclose(ops.gather(W), w, atol=1e-6) and torch.allclose(ops.gather(G), g, atol=1e-6), i
+        assert torch.allclose(local.gather(W), w, atol=3e-6) and torch.allclose(
+            local.gather(G), g, atol=1e-6
+        ), i
         assert f_s == pytest.approx(f, abs=1e-7)
 
 
@@ -246,10 +260,12 @@ def test_two_workers_reach_torch_lbfgs_training_loss_and_90_percent(two_workers)
 
 def _bytes_bound(steps: list[dict], num_portions: int, history_size: int, holders: int) -> list[float]:
     """What a step may send the coordinator, counted from scalars alone: per evaluation at most two
-    copies of every portion's result (5 float32) and the weight-decay dot product, per iteration the
-    two-loop recursion's and the step's reductions (one float64 per remote holder each)."""
-    per_eval = 2 * num_portions * 5 * 4 + 8 * holders
-    per_iteration = 8 * holders * (2 * history_size + 6)
+    copies of every portion's result (5 float32) and the weight-decay reduction (a dot product and
+    two norms, float64), per iteration one block of reductions (the new gradient's and pair's dot
+    products with the 2m + 3 vectors of the basis, two norms) and the first step's (three floats).
+    Per remote holder each."""
+    per_eval = 2 * num_portions * 5 * 4 + 8 * holders * 3
+    per_iteration = 8 * holders * (3 * (2 * history_size + 3) + 2 + 3)
     return [r["evals"] * per_eval + per_iteration for r in steps]
 
 

@@ -126,6 +126,12 @@ SETUPS: dict[str, Setup] = {
         "torch PostLocalSGDOptimizer (period 4: weight-avg's peer)", make=_post_local_sgd
     ),
     "diloco": strategy_setup("diloco", inner_steps=16),
+    "diloco-int8": strategy_setup(
+        "diloco",
+        what="parambox diloco, its outer gradients int8 with error feedback (inner_steps 16)",
+        inner_steps=16,
+        compression="int8",
+    ),
     "diloco-async": strategy_setup(
         "diloco",
         box="rma",

@@ -1,8 +1,9 @@
 """The coordinator's side of the sharded L-BFGS: each vector operation goes to every shard holder.
 
 :class:`HolderOps` is :class:`~parambox.strategies.sandblaster.shards.Ops` over the holders' shards:
-an ``axpby`` is a task to every remote holder (in order with the portions) and runs on rank 0's own
-shard where it holds one; a reduction comes back as one float64 per holder; an evaluation all-gathers
+an ``axpby`` or ``lincomb`` is a task to every remote holder (in order with the portions) and runs on
+rank 0's own shard where it holds one; a ``reduce`` comes back as one float64 message per holder
+(the block of dot products, then ``max |v|``, ``sum |v|``); an evaluation all-gathers
 the point among the holders, farms out the portions, and tells each worker which of its portions won
 (the holders then all-reduce the winners' gradients among themselves).
 """
@@ -15,12 +16,18 @@ import torch
 import torch.distributed as dist
 
 from parambox.strategies.sandblaster.farm import REPLY
+from parambox.strategies.sandblaster.shards import Reduced, combine, num_slots, reply_length
 
 if TYPE_CHECKING:
     from parambox.strategies.sandblaster.strategy import Sandblaster
 
-GATHER, REDUCE, AXPBY, REDUCTION = 2.0, 3.0, 4.0, 5.0  # task kinds: the vector operations
-REDUCTIONS = ("dot", "amax", "asum")
+GATHER, REDUCE, AXPBY, REDUCTION, LINCOMB = 2.0, 3.0, 4.0, 5.0, 6.0  # task kinds: the vector operations
+
+
+def payload_width(num_portions: int, history_size: int) -> int:
+    """Floats after a task's fields: a flag per portion, a reduction's slots (at most every slot as
+    rows and as columns), or a combination's slots and coefficients."""
+    return max(num_portions, 2 * num_slots(history_size))
 
 
 class HolderOps:
@@ -32,38 +39,37 @@ class HolderOps:
         self.sb, self.farm = sb, sb.farm
         self.remote = [r for r in sb.holders if r != 0]
         self.local = sb.store  # rank 0's shard, if it holds one
+        self.weight_decay = sb.weight_decay
         self.bytes_in = 0  # the replies' bytes (the farm's receiving thread counts the results')
 
     def axpby(self, c: int, alpha: float, a: int, beta: float, b: int) -> None:
         for r in self.remote:
-            self.farm.send_task(r, [AXPBY, 0, 0, c, alpha, a, beta, b])
+            self.farm.send_task(r, [AXPBY, 0, 0, c, alpha, a, beta, b], defer=True)
         if self.local is not None:
             self.local.axpby(c, alpha, a, beta, b)
 
-    def _reduction(self, op: str, a: int, b: int = 0) -> list[float]:
+    def lincomb(self, c: int, terms: dict[int, float]) -> None:
+        slots, coefs = list(terms), list(terms.values())
         for r in self.remote:
-            self.farm.send_task(r, [REDUCTION, 0, REDUCTIONS.index(op), a, b])
-        values = [] if self.local is None else [self.local.reduce(op, a, b)]
-        reply = torch.empty(1, dtype=torch.float64)
+            self.farm.send_task(r, [LINCOMB, 0, 0, c, len(slots)], slots + coefs, defer=True)
+        if self.local is not None:
+            self.local.lincomb(c, terms)
+
+    def reduce(self, rows: list[int], cols: list[int], amax: int = -1, asum: int = -1) -> Reduced:
         for r in self.remote:
-            with self.sb.collective(f"sandblaster {op} reply"):
+            self.farm.send_task(r, [REDUCTION, 0, 0, len(rows), len(cols), amax, asum], rows + cols)
+        replies = [] if self.local is None else [self.local.reduce(rows, cols, amax, asum)]
+        for r in self.remote:
+            reply = torch.empty(reply_length(rows, cols), dtype=torch.float64)
+            with self.sb.collective("sandblaster reduction reply"):
                 dist.recv(reply, src=r, tag=REPLY, group=self.sb.group)
             self.bytes_in += reply.numel() * reply.element_size()
             self.farm.delivered(r)
-            values.append(float(reply))
-        return values
-
-    def dot(self, a: int, b: int) -> float:
-        return sum(self._reduction("dot", a, b))
-
-    def amax(self, a: int) -> float:
-        return max(self._reduction("amax", a))
-
-    def asum(self, a: int) -> float:
-        return sum(self._reduction("asum", a))
+            replies.append(reply)
+        return combine(replies, rows, cols)
 
     def evaluate(self, src: int, dst: int) -> float:
-        """The objective (mean loss + weight decay) at ``src``; its gradient into ``dst`` on the shards."""
+        """The mean loss at ``src``; the gradient (weight decay included) into ``dst`` on the shards."""
         sb, farm = self.sb, self.farm
         for r in self.remote:
             farm.send_task(r, [GATHER, 0, 0, src])
@@ -72,8 +78,9 @@ class HolderOps:
         eval_id, num = farm.eval_id, sb.options.num_portions
         for r in self.remote:
             flags = [float(ev.winners.get(p) == r) for p in range(num)]
-            farm.send_task(r, [REDUCE, eval_id, 0, dst, src, ev.samples, sb.weight_decay], flags)
-        if self.local is not None:
+            farm.send_task(r, [REDUCE, eval_id, 0, dst, src, ev.samples, sb.weight_decay], flags, defer=True)
+        if self.local is not None:  # the all-reduce below needs the remote holders: no waiting
+            farm.flush()
             won = [p for p, r in sorted(ev.winners.items()) if r == 0]
             sb.reduce(farm.local.grads, eval_id, won, dst, src, ev.samples, sb.weight_decay)
         stats = sb.step_stats
@@ -82,4 +89,4 @@ class HolderOps:
         stats["backups"] += ev.backups
         stats["backup_wins"] += ev.backup_wins
         sb.last_data_loss = ev.loss_sum / ev.samples
-        return sb.last_data_loss + 0.5 * sb.weight_decay * self.dot(src, src)
+        return sb.last_data_loss
