@@ -21,7 +21,7 @@ import parambox
 from parambox.runtime import spawn
 from parambox.runtime.elastic import STORE_ENV, host_store
 from tests.conftest import ROOT, final_weights, run_cli, summary
-from tests.workloads.constant_gradient import closed_form, weight_after
+from tests.workloads.constant_gradient import closed_form, diloco_after, easgd_center_after, weight_after
 
 W = "tests/workloads/constant_gradient.py"
 LR, STEPS, KILLED, AT = 0.01, 12, 1, 5
@@ -38,12 +38,14 @@ def _pb_shm() -> set[str]:
     return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("pb_") and "mpi" not in p.name}
 
 
-def _run(tmp_path: Path, strategy: str, fault: str, timeout_s: float) -> tuple[Path, float]:
+def _run(
+    tmp_path: Path, strategy: str, fault: str, timeout_s: float, extra: tuple = ()
+) -> tuple[Path, float]:
     out = tmp_path / strategy
     before = _pb_shm()
     t0 = time.monotonic()
     run_cli(
-        "train", "--strategy", strategy, *ARGS, "--timeout", str(timeout_s), "--out", str(out),
+        "train", "--strategy", strategy, *ARGS, *extra, "--timeout", str(timeout_s), "--out", str(out),
         env={"PARAMBOX_FAULT": f"{KILLED}:{AT}:{fault}"},
     )  # fmt: skip
     took = time.monotonic() - t0
@@ -56,9 +58,9 @@ def _run(tmp_path: Path, strategy: str, fault: str, timeout_s: float) -> tuple[P
     return out, took
 
 
-def _check_closed_form(out: Path) -> None:
+def _check_closed_form(out: Path, expected: float | None = None) -> None:
     weight = final_weights(out)["weight"]
-    expected = closed_form(LR, STEPS, [0, 1, 2], KILLED, AT)
+    expected = closed_form(LR, STEPS, [0, 1, 2], KILLED, AT) if expected is None else expected
     assert (weight - expected).abs().max().item() < 1e-6, (weight, expected)
     assert summary(out)["lost_workers"] == [KILLED]
     assert summary(out)["restarts"] == 0  # in place: nobody restarted, nothing read from disk
@@ -69,6 +71,33 @@ def _check_closed_form(out: Path) -> None:
 def test_a_killed_worker_is_survived_in_place_to_the_closed_form(tmp_path, strategy):
     out, _ = _run(tmp_path, strategy, "kill", timeout_s=30)
     _check_closed_form(out)
+
+
+@pytest.mark.timeout(170)
+def test_synchronous_diloco_survives_a_kill_mid_round_to_the_closed_form(tmp_path):
+    """Rounds of 2 steps; rank 1 dies in step 5, the second step of round 2: the survivors repeat that
+    round's exchange among themselves (rank 1's half round is lost), and the outer Nesterov momentum
+    goes on: 2 rounds of the 3 ranks' mean pseudo-gradient, then 4 of the survivors'."""
+    outer = (
+        "--set",
+        "diloco.inner_steps=2",
+        "--set",
+        "diloco.outer_lr=0.7",
+        "--set",
+        "diloco.outer_momentum=0.9",
+    )
+    out, _ = _run(tmp_path, "diloco", "kill", timeout_s=30, extra=outer)
+    survivors = [0, 2]
+    _check_closed_form(out, diloco_after(LR, 2, [(2, [0, 1, 2]), (4, survivors)], outer_lr=0.7, mu=0.9))
+
+
+@pytest.mark.timeout(170)
+def test_synchronous_easgd_survives_a_kill_to_the_closed_form(tmp_path):
+    """An exchange every 2 steps; rank 1 dies in step 5, before its exchange: the survivors repeat it
+    among themselves, and from then on the center moves by the survivors' elastic sum alone."""
+    extra = ("--set", "easgd.sync=true", "--set", "easgd.tau=2", "--set", "easgd.alpha=0.2")
+    out, _ = _run(tmp_path, "easgd", "kill", timeout_s=30, extra=extra)
+    _check_closed_form(out, easgd_center_after(LR, 0.2, 2, STEPS, [0, 1, 2], KILLED, AT))
 
 
 @pytest.mark.slow
@@ -107,6 +136,33 @@ def test_a_replacement_joins_with_a_live_ranks_state(tmp_path):
     assert joined["life"] == 1 and AT < at < steps
     phases = [(AT, [0, 1, 2]), (at - AT, [0, 2]), (steps - at, [0, 1, 2])]
     expected = weight_after(LR, phases, momentum)
+    weight = final_weights(out)["weight"]
+    assert (weight - expected).abs().max().item() < 1e-4 * max(1.0, abs(expected)), (weight, expected, at)
+    states = {
+        r: torch.load(next((out / "checkpoints").glob(f"rank{r}-*.pt")), weights_only=True) for r in (1, 2)
+    }
+    for key in ("replica", "strategy"):
+        assert json.dumps(_flat(states[1][key])) == json.dumps(_flat(states[2][key]))
+    assert summary(out)["restarts"] == 1 and summary(out)["lost_workers"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_diloco_replacement_joins_at_a_rounds_start_with_the_outer_momentum(tmp_path):
+    """Synchronous diloco, --max-restarts: the replacement joins at the start of a round and receives
+    theta, the outer Nesterov momentum and the inner optimizer from rank 0: rounds of 3, then 2,
+    then 3 ranks' mean pseudo-gradient, and its state at the end equals a survivor's."""
+    out, steps, h = tmp_path / "run", 40, 2
+    run_cli(
+        "train", "--strategy", "diloco", *ARGS, "--steps", str(steps), "--timeout", "20",
+        "--set", f"diloco.inner_steps={h}", "--max-restarts", "1", "--out", str(out),
+        env={"PARAMBOX_FAULT": f"{KILLED}:{AT}:kill,0:0:slow"}, timeout=380,
+    )  # fmt: skip
+    lines = (out / f"metrics.rank{KILLED}.jsonl").read_text().splitlines()
+    at = [json.loads(x) for x in lines if '"world"' in x][-1]["step"]
+    assert at % h == 0 and AT < at < steps  # a round's first step
+    rounds = [(AT // h, [0, 1, 2]), (at // h - AT // h, [0, 2]), ((steps - at) // h, [0, 1, 2])]
+    expected = diloco_after(LR, h, rounds, outer_lr=0.7, mu=0.9)
     weight = final_weights(out)["weight"]
     assert (weight - expected).abs().max().item() < 1e-4 * max(1.0, abs(expected)), (weight, expected, at)
     states = {

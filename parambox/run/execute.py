@@ -147,7 +147,7 @@ def _survives_in_place(plan: Plan, use_mpi: bool) -> bool:
     if not cls.survives_in_place:
         raise UserError(
             f"on_failure=shrink: strategy {cls.name!r} cannot go on as a "
-            "smaller group (allreduce and weight-avg can); use restart"
+            "smaller group (allreduce, weight-avg, synchronous diloco and easgd can); use restart"
         )
     if use_mpi or cfg.cluster.enabled:
         warn("on_failure=shrink works under the local launcher on one host; a lost worker ends this run")

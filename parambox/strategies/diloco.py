@@ -97,6 +97,7 @@ class Diloco(Strategy):
     # (0.947 at 20).
     default_optimizer = {"optimizer": "adamw", "lr": 1e-3}
     default_options = {"inner_steps": 10}
+    survives_in_place = True  # the synchronous form, without overlap
 
     @classmethod
     def resolve(cls, options: DilocoOptions) -> type[Strategy]:
@@ -127,6 +128,15 @@ class Diloco(Strategy):
         self.averager = DeltaAverager(flat, self._outer_step_, exchange, options.overlap, self.world.rank)
         self.round_steps = 0
         self.nonfinite: set[int] = set()
+        if self.elastic is not None and options.overlap:
+            raise UserError(
+                "on_failure=shrink: diloco.overlap=true cannot go on as a smaller group (its exchange runs "
+                "behind the next round); use on_failure=restart or overlap=false"
+            )
+        if self.joining:  # a replacement: a survivor's theta, outer momentum and inner optimizer state
+            self.share_state()
+            if exchange.compressor.error is not None:
+                exchange.compressor.error.zero_()  # the error it owes is its own: none yet
         ignored = sorted(ASYNC_ONLY & options.model_fields_set)
         if ignored:
             warn(
@@ -135,6 +145,11 @@ class Diloco(Strategy):
 
     def begin_step(self, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        self.admit_replacements(step)  # at a round's start (next_exchange)
+
+    def next_exchange(self, step: int) -> int:
+        h = self.options.inner_steps
+        return step + (h - 1 - step % h)  # the round's last step
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         self.optimizer.step()
@@ -142,14 +157,16 @@ class Diloco(Strategy):
         extra = {}
         # The same schedule as weight-avg (after steps where (step + 1) % period == 0).
         if (step + 1) % self.options.inner_steps == 0:
-            self.outer_step_()
+            self.outer_step_(step)
             extra["exchange_bytes"] = float(self.averager.exchange.bytes_sent)
         extra["exchange_wait_s"] = self.averager.exchange.pop_wait()
         return StepResult(loss_value(loss), samples, self.timers.pop(), extra)
 
-    def outer_step_(self) -> None:
+    def outer_step_(self, step: int) -> None:
         """Send this round's pseudo-gradient (and float buffers); apply the mean outer step (at once, or
-        with ``overlap`` one round late) and continue from what the averager gives back."""
+        with ``overlap`` one round late) and continue from what the averager gives back. In a run that
+        survives in place, a lost peer makes the survivors repeat the exchange among themselves: the
+        mean is then theirs (the flags count who contributed)."""
         tensors = [*self.params, *self.buffers]
         local = parameters_to_vector(tensors).detach()
         contribute = is_finite(local) and self._inner_state_finite()
@@ -159,8 +176,11 @@ class Diloco(Strategy):
             )
             # It rejoins from theta: with its NaN moments kept, AdamW would poison every later round.
             self.optimizer.state.clear()
+        keep = self.elastic is not None
         with self.timers.phase("allreduce"):
-            x_next = self.averager.round_end_(local, contribute)
+            x_next = self.exchange(
+                lambda: self.averager.round_end_(local, contribute, keep), step, self.averager.redo_
+            )
         self.nonfinite.update(int(r) for r in (self.averager.contributors == 0).nonzero().flatten())
         with torch.no_grad():
             # copies (torch's vector_to_parameters would make the parameters views of theta)
@@ -186,7 +206,7 @@ class Diloco(Strategy):
         # A last partial round still counts (weight-avg averages at the end too); none after a full one,
         # since a zero pseudo-gradient would still move theta by the momentum.
         if self._any_pending():
-            self.outer_step_()
+            self.outer_step_(self.ctx.steps)
         if self.averager.exchange.pending:  # overlap: the last round's mean is applied now
             with self.timers.phase("allreduce"):
                 self.averager.flush_()

@@ -213,6 +213,7 @@ class SyncElasticAveraging(Strategy):
     period_options = ("tau",)
     Options = EasgdOptions
     tolerates_worker_loss = False  # an allreduce needs every worker
+    survives_in_place = True  # without overlap
     nesterov: ClassVar[bool] = False
 
     def __init__(self, ctx: Context, options: EasgdOptions):
@@ -227,7 +228,7 @@ class SyncElasticAveraging(Strategy):
         self.buf = torch.zeros(self.numel + n, device=self.x.device)  # x - c, then one flag per rank
         self.local, lr = make_local_step(self, nesterov)
         self.alpha = options.moving_rate(lr)
-        self.exchange = SumExchange(
+        self.sums = SumExchange(
             self.numel,
             n,
             n,
@@ -241,12 +242,26 @@ class SyncElasticAveraging(Strategy):
         if self.world.rank == 0:
             self.result = copy.deepcopy(self.model)
             self.layout.bind_params_(self.result, self.c)
+        if self.elastic is not None and options.overlap:
+            raise UserError(
+                f"on_failure=shrink: {self.name}.overlap=true cannot go on as a smaller group (its exchange "
+                "runs behind the next steps); use on_failure=restart or overlap=false"
+            )
+        if self.joining:  # a replacement: a survivor's replica, center and optimizer state
+            self.share_state()
+            if self.sums.compressor.error is not None:
+                self.sums.compressor.error.zero_()
 
     def begin_step(self, step: int) -> None:
+        self.admit_replacements(step)  # after an exchange (next_exchange)
         if self.local is not None:
             self.local.lookahead_()
         self.g.zero_()
         self.grad_views.rebind_()
+
+    def next_exchange(self, step: int) -> int:
+        tau = self.options.tau
+        return step + (tau - 1 - step % tau)
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         if not (self.halted or loss is None or is_finite(loss)):
@@ -259,13 +274,14 @@ class SyncElasticAveraging(Strategy):
         extra = {}
         if (step + 1) % self.options.tau == 0:
             self._exchange(step)
-            extra["exchange_bytes"] = float(self.exchange.bytes_sent)
-        extra["exchange_wait_s"] = self.exchange.pop_wait()
+            extra["exchange_bytes"] = float(self.sums.bytes_sent)
+        extra["exchange_wait_s"] = self.sums.pop_wait()
         if self.halted:
             extra["nonfinite"] = 1.0
         return StepResult(loss_value(loss), samples, self.timers.pop(), extra)
 
     def _exchange(self, step: int) -> None:
+        self.step_now = step
         n, rank = self.world.world_size, self.world.rank
         flags = self.buf[self.numel :]
         with self.timers.phase("allreduce"):
@@ -280,7 +296,7 @@ class SyncElasticAveraging(Strategy):
                     e.zero_()
                 flags.zero_()
                 flags[rank] = 0.0 if contribute else 1.0
-                self.exchange.start(e, flags)
+                self.sums.start(e, flags)
                 ok = contribute
             else:
                 flags.zero_()
@@ -293,15 +309,19 @@ class SyncElasticAveraging(Strategy):
 
     def _apply_pending(self) -> None:
         """``c <- c + alpha sum_i (x_i - c)`` of the exchange started one round ago."""
-        if self.exchange.pending:
-            total, flags = self.exchange.wait()
+        if self.sums.pending:
+            total, flags = self.sums.wait()
             self.c.add_(total, alpha=self.alpha)
             self.nonfinite.update(int(r) for r in flags.nonzero().flatten())
 
     def _allreduce(self, buf: torch.Tensor) -> None:
-        """The sum over the workers of ``buf`` (``x - c``, then the flags), through the exchange's encoding."""
-        self.exchange.start(buf[: self.numel], buf[self.numel :])
-        total, flags = self.exchange.wait()
+        """The sum over the workers of ``buf`` (``x - c``, then the flags), through the exchange's encoding.
+        In a run that survives in place, a lost peer makes the survivors repeat it among themselves
+        (each from the message it kept): the center then moves by the survivors' sum."""
+        self.sums.start(buf[: self.numel], buf[self.numel :], keep=self.elastic is not None)
+        total, flags = self.exchange(
+            self.sums.wait, self.step_now, lambda: (self.sums.redo(), self.sums.wait())[1]
+        )
         buf[: self.numel].copy_(total)
         buf[self.numel :].copy_(flags)
 
@@ -309,7 +329,7 @@ class SyncElasticAveraging(Strategy):
         with self.timers.phase("allreduce"):
             self._apply_pending()  # overlap: the last exchange's sum reaches c
         self.timers.pop()
-        self.exchange.pop_wait()
+        self.sums.pop_wait()
 
     def _halt(self, what: str, step: int) -> None:
         self.halted = True

@@ -84,23 +84,39 @@ class SumExchange:
         self._msg: torch.Tensor | None = None
         self._gathered: list[torch.Tensor] = []
         self._result: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._kept: torch.Tensor | None = None
 
     @property
     def pending(self) -> bool:
         """An exchange was started and its result not yet taken."""
         return self._msg is not None or self._result is not None
 
-    def start(self, x: torch.Tensor, tail: torch.Tensor | None = None) -> None:
+    def start(self, x: torch.Tensor, tail: torch.Tensor | None = None, keep: bool = False) -> None:
+        """Encode and start summing ``x`` (and ``tail``); with ``keep`` the message is kept, so that
+        :meth:`redo` can sum it again over a smaller group (an exchange in a run that survives in place)."""
         assert not self.pending, "one exchange at a time"
         msg = self.compressor.encode(x, tail)
         self._msg, self.bytes_sent = msg, msg.numel() * msg.element_size()
+        self._kept = msg.clone() if keep else None
+        self._launch()
+
+    def redo(self) -> None:
+        """The kept message's exchange once more, over the process group as it is now (the survivors,
+        after the one it started in failed); nothing is encoded again, so error feedback stays whole."""
+        assert self._kept is not None, "redo() needs start(keep=True)"
+        self._work, self._gathered, self._result = None, [], None
+        self._msg = self._kept.clone()
+        self._launch()
+
+    def _launch(self) -> None:
         if self.world_size == 1:
             return
+        msg = self._msg
         with self.guard():
             if self.compressor.mode == "none":
                 self._work = dist.all_reduce(msg, async_op=True)
-            else:
-                self._gathered = [torch.empty_like(msg) for _ in range(self.world_size)]
+            else:  # the group's size now: fewer than world_size after survivors regrouped
+                self._gathered = [torch.empty_like(msg) for _ in range(dist.get_world_size())]
                 self._work = dist.all_gather(self._gathered, msg, async_op=True)
 
     def complete(self) -> None:
@@ -109,8 +125,12 @@ class SumExchange:
             return
         t0 = time.perf_counter()
         if self._work is not None:
-            with self.guard():
-                self._work.wait()
+            try:
+                with self.guard():
+                    self._work.wait()
+            except BaseException:
+                self._work = None  # a failed Work kept past its group's end can abort the process
+                raise
         self.wait_s += time.perf_counter() - t0
         msgs = [self._msg] if self.world_size == 1 or self.compressor.mode == "none" else self._gathered
         decoded = [self.compressor.decode(m) for m in msgs]
@@ -166,8 +186,9 @@ class DeltaAverager:
         self.start_of_round = theta.clone()  # s
         self.contributors = torch.ones(exchange.world_size)  # the last applied exchange's flags
 
-    def round_end_(self, x: torch.Tensor, contribute: bool = True) -> torch.Tensor:
-        """End a round at replica ``x``; returns the replica the next round starts from."""
+    def round_end_(self, x: torch.Tensor, contribute: bool = True, keep: bool = False) -> torch.Tensor:
+        """End a round at replica ``x``; returns the replica the next round starts from. ``keep``
+        (without overlap): if the exchange fails, :meth:`redo_` repeats it over the survivors."""
         delta = self.start_of_round - x
         flags = torch.zeros(self.exchange.world_size, device=x.device)
         if contribute:
@@ -180,10 +201,19 @@ class DeltaAverager:
             self._apply_pending()
             self.exchange.start(delta, flags)
             x_next = self.theta - delta if contribute else self.theta.clone()
-        else:
-            self.exchange.start(delta, flags)
-            self._apply_pending()
-            x_next = self.theta.clone()
+            self.start_of_round.copy_(x_next)
+            return x_next
+        self.exchange.start(delta, flags, keep=keep)
+        return self._round_over()
+
+    def redo_(self) -> torch.Tensor:
+        """The round's exchange again, over the group as it is now; as :meth:`round_end_`."""
+        self.exchange.redo()
+        return self._round_over()
+
+    def _round_over(self) -> torch.Tensor:
+        self._apply_pending()
+        x_next = self.theta.clone()
         self.start_of_round.copy_(x_next)
         return x_next
 

@@ -57,3 +57,35 @@ def weight_after(lr: float, phases: list[tuple[int, list[int]]], momentum: float
             buf = g if buf is None else momentum * buf + g
             w -= lr * buf
     return w
+
+
+def diloco_after(
+    lr: float, inner_steps: int, phases: list[tuple[int, list[int]]], outer_lr: float, mu: float
+) -> float:
+    """Every weight after synchronous DiLoCo with inner plain SGD through ``phases``: (rounds, the
+    ranks whose mean pseudo-gradient those rounds take); the outer step is torch's Nesterov SGD."""
+    w, buf = 0.0, None
+    for rounds, ranks in phases:
+        delta = inner_steps * lr * sum(gradient_of(r) for r in ranks) / len(ranks)
+        for _ in range(rounds):
+            buf = delta if buf is None else mu * buf + delta
+            w -= outer_lr * (delta + mu * buf)
+    return w
+
+
+def easgd_center_after(
+    lr: float, alpha: float, tau: int, steps: int, ranks: list[int], killed: int, at: int
+) -> float:
+    """The center of synchronous EASGD (local plain SGD, an elastic exchange every ``tau`` steps) after
+    ``steps``, ``killed`` taking no part from step ``at`` on: every replica's and the center's moves."""
+    x, c = dict.fromkeys(ranks, 0.0), 0.0
+    for step in range(steps):
+        alive = [r for r in ranks if r != killed or step < at]
+        for r in alive:
+            x[r] -= lr * gradient_of(r)
+        if (step + 1) % tau == 0:
+            d = {r: x[r] - c for r in alive}
+            for r in alive:
+                x[r] -= alpha * d[r]
+            c += alpha * sum(d.values())
+    return c
