@@ -67,7 +67,7 @@ def _check_closed_form(out: Path, expected: float | None = None) -> None:
 
 
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize("strategy", ["allreduce", "weight-avg"])
+@pytest.mark.parametrize("strategy", ["allreduce", "weight-avg", "ps-sync"])
 def test_a_killed_worker_is_survived_in_place_to_the_closed_form(tmp_path, strategy):
     out, _ = _run(tmp_path, strategy, "kill", timeout_s=30)
     _check_closed_form(out)
@@ -102,7 +102,8 @@ def test_synchronous_easgd_survives_a_kill_to_the_closed_form(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_replacement_joins_with_a_live_ranks_state(tmp_path):
+@pytest.mark.parametrize("strategy", ["allreduce", "ps-sync"])
+def test_a_replacement_joins_with_a_live_ranks_state(tmp_path, strategy):
     """--max-restarts: the killed rank's replacement joins at a step boundary, receives the weights and
     the optimizer's momentum from rank 0 over the new group, and trains on the dead rank's slice: the
     weights are those of 3, then 2, then 3 ranks' mean gradients (momentum SGD), and its replica and
@@ -111,7 +112,7 @@ def test_a_replacement_joins_with_a_live_ranks_state(tmp_path):
     run_cli(
         "train",
         "--strategy",
-        "allreduce",
+        strategy,
         *ARGS,
         "--steps",
         str(steps),
@@ -237,5 +238,14 @@ def test_a_death_before_the_group_formed_ends_the_run_at_once(tmp_path):
 
 
 def test_shrink_is_refused_for_a_strategy_that_cannot_regroup():
-    with pytest.raises(parambox.UserError, match="on_failure=shrink: strategy 'ps-sync'"):
-        parambox.train(strategy="ps-sync", workers=2, steps=1, on_failure="shrink", progress=False)
+    with pytest.raises(parambox.UserError, match="on_failure=shrink: strategy 'box-sync'"):
+        parambox.train(strategy="box-sync", workers=2, steps=1, on_failure="shrink", progress=False)
+    with pytest.raises(parambox.UserError, match="diloco.overlap=true cannot go on as a smaller group"):
+        parambox.train(
+            strategy="diloco",
+            workers=2,
+            steps=1,
+            on_failure="shrink",
+            progress=False,
+            options={"overlap": True},
+        )

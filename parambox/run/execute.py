@@ -147,7 +147,12 @@ def _survives_in_place(plan: Plan, use_mpi: bool) -> bool:
     if not cls.survives_in_place:
         raise UserError(
             f"on_failure=shrink: strategy {cls.name!r} cannot go on as a "
-            "smaller group (allreduce, weight-avg, synchronous diloco and easgd can); use restart"
+            "smaller group (allreduce, ps-sync, weight-avg, synchronous diloco and easgd can); use restart"
+        )
+    if getattr(cfg.strategy_options(), "overlap", False):
+        raise UserError(
+            f"on_failure=shrink: {cls.name}.overlap=true cannot go on as a smaller group (its exchange "
+            "runs behind the next steps); use on_failure=restart or overlap=false"
         )
     if use_mpi or cfg.cluster.enabled:
         warn("on_failure=shrink works under the local launcher on one host; a lost worker ends this run")

@@ -128,11 +128,6 @@ class Diloco(Strategy):
         self.averager = DeltaAverager(flat, self._outer_step_, exchange, options.overlap, self.world.rank)
         self.round_steps = 0
         self.nonfinite: set[int] = set()
-        if self.elastic is not None and options.overlap:
-            raise UserError(
-                "on_failure=shrink: diloco.overlap=true cannot go on as a smaller group (its exchange runs "
-                "behind the next round); use on_failure=restart or overlap=false"
-            )
         if self.joining:  # a replacement: a survivor's theta, outer momentum and inner optimizer state
             self.share_state()
             if exchange.compressor.error is not None:

@@ -242,11 +242,6 @@ class SyncElasticAveraging(Strategy):
         if self.world.rank == 0:
             self.result = copy.deepcopy(self.model)
             self.layout.bind_params_(self.result, self.c)
-        if self.elastic is not None and options.overlap:
-            raise UserError(
-                f"on_failure=shrink: {self.name}.overlap=true cannot go on as a smaller group (its exchange "
-                "runs behind the next steps); use on_failure=restart or overlap=false"
-            )
         if self.joining:  # a replacement: a survivor's replica, center and optimizer state
             self.share_state()
             if self.sums.compressor.error is not None:

@@ -29,22 +29,24 @@ from parambox.strategies.base import (
 class ParameterServerSync(Strategy):
     name = "ps-sync"
     comm_topology = "ps"  # perfmodel's: rank 0's link carries every gradient in and every copy out (pick)
+    survives_in_place = True  # a worker other than rank 0, the server
 
     def __init__(self, ctx: Context, options: Options):
         super().__init__(ctx, options)
         self.params = trainable(self.model)
+        if self.joining:  # a replacement: the server's weights (share_state sends the model)
+            self.share_state()
         self.flat = parameters_to_vector(self.params).detach()
-        if self.world.world_size > 1:
+        if self.world.world_size > 1 and not self.joining:
             dist.broadcast(self.flat, src=0)
             vector_to_parameters(self.flat, self.params)
         if self.world.rank == 0:  # only the server holds an optimizer
             self.optimizer = ctx.make_optimizer(self.params)
-            size = self.flat.numel() + len(self.params)  # gradients, then a flag per parameter
-            self.inbox = [self.flat.new_empty(size) for _ in range(self.world.world_size)]
 
     def begin_step(self, step: int) -> None:
         for p in self.params:
             p.grad = None
+        self.admit_replacements(step)
         self.sync_buffers()
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
@@ -53,24 +55,32 @@ class ParameterServerSync(Strategy):
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params]
             + [got.to(self.flat.device)]
         )
+        self.stepped = False
+        # One sequence on every rank, also when repeated over the survivors after a lost worker:
+        # gather the gradients (each rank's kept), the server steps once, broadcast the weights.
+        self.exchange(lambda: self._gather_step_broadcast(grad), step)
+        if self.world.rank != 0:
+            vector_to_parameters(self.flat, self.params)
+        return StepResult(loss_value(loss), samples, self.timers.pop())
+
+    def _gather_step_broadcast(self, grad: torch.Tensor) -> None:
         server = self.world.rank == 0
         with self.timers.phase("gather"), self.collective("gradient gather"):
             if self.world.world_size > 1:
-                dist.gather(grad, self.inbox if server else None, dst=0)
+                inbox = [torch.empty_like(grad) for _ in range(dist.get_world_size())] if server else None
+                dist.gather(grad, inbox, dst=0)
             else:  # one worker (a scaling study's baseline): no process group, the server is the worker
-                self.inbox[0] = grad
-        if server:
+                inbox = [grad]
+        if server and not self.stepped:  # a repeat after a failed broadcast does not step twice
             with self.timers.phase("average"):
-                mean = torch.stack(self.inbox).mean(dim=0)
+                mean = torch.stack(inbox).mean(dim=0)
                 offset, got = 0, mean[self.flat.numel() :].tolist()
                 for p, anyone in zip(self.params, got):  # no rank computed it: as in one process
                     p.grad = mean[offset : offset + p.numel()].view_as(p) if anyone else None
                     offset += p.numel()
             self.optimizer.step()
+            self.stepped = True
             self.flat = parameters_to_vector(self.params).detach()
         with self.timers.phase("broadcast"), self.collective("weight broadcast"):
             if self.world.world_size > 1:
                 dist.broadcast(self.flat, src=0)
-        if not server:
-            vector_to_parameters(self.flat, self.params)
-        return StepResult(loss_value(loss), samples, self.timers.pop())
