@@ -58,7 +58,7 @@ REQUEST_TAG = 1
 _FIRST_TAG = 16
 # 1 MiB messages: the server adds one while the next is on the wire, and each goes out eagerly over
 # Open MPI's TCP transport (``runtime.spawn.TCP_EAGER_ENV``), so ranks that serve each other send at once.
-CHUNK = 1 << 18
+CHUNK = int(__import__("os").environ.get("PB_CHUNK", 1 << 18))
 PUSH, PULL, WRITE, COUNTER, PUSH_PULL = 1, 2, 3, 4, 5
 OUTER, COMPANION_PULL, COMPANION_WRITE = 6, 7, 8  # asynchronous DiLoCo's outer step, and its state
 _HEADER = 10
@@ -344,10 +344,13 @@ class ServerBox(ParameterBox):
             return _FIRST_TAG + next(self._tags) % (self.tag_ub // 2 - _FIRST_TAG)
 
     def _pieces_by_shard(self, start: int, stop: int):
-        for k, (s0, s1) in enumerate(self.shards):
-            lo, hi = max(start, s0), min(stop, s1)
-            if lo < hi:
-                yield self.box_ranks[k], lo, hi
+        """Remote shards first, this rank's own last: a request that leaves later can queue behind
+        the bulk data its server already sends the same peer (one TCP stream per pair of ranks)."""
+        pieces = [
+            (self.box_ranks[k], max(start, s0), min(stop, s1)) for k, (s0, s1) in enumerate(self.shards)
+        ]
+        pieces = [p for p in pieces if p[1] < p[2]]
+        return sorted(pieces, key=lambda p: p[0] == self.rank)
 
     def _transfer(
         self,

@@ -108,8 +108,7 @@ class BoxSync(Strategy):
         return StepResult(loss_value(loss), samples, self.timers.pop())
 
     def _sum_in_box(self, step: int) -> None:
-        with self.timers.phase("average"):
-            self.box.mean_(self.grad, step, out=self.mean)
+        self.box.mean_(self.grad, step, out=self.mean, timers=self.timers)  # its phases: push, barrier, pull
 
     def close(self) -> None:
         self.grads.close()  # no hooks left on a user's model, which outlives the strategy
