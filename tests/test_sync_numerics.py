@@ -64,8 +64,11 @@ def test_allreduce_with_momentum_and_small_buckets_matches_single(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("box,zero_copy", [("shm", "true"), ("shm", "false"), ("rma", "false")])
-def test_box_sync_matches_single_at_double_batch(box, zero_copy, single_2b, tmp_path):
+@pytest.mark.parametrize(
+    "box,zero_copy,bucket_mb", [("shm", "true", 1), ("shm", "false", 1), ("rma", "false", 0.004)]
+)
+def test_box_sync_matches_single_at_double_batch(box, zero_copy, bucket_mb, tmp_path, single_2b):
+    """On the rma box, buckets of 1,048 floats go into the box during backward (early pushes)."""
     out = tmp_path / "run"
     run_cli(
         "train",
@@ -81,6 +84,8 @@ def test_box_sync_matches_single_at_double_batch(box, zero_copy, single_2b, tmp_
         str(out),
         "--set",
         f"box-sync.zero_copy={zero_copy}",
+        "--set",
+        f"box-sync.bucket_mb={bucket_mb}",
         *COMMON,
         env=MPI_ENV,
     )

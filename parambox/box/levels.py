@@ -80,6 +80,7 @@ class BoxMean:
         self.two_level = two_level
         self.zeros = torch.zeros(numel)
         self.timers: Any = None
+        self.early_step, self.early, self.pushed = -1, [], (0, 0)  # push_early's, this step
         self.node: ParameterBox | None = None
         self.cross: ParameterBox | None = None
         if not two_level:
@@ -148,17 +149,40 @@ class BoxMean:
             self.node.barrier()
             return self.node.pull(out, start=AREAS * self.numel + area)
 
+    def push_early(self, v: torch.Tensor, lo: int, hi: int, step: int) -> None:
+        """Push ``v[lo:hi] / n`` into step's sum now (one level: a gradient bucket that backward has
+        finished); ``mean_`` of the same step then pushes only the rest. Ranges come from the end of
+        ``v`` towards its start, each below the last."""
+        assert self.node is None, "early pushes are one level's"
+        if self.early_step != step:
+            self.early_step, self.early, self.pushed = step, [], (lo, hi)
+        assert hi == self.pushed[0] or self.early == [], "early ranges go down, each below the last"
+        scale = 1.0 / self.world.world_size
+        for plo, phi, at, _ in self.pieces[step % AREAS]:
+            a, b = max(lo, plo), min(hi, phi)
+            if a < b:
+                self.early.append(self.cross.push_async(v[a:b], scale, at + a - plo))
+        self.pushed = (lo, self.pushed[1])
+
     def _cross_mean(self, v: torch.Tensor, scale: float, step: int, out: torch.Tensor) -> None:
         """Push ``scale * v`` into step's area of the cross box, meet there, pull the sum into ``out``,
-        and zero this rank's own part of the area step + 2 will use (its shard: no link bytes)."""
+        and zero this rank's own part of the area step + 2 will use (its shard: no link bytes). What
+        ``push_early`` pushed of this step is not pushed again."""
         rank = self.cross.comm.Get_rank() if hasattr(self.cross, "comm") else self.world.rank
         # Remote pieces first, this rank's own last: a request sent after the local copy queued behind
         # the data its own server had begun to send the same peer (one TCP stream per pair of ranks),
         # and the pulls ran one after the other (2 MiB each way at 0.1 Gbit/s: 250-330 ms, against
         # 175 ms remote first).
         pieces = sorted(self.pieces[step % AREAS], key=lambda p: p[3] == rank)
+        early, (e0, e1) = (self.early, self.pushed) if self.early_step == step else ([], (0, 0))
+        self.early_step = -1
         with self._phase("push"):
-            for h in [self.cross.push_async(v[lo:hi], scale, at) for lo, hi, at, _ in pieces]:
+            rest = []
+            for lo, hi, at, _ in pieces:  # each piece less what was pushed early: [lo, e0) and [e1, hi)
+                for a, b in ((lo, min(hi, e0)), (max(lo, e1), hi)) if e1 > e0 else ((lo, hi),):
+                    if a < b:
+                        rest.append(self.cross.push_async(v[a:b], scale, at + a - lo))
+            for h in early + rest:
                 h.wait()
         with self._phase("barrier"):
             self.cross.barrier()

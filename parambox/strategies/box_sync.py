@@ -17,6 +17,8 @@ node's shm box sums its workers' gradients and only the node's leader crosses th
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from pydantic import Field
 
@@ -34,6 +36,12 @@ from parambox.strategies.base import (
 
 class BoxSyncOptions(Options):
     zero_copy: bool = Field(True, description="shm: backward accumulates straight into the shared slot")
+    bucket_mb: float = Field(
+        1.0,
+        ge=0,
+        description="rma across nodes: push each finished gradient bucket of this size during "
+        "backward (DDP's first bucket); 0: push after backward",
+    )
 
 
 class BoxSync(Strategy):
@@ -70,7 +78,18 @@ class BoxSync(Strategy):
         # This worker's slot of even and odd steps, and the parameters' .grad views into each.
         self.slot_of = [self._my_slot(parity) for parity in (0, 1)]
         self.views_of = [list(self.layout.views(s[:numel]).values()) for s in self.slot_of]
-        self.grads = GradViews(self.params, self.views_of[0], track=True)  # hooks note who got a gradient
+        # Across nodes (one level), a bucket goes into the box as soon as backward has finished it, as
+        # DDP's allreduce starts during backward: the parameters' gradients are laid out in order and
+        # backward finishes them roughly last to first, so the finished tail of the slot grows down.
+        early = (
+            self.summing and ctx.box.backend == "rma" and not self.box.two_level and self.world.world_size > 1
+        )
+        self.bucket = max(1, int(options.bucket_mb * (1 << 20) / 4)) if options.bucket_mb > 0 else 0
+        early = early and self.bucket > 0
+        self.offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
+        self.grads = GradViews(  # hooks note who got a gradient
+            self.params, self.views_of[0], track=True, on_ready=self._ready if early else None
+        )
         self.optimizer = ctx.make_optimizer(self.params)
 
     def _slots(self, parity: int) -> tuple[int, int]:
@@ -83,6 +102,8 @@ class BoxSync(Strategy):
         return self.shared[mine : mine + self.slot] if self.shared is not None else self.local
 
     def begin_step(self, step: int) -> None:
+        self.step_now, self.finished, self.tail = step, [False] * len(self.params), len(self.params)
+        self.pushed_from = self.offsets[-1]  # the slot's gradients from here on are in the box
         self.grad = self.slot_of[step % 2]
         self.grad.zero_()
         self.grads.views = self.views_of[step % 2]
@@ -106,6 +127,17 @@ class BoxSync(Strategy):
             p.grad = view if got is None or got[i] else None  # no worker computed it: as in one process
         self.optimizer.step()
         return StepResult(loss_value(loss), samples, self.timers.pop())
+
+    def _ready(self, i: int, first: bool) -> None:
+        """Parameter ``i``'s gradient is complete (one backward a step): push the finished tail of the
+        slot once it holds a bucket's worth beyond what is in the box."""
+        self.finished[i] = True
+        while self.tail > 0 and self.finished[self.tail - 1]:
+            self.tail -= 1
+        lo = self.offsets[self.tail]
+        if self.pushed_from - lo >= self.bucket:
+            self.box.push_early(self.grad, lo, self.pushed_from, self.step_now)
+            self.pushed_from = lo
 
     def _sum_in_box(self, step: int) -> None:
         self.box.mean_(self.grad, step, out=self.mean, timers=self.timers)  # its phases: push, barrier, pull
