@@ -191,7 +191,8 @@ class Strategy:
                 self.share_state()
 
     def next_exchange(self, step: int) -> int:
-        """The first step from ``step`` on whose exchange every rank takes part (every step here)."""
+        """The first step from ``step`` on whose exchange every rank takes part (every step here;
+        ``period_end`` where the exchange comes every few steps)."""
         return step
 
     def share_state(self) -> None:
@@ -314,6 +315,15 @@ class PhaseTimers:
     def pop(self) -> dict[str, float]:
         out, self.seconds = self.seconds, {}
         return out
+
+
+def period_end(step: int, period: int) -> int:
+    """The first step ``a >= step`` with ``(a + 1) % period == 0``: the last of ``step``'s period.
+
+    >>> period_end(5, 4), period_end(7, 4), period_end(3, 1)
+    (7, 7, 3)
+    """
+    return step + (period - 1 - step % period)
 
 
 def loss_value(loss: torch.Tensor | None) -> float:

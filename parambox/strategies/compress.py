@@ -72,6 +72,11 @@ class Compressor:
         self.num_blocks = -(-numel // block)
         self.error = torch.zeros(numel, device=device) if error_feedback and mode != "none" else None
 
+    def forget_error_(self) -> None:
+        """Drop the error carried to the next message (none owed: a fresh start, or nothing sent)."""
+        if self.error is not None:
+            self.error.zero_()
+
     def payload_bytes(self) -> int:
         """Bytes of the encoded ``x`` (without the tail)."""
         if self.mode == "none":

@@ -47,7 +47,7 @@ from parambox.box import Layout
 from parambox.errors import UserError, warn
 from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
-from parambox.strategies.base import Context, StepResult, Strategy, loss_value, trainable
+from parambox.strategies.base import Context, StepResult, Strategy, loss_value, period_end, trainable
 from parambox.strategies.center import DONE, LOST, NONFINITE
 from parambox.strategies.delayed_nesterov import DelayedNesterov, local_steps
 from parambox.strategies.exchange import (
@@ -130,8 +130,7 @@ class Diloco(Strategy):
         self.nonfinite: set[int] = set()
         if self.joining:  # a replacement: a survivor's theta, outer momentum and inner optimizer state
             self.share_state()
-            if exchange.compressor.error is not None:
-                exchange.compressor.error.zero_()  # the error it owes is its own: none yet
+            exchange.compressor.forget_error_()  # the error it owes is its own: none yet
         ignored = sorted(ASYNC_ONLY & options.model_fields_set)
         if ignored:
             warn(
@@ -143,8 +142,7 @@ class Diloco(Strategy):
         self.admit_replacements(step)  # at a round's start (next_exchange)
 
     def next_exchange(self, step: int) -> int:
-        h = self.options.inner_steps
-        return step + (h - 1 - step % h)  # the round's last step
+        return period_end(step, self.options.inner_steps)  # the round's last step
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         self.optimizer.step()

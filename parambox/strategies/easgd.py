@@ -37,6 +37,7 @@ from parambox.strategies.base import (
     Strategy,
     bind_flat_replica,
     loss_value,
+    period_end,
 )
 from parambox.strategies.exchange import ExchangeOptions, SumExchange, box_compressor
 
@@ -244,8 +245,7 @@ class SyncElasticAveraging(Strategy):
             self.layout.bind_params_(self.result, self.c)
         if self.joining:  # a replacement: a survivor's replica, center and optimizer state
             self.share_state()
-            if self.sums.compressor.error is not None:
-                self.sums.compressor.error.zero_()
+            self.sums.compressor.forget_error_()  # the error it owes is its own: none yet
 
     def begin_step(self, step: int) -> None:
         self.admit_replacements(step)  # after an exchange (next_exchange)
@@ -255,8 +255,7 @@ class SyncElasticAveraging(Strategy):
         self.grad_views.rebind_()
 
     def next_exchange(self, step: int) -> int:
-        tau = self.options.tau
-        return step + (tau - 1 - step % tau)
+        return period_end(step, self.options.tau)
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         if not (self.halted or loss is None or is_finite(loss)):
@@ -314,11 +313,14 @@ class SyncElasticAveraging(Strategy):
         In a run that survives in place, a lost peer makes the survivors repeat it among themselves
         (each from the message it kept): the center then moves by the survivors' sum."""
         self.sums.start(buf[: self.numel], buf[self.numel :], keep=self.elastic is not None)
-        total, flags = self.exchange(
-            self.sums.wait, self.step_now, lambda: (self.sums.redo(), self.sums.wait())[1]
-        )
+        total, flags = self.exchange(self.sums.wait, self.step_now, self._sum_again)
         buf[: self.numel].copy_(total)
         buf[self.numel :].copy_(flags)
+
+    def _sum_again(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept message summed over the survivors (after a lost peer)."""
+        self.sums.redo()
+        return self.sums.wait()
 
     def finish(self) -> None:
         with self.timers.phase("allreduce"):

@@ -195,8 +195,7 @@ class DeltaAverager:
             flags[self.rank] = 1.0
         else:
             delta.zero_()
-            if self.exchange.compressor.error is not None:  # nor an old error: the flag says "nothing"
-                self.exchange.compressor.error.zero_()
+            self.exchange.compressor.forget_error_()  # nor an old error: the flag says "nothing"
         if self.overlap:
             self._apply_pending()
             self.exchange.start(delta, flags)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from pydantic import Field
 from torch.nn.utils import parameters_to_vector
 
-from parambox.strategies.base import Context, StepResult, Strategy, loss_value, trainable
+from parambox.strategies.base import Context, StepResult, Strategy, loss_value, period_end, trainable
 from parambox.strategies.exchange import DeltaAverager, ExchangeOptions, SumExchange
 
 
@@ -78,8 +78,7 @@ class WeightAveraging(Strategy):
         self.admit_replacements(step)
 
     def next_exchange(self, step: int) -> int:
-        period = self.options.period
-        return step + (period - 1 - step % period)  # the first a >= step with (a + 1) % period == 0
+        return period_end(step, self.options.period)
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         self.optimizer.step()

@@ -7,7 +7,8 @@ into that queue. The coordinator's main thread never computes: it hands out the 
 moment a worker is free.
 
 Messages: up to ``FRAMES`` tasks to a worker (each ``TASK_FIELDS`` float64 ``[kind, evaluation,
-portion, args...]``, then a payload: one flag per portion, or a vector operation's slots); back ``[evaluation, portion, loss sum, samples, seconds]``: scalars only.
+portion, args...]``, then a payload: one flag per portion, or a vector operation's slots); back
+``[evaluation, portion, loss sum, samples, seconds]``: scalars only.
 The portion's gradient stays where it was computed (``PortionGrads``) until the coordinator says
 which portions each worker won; then the winners' sum goes to the shard holders
 (``strategy.py``), never to the coordinator. The weights of an evaluation reach the workers from

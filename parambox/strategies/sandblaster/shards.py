@@ -193,7 +193,7 @@ class Gram:
     the dot products among the gradient and the history pairs, so the coordinator keeps those scalars
     and runs the recursion on the coefficients of the direction over them; the holders then form the
     direction as one linear combination. Each iteration asks the holders once, for the new vectors'
-    products with the rest (``fill``), where the recursion over the shards asked 2m + 4 times in turn.
+    products with the rest (``fill``), where the recursion over the shards asked 2m + 6 times in turn.
     Writing a slot (through this object) drops its products.
     """
 
