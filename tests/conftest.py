@@ -64,32 +64,6 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ.pop(LOCKS), ignore_errors=True)
 
 
-# The files that take longest (test time measured 25 Nov with --durations=0), handed out first
-# (scripts/test.sh runs xdist with --no-loadscope-reorder, so files go out in this collection order):
-# by xdist's default order, most tests first, the heaviest files (test_mpi_faults, 113 s in 9 tests)
-# came last and ran on while the other worker idled.
-HEAVY_FIRST = (
-    "test_mpi_faults.py",
-    "test_user_workload.py",
-    "test_distributed_optimizer.py",
-    "test_cluster_cli.py",
-    "test_survive_in_place.py",
-    "test_examples.py",
-    "test_box_contract.py",
-    "test_restarts.py",
-    "test_async_train.py",
-    "test_reproduce.py",
-    "test_supervision.py",
-    "test_pick.py",
-)
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """The heaviest files first (``HEAVY_FIRST``), the rest in their order; tests keep theirs in a file."""
-    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """A readers-writer lock over the xdist workers: a ``solo`` test (set-up, call and tear-down) holds
