@@ -47,6 +47,9 @@ NO_SLURM = "no SLURM controller here (../shared/tools/slurm-up.sh starts one)"
 
 # The benchmarks' smoke runs check keys, not speed: their workers fork warm from the session's zygote.
 os.environ.setdefault("PARAMBOX_BENCH_WARM", "1")
+# A hung smoke run fails with its workers' stacks (bench/workers.py DEADLINE_ENV) well before the
+# test's own timeout, which would show only the parent waiting.
+os.environ.setdefault("PARAMBOX_BENCH_DEADLINE_S", "100")
 
 
 LOCKS = "PARAMBOX_TEST_LOCKS"  # the directory of the lock files every xdist worker shares

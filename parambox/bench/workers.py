@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -68,14 +69,29 @@ def warm() -> bool:
     return os.environ.get(WARM_ENV) == "1"
 
 
-def wait_all(procs: list, grace_s: float = 30.0) -> list[int]:
+# A limit on a benchmark's whole run, in seconds (unset: none). The test suite sets it for the smoke
+# runs: a worker still running then gets SIGABRT, whose handler (``PYTHONFAULTHANDLER``, set for the
+# workers where there is a limit) prints every thread's stack before the process ends, and the
+# benchmark fails naming the hang, instead of the test's timeout showing only the parent waiting.
+DEADLINE_ENV = "PARAMBOX_BENCH_DEADLINE_S"
+
+
+def wait_all(procs: list, grace_s: float = 30.0, deadline_s: float | None = None) -> list[int]:
     """Every worker's exit code. Once one has failed, the others get ``grace_s`` to end on their own
-    (they may be waiting on it in a collective, whose timeout is long) and are then stopped."""
-    failed_at = None
+    (they may be waiting on it in a collective, whose timeout is long) and are then stopped. Past
+    ``deadline_s`` the workers still running are aborted (SIGABRT: their stacks on stderr)."""
+    failed_at, start = None, time.monotonic()
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             return codes
+        if deadline_s is not None and time.monotonic() - start > deadline_s:
+            hung = [i for i, c in enumerate(codes) if c is None]
+            for i in hung:
+                procs[i].send_signal(signal.SIGABRT)
+            time.sleep(2.0)  # for the stacks to be written
+            spawn.stop(procs)
+            raise RuntimeError(f"workers {hung} still running after {deadline_s:g} s: their stacks are above")
         if failed_at is None and any(codes):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > grace_s:
@@ -96,6 +112,9 @@ def spawn_workers(
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", module, "--worker", *args, str(out)]
         env = spawn.loopback_env(threads=1, prefix=prefix)
+        deadline = os.environ.get(DEADLINE_ENV)
+        if deadline:
+            env["PYTHONFAULTHANDLER"] = "1"
         if mpi:
             procs = [spawn.start_mpi(cmd, workers, env, mpi_command=cluster and cluster.mpi_launch)]
         else:
@@ -103,7 +122,7 @@ def spawn_workers(
                 cmd, workers, env, placement=cluster and cluster.placement(workers), warm=warm()
             )  # timed: fresh interpreters (WARM_ENV)
         try:
-            codes = wait_all(procs)
+            codes = wait_all(procs, deadline_s=float(deadline) if deadline else None)
         finally:
             spawn.stop(procs)
             spawn.remove_segments(prefix)

@@ -417,6 +417,10 @@ def become(request: dict[str, Any]) -> None:
         os.close(fd)
     os.environ.clear()
     os.environ.update(request["env"])
+    if os.environ.get("PYTHONFAULTHANDLER"):  # as a fresh interpreter reads it at start
+        import faulthandler
+
+        faulthandler.enable()
     _threads_as_fresh()
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))  # as a fresh interpreter sets its streams up
     sys.stdout.reconfigure(line_buffering=unbuffered or os.isatty(1), write_through=unbuffered)
