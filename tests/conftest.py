@@ -187,8 +187,10 @@ def _captured():
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         sys.stdout, sys.stderr = texts
+        failed = True
         try:
             yield streams
+            failed = False
         finally:
             sys.stdout, sys.stderr = saved_streams
             for fd, saved in zip((1, 2), saved_fds):
@@ -197,6 +199,8 @@ def _captured():
             for key, text, f in zip(("out", "err"), texts, (out, err)):
                 f.seek(0)
                 streams[key] = text.getvalue() + f.read().decode(errors="replace")
+            if failed:  # the call raised: what it and its children wrote goes to the test's report
+                sys.stderr.write(streams["out"][-5000:] + streams["err"][-20000:])
 
 
 # The synchronous numerics runs' flags (test_sync_numerics, test_pipeline): plain SGD, one thread.

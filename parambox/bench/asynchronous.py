@@ -46,6 +46,7 @@ from parambox.bench.rounds import paired_ratio
 from parambox.bench.workers import BATCH, close_setups, exit_worker, random_batches, run_setups, spawn_workers
 from parambox.numerics import is_finite
 from parambox.runtime import spawn
+from parambox.runtime.dist import destroy_distributed
 from parambox.runtime.spawn import find_mpiexec
 
 LR, MOMENTUM = 0.01, 0.9
@@ -149,7 +150,7 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
         if world.rank == 0:
             out.write_text(json.dumps({"per_round": per_round, "nonfinite": nonfinite, "shared": shared}))
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()
 
 
 def _same_on_both_ranks(model) -> bool:

@@ -48,6 +48,7 @@ import torch
 from parambox.bench.rounds import paired_ratio, time_calls
 from parambox.bench.workers import exit_worker, warm
 from parambox.runtime import spawn
+from parambox.runtime.dist import destroy_distributed
 
 MIB = 1 << 20
 MPI_ENV = {"OMPI_MCA_osc": "^ucx"}  # Open MPI's shared-memory one-sided path
@@ -290,7 +291,7 @@ def _gloo_worker(sizes_mb: Sequence[int], repeats: int) -> None:
         allreduce = partial(_timed_collective, dist.barrier, partial(dist.all_reduce, torch.ones(_numel(mb))))
         allreduce()
         ops["gloo_allreduce"][str(mb)] = _figure([allreduce() for _ in range(_reps(repeats, mb))], mb)
-    dist.destroy_process_group()
+    destroy_distributed()
     if rank == 0:
         print(_MARK + json.dumps(ops), flush=True)
 

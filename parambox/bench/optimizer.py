@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from parambox.bench.rounds import paired_ratio
 from parambox.bench.sync import _build, ddp_stepper, plain_stepper
 from parambox.bench.workers import BATCH, close_setups, exit_worker, run_setups, spawn_workers
+from parambox.runtime.dist import destroy_distributed
 
 SETUPS = {"ddp": ddp_stepper, "ceiling": plain_stepper}
 
@@ -56,7 +57,7 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
         if world.rank == 0:
             out.write_text(json.dumps(per_round))
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()
 
 
 def run_bench_optimizer(rounds: int = 5, steps: int = 30, warmup: int = 5, workers: int = 2) -> dict:

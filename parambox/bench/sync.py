@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from parambox.bench.rounds import paired_ratio
 from parambox.bench.workers import BATCH, close_setups, exit_worker, run_setups, spawn_workers
+from parambox.runtime.dist import destroy_distributed
 
 SETUPS = ["ddp", "ceiling", "post-local-sgd", "torchft-diloco"]  # the steppers that are not parambox's
 PERIOD = 4  # weight-avg's period, PostLocalSGD's, and diloco's inner steps (with torchft's sync_every)
@@ -113,7 +114,7 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
         if world.rank == 0:
             out.write_text(json.dumps(per_round))
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()
 
 
 def run_bench_sync(

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parambox.bench.rounds import time_calls
+from parambox.runtime.dist import destroy_distributed
 from parambox.runtime.mpi import exit_now
 
 RESULT_MARKER = "PARAMBOX_RESULT "
@@ -152,7 +153,7 @@ def main(argv: list[str]) -> int:
             result = validate(spec, rank, world_size)
     finally:
         if world_size > 1:
-            dist.destroy_process_group()
+            destroy_distributed()
     if rank == 0:
         print(RESULT_MARKER + json.dumps(result), flush=True)
     if world_size > 1:
