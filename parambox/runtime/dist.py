@@ -8,13 +8,13 @@ import os
 import socket
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from parambox.errors import CommTimeout
-from parambox.runtime.elastic import ElasticGroup
+from parambox.runtime.elastic import ElasticGroup, destroy_default_group
 from parambox.runtime.spawn import free_port
 from parambox.runtime.world import World
 
@@ -145,23 +145,13 @@ def is_loopback_name(addr: str) -> bool:
 
 def destroy_distributed() -> None:
     """Without this, gloo workers sometimes abort at exit ("terminate called without an active
-    exception").
-
-    First a pause with the GIL released. A gloo process group's run-loop thread destroys a finished
-    collective's work just after the caller's ``wait`` returns, and that needs the GIL when the work
-    holds Python tensors. The group itself goes later, when its last holder (a DDP reducer, a
-    strategy) is freed. That happens under the GIL, and its destructor joins the run-loop threads: if
-    one was still destroying such a work, neither thread moved again. Seen in 1 of 25 runs of ``bench
-    optimizer`` (gdb: ``~ProcessGroupGloo`` joining ``pt_gloo_runloop`` in ``take_gil`` under
-    ``~AsyncBroadcastWork``)."""
+    exception")."""
     global _ELASTIC
-    time.sleep(0.05)
     if _ELASTIC is not None:
         _ELASTIC.close()
         _ELASTIC = None
     if dist.is_initialized():
-        with suppress(Exception):
-            dist.destroy_process_group()
+        destroy_default_group()
 
 
 # Boards made in this process so far: every rank makes its boards in the same order, so the n-th
