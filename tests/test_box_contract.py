@@ -38,6 +38,7 @@ CHECKS = [
     "shard_bounds",
     "mismatch",
     "missing",
+    "gated",
 ]
 PUSH_PULL_NUMEL = 1_000_003  # more than one server message (box/server.py's CHUNK) per shard
 
@@ -198,6 +199,47 @@ class Worker:
         sizes = "500" in wrong_size[1] and "501" in wrong_size[1] if self.rank == 2 else True
         ok = wrong_size[0] and wrong_layout[0] and intact and named and sizes
         return ok, f"{wrong_size[1]} | {wrong_layout[1]} | keep intact={intact}"
+
+    def check_gated(self):
+        """The memory server's gated pulls (``box/levels.py``'s barrier-free mean): a pull of a key
+        parked until every rank's keyed pushes of it have landed returns their whole sum, from a
+        remote shard and from this rank's own; a target never reached ends in CommTimeout."""
+        import time
+
+        import torch
+
+        from parambox.errors import CommTimeout
+
+        box = self.open(3000, "gated")
+        if not getattr(box, "gated", False):
+            box.close()
+            return True, "no gated pulls on this box"
+        s0, s1 = box.shards[-1]  # the last rank's shard: remote for the others, its own for it
+        at, n = s0 + 7, 200
+        key, out = at, torch.empty(n)
+        pull = box.pull_when_async(out, at, key, target=SIZE * n)  # asked before anyone pushed
+        time.sleep(0.1 * self.rank)  # the ranks' pushes land one after another
+        for part in range(4):  # in parts: the server counts elements, not requests
+            box.push_keyed_async(torch.ones(n // 4), self.rank + 1.0, at + part * n // 4, key).wait()
+        pull.wait()
+        want = float(sum(range(1, SIZE + 1)))
+        summed = bool(out.eq(want).all())
+        box.barrier()
+        box.timeout = 1.0
+        timed_out = True
+        if self.rank == SIZE - 1:  # its own shard (a remote request would stay parked, then dropped)
+            try:
+                box.pull_when_async(torch.empty(n), at, key, target=SIZE * n + 1).wait()
+                timed_out = False
+            except CommTimeout as e:
+                timed_out = "gated pull" in str(e)
+        box.timeout = 20.0
+        box.barrier()
+        box.close()
+        return (
+            summed and timed_out,
+            f"sum {float(out.min())}..{float(out.max())} (want {want}), timeout {timed_out}",
+        )
 
     def check_missing(self):
         import torch

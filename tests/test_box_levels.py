@@ -1,5 +1,6 @@
 """The mean through the box in two levels (ShmCaffe: a node's workers sum in its shm box, its leader
-alone crosses to the cross-node box) equals the one-level mean and the closed form, to 1e-6.
+alone crosses to the cross-node box) equals the one-level mean and the closed form, to 1e-6, with
+the memory server's gated pulls (no barrier: each block answered once all its pushes landed).
 
 2 nodes x 2 workers on loopback: 4 ranks under mpiexec, each told its node (``World`` built here:
 ranks 0-1 are node 0, 2-3 node 1), the rma box with its memory server. Run as a script this file is
@@ -25,11 +26,15 @@ MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
 
 
 def worker() -> None:
+    import time
+
     import torch
 
-    from parambox.box import BoxConfig
+    from parambox.box import BoxConfig, levels
     from parambox.box.levels import BoxMean
     from parambox.runtime.world import World
+
+    levels.BLOCK = 1000  # several gated blocks per shard's piece, each answered once its pushes landed
 
     rank = World.from_env().rank
     world = World(rank, SIZE, rank % PER_NODE, PER_NODE, rank // PER_NODE, SIZE // PER_NODE, "mpi")
@@ -41,6 +46,7 @@ def worker() -> None:
         x, out, worst = torch.zeros(NUMEL), torch.empty(NUMEL), 0.0
         for step in range(STEPS):
             g = ramp * (rank + 1) + step  # constant per rank and step: the mean is known
+            time.sleep(0.02 * ((rank + step) % 3))  # ranks arrive in a different order each step
             mean.mean_(g, step, out)
             want = ramp * (sum(range(1, SIZE + 1)) / SIZE) + step
             worst = max(worst, float((out - want).abs().max()))
@@ -51,25 +57,29 @@ def worker() -> None:
     print(json.dumps({"rank": rank, **errors}), flush=True)
 
 
-@pytest.mark.parametrize("numel,ranks", [(10_001, 2), (7, 3), (1_000_003, 4), (5, 8)])
-def test_every_area_is_cut_over_every_shard(numel, ranks):
-    """Each rank sends and receives the same bytes (both directions of a link at once): part k of
-    every area lies in shard k, the parts cover the vector, and no two overlap in the box."""
+@pytest.mark.parametrize(
+    "numel,ranks,shards", [(10_001, 2, 2), (7, 3, 3), (1_000_003, 4, 4), (5, 8, 8), (300_001, 4, 2)]
+)
+def test_every_area_is_dealt_over_every_shard(numel, ranks, shards):
+    """Each rank sends and receives the same bytes (both directions of a link at once): the blocks of
+    every area go round the shards, each inside its owner's shard, they cover the vector, no two
+    overlap in the box, and the shards' shares differ by one block at most."""
     from types import SimpleNamespace
 
     from parambox.box.layout import shard_range
-    from parambox.box.levels import AREAS, _area_pieces, _padded
+    from parambox.box.levels import AREAS, _area_pieces, _block, _padded
 
-    total = _padded(numel, ranks)
+    total, block = _padded(numel, ranks), _block(numel, ranks)
     box = SimpleNamespace(
-        shards=[shard_range(total, k, ranks) for k in range(ranks)], box_ranks=list(range(ranks))
+        shards=[shard_range(total, k, shards) for k in range(shards)], box_ranks=list(range(shards))
     )
-    pieces = _area_pieces(box, numel)
+    pieces = _area_pieces(box, numel, block)
     used = set()
     for area in pieces:
-        assert [p[:2] for p in area] == [
-            shard_range(numel, k, ranks) for k in range(ranks) if p_len(numel, k, ranks)
-        ]
+        assert [p[:2] for p in area] == [(lo, min(numel, lo + block)) for lo in range(0, numel, block)]
+        assert [p[3] for p in area] == [j % shards for j in range(len(area))]
+        share = [sum(hi - lo for lo, hi, _, k in area if k == owner) for owner in range(shards)]
+        assert max(share) - min(share) <= block
         for lo, hi, at, owner in area:
             s0, s1 = box.shards[owner]
             assert s0 <= at and at + hi - lo <= s1
@@ -77,13 +87,6 @@ def test_every_area_is_cut_over_every_shard(numel, ranks):
             assert not used.intersection(span)
             used.update(span)
     assert len(used) == AREAS * numel
-
-
-def p_len(numel: int, k: int, ranks: int) -> int:
-    from parambox.box.layout import shard_range
-
-    lo, hi = shard_range(numel, k, ranks)
-    return hi - lo
 
 
 @pytest.mark.timeout(150)

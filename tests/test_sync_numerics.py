@@ -68,7 +68,8 @@ def test_allreduce_with_momentum_and_small_buckets_matches_single(tmp_path):
     "box,zero_copy,bucket_mb", [("shm", "true", 1), ("shm", "false", 1), ("rma", "false", 0.004)]
 )
 def test_box_sync_matches_single_at_double_batch(box, zero_copy, bucket_mb, tmp_path, single_2b):
-    """On the rma box, buckets of 1,048 floats go into the box during backward (early pushes)."""
+    """On the rma box (its memory server, as across nodes), buckets of 1,048 floats go into the box
+    during backward (early pushes), and each block's gated pull is asked as soon as it is pushed."""
     out = tmp_path / "run"
     run_cli(
         "train",
@@ -86,6 +87,7 @@ def test_box_sync_matches_single_at_double_batch(box, zero_copy, bucket_mb, tmp_
         f"box-sync.zero_copy={zero_copy}",
         "--set",
         f"box-sync.bucket_mb={bucket_mb}",
+        *(["--set", "box.server=true"] if box == "rma" else []),
         *COMMON,
         env=MPI_ENV,
     )

@@ -14,11 +14,21 @@ Sums rotate over three areas: step t sums into area t % 3, and after step t's ba
 zeroes its own part of area t + 2 (= t - 1: everyone read it before step t's barrier; nobody pushes
 into it before step t + 1's).
 
-Where the cross-node box is sharded over several ranks, every area is cut over all of them (shard k
-holds part k of each area): each rank then sends and receives the same bytes, both directions of
-every link carry the exchange at once, as in a ring allreduce. Laid end to end, one area would sit
-on one rank, its link busy one way while the other way idles (box-sync ran at 0.60x allreduce at
-0.1 Gbit/s that way).
+Where the cross-node box is sharded over several ranks, the vector is dealt out over all of them in
+blocks of up to ``BLOCK`` elements (block j to shard j % shards): each rank then sends and receives
+the same bytes, both directions of every link carry the exchange at once, as in a ring allreduce,
+and so does any stretch of the vector, such as the buckets backward finishes last. Laid end to end,
+one area would sit on one rank, its link busy one way while the other way idles (box-sync ran at
+0.60x allreduce at 0.1 Gbit/s that way); cut in halves, the half that backward finishes last went to
+one rank's shard alone, and the whole step waited for it to cross the link twice.
+
+With the memory server (``box/server.py``, the rma box's default across nodes) there is no barrier:
+each worker pushes every block under the block's key and at once asks for its sum with a gated pull,
+which the block's server answers as soon as all n pushes of it have landed. Blocks flow back while
+later ones still flow out, as a ring allreduce's buckets do; a block pushed early (``push_early``,
+during backward) may come back before backward ends. The n-th push of a block in step t is also
+every worker's word that it has finished step t - 1 (it pulled before it pushed again), which is all
+the barrier told.
 """
 
 from __future__ import annotations
@@ -29,30 +39,43 @@ from typing import Any
 import torch
 
 from parambox.box.base import BoxConfig, ParameterBox, open_box
-from parambox.box.layout import shard_range
 from parambox.runtime.world import World
 
 AREAS = 3
+BLOCK = 1 << 17  # elements (512 KiB): the most of a vector one shard holds in one run
+
+
+def _block(numel: int, ranks: int) -> int:
+    """The run of the vector that goes to one shard: ``BLOCK``, or less, so that every shard gets some."""
+    return max(1, min(BLOCK, -(-numel // ranks)))
 
 
 def _padded(numel: int, ranks: int) -> int:
-    """The cross box's size: the areas, plus room for each shard's part of them to be whole."""
-    return AREAS * (numel + 2 * ranks)
+    """The cross box's size: the areas, plus room in each of up to ``ranks`` shards for its blocks."""
+    return AREAS * (numel + 2 * ranks * _block(numel, ranks))
 
 
-def _area_pieces(box: ParameterBox, numel: int) -> list[list[tuple[int, int, int, int | None]]]:
+def _area_pieces(box: ParameterBox, numel: int, block: int) -> list[list[tuple[int, int, int, int | None]]]:
     """Per area, ``(lo, hi, at, owner)``: ``v[lo:hi]`` lives at ``box[at:at + hi - lo]`` on rank
-    ``owner`` (None: one buffer every rank maps, as shm's). Part k of every area is in shard k."""
+    ``owner`` (None: one buffer every rank maps, as shm's). Across shards the vector is dealt out in
+    blocks, block j to shard j % shards (its blocks of an area back to back), so that any stretch of
+    the vector, as the last buckets backward finishes, is shared among all of them."""
     shards = getattr(box, "shards", None)
     if shards is None:
         return [[(0, numel, a * numel, None)] for a in range(AREAS)]
+    blocks = [(lo, min(numel, lo + block)) for lo in range(0, numel, block)]
+    share = [
+        sum(hi - lo for j, (lo, hi) in enumerate(blocks) if j % len(shards) == k) for k in range(len(shards))
+    ]
     pieces: list[list[tuple[int, int, int, int | None]]] = [[] for _ in range(AREAS)]
-    for k, (s0, s1) in enumerate(shards):
-        lo, hi = shard_range(numel, k, len(shards))
-        assert AREAS * (hi - lo) <= s1 - s0, "the cross box is padded for this"
+    placed = [0] * len(shards)
+    for j, (lo, hi) in enumerate(blocks):
+        k = j % len(shards)
+        s0, s1 = shards[k]
+        assert AREAS * share[k] <= s1 - s0, "the cross box is padded for this"
         for a in range(AREAS):
-            if hi > lo:
-                pieces[a].append((lo, hi, s0 + a * (hi - lo), box.box_ranks[k]))
+            pieces[a].append((lo, hi, s0 + a * share[k] + placed[k], box.box_ranks[k]))
+        placed[k] += hi - lo
     return pieces
 
 
@@ -81,6 +104,10 @@ class BoxMean:
         self.zeros = torch.zeros(numel)
         self.timers: Any = None
         self.early_step, self.early, self.pushed = -1, [], (0, 0)  # push_early's, this step
+        self.pulls: list = []  # the gated pulls of this step so far
+        self.sent: dict[int, int] = {}  # elements of each block pushed this step (gated)
+        self.out: torch.Tensor | None = None  # where this step's mean goes (gated pulls)
+        self.rounds = [0] * AREAS  # steps each area has summed (the gated pulls' targets)
         self.node: ParameterBox | None = None
         self.cross: ParameterBox | None = None
         if not two_level:
@@ -94,7 +121,8 @@ class BoxMean:
                 timeout=timeout,
             )
             self.leader = True
-            self.pieces = _area_pieces(self.cross, numel)
+            self.pieces = _area_pieces(self.cross, numel, _block(numel, world.world_size))
+            self.pushers = world.world_size
             return
         from mpi4py import MPI  # two levels are an rma box's: MPI is up
 
@@ -122,7 +150,8 @@ class BoxMean:
                 timeout=timeout,
                 comm=leaders,
             )
-            self.pieces = _area_pieces(self.cross, numel)
+            self.pieces = _area_pieces(self.cross, numel, _block(numel, leaders.Get_size()))
+            self.pushers = leaders.Get_size()
             self.mean_buf = torch.empty(numel)
             leaders.Free()
 
@@ -149,49 +178,87 @@ class BoxMean:
             self.node.barrier()
             return self.node.pull(out, start=AREAS * self.numel + area)
 
-    def push_early(self, v: torch.Tensor, lo: int, hi: int, step: int) -> None:
+    def push_early(self, v: torch.Tensor, lo: int, hi: int, step: int, out: torch.Tensor) -> None:
         """Push ``v[lo:hi] / n`` into step's sum now (one level: a gradient bucket that backward has
-        finished); ``mean_`` of the same step then pushes only the rest. Ranges come from the end of
-        ``v`` towards its start, each below the last."""
+        finished); ``mean_`` of the same step, with the same ``out``, then pushes only the rest.
+        Ranges come from the end of ``v`` towards its start, each below the last."""
         assert self.node is None, "early pushes are one level's"
         if self.early_step != step:
             self.early_step, self.early, self.pushed = step, [], (lo, hi)
+            self._begin(out)
         assert hi == self.pushed[0] or self.early == [], "early ranges go down, each below the last"
-        scale = 1.0 / self.world.world_size
-        for plo, phi, at, _ in self.pieces[step % AREAS]:
-            a, b = max(lo, plo), min(hi, phi)
-            if a < b:
-                self.early.append(self.cross.push_async(v[a:b], scale, at + a - plo))
+        self.early += self._push(v, lo, hi, 1.0 / self.world.world_size, step)
         self.pushed = (lo, self.pushed[1])
 
+    def _begin(self, out: torch.Tensor) -> None:
+        self.pulls, self.sent, self.out = [], {}, out
+
+    @property
+    def gated(self) -> bool:
+        return getattr(self.cross, "gated", False)
+
+    def _push(self, v: torch.Tensor, lo: int, hi: int, scale: float, step: int) -> list:
+        """Push ``scale * v[lo:hi]`` into step's area. Gated: each piece under its key (its place in
+        the box, the same on every rank), asking for a piece's sum once this rank has pushed all of it."""
+        handles = []
+        for plo, phi, at, _ in self._remote_first(self.pieces[step % AREAS]):
+            a, b = max(lo, plo), min(hi, phi)
+            if a >= b:
+                continue
+            if not self.gated:
+                handles.append(self.cross.push_async(v[a:b], scale, at + a - plo))
+                continue
+            handles.append(self.cross.push_keyed_async(v[a:b], scale, at + a - plo, at))
+            self.sent[at] = self.sent.get(at, 0) + b - a
+            if self.sent[at] == phi - plo:  # all of it on its way: ask for the sum of every rank's
+                target = self.pushers * (self.rounds[step % AREAS] + 1) * (phi - plo)
+                self.pulls.append(self.cross.pull_when_async(self.out[plo:phi], at, at, target))
+        return handles
+
     def _cross_mean(self, v: torch.Tensor, scale: float, step: int, out: torch.Tensor) -> None:
-        """Push ``scale * v`` into step's area of the cross box, meet there, pull the sum into ``out``,
-        and zero this rank's own part of the area step + 2 will use (its shard: no link bytes). What
-        ``push_early`` pushed of this step is not pushed again."""
-        rank = self.cross.comm.Get_rank() if hasattr(self.cross, "comm") else self.world.rank
-        # Remote pieces first, this rank's own last: a request sent after the local copy queued behind
-        # the data its own server had begun to send the same peer (one TCP stream per pair of ranks),
-        # and the pulls ran one after the other (2 MiB each way at 0.1 Gbit/s: 250-330 ms, against
-        # 175 ms remote first).
-        pieces = sorted(self.pieces[step % AREAS], key=lambda p: p[3] == rank)
+        """Push ``scale * v`` into step's area of the cross box, get the sum into ``out`` (gated pulls,
+        or a barrier and pulls), and zero this rank's own part of the area step + 2 will use (its
+        shard: no link bytes). What ``push_early`` pushed of this step is not pushed again."""
+        rank = self._cross_rank()
+        pieces = self._remote_first(self.pieces[step % AREAS])
         early, (e0, e1) = (self.early, self.pushed) if self.early_step == step else ([], (0, 0))
+        if self.early_step != step:
+            self._begin(out)
+        assert self.out is out, "push_early and mean_ of one step pull into the same out"
         self.early_step = -1
         with self._phase("push"):
             rest = []
-            for lo, hi, at, _ in pieces:  # each piece less what was pushed early: [lo, e0) and [e1, hi)
+            for lo, hi, _, _ in pieces:  # each piece less what was pushed early: [lo, e0) and [e1, hi)
                 for a, b in ((lo, min(hi, e0)), (max(lo, e1), hi)) if e1 > e0 else ((lo, hi),):
                     if a < b:
-                        rest.append(self.cross.push_async(v[a:b], scale, at + a - lo))
-            for h in early + rest:
-                h.wait()
-        with self._phase("barrier"):
-            self.cross.barrier()
+                        rest += self._push(v, a, b, scale, step)
+            if not self.gated:
+                for h in early + rest:
+                    h.wait()
+        if not self.gated:
+            with self._phase("barrier"):
+                self.cross.barrier()
+            self.pulls = [self.cross.pull_async(out[lo:hi], at) for lo, hi, at, _ in pieces]
         with self._phase("pull"):
-            for h in [self.cross.pull_async(out[lo:hi], at) for lo, hi, at, _ in pieces]:
+            for h in self.pulls:
                 h.wait()
+        for h in early + rest if self.gated else ():
+            h.wait()  # (acknowledged long since: every push had landed for the sums to come back)
+        self.rounds[step % AREAS] += 1
         for lo, hi, at, owner in self.pieces[(step + 2) % AREAS]:
             if owner == rank or (owner is None and rank == 0):
                 self.cross.write(self.zeros[: hi - lo], start=at)
+
+    def _cross_rank(self) -> int:
+        return self.cross.comm.Get_rank() if hasattr(self.cross, "comm") else self.world.rank
+
+    def _remote_first(self, pieces: list) -> list:
+        """Remote pieces first, this rank's own last: a request sent after the local copy queued behind
+        the data its own server had begun to send the same peer (one TCP stream per pair of ranks),
+        and the pulls ran one after the other (2 MiB each way at 0.1 Gbit/s: 250-330 ms, against
+        175 ms remote first)."""
+        rank = self._cross_rank()
+        return sorted(pieces, key=lambda p: p[3] == rank)
 
     def _phase(self, name: str) -> AbstractContextManager[None]:
         return self.timers.phase(name) if self.timers is not None else nullcontext()

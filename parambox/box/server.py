@@ -19,6 +19,13 @@ applied it (no ack): the pull's bytes flow back while the push's still flow out.
 operations take too (atomic per element against other pushers, as the contract asks); a push's
 handle completes when the server has applied it (its ack), like a ``Flush``.
 
+Gated pulls (``pull_when_async``, for the synchronous mean of ``box/levels.py``): a push may name a
+*key* (``counter`` field, key + 1), and its server counts the elements applied under that key; a
+``PULL_WHEN`` of a key waits on the server, parked, until the count reaches the request's target,
+then answers as a pull. The workers of a synchronous step push a block each and ask at once for the
+block's sum once all n have landed: no barrier, and each block flows back as soon as it is whole
+(pipelined, as a ring allreduce's buckets), while later blocks still flow out.
+
 Faults: every wait has a deadline. The server never blocks: it polls its receives (``Test``, sleeping
 with a back-off when idle, so it costs a training rank no CPU to speak of); a request whose peer dies
 (``ERR_PROC_FAILED`` under ``mpiexec --with-ft ulfm``) or stalls past the box's timeout is dropped,
@@ -63,6 +70,7 @@ _FIRST_TAG = 16
 CHUNK = 1 << 16
 PUSH, PULL, WRITE, COUNTER, PUSH_PULL = 1, 2, 3, 4, 5
 OUTER, COMPANION_PULL, COMPANION_WRITE = 6, 7, 8  # asynchronous DiLoCo's outer step, and its state
+PULL_WHEN = 9  # a pull parked until the pushes of a key have landed (see the module's docstring)
 _HEADER = 10
 _IDLE_SLEEP_S = 5e-4  # the longest nap of an idle server: a request waits at most this to be seen
 _FAILED = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
@@ -115,6 +123,25 @@ class _Requests(Handle):
         self.reqs, self.keep = [], []
 
 
+class _LocalGated(Handle):
+    """A gated pull from this rank's own shard: ``wait`` until the pushes have landed, then copy."""
+
+    def __init__(self, box: ServerBox, out: np.ndarray, at: int, key: int, target: int):
+        self.box, self.out, self.at, self.key, self.target = box, out, at, key, target
+
+    def wait(self) -> None:
+        if self.out is None:
+            return
+        box = self.box
+        wait_until(
+            lambda: box.landed(self.key, self.target),
+            box.timeout,
+            lambda: f"box {box.name!r} gated pull: the pushes did not all land within {box.timeout:.0f} s",
+        )
+        np.copyto(self.out, box.shard[self.at : self.at + len(self.out)])
+        self.out = None
+
+
 class _Job:
     """A request the server is working on: chunks to receive and apply, or sends to complete."""
 
@@ -134,6 +161,7 @@ class _Server(threading.Thread):
         self.box, self.comm = box, box.data
         self._halt = threading.Event()
         self.jobs: list[_Job] = []
+        self.parked: list[_Job] = []  # PULL_WHEN requests whose pushes have not all landed
         self.dropped = 0
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -166,7 +194,7 @@ class _Server(threading.Thread):
                 self._start(status.Get_source(), header.copy())
                 req = self.comm.Irecv(header, MPI.ANY_SOURCE, REQUEST_TAG)
                 busy = True
-            busy = self._progress() or busy
+            busy = self._unpark() or self._progress() or busy
             idle = 0 if busy else idle + 1
             time.sleep(0 if idle < 50 else min(_IDLE_SLEEP_S, 1e-5 * idle))
         _cancel([req])
@@ -183,11 +211,14 @@ class _Server(threading.Thread):
                 box.counters[h[4]] += h[5]
             job.keep = [old.reshape(1)]
             job.sends.append(self.comm.Isend(job.keep[0], src, _reply(tag)))
-        elif op in (PULL, COMPANION_PULL):
+        elif op == PULL_WHEN and not box.landed(int(h[4]), int(h[5])):
+            self.parked.append(job)
+            return
+        elif op in (PULL, COMPANION_PULL, PULL_WHEN):
             # Straight from the shard, no copy first (it cost a 32 MB pull 0.82 instead of 0.88 of a
             # 1 Gbit/s link): a pull takes no lock and may see a push half applied, as the box's contract
             # allows; aligned float32 words are never torn.
-            whole = box.shard if op == PULL else box.companion()[int(h[4])]
+            whole = box.companion()[int(h[4])] if op == COMPANION_PULL else box.shard
             view = whole[start - box.my_start :][:n]
             job.sends = [self.comm.Isend(view[a:b], src, _reply(tag)) for a, b in _chunks(0, n)]
         else:  # PUSH, PUSH_PULL, WRITE, OUTER: receive the chunks into a staging buffer, apply each as it lands
@@ -198,6 +229,20 @@ class _Server(threading.Thread):
                 (self.comm.Irecv(stage[a:b], src, _payload(tag)), lo + a, lo + b) for a, b in _chunks(0, n)
             ]
         self.jobs.append(job)
+
+    def _unpark(self) -> bool:
+        """Start the parked pulls whose pushes have landed; drop those past their deadline."""
+        if not self.parked:
+            return False
+        parked, self.parked, now = self.parked, [], time.monotonic()
+        for job in parked:
+            if self.box.landed(int(job.header[4]), int(job.header[5])):
+                self._start(job.src, job.header)
+            elif now > job.deadline:
+                self._drop(job, f"its pushes did not all land within {self.box.timeout:.0f} s")
+            else:
+                self.parked.append(job)
+        return len(self.parked) < len(parked)
 
     def _progress(self) -> bool:
         """Advance every job a little; True if anything moved."""
@@ -270,6 +315,7 @@ class ServerBox(ParameterBox):
         ncount = num_counters if self.rank == self.counter_rank else 0
         self.counters = np.zeros(ncount, dtype=np.int64)
         self._companion: np.ndarray | None = None  # (m, a) per element of the shard: the outer step's
+        self.arrived: dict[int, int] = {}  # elements pushed under each key (gated pulls), under the lock
         self.server = _Server(self) if mine or ncount else None
         if self.server is not None:
             self.server.start()
@@ -312,12 +358,20 @@ class ServerBox(ParameterBox):
         if op in (PUSH, PUSH_PULL) and scale != 1.0:
             src = src * np.float32(scale)
         with self.lock:
+            if op == PUSH and header[4] > 0:  # a keyed push: count what landed
+                key = int(header[4]) - 1
+                self.arrived[key] = self.arrived.get(key, 0) + hi - lo
             if op == WRITE:
                 np.copyto(self.shard[lo:hi], src)
             elif op == COMPANION_WRITE:
                 np.copyto(self.companion()[int(header[4]), lo:hi], src)
             else:
                 np.add(self.shard[lo:hi], src, out=self.shard[lo:hi])
+
+    def landed(self, key: int, target: int) -> bool:
+        """Whether ``target`` elements have been pushed under ``key`` into this rank's shard."""
+        with self.lock:
+            return self.arrived.get(key, 0) >= target
 
     def companion(self) -> np.ndarray:
         """The outer step's (m, a) beside every element of this rank's shard (zeros at first)."""
@@ -394,6 +448,30 @@ class ServerBox(ParameterBox):
             if op not in (PULL, COMPANION_PULL):
                 reqs += [self.data.Isend(part[a:b], rank, _payload(tag)) for a, b in _chunks(0, hi - lo)]
         return _Requests(reqs, [*keep, buf, out], self.timeout, f"box {self.name!r}")
+
+    gated = True  # push_keyed_async / pull_when_async
+
+    def push_keyed_async(self, src: torch.Tensor, scale: float, start: int, key: int) -> Handle:
+        """``push_async`` whose elements the shard's server counts under ``key`` (>= 0); the range
+        lies in one shard."""
+        flat = _host_flat(src)
+        self._span(flat.numel(), start)
+        return self._transfer(PUSH, flat.numpy(), start, scale, counter=key + 1)
+
+    def pull_when_async(self, out: torch.Tensor, start: int, key: int, target: int) -> Handle:
+        """``pull_async`` of ``out.numel()`` elements at ``start`` (one shard) once ``target`` elements
+        have been pushed under ``key`` there: the server parks the request until then."""
+        assert _is_host_flat(out)
+        self._span(out.numel(), start)
+        ((rank, lo, hi),) = self._pieces_by_shard(start, start + out.numel())
+        if rank == self.rank:
+            return _LocalGated(self, out.numpy(), lo - self.my_start, key, target)
+        header = np.zeros(_HEADER, dtype=np.int64)
+        header[:6] = [PULL_WHEN, tag := self._tag(), lo, hi - lo, key, target]
+        back = out.numpy()
+        reqs = [self.data.Irecv(back[a:b], rank, _reply(tag)) for a, b in _chunks(0, hi - lo)]
+        reqs.append(self.data.Isend(header, rank, REQUEST_TAG))
+        return _Requests(reqs, [header, back], self.timeout, f"box {self.name!r} gated pull")
 
     def _pull_into(self, out: torch.Tensor, start: int) -> Handle:
         return self._transfer(PULL, out.numpy(), start)

@@ -136,7 +136,7 @@ class BoxSync(Strategy):
             self.tail -= 1
         lo = self.offsets[self.tail]
         if self.pushed_from - lo >= self.bucket:
-            self.box.push_early(self.grad, lo, self.pushed_from, self.step_now)
+            self.box.push_early(self.grad, lo, self.pushed_from, self.step_now, self.mean)
             self.pushed_from = lo
 
     def _sum_in_box(self, step: int) -> None:
