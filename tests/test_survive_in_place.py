@@ -74,17 +74,16 @@ def test_a_killed_worker_is_survived_in_place_to_the_closed_form(tmp_path, strat
 
 
 @pytest.mark.timeout(170)
-def test_synchronous_diloco_survives_a_kill_mid_round_to_the_closed_form(tmp_path):
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_synchronous_diloco_survives_a_kill_mid_round_to_the_closed_form(tmp_path, compression):
     """Rounds of 2 steps; rank 1 dies in step 5, the second step of round 2: the survivors repeat that
     round's exchange among themselves (rank 1's half round is lost), and the outer Nesterov momentum
-    goes on: 2 rounds of the 3 ranks' mean pseudo-gradient, then 4 of the survivors'."""
+    goes on: 2 rounds of the 3 ranks' mean pseudo-gradient, then 4 of the survivors'. With int8 the
+    repeat sends the survivors' quantized pseudo-gradients again, with their error feedback as it was
+    before the failed exchange (a constant block quantizes exactly: the closed form holds)."""
     outer = (
-        "--set",
-        "diloco.inner_steps=2",
-        "--set",
-        "diloco.outer_lr=0.7",
-        "--set",
-        "diloco.outer_momentum=0.9",
+        *("--set", "diloco.inner_steps=2", "--set", "diloco.outer_lr=0.7"),
+        *("--set", "diloco.outer_momentum=0.9", "--set", f"diloco.compression={compression}"),
     )
     out, _ = _run(tmp_path, "diloco", "kill", timeout_s=30, extra=outer)
     survivors = [0, 2]
