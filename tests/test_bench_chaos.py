@@ -1,5 +1,6 @@
-"""Tier (c): `parambox bench chaos --quick --json` runs both runs and reports its keys (the figures come
-from the full form, run on a quiet machine: `parambox bench chaos --json`)."""
+"""Tier (c): `parambox bench chaos --quick --json` runs every setup clean and under faults (a kill, a SIGSTOP
+past --timeout, a kill before the first step) and reports its keys (the figures come from the full form,
+run on a quiet machine: `parambox bench chaos --json`)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,21 @@ from tests.conftest import run_cli
 @pytest.mark.timeout(400)
 def test_bench_chaos_quick():
     result = json.loads(run_cli("bench", "chaos", "--quick", "--json", timeout=390).stdout)
-    assert {"clean", "chaos", "throughput_retained", "command_time_ratio", "kill_every_s"} <= set(result)
-    chaos, steps = result["chaos"], result["steps"]
-    assert chaos["kills"] >= 1 and chaos["restarts"] == chaos["kills"] and chaos["lost_workers"] == []
-    assert chaos["worker_steps"] == [steps] * 3 == result["clean"]["worker_steps"]
-    assert result["throughput_retained"] > 0 and chaos["final_test_accuracy"] > 0.8
+    assert set(result["setups"]) == {"easgd", "diloco-async", "allreduce"}
+    for name, r in result["setups"].items():
+        faults = r["faults"]
+        assert faults["kill-at-start"] == 1 and faults["kill"] >= 1 and faults["stop"] >= 1, (name, r)
+        # every kill is replaced; a stopped synchronous rank is fenced out and replaced too, a stopped
+        # asynchronous one wakes and goes on (or, if the others finished meanwhile, is passed over)
+        stopped = {f["rank"] for f in r["chaos"]["fault_log"] if f["kind"] == "stop"}
+        if name == "allreduce":
+            assert r["replacements"] >= 3 and r["chaos"]["lost_workers"] == [], (name, r)
+        else:
+            assert r["replacements"] >= 2 and set(r["chaos"]["lost_workers"]) <= stopped, (name, r)
+        assert r["throughput_retained"] > 0 and r["accuracy_chaos"] > 0.8, (name, r)
+        assert r["mean_recovery_s"] is not None and r["mean_recovery_s"] > 0, (name, r)
+    bad = run_cli("bench", "chaos", "--quick", "--setups", "nope", check=False)
+    assert bad.returncode == 2 and "unknown setups ['nope']" in bad.stderr
 
 
 def test_bench_quick_is_refused_where_there_is_none():

@@ -1,22 +1,26 @@
-"""``parambox bench chaos``: an asynchronous run that keeps losing workers, against the same run without faults.
+"""``parambox bench chaos``: runs that keep losing workers, against the same runs without faults (torchft's schedule).
 
-Runs of ``parambox train --strategy easgd --workers 3`` (digits, LeNet; ``--quick``: the MLP and
+For each setup, two runs of ``parambox train --workers 3`` (digits, LeNet; ``--quick``: the MLP and
 fewer steps), one after the other, as a user starts them:
 
 - ``clean``: no fault;
-- ``chaos``: ``--max-restarts`` high, and a kill loop that SIGKILLs a random worker process every
-  ``kill_every_s`` seconds while at least two train (any rank, rank 0 included; not one within a
-  few steps of its end), each replaced by the launcher from its warm spare (``warm_spare=true``: a
-  worker process that has already imported torch and loaded the data): the replacement attaches to the box, pulls the
-  center and carries on with the steps its predecessor had not done, while the others never stop;
-- ``chaos_without_spare`` (not in ``--quick``): the same with ``warm_spare=false`` (the default),
-  every replacement a new interpreter.
+- ``chaos``: the same run with ``--max-restarts`` high and a fault about every ``fault_every_s``
+  seconds (torchft's CPU chaos run: one about every 30 s), the kinds in turn:
+  ``kill`` (SIGKILL a random worker that is training), ``stop`` (SIGSTOP it for ``stop_s``, longer
+  than the run's ``--timeout``: a synchronous run fences it out and replaces it, an asynchronous run
+  goes on without it, then it wakes, SIGCONT, and carries on), and ``kill-at-start`` (rank 1 SIGKILLs
+  itself before its first step, ``PARAMBOX_FAULT``: before the first collective of a synchronous run).
 
-Reported: each run's training time, whole-command time, samples/s (every worker's samples over the
-training time) and final test accuracy; the chaos runs' kills, restarts and lost workers; and the
-throughput retained, ``chaos samples/s / clean samples/s`` (torchft reports 97.7 % in its CPU chaos
-run, with per-step recovery inside live processes; here a replacement is another process, so each
-kill still costs a worker its steps since its last push and the replacement's set-up).
+Setups (``SETUPS``): ``easgd`` and ``diloco-async`` (asynchronous over the shm box: a dead worker is
+replaced by a new process that pulls the center and does its remaining steps), ``allreduce``
+(``on_failure=shrink``: the survivors go on in place over a new process group, and the replacement
+joins at a step boundary with its state from rank 0). Rank 0 of ``allreduce`` is never hit: its death
+is not survived in place (it falls back to a restart of all from the last checkpoint).
+
+Reported per setup: ``throughput_retained`` (chaos samples/s over clean samples/s, every worker's samples
+over the training time), ``accuracy_clean``, ``accuracy_chaos``, ``faults`` by kind, ``replacements``
+(restarts) and ``mean_recovery_s`` (from a fault to the hit rank's next logged step, a replacement's or
+its own after waking), and each run's times.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,80 +42,141 @@ import psutil
 from parambox.runtime import spawn, zygote
 
 WORKERS = 3
-# The clean run trains ~40 s here, so a kill every 5 s hits it ~8 times: a run under steady failures,
-# not one whose every worker is killed as soon as its replacement starts.
-FULL = {"model": "lenet", "steps": 10000, "kill_every_s": 5.0, "max_kills": 1000}
-# The quick form's MLP trains a few seconds: with 400 steps a loaded machine's workers sometimes
-# finished before the first kill could find two of them training.
-QUICK = {"model": "mlp", "steps": 3000, "kill_every_s": 1.0, "max_kills": 2}
+
+
+@dataclass(frozen=True)
+class ChaosSetup:
+    args: tuple[str, ...]
+    steps: int  # the full form's: ~10 min of clean training here (3 workers on 2 cores, LeNet on digits)
+    quick_steps: int  # the quick form's (the MLP): a few seconds
+    hits_rank0: bool = True  # the fault loop may hit rank 0
+
+
+SETUPS = {
+    "easgd": ChaosSetup(("--strategy", "easgd"), 250_000, 3000),
+    "diloco-async": ChaosSetup(("--strategy", "diloco", "--set", "diloco.asynchronous=true"), 230_000, 3000),
+    # Every step waits for all three ranks on two cores: about a fifth of easgd's steps a second.
+    "allreduce": ChaosSetup(
+        ("--strategy", "allreduce", "--set", "on_failure=shrink", "--checkpoint-every", "500"),
+        75_000,
+        800,
+        hits_rank0=False,
+    ),
+}
+KINDS = ("kill", "stop")  # the fault loop's kinds, in turn; kill-at-start comes from PARAMBOX_FAULT
+# A fault every 30 s (torchft's CPU chaos run); --timeout 10 so that a stopped rank (stop_s 25) is past it.
+FULL = {"model": "lenet", "fault_every_s": 30.0, "stop_s": 25.0, "timeout": 10.0}
+QUICK = {"model": "mlp", "fault_every_s": 0.5, "stop_s": 7.0, "timeout": 3.0, "max_faults": 2}
 RETRY_S = 0.2
-SPARE_STEPS = 20  # a worker this close to its target is not killed: its replacement would only finish
+SPARE_STEPS = 20  # a worker this close to its target is not hit: its replacement would only finish
 
 
 def run_bench_chaos(
-    steps: int | None = None, quick: bool = False, kill_every_s: float | None = None, seed: int = 0
+    steps: int | None = None,
+    quick: bool = False,
+    fault_every_s: float | None = None,
+    setups: list[str] | None = None,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    setup = dict(QUICK if quick else FULL)
-    setup["steps"] = steps or setup["steps"]
-    setup["kill_every_s"] = kill_every_s or setup["kill_every_s"]
-    args = ["train", "--strategy", "easgd", "--workers", str(WORKERS), "--model", setup["model"]]
-    args += ["--steps", str(setup["steps"]), "--eval-every", "0", "--no-progress"]
+    from parambox.errors import UserError
+
+    setups = setups or list(SETUPS)
+    unknown = [s for s in setups if s not in SETUPS]
+    if unknown:
+        raise UserError(f"bench chaos: unknown setups {unknown}; choose from {', '.join(SETUPS)}")
+    plan = dict(QUICK if quick else FULL)
+    plan["fault_every_s"] = fault_every_s or plan["fault_every_s"]
+    result: dict[str, Any] = {"workers": WORKERS, **plan, "setups": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        clean = _run(args, Path(tmp) / "clean")
-        kill = {
-            "kill_every_s": setup["kill_every_s"],
-            "max_kills": setup["max_kills"],
-            "steps": setup["steps"],
-        }
-        spare_args = [*args, "--max-restarts", "1000", "--set", "warm_spare=true"]
-        chaos = _run(spare_args, Path(tmp) / "chaos", rng=random.Random(seed), **kill)
-        cold = None
-        if not quick:  # the same kills, every replacement a new interpreter (no warm spare)
-            cold_args = [*args, "--max-restarts", "1000", "--set", "warm_spare=false"]
-            cold = _run(cold_args, Path(tmp) / "cold", rng=random.Random(seed), **kill)
-    return {
-        "strategy": "easgd",
-        "workers": WORKERS,
-        **setup,
-        "clean": clean,
-        "chaos": chaos,
-        "throughput_retained": chaos["samples_per_s"] / max(clean["samples_per_s"], 1e-9),
-        "command_time_ratio": clean["command_s"] / max(chaos["command_s"], 1e-9),
-        "chaos_without_spare": cold,
-        "throughput_retained_without_spare": cold
-        and cold["samples_per_s"] / max(clean["samples_per_s"], 1e-9),
-    }
+        for name in setups:
+            setup = SETUPS[name]
+            plan["steps"] = steps or (setup.quick_steps if quick else setup.steps)
+            args = ["train", *setup.args, "--workers", str(WORKERS), "--model", plan["model"]]
+            args += ["--steps", str(plan["steps"]), "--eval-every", "0", "--no-progress"]
+            args += ["--timeout", str(plan["timeout"])]
+            clean = _run(args, Path(tmp) / f"{name}-clean")
+            chaos = _run(
+                [*args, "--max-restarts", "1000"],
+                Path(tmp) / f"{name}-chaos",
+                faults=_FaultLoop(plan, setup, random.Random(seed)),
+                env={"PARAMBOX_FAULT": "1:0:kill"},  # kill-at-start: before the first collective
+            )
+            result["setups"][name] = {
+                "steps": plan["steps"],
+                "throughput_retained": chaos["samples_per_s"] / max(clean["samples_per_s"], 1e-9),
+                "accuracy_clean": clean["final_test_accuracy"],
+                "accuracy_chaos": chaos["final_test_accuracy"],
+                "faults": chaos.pop("faults"),
+                "replacements": chaos["restarts"],
+                "mean_recovery_s": chaos.pop("mean_recovery_s"),
+                "clean": clean,
+                "chaos": chaos,
+            }
+    return result
+
+
+class _FaultLoop:
+    """Hits a random training worker every ``fault_every_s``, the kinds in turn; wakes stopped ones."""
+
+    def __init__(self, plan: dict[str, Any], setup: ChaosSetup, rng: random.Random):
+        self.plan, self.setup, self.rng = plan, setup, rng
+        self.log: list[dict[str, Any]] = []
+        self.stopped: list[tuple[float, psutil.Process]] = []  # (wake at, process)
+        self.next_at = 0.0
+
+    def start(self, t0: float) -> None:
+        self.next_at = t0 + self.plan["fault_every_s"]
+
+    def tick(self, out: Path) -> None:
+        now = time.monotonic()
+        for wake_at, proc in [p for p in self.stopped if p[0] <= now]:
+            self.stopped.remove((wake_at, proc))
+            try:
+                proc.send_signal(signal.SIGCONT)  # a fenced one is gone already: nothing to wake
+            except psutil.Error:
+                pass
+        if now < self.next_at or len(self.log) >= self.plan.get("max_faults", 10**9):
+            return
+        kind = KINDS[len(self.log) % len(KINDS)]
+        hit = _hit_one(out, self.plan["steps"], self.rng, kind, self.setup.hits_rank0)
+        if hit is None:  # nobody training yet (or all near their end): look again soon
+            self.next_at = now + RETRY_S
+            return
+        rank, proc = hit
+        self.log.append({"t": time.time(), "rank": rank, "kind": kind})
+        if kind == "stop":
+            self.stopped.append((now + self.plan["stop_s"], proc))
+        self.next_at += self.plan["fault_every_s"]
+
+    def finish(self) -> None:
+        for _, proc in self.stopped:
+            try:
+                proc.send_signal(signal.SIGCONT)
+            except psutil.Error:
+                pass
 
 
 def _run(
-    args: list[str],
-    out: Path,
-    kill_every_s: float | None = None,
-    max_kills: int = 0,
-    steps: int = 0,
-    rng: random.Random | None = None,
+    args: list[str], out: Path, faults: _FaultLoop | None = None, env: dict[str, str] | None = None
 ) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "parambox", *args, "--out", str(out)]
     log = out.parent / f"{out.name}.log"
     t0 = time.monotonic()
     with open(log, "wb") as sink:
         # The workers fork from this process's zygote (started once, not in every run's launcher);
-        # _kill_one finds them below this process.
-        env = {**os.environ, **zygote.shared_env()}
+        # _hit_one finds them below this process.
+        env = {**os.environ, **zygote.shared_env(), **(env or {})}
         launcher = spawn.start(cmd, env, stdout=sink, stderr=subprocess.STDOUT)
-        kills = []
         try:
-            next_kill = t0 + (kill_every_s or 0)
+            if faults:
+                faults.start(t0)
             while launcher.poll() is None:
                 time.sleep(0.1)
-                if kill_every_s and len(kills) < max_kills and time.monotonic() >= next_kill:
-                    victim = _kill_one(out, steps, rng)
-                    if victim is None:  # nobody training yet (or all near their end): look again soon
-                        next_kill = time.monotonic() + RETRY_S
-                    else:
-                        kills.append({"t": round(time.monotonic() - t0, 2), "rank": victim})
-                        next_kill += kill_every_s
+                if faults:
+                    faults.tick(out)
         finally:
+            if faults:
+                faults.finish()
             spawn.stop([launcher])
     command_s = time.monotonic() - t0
     if launcher.returncode != 0 or not (out / "summary.json").exists():
@@ -122,37 +188,68 @@ def _run(
         "wall_time_s": s["wall_time_s"],
         "samples_per_s": s["samples_per_s"],
         "final_test_accuracy": s["final_test_accuracy"],
-        "worker_steps": s["worker_steps"],
+        "restarts": s["restarts"],
+        "lost_workers": s["lost_workers"],
     }
-    if kill_every_s:
+    if faults is not None:
+        log_ = faults.log
+        recoveries = [r for r in (_recovery_s(out, f) for f in log_) if r is not None]
+        kinds = [f["kind"] for f in log_] + (["kill-at-start"] if env and "PARAMBOX_FAULT" in env else [])
         result.update(
-            kills=len(kills), kill_log=kills, restarts=s["restarts"], lost_workers=s["lost_workers"]
+            faults={k: kinds.count(k) for k in (*KINDS, "kill-at-start")},
+            fault_log=log_,
+            mean_recovery_s=sum(recoveries) / len(recoveries) if recoveries else None,
         )
     return result
 
 
-def _kill_one(out: Path, steps: int, rng: random.Random) -> int | None:
-    """SIGKILL one random worker that is training (it has logged steps in this life, and is not about
-    to finish: a replacement still starting up is spared), while at least two are; returns its rank.
-    The workers are below this process: under the run's launcher, or under this process's zygote."""
+def _recovery_s(out: Path, fault: dict[str, Any]) -> float | None:
+    """Seconds from ``fault`` to its rank's next logged step (any life), on the metrics' wall clock."""
+    path = out / ("metrics.jsonl" if fault["rank"] == 0 else f"metrics.rank{fault['rank']}.jsonl")
+    epoch = None
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("kind") == "world":
+            epoch = rec.get("epoch")
+        elif rec.get("kind") == "step" and epoch is not None and epoch + rec["time"] > fault["t"]:
+            return epoch + rec["time"] - fault["t"]
+    return None
+
+
+def _hit_one(
+    out: Path, steps: int, rng: random.Random, kind: str, hits_rank0: bool
+) -> tuple[int, psutil.Process] | None:
+    """SIGKILL or SIGSTOP one random worker that is training (it has logged steps in this life, and is
+    not about to finish: a replacement still starting up is spared), while at least two are; returns
+    its rank and process. The workers are below this process: under the run's launcher, or under this
+    process's zygote."""
     workers = {}
     for child in psutil.Process().children(recursive=True):
         try:
             rank = _rank_of(child)
             born = child.create_time()
+            if child.status() == psutil.STATUS_STOPPED:
+                continue
         except (psutil.Error, ValueError):
             continue
         logged, step = _last_step(out, rank)
-        if rank >= 0 and logged > born and 0 < step < steps - SPARE_STEPS:
+        if rank >= (0 if hits_rank0 else 1) and logged > born and 0 < step < steps - SPARE_STEPS:
             workers[rank] = child
     if len(workers) < 2:  # the last one training finishes in peace: failures hit a run, not its tail end
         return None
     rank = rng.choice(sorted(workers))
     try:
-        workers[rank].send_signal(signal.SIGKILL)
+        workers[rank].send_signal(signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
     except psutil.Error:
         return None
-    return rank
+    return rank, workers[rank]
 
 
 def _rank_of(child: psutil.Process) -> int:

@@ -115,6 +115,7 @@ SETUPS: dict[str, Setup] = {
     "weight-avg": strategy_setup("weight-avg", period=4),
     "easgd-tau4": strategy_setup("easgd", box="rma", tau=4),
     "easgd-tau16": strategy_setup("easgd", box="rma", tau=16),
+    "eamsgd-tau16": strategy_setup("eamsgd", box="rma", tau=16),
     "downpour": strategy_setup("downpour", box="rma"),
     "downpour-overlap": strategy_setup(
         "downpour",

@@ -16,6 +16,7 @@ from parambox.runtime.world import World
 
 BACKENDS = ("shm", "rma")
 _OPTIONS = {"shm": {"stripe_bytes"}, "rma": {"num_shards", "box_ranks", "memory_ranks", "server", "comm"}}
+_LEVEL_OPTIONS = {"rma": {"two_level"}}  # how strategies use the backend, not open_box's options
 
 
 class BoxConfig(BaseModel):
@@ -54,10 +55,21 @@ class BoxConfig(BaseModel):
         ),
     )
 
+    two_level: bool | None = Field(
+        None,
+        description=(
+            "rma, across nodes with several workers a node: the node's workers exchange through its shm "
+            "box and one exchange per node crosses the link (box-sync's mean; the asynchronous center, "
+            "cached per node) (default: on)"
+        ),
+    )
+
     @model_validator(mode="after")
     def _options_of_its_backend(self) -> BoxConfig:
-        for field in ("stripe_bytes", "num_shards", "box_ranks", "memory_ranks", "server"):
-            if getattr(self, field) is not None and field not in _OPTIONS[self.backend]:
+        for field in ("stripe_bytes", "num_shards", "box_ranks", "memory_ranks", "server", "two_level"):
+            if getattr(self, field) is not None and field not in _OPTIONS[self.backend] | _LEVEL_OPTIONS.get(
+                self.backend, set()
+            ):
                 raise ValueError(f"box.{field} is not an option of the {self.backend} backend")
         if self.memory_ranks and (self.box_ranks is not None or self.num_shards is not None):
             raise ValueError(
@@ -75,7 +87,7 @@ class BoxConfig(BaseModel):
 
     def options(self) -> dict[str, Any]:
         """The backend options that are set, as ``open_box`` takes them."""
-        return {k: v for k, v in self.model_dump(exclude={"backend"}).items() if v is not None}
+        return {k: v for k, v in self.model_dump(exclude={"backend", "two_level"}).items() if v is not None}
 
     @property
     def needs_mpi(self) -> bool:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from parambox.box.base import BoxConfig, ParameterBox, open_box
+from parambox.box.node_cache import applies
 from parambox.runtime.world import World
 
 AREAS = 3
@@ -99,7 +100,7 @@ class BoxMean:
     ):
         self.world, self.numel = world, numel
         if two_level is None:
-            two_level = box.backend == "rma" and world.num_nodes > 1 and world.local_world_size > 1
+            two_level = applies(box, world)
         self.two_level = two_level
         self.zeros = torch.zeros(numel)
         self.timers: Any = None

@@ -47,6 +47,7 @@ _H_ATTACH0 = 64  # slots 64 + local rank: 1 once that local rank has attached
 _MAX_LOCAL = _PAGE // 8 - _H_ATTACH0
 # byte offsets locked with fcntl (locks need not cover real bytes of the file)
 _LOCK_META, _LOCK_COUNTERS, _LOCK_STRIPE0 = 0, 1, 64
+_LOCK_EXCLUSIVE0 = 1 << 40  # ``ShmBox.exclusive``'s locks, past any stripe's
 
 
 def _layout_sizes(numel: int, num_counters: int) -> tuple[int, int]:
@@ -78,10 +79,36 @@ class ShmBox(ParameterBox):
         self._expected = hdr[_H_EXPECTED]
         self._local_rank = local_rank
         self._thread_lock = threading.Lock()  # fcntl locks belong to the process, not the thread
+        self._exclusive_lock = threading.Lock()
 
     # -- locks ------------------------------------------------------------------------------------
     def _locked(self, offset: int, phase: str):
         return _lock(self._fd, offset, self.timeout, lambda: f"box {self.name!r} {phase}")
+
+    @contextlib.contextmanager
+    def exclusive(self, key: int = 0, wait: bool = True):
+        """Hold lock ``key`` of the box's processes (no stripe's: pushes go on meanwhile); yields True
+        once held. ``wait=False``: yields False at once where another process or thread holds it.
+        A dead holder's lock goes with it (``fcntl``), as a stripe's does."""
+        offset, what = _LOCK_EXCLUSIVE0 + key, f"exclusive lock {key}"
+        if not self._exclusive_lock.acquire(wait, self.timeout if wait else -1):
+            if wait:
+                raise CommTimeout(f"box {self.name!r} {what}: held by this process for {self.timeout:g} s")
+            yield False
+            return
+        try:
+            if wait:
+                with self._locked(offset, what):
+                    yield True
+            elif _try_lock(self._fd, offset):
+                try:
+                    yield True
+                finally:
+                    fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, offset)
+            else:
+                yield False
+        finally:
+            self._exclusive_lock.release()
 
     def _stripes(self, start: int, stop: int) -> list[tuple[int, int, int]]:
         """(stripe, lo, hi) pieces of [start, stop), each process starting at its own stripe."""

@@ -29,7 +29,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     cluster.add_argument(
         "--workers-per-node", type=int, default=None, help="workers on each emulated node (default 1)"
     )
-    cluster.add_argument("--setups", default=None, help="comma list of setups (cluster, sync; default: all)")
+    cluster.add_argument(
+        "--setups", default=None, help="comma list of setups (cluster, sync, chaos; default: all)"
+    )
     defaults = p.add_argument_group("bench defaults (each strategy's default run over seeds)")
     defaults.add_argument("--seeds", default=None, help="seeds, a range or a list: 0-9 (default), 0,3,5")
     defaults.add_argument("--strategies", default=None, help="comma list of strategies (default: all)")
@@ -70,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
 def _cluster_options(args: argparse.Namespace) -> dict:
     names = ("nodes", "gbps", "setups", "workers_per_node")
     given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-    if args.which == "sync" and set(given) == {"setups"}:
-        pass  # bench sync picks setups too
+    if args.which in ("sync", "chaos") and set(given) == {"setups"}:
+        pass  # bench sync and chaos pick setups too
     elif given and args.which != "cluster":
         raise UserError(f"--{'/--'.join(given)} apply to bench cluster only")
     if "gbps" in given:

@@ -72,6 +72,7 @@ PATTERNS: dict[str, Pattern] = {
     "weight-avg": Pattern("allreduce", period=4),
     "easgd-tau4": Pattern("box", period=4),
     "easgd-tau16": Pattern("box", period=16),
+    "eamsgd-tau16": Pattern("box", period=16),
     "diloco": Pattern("allreduce", period=16),
     "diloco-overlap": Pattern("allreduce", period=16, overlap=True),
     "diloco-async": Pattern("box", period=16),

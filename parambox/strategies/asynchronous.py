@@ -63,8 +63,9 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from parambox.box import BoxConfig, Layout, open_box
+from parambox.box import BoxConfig, Layout
 from parambox.box.base import wait_until
+from parambox.box.node_cache import open_center_box
 from parambox.errors import CommTimeout, UserError, warn
 from parambox.numerics import is_finite
 from parambox.runtime.control import WorkerBoard, rejoining
@@ -107,6 +108,9 @@ class AsyncStrategy(Strategy):
     # No collective anywhere (the box is the only channel): a dead rank cannot block a rendezvous.
     needs_process_group = False
     box_name: ClassVar[str] = "center"
+    # Across nodes with several workers a node, the center is cached in each node's shm box and one
+    # exchange per node crosses the link (``box/node_cache.py``; ``box.two_level=false``: off).
+    caches_center: ClassVar[bool] = True
 
     @classmethod
     def memory_ranks(cls, box: BoxConfig, *, emulated_nodes: bool = False) -> int:
@@ -135,12 +139,14 @@ class AsyncStrategy(Strategy):
         self.grad_views = GradViews.of_flat(self.model, self.layout, self.g)
         self.counters = CounterMap(n, extra_counters)
         self.extra_start, self.extra_numel = self.numel, extra_numel
-        self.box = open_box(
+        self.box = open_center_box(
             box_config,
             self.world,
             self.numel + extra_numel,
             self.counters.num_counters,
-            name=self.box_name,
+            self.box_name,
+            cached=self.numel if self.caches_center else 0,
+            pushes=not self.serves,
             layout_hash=self.layout.fingerprint(),
             timeout=ctx.timeout_s,
         )

@@ -253,6 +253,9 @@ class AsyncDiloco(AsyncStrategy):
     # reached 0.95). With the outer step atomic (arrivals in ticket order) 0.8 gave 0.889 at seed 0,
     # 0.7 gave 0.925-0.967; 0.5 gave 0.967-0.972 at seeds 0-3.
     default_options = {**Diloco.default_options, "outer_momentum": 0.5}
+    # The memory server applies the outer step itself, one request each way an arrival, in ticket
+    # order; a node's cache would apply Alg. 3's step to a stale theta. Its exchange is every H steps.
+    caches_center = False
 
     def __init__(self, ctx: Context, options: DilocoOptions):
         numel = Layout.from_model(ctx.model).numel

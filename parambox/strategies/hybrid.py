@@ -72,6 +72,7 @@ class Hybrid(AsyncStrategy):
     tolerates_worker_loss = False  # a group's allreduce needs all its members
     needs_process_group = True  # the groups' allreduce and broadcast
     box_name = "hybrid-center"
+    caches_center = False  # two levels by construction: a group's allreduce, then its leader's exchange
 
     @classmethod
     def check_workers(cls, n: int, options: Options | None = None) -> None:

@@ -1,0 +1,195 @@
+"""The asynchronous center in two levels (ShmCaffe): each node caches it in its shm box, one exchange a node.
+
+Across nodes with several workers per node, an asynchronous worker's pushes and pulls of the center go
+to its node's shm box (memory speed); the node's accumulated update crosses the link once for every
+``pushers`` pushes made on the node, so a node's link carries one push and one pull of the center per
+round of its workers, whether it runs one worker or eight (ShmCaffe's hybrid, SHM-Learn-Dist's node
+level). Counters, barriers and everything past the center (``cached``: a strategy's own region of the
+box) go straight to the cross-node box, as before.
+
+The node's box holds the node's view ``V`` of the center and ``G``, the global center as the node last
+saw it; always ``V = G + P``, ``P`` the node's pushes not yet sent. A sync (the node's lock held, one
+at a time; a push that finds it taken leaves its update for the next)::
+
+    S = V                      # a snapshot; pushes go on meanwhile
+    G' = cross.push_pull(S - G)    # the node's update out, the global center back: one request
+    V += G' - S                # atomic against pushes: what they added since S stays
+    G = G'
+
+No update is lost or counted twice, per element: a push that lands before the snapshot is in ``S - G``
+and goes out now; one after it stays in ``V - G'`` for the next sync. A node that has not synced yet
+does so before its first pull, so a write of the center (rank 0's at the start, a resume's) reaches
+every node before anyone reads it; a later write reaches a node at its next sync (its own pushes kept).
+
+Staleness: a pull sees the global center as of the node's last sync plus its node-mates' pushes since,
+at most ``pushers`` pushes of the node behind the cross box (asynchronous SGD's bounded staleness).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from parambox.box.base import DONE, BoxConfig, Handle, ParameterBox, open_box
+from parambox.runtime.world import World
+
+_SYNCS, _PUSHES, _PUSHERS = 0, 1, 2  # the node box's counters
+
+
+def applies(box: BoxConfig, world: World) -> bool:
+    """Two levels for the center: the rma box across nodes, several ranks a node, not switched off."""
+    return (
+        box.backend == "rma"
+        and box.two_level is not False
+        and world.num_nodes > 1
+        and world.local_world_size > 1
+    )
+
+
+class NodeCachedBox(ParameterBox):
+    """The cross-node box with ``[0, cached)`` cached in the node's shm box (see the module's docstring).
+
+    >>> box = open_center_box(cfg, world, numel, counters, "center", cached=numel)  # doctest: +SKIP
+    >>> box.push(update); box.pull(center)   # the node's box; every 2nd push of the node syncs it
+    """
+
+    backend = "rma"
+
+    def __init__(self, cross: ParameterBox, node: ParameterBox, cached: int, pushers: int):
+        super().__init__(cross.name, cross.numel, cross.num_counters, cross.timeout)
+        self.cross, self.node, self.cached, self.pushers = cross, node, cached, max(1, pushers)
+        self._local = threading.Lock()  # one sync of this process at a time (a background exchange's too)
+        self._snap = torch.empty(cached)
+        self._update = torch.empty(cached)
+        self._global = torch.empty(cached)
+        self.cross_bytes = 0  # bytes this process sent and received for its node's syncs
+
+    @property
+    def syncs(self) -> int:
+        """The node's syncs so far."""
+        return self.node.read_counter(_SYNCS)
+
+    # -- the cached range ---------------------------------------------------------------------------
+    def _parts(self, start: int, n: int) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        """``[start, start + n)`` split into its cached and its passed-through part (each (lo, hi) or None)."""
+        end, cut = start + n, min(max(start, self.cached), start + n)
+        return ((start, cut) if cut > start else None), ((cut, end) if end > cut else None)
+
+    def _pull_into(self, out: torch.Tensor, start: int) -> Handle:
+        cached, rest = self._parts(start, out.numel())
+        handle: Handle = DONE
+        if rest is not None:
+            handle = self.cross.pull_async(out[rest[0] - start :], rest[0])
+        if cached is not None:
+            if self.node.read_counter(_SYNCS) == 0:
+                self.sync(first=True)
+            self.node.pull(out[: cached[1] - start], start)
+        return handle
+
+    def _push_from(self, src: torch.Tensor, scale: float, start: int) -> Handle:
+        cached, rest = self._parts(start, src.numel())
+        handle: Handle = DONE
+        if rest is not None:
+            handle = self.cross.push_async(src[rest[0] - start :], scale, rest[0])
+        if cached is not None:
+            self.node.push(src[: cached[1] - start], scale, start)
+            if (self.node.add_counter(_PUSHES, 1) + 1) % self.pushers == 0:
+                self.sync(wait=False)
+        return handle
+
+    def _write_from(self, src: torch.Tensor, start: int) -> None:
+        self.cross.write(src, start)  # the nodes see it at their next sync (before their first pull)
+
+    def sync(self, wait: bool = True, first: bool = False) -> bool:
+        """Exchange the node's update for the global center (the module's docstring); False where
+        ``wait=False`` found another sync under way (its update then waits for the next)."""
+        with self._local if wait else _try(self._local) as mine, self.node.exclusive(wait=wait) as held:
+            if not (mine and held) or (first and self.node.read_counter(_SYNCS) > 0):
+                return bool(mine and held)
+            view = self.node.local_view()
+            v, g = view[: self.cached], view[self.cached : 2 * self.cached]
+            self._snap.copy_(v)
+            torch.sub(self._snap, g, out=self._update)
+            self.cross.push_pull(self._update, self._global)
+            self._snap.neg_().add_(self._global)  # G' - S
+            self.node.push(self._snap)
+            g.copy_(self._global)  # only the lock's holder writes G
+            self.node.add_counter(_SYNCS, 1)
+            self.cross_bytes += 8 * self.cached
+            return True
+
+    # -- everything else: the cross-node box ------------------------------------------------------
+    def read_counter(self, i: int) -> int:
+        return self.cross.read_counter(i)
+
+    def add_counter(self, i: int, v: int) -> int:
+        return self.cross.add_counter(i, v)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        self.cross.barrier(timeout)
+
+    def failed_ranks(self) -> list[int]:
+        return self.cross.failed_ranks()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.node.close()
+            self.cross.close()
+
+    def __getattr__(self, name: str) -> Any:  # the cross box's own facts (comm, shards, box_ranks, ...)
+        if name in ("cross", "node"):
+            raise AttributeError(name)
+        return getattr(self.cross, name)
+
+
+class _try:
+    """``with _try(lock) as held``: the lock if free (held True), else nothing (held False)."""
+
+    def __init__(self, lock: threading.Lock):
+        self.lock, self.held = lock, False
+
+    def __enter__(self) -> bool:
+        self.held = self.lock.acquire(False)
+        return self.held
+
+    def __exit__(self, *exc: object) -> None:
+        if self.held:
+            self.lock.release()
+
+
+def open_center_box(
+    box: BoxConfig,
+    world: World,
+    numel: int,
+    num_counters: int,
+    name: str,
+    *,
+    cached: int,
+    pushes: bool = True,
+    layout_hash: int = 0,
+    timeout: float = 60.0,
+) -> ParameterBox:
+    """The box of an asynchronous center: ``open_box``'s, with ``[0, cached)`` cached per node where
+    two levels apply (``applies``) and ``cached`` > 0. ``pushes``: this rank pushes into the center (a
+    memory rank does not); a node syncs once per as many of its pushes as it has such ranks.
+    Collective over ``world``."""
+    if not (cached and applies(box, world)):
+        return open_box(box, world, numel, num_counters, name, layout_hash=layout_hash, timeout=timeout)
+    node_world = World(world.local_rank, world.local_world_size, world.local_rank, world.local_world_size)
+    node = open_box(
+        "shm",
+        node_world,
+        2 * cached,
+        3,
+        f"{name}-node{world.node_rank}",
+        layout_hash=layout_hash,
+        timeout=timeout,
+    )
+    if pushes:
+        node.add_counter(_PUSHERS, 1)
+    node.barrier()
+    cross = open_box(box, world, numel, num_counters, name, layout_hash=layout_hash, timeout=timeout)
+    return NodeCachedBox(cross, node, cached, node.read_counter(_PUSHERS))
