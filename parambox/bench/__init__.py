@@ -34,7 +34,11 @@ BENCHES: dict[str, tuple[str, str, str]] = {  # name -> (module, function, what 
         "run_bench_defaults",
         "every strategy's default digits run over seeds: does it train?",
     ),
-    "chaos": ("parambox.bench.chaos", "run_bench_chaos", "easgd, asynchronous diloco and allreduce under a fault every ~30 s vs none"),
+    "chaos": (
+        "parambox.bench.chaos",
+        "run_bench_chaos",
+        "easgd, asynchronous diloco and allreduce under a fault every ~30 s vs none",
+    ),
 }
 
 
