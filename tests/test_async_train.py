@@ -94,6 +94,7 @@ def test_the_sharded_rma_box_is_reachable_from_the_cli(tmp_path):
         "box_ranks": [1],
         "memory_ranks": 0,  # decided once by the plan: the user placed the shards
         "server": None,  # decided where the box opens: on across nodes, off on one
+        "two_level": None,  # likewise: on across nodes with several workers a node
     }
     assert s["launcher"] == "mpi" and s["worker_steps"] == [20, 20]
 
