@@ -73,6 +73,27 @@ def test_a_killed_worker_is_survived_in_place_to_the_closed_form(tmp_path, strat
     _check_closed_form(out)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("strategy", ["allreduce", "weight-avg"])
+def test_under_mpiexec_with_ft_ulfm_a_killed_rank_is_survived_in_place(tmp_path, strategy):
+    """The same closed form under ``mpiexec --with-ft ulfm -n 3`` (no local launcher): rank 0 serves the
+    regroup store, ULFM tells the survivors who died, and they agree on the new group over MPI."""
+    from parambox.runtime.spawn import find_mpiexec
+    from tests.conftest import MPI_ENV
+
+    if find_mpiexec() is None:
+        pytest.skip("no mpiexec found")
+    out = tmp_path / strategy
+    prefix = [find_mpiexec(), "--with-ft", "ulfm", "-n", "3", "--oversubscribe"]
+    proc = run_cli(
+        "train", "--strategy", strategy, *ARGS, "--timeout", "30", "--out", str(out),
+        prefix=prefix, env={**MPI_ENV, "PARAMBOX_FAULT": f"{KILLED}:{AT}:kill"}, timeout=150,
+    )  # fmt: skip
+    assert summary(out)["launcher"] == "mpi", proc.stderr[-2000:]
+    _check_closed_form(out)
+
+
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("compression", ["none", "int8"])
 def test_synchronous_diloco_survives_a_kill_mid_round_to_the_closed_form(tmp_path, compression):

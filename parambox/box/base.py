@@ -243,6 +243,11 @@ class ParameterBox(ABC):
             raise UserError(f"the {self.backend} box has no process-local tensor; use pull/push/write")
         return view
 
+    def sync_levels(self) -> None:
+        """Where this process sees the box through a cache of its node's (``box/node_cache.py``): send
+        the node's updates and take the box's current values now. Nothing to do elsewhere."""
+        return None
+
     def failed_ranks(self) -> list[int]:
         """Ranks of the box that MPI knows dead (``rma`` under ``--with-ft ulfm``); empty elsewhere."""
         return []

@@ -21,6 +21,9 @@ and goes out now; one after it stays in ``V - G'`` for the next sync. A node tha
 does so before its first pull, so a write of the center (rank 0's at the start, a resume's) reaches
 every node before anyone reads it; a later write reaches a node at its next sync (its own pushes kept).
 
+An asynchronous worker syncs its node once more before it says it is done, and rank 0 once more before
+it takes the result (``ParameterBox.sync_levels``), so the result holds every node's last updates.
+
 Staleness: a pull sees the global center as of the node's last sync plus its node-mates' pushes since,
 at most ``pushers`` pushes of the node behind the cross box (asynchronous SGD's bounded staleness).
 """
@@ -64,7 +67,6 @@ class NodeCachedBox(ParameterBox):
         self._snap = torch.empty(cached)
         self._update = torch.empty(cached)
         self._global = torch.empty(cached)
-        self.cross_bytes = 0  # bytes this process sent and received for its node's syncs
 
     @property
     def syncs(self) -> int:
@@ -117,8 +119,10 @@ class NodeCachedBox(ParameterBox):
             self.node.push(self._snap)
             g.copy_(self._global)  # only the lock's holder writes G
             self.node.add_counter(_SYNCS, 1)
-            self.cross_bytes += 8 * self.cached
             return True
+
+    def sync_levels(self) -> None:
+        self.sync()
 
     # -- everything else: the cross-node box ------------------------------------------------------
     def read_counter(self, i: int) -> int:
@@ -128,7 +132,11 @@ class NodeCachedBox(ParameterBox):
         return self.cross.add_counter(i, v)
 
     def barrier(self, timeout: float | None = None) -> None:
+        """The cross box's barrier, with a sync on each side: every push made before it is in every
+        node's view after it, as on a box of one level."""
+        self.sync()
         self.cross.barrier(timeout)
+        self.sync()
 
     def failed_ranks(self) -> list[int]:
         return self.cross.failed_ranks()

@@ -56,13 +56,19 @@ def rendezvous_address(world: World, timeout_s: float = 300.0) -> tuple[str, int
     return "127.0.0.1", free_port()
 
 
-def init_distributed(world: World, timeout_s: float) -> None:
+def init_distributed(world: World, timeout_s: float, survive_in_place: bool = False) -> None:
     """Join the default process group (gloo on CPU, nccl on GPU); a no-op for one process. In a run
-    that survives in place (the launcher names its store), generation 0 of an ``ElasticGroup``."""
+    that survives in place (the local launcher names its store; or ``survive_in_place`` under
+    ``mpiexec --with-ft ulfm``), generation 0 of an ``ElasticGroup``."""
     global _ELASTIC
     if world.world_size == 1 or dist.is_initialized():
         return
     group = ElasticGroup.from_env(world.rank, world.world_size, timeout_s, world.backend)
+    if group is None and survive_in_place and world.launcher == "mpi":
+        from parambox.runtime.mpi import fault_tolerant
+
+        if fault_tolerant():
+            group = ElasticGroup.under_mpi(world, timeout_s)
     if group is not None:
         group.join()
         _ELASTIC = group

@@ -69,6 +69,56 @@ def destroy_default_group() -> None:
         dist.destroy_process_group()
 
 
+class UlfmBoard:
+    """What the local launcher's board tells (dead ranks, lives), from ULFM under ``mpiexec --with-ft
+    ulfm``: a rank is dead once MPI knows it failed; nobody is replaced (one MPI job). ``agree`` shrinks
+    the MPI communicator to the survivors and has them agree on the step, as ULFM's recovery does."""
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+
+        self.comm = MPI.COMM_WORLD  # the survivors' communicator: COMM_WORLD, then each shrink of it
+        self.ranks = list(range(self.comm.Get_size()))  # its ranks in COMM_WORLD
+
+    def dead_ranks(self) -> list[int]:
+        from mpi4py import MPI
+
+        from parambox.runtime.mpi import failed_ranks
+
+        return failed_ranks(MPI.COMM_WORLD)
+
+    def life(self, rank: int) -> int:
+        return 0
+
+    def agree(self, members: list[int], step: int, timeout_s: float) -> None:
+        """``MPI_Comm_shrink`` to the live ranks, then ``MPI_Comm_agree`` among them that each is at
+        ``step`` (the bitwise AND of every member's step). Both are collective over every live rank:
+        the caller skips them where the group left out a rank that is alive (a stalled one, fenced),
+        and the store's word stands alone there."""
+        import numpy as np
+        from mpi4py import MPI
+
+        shrunk = self.comm.Shrink()
+        mine, old = shrunk.Get_group(), self.comm.Get_group()
+        self.ranks = [self.ranks[r] for r in mine.Translate_ranks(list(range(shrunk.Get_size())), old)]
+        mine.Free()
+        old.Free()
+        if self.comm != MPI.COMM_WORLD:
+            self.comm.Free()
+        self.comm = shrunk
+        if sorted(self.ranks) != sorted(members):
+            raise CommTimeout(f"regrouping: MPI's survivors {self.ranks} are not the group's {members}")
+        flag = np.array([step], dtype=np.int32)
+        req = shrunk.Iagree(flag)
+        deadline = time.monotonic() + timeout_s
+        while not req.Test():
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"regrouping: the members {members} did not agree within {timeout_s:g} s")
+            time.sleep(0.001)
+        if int(flag[0]) != step:
+            raise CommTimeout(f"regrouping: the members {members} are not all at step {step}")
+
+
 class PeerLost(RuntimeError):
     """A collective failed because a peer died or stalled; the group can go on without it."""
 
@@ -147,6 +197,22 @@ class ElasticGroup:
         life = os.environ.get(GROUP_LIFE_ENV, "0")
         store = dist.PrefixStore(f"life{life}", connect_store(address, timeout_s))
         return cls(store, rank, world_size, timeout_s, backend)
+
+    @classmethod
+    def under_mpi(cls, world, timeout_s: float) -> ElasticGroup:
+        """Under ``mpiexec --with-ft ulfm`` (no local launcher): rank 0 serves the store (its death is
+        not survived in place anyway), ULFM says which ranks died, and the members of each new
+        generation agree on it over an MPI communicator of their own (``MPI_Comm_agree``)."""
+        from parambox.runtime.dist import rendezvous_address, rendezvous_store
+
+        addr, port = rendezvous_address(world, timeout_s)
+        store = rendezvous_store(world, addr, port, timedelta(seconds=timeout_s))
+        group = cls(
+            dist.PrefixStore("elastic", store), world.rank, world.world_size, timeout_s, world.backend
+        )
+        group.board = UlfmBoard()
+        group.lives = group._lives()
+        return group
 
     @property
     def group_rank(self) -> int:
@@ -251,6 +317,8 @@ class ElasticGroup:
             )
         self.members, self.generation = decided, gen
         self.lives = {r: self.lives[r] for r in decided}
+        if isinstance(self.board, UlfmBoard) and not json.loads(self._get(f"{prefix}fenced")):
+            self.board.agree(decided, step, self.timeout_s)  # every rank left out is dead: MPI can agree
         self._init(gen)
 
     def _decide(self, prefix: str) -> None:
@@ -266,6 +334,7 @@ class ElasticGroup:
         fenced = [r for r in waiting if r not in arrived]
         if fenced:
             self.store.set(FENCED_KEY, json.dumps(sorted(set(fenced_ranks(self.store)) | set(fenced))))
+        self.store.set(f"{prefix}fenced", json.dumps(fenced))
         self.store.set(f"{prefix}members", json.dumps(arrived))
 
     def _renewed(self, rank: int) -> bool:

@@ -284,9 +284,11 @@ class AsyncStrategy(Strategy):
             return
         if not self.halted:
             self.flush()
+        self.box.sync_levels()  # a node's last update reaches the cross-node box before DONE says so
         self._set_status(rank, DONE)
         if rank == 0:
             self._await_peers()
+            self.box.sync_levels()  # and rank 0's node takes the center every node's updates made
             self.box.pull(self.result_x)
             self._final = True
             self._set_status(0, FINAL)

@@ -155,7 +155,7 @@ def setup(cfg: RunConfig, world: World, run_dir: Path, callables: dict[str, Call
     if strategy_class(cfg.strategy, cfg.strategy_options()).needs_process_group or (
         cfg.box.needs_process_group(world)
     ):
-        pbdist.init_distributed(world, cfg.timeout)
+        pbdist.init_distributed(world, cfg.timeout, survive_in_place=cfg.on_failure == "shrink")
     board = pbdist.ProgressBoard()
     try:
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
@@ -297,7 +297,7 @@ def write_summary(run: Run, step: int, wall: float, samples: int, final: dict[st
         "final_test_loss": final.get("test_loss"),  # always there: None without a test set
         "wall_time_s": wall,
         "samples_per_s": total / max(wall, 1e-9),
-        "lost_workers": [],
+        "lost_workers": _lost_in_place(run.world),
         "restarts": 0,  # the local launcher counts them in (replacements or group restarts)
         "launcher": run.world.launcher,
         "num_nodes": run.world.num_nodes,
@@ -306,3 +306,10 @@ def write_summary(run: Run, step: int, wall: float, samples: int, final: dict[st
     summary.update(run.strategy.summary_extra())
     checkpoint.atomic_write_json(run.run_dir / "summary.json", summary)
     return summary
+
+
+def _lost_in_place(world: World) -> list[int]:
+    """The ranks a run that survives in place left behind (its group's members are the others); the
+    local launcher adds what only it knows (``run/execute.mark_lost``)."""
+    group = pbdist.elastic_group()
+    return sorted(set(range(world.world_size)) - set(group.members)) if group is not None else []

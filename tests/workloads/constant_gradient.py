@@ -1,5 +1,5 @@
 """A workload whose gradient is constant and differs per rank, for closed-form fault tests: the loss of
-rank ``r`` (its launch rank, ``RANK``) is ``2**r * sum(w)``, so its gradient is ``2**r`` everywhere,
+rank ``r`` (its launch rank, ``RANK``, or Open MPI's rank under mpiexec) is ``2**r * sum(w)``, so its gradient is ``2**r`` everywhere,
 whatever the weights and the batch. With plain SGD, N ranks averaging for K steps and then the
 survivors for the rest end at a weight that is known exactly."""
 
@@ -31,7 +31,10 @@ def gradient_of(rank: int) -> float:
 
 
 def loss(model, batch):
-    return gradient_of(int(os.environ.get("RANK", "0"))) * model.weight.sum()
+    rank = (
+        os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
+    )  # under mpiexec: Open MPI's
+    return gradient_of(int(rank)) * model.weight.sum()
 
 
 def metrics(model, batch):
