@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -24,11 +22,9 @@ import torch
 from parambox.box import BoxConfig, open_box
 from parambox.box.node_cache import NodeCachedBox, applies
 from parambox.runtime import spawn
-from parambox.runtime.spawn import find_mpiexec
 from parambox.runtime.world import World
 
 SIZE, PER_NODE, NUMEL, PUSHES = 4, 2, 30_011, 12
-MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_osc": "^ucx"}
 
 
 def _pair(numel: int, extra: int = 0, pushers: int = 2) -> NodeCachedBox:
@@ -138,17 +134,14 @@ def worker() -> None:
 
 @pytest.mark.timeout(150)
 def test_two_level_center_ends_at_the_closed_form_with_one_exchange_per_node_round():
-    if find_mpiexec() is None:
-        pytest.skip("no mpiexec found")
+    from tests.conftest import MPI_ENV, run_mpi_script  # (not at the top: the file is also the worker)
+
     prefix = f"pb_test_{secrets.token_hex(6)}_"
     env = {**os.environ, **MPI_ENV, "OMP_NUM_THREADS": "1", "PARAMBOX_SHM_PREFIX": prefix}
-    cmd = [sys.executable, str(Path(__file__).resolve())]
-    proc = spawn.start_mpi(cmd, SIZE, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        stdout, stderr = proc.communicate(timeout=140)
-        left = list(Path("/dev/shm").glob(f"{prefix}*"))
+        stdout, stderr, _ = run_mpi_script(__file__, SIZE, env, timeout=140)
+        left = list(Path("/dev/shm").glob(f"{prefix}*"))  # the node boxes unlink themselves
     finally:
-        spawn.stop([proc])
         spawn.remove_segments(prefix)
     lines = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
     assert sorted(line["rank"] for line in lines) == list(range(SIZE)), stderr[-3000:]
