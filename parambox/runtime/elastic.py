@@ -98,6 +98,8 @@ class UlfmBoard:
         import numpy as np
         from mpi4py import MPI
 
+        from parambox.runtime.mpi import await_request
+
         shrunk = self.comm.Shrink()
         mine, old = shrunk.Get_group(), self.comm.Get_group()
         self.ranks = [self.ranks[r] for r in mine.Translate_ranks(list(range(shrunk.Get_size())), old)]
@@ -109,12 +111,11 @@ class UlfmBoard:
         if sorted(self.ranks) != sorted(members):
             raise CommTimeout(f"regrouping: MPI's survivors {self.ranks} are not the group's {members}")
         flag = np.array([step], dtype=np.int32)
-        req = shrunk.Iagree(flag)
-        deadline = time.monotonic() + timeout_s
-        while not req.Test():
-            if time.monotonic() > deadline:
-                raise CommTimeout(f"regrouping: the members {members} did not agree within {timeout_s:g} s")
-            time.sleep(0.001)
+        await_request(
+            shrunk.Iagree(flag),
+            time.monotonic() + timeout_s,
+            lambda: f"regrouping: the members {members} did not agree within {timeout_s:g} s",
+        )
         if int(flag[0]) != step:
             raise CommTimeout(f"regrouping: the members {members} are not all at step {step}")
 

@@ -95,15 +95,23 @@ def ft_barrier(comm, timeout: float, what: str) -> None:
         flag = np.ones(1, dtype=np.int32)
         req = comm.Iagree(flag)
         try:
-            while not req.Test():
-                if time.monotonic() > deadline:
-                    raise CommTimeout(f"{what}: not every live rank arrived within {timeout:.0f} s")
-                time.sleep(0.001)
+            await_request(
+                req, deadline, lambda: f"{what}: not every live rank arrived within {timeout:.0f} s"
+            )
             return
         except MPI.Exception as e:
             if e.Get_error_class() not in (MPI.ERR_PROC_FAILED, MPI.ERR_REVOKED):
                 raise
             comm.Ack_failed()
+
+
+def await_request(req, deadline: float, what) -> None:
+    """Poll a nonblocking MPI request until it completes; ``CommTimeout(what())`` past ``deadline``
+    (``time.monotonic()``)."""
+    while not req.Test():
+        if time.monotonic() > deadline:
+            raise CommTimeout(what())
+        time.sleep(0.001)
 
 
 def finalize_with_deadline(code: int, seconds: float = FINALIZE_DEADLINE_S) -> None:
