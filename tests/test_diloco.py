@@ -9,6 +9,7 @@ weight-avg with period 4 (<= 1e-5); sync and async diloco reach >= 0.95 on the d
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 import time
 import uuid
 
@@ -17,6 +18,7 @@ import torch
 
 from parambox.box import open_box
 from parambox.runtime.world import World
+from parambox.strategies.delayed_nesterov import TicketLock
 from parambox.strategies.diloco import DelayedNesterov, DilocoOptions, local_steps
 from tests.conftest import final_weights, max_abs_diff, run_cli, summary
 
@@ -105,6 +107,16 @@ class SlowMomentumRead:
         return got
 
 
+class NoTurns(TicketLock):
+    """Tickets, but nobody waits for a turn."""
+
+    def acquire(self) -> int:
+        return self.box.add_counter(self.ticket, 1)
+
+    def release(self, t: int) -> None:
+        self.box.add_counter(self.served, 1)
+
+
 def _arrive(box, rank: int, n: int, unlocked: bool, out: mp.Queue) -> None:
     """Rank r's two arrivals g = (r + 1) (k + 1) * base; the first of rank 0 holds m open 0.5 s."""
     torch.set_num_threads(1)
@@ -112,7 +124,7 @@ def _arrive(box, rank: int, n: int, unlocked: bool, out: mp.Queue) -> None:
     slow = SlowMomentumRead(box, 0.5 if rank == 0 else 0.0)
     dn = DelayedNesterov(slow, N, N, 2 * N, 0, 0.7, 0.9, n)
     if unlocked:  # the protocol before the ticket lock: no turns
-        dn._await_turn = lambda t: None
+        dn.lock = NoTurns(box, 0)
     base = torch.arange(1.0, N + 1)
     for k in range(2):
         g = (rank + 1) * (k + 1) * base
@@ -145,6 +157,70 @@ def test_async_outer_steps_of_several_processes_follow_alg3(box, n, unlocked):
     else:
         assert torch.allclose(theta(box), expected, atol=1e-4), (theta(box), expected)
         assert box.read_counter(1) == 6  # every turn served
+
+
+STALL_S = 0.3
+
+
+@pytest.fixture
+def lock_box():
+    b = open_box("shm", World(), 1, 5, name=f"lock-{uuid.uuid4().hex[:8]}")
+    yield b
+    b.close()
+
+
+def lock_of(box, rank: int) -> TicketLock:
+    # counters: 0 ticket, 1 served, 2.. the slots of 3 ranks
+    return TicketLock(box, 0, 1, 2, rank, 3, STALL_S)
+
+
+def test_a_turn_whose_holder_died_and_a_ticket_abandoned_in_the_queue_are_passed_over(lock_box):
+    """Rank 0 takes the turn and dies holding it (its replacement clears its slot); rank 1 takes the
+    next ticket and dies waiting (abandoned). Rank 2, third in line, passes both over (after 2 x
+    stall_s: one live-looking ticket before its own), and the turns go on one by one after it."""
+    assert lock_of(lock_box, 0).acquire() == 0
+    assert lock_of(lock_box, 1).take() == 1  # rank 1 dies before its turn
+    lock_of(lock_box, 0)  # rank 0's replacement starts: its predecessor's ticket 0 is abandoned
+    third = lock_of(lock_box, 2)
+    t0 = time.monotonic()
+    assert third.acquire() == 2
+    waited = time.monotonic() - t0
+    assert 2 * STALL_S < waited < 2 * STALL_S + 1.0, waited
+    assert third.passed_over == 2 and lock_box.read_counter(1) == 2
+    third.release(2)
+    assert lock_box.read_counter(1) == 3 and lock_box.read_counter(2 + 2) == 0
+    assert lock_of(lock_box, 1).acquire() == 3  # no wait: its turn
+
+
+def test_a_holder_stalled_past_the_timeout_is_passed_over_and_fenced_when_it_wakes(lock_box):
+    """Rank 0 holds the turn and stalls (a SIGSTOP); rank 1 passes it over after stall_s and takes
+    its turn. When rank 0 wakes, its release adds nothing: rank 1 holds the turn, and rank 2 is next."""
+    stalled = lock_of(lock_box, 0)
+    assert stalled.acquire() == 0
+    second = lock_of(lock_box, 1)
+    assert second.acquire() == 1 and second.passed_over == 1
+    stalled.release(0)  # wakes: fenced
+    assert lock_box.read_counter(1) == 1  # still rank 1's turn
+    got = []
+    th = threading.Thread(target=lambda: got.append(lock_of(lock_box, 2).acquire()))
+    th.start()
+    time.sleep(0.1)
+    assert not got  # waits for rank 1
+    second.release(1)
+    th.join(5)
+    assert got == [2]
+
+
+def test_a_waiter_stalled_past_its_turn_gets_none_and_moves_nothing(lock_box):
+    """A waiter whose turn was passed over while it was stalled (its own ticket too) learns so on
+    waking: ``acquire`` returns None, and the turn stays with the one who took it."""
+    assert lock_of(lock_box, 0).acquire() == 0  # rank 0 dies holding the turn
+    late = lock_of(lock_box, 1)
+    assert late.take() == 1  # and stalls before its wait
+    third = lock_of(lock_box, 2)
+    assert third.acquire() == 2  # passes over turn 0 (dead) and 1 (stalled): 2 x stall_s
+    assert late.wait(1) is None  # wakes
+    assert lock_box.read_counter(1) == 2 and lock_box.read_counter(2 + 1) == 0
 
 
 def test_dylu_local_steps_follow_the_speed():

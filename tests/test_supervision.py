@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from parambox.training import checkpoint
-from tests.conftest import MPI_ENV, ROOT, run_cli
+from tests.conftest import MPI_ENV, ROOT, run_cli, summary
 
 QUIET = ["--eval-every", "0", "--no-progress", "--threads", "1"]
 
@@ -47,6 +47,19 @@ def test_a_hung_rank_0_left_alone_is_stopped_at_the_timeout(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert "rank 0 wrote no progress for 6 s" in proc.stderr
     assert time.monotonic() - start < 200
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_hung_rank_0_left_alone_is_replaced_with_restarts_left(tmp_path):
+    """The same hang (a SIGSTOP past --timeout looks the same) with --max-restarts: rank 0 is treated as
+    dead, killed and replaced, and the replacement finishes the run."""
+    out = tmp_path / "r"
+    args = ["--strategy", "easgd", "--workers", "2", "--model", "mlp", "--out", str(out), *QUIET]
+    args += ["--steps", "40", "--timeout", "6", "--max-restarts", "1"]
+    run_cli("train", *args, env={"PARAMBOX_FAULT": "0:5:hang"})
+    s = summary(out)
+    assert s["restarts"] == 1 and s["lost_workers"] == [], s
 
 
 def _train_until_it_logs(strategy: str, out: Path) -> tuple[subprocess.Popen, Path]:

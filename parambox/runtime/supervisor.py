@@ -6,7 +6,8 @@ Every 50 ms it polls the workers. What it does when one exits non-zero depends o
   rank is started again at once (a *replacement*: it attaches to the box, pulls the center and
   does its remaining steps); otherwise it is marked dead on the :class:`WorkerBoard`, so the others
   stop waiting for it, and listed as lost. Rank 0 (the one that collects the result) dead with no
-  restart left fails the run.
+  restart left fails the run; so does rank 0 writing no progress for ``--timeout`` once the others
+  have ended (with restarts left it is killed and replaced).
 - synchronous, surviving in place (``shrink_store``: ``on_failure = "shrink"``, ``runtime/elastic.py``):
   once every rank had joined the group, a dead rank other than 0 is marked dead on the board and listed
   as lost, and the others regroup without it (with restarts left, a replacement is started instead:
@@ -156,6 +157,9 @@ class Supervisor:
             return False
         self.procs[0].kill()
         self.procs[0].wait()
+        self._beat = (self._beat[0], time.monotonic())
+        if self.tolerate_loss and self._restarts_left():
+            return False  # treated as dead: replaced below, like a killed one
         why = f"rank 0 wrote no progress for {self.stall_s:g} s after the other workers ended (timeout)"
         self.result.failed[0] = (1, f"parambox: error: {why}")
         self.result.returncode = 1

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from parambox.errors import CommTimeout
 
 
 class DelayedNesterov:
@@ -50,17 +49,13 @@ class DelayedNesterov:
         momentum: float,
         n: int,
         activation: float = 0.0,
-        lost_after_s: float = 300.0,
-        anyone_lost: Any = lambda: False,
-        served: int | None = None,
+        lock: TicketLock | None = None,
     ):
-        self.box, self.numel, self.m_start, self.a_start, self.ticket = box, numel, m_start, a_start, ticket
-        self.served = ticket + 1 if served is None else served  # the ticket lock's second counter
+        self.box, self.numel, self.m_start, self.a_start = box, numel, m_start, a_start
+        self.lock = lock or TicketLock(box, ticket)
         self.lr, self.beta, self.n, self.c = lr, momentum, n, activation
-        self.lost_after_s, self.anyone_lost = lost_after_s, anyone_lost
         self._m = torch.empty(numel)
         self._a = torch.empty(numel)
-        self.passed_over = 0  # turns taken from a holder found lost
         self.last_ticket = -1
 
     @property
@@ -81,8 +76,9 @@ class DelayedNesterov:
         if beta == 0:  # no momentum: every arrival is its own step, scaled 1/N
             push_theta(g, -self.lr / n)
             return False
-        t = self.last_ticket = self.box.add_counter(self.ticket, 1)
-        self._await_turn(t)
+        t = self.last_ticket = self.lock.acquire()
+        if t is None:  # stalled past the lock's patience: the turn went on without this arrival
+            return False
         try:
             if outer_step is not None and self.fused:
                 last = (t + 1) % n == 0
@@ -90,7 +86,7 @@ class DelayedNesterov:
                 return last
             return self._step(t, g, push_theta)
         finally:
-            self.box.add_counter(self.served, 1)
+            self.lock.release(t)
 
     def state(self) -> torch.Tensor:
         """``[m | a]`` as the box holds them now (for a checkpoint)."""
@@ -130,22 +126,96 @@ class DelayedNesterov:
         push_theta(update, -self.lr)
         return False
 
-    def _await_turn(self, t: int) -> None:
-        """Until ``served == t``. A turn that stands still ``lost_after_s`` while a rank is known lost
-        belongs to the lost rank (killed holding it): the next in line passes it over."""
+
+class TicketLock:
+    """Turns in ticket order over box counters, for processes that may die or stall holding one.
+
+    ``ticket`` (fetch-and-add: an arrival's number ``t``) and ``served`` (the turn now: ``t`` goes when
+    ``served == t``, and adds one when done) are a ticket lock. A holder that is SIGKILLed, or that
+    stalls past ``stall_s`` (``--timeout``: treated as dead), would stop every later turn, and a waiter
+    that gave up would leave its ticket in the queue for ever. So each rank's slot (``holders + r``)
+    says which ticket it holds (``t + 1``, 0 for none), and a turn that stood still is passed over by
+    the waiters, staggered: the one with ``k`` live-looking tickets between the turn and its own waits
+    ``(k + 1) stall_s``, then moves ``served`` on to its own ticket (past the stuck turn and any
+    abandoned ones). So the first waiter in line does it, or the next if that one stalled too.
+
+    A holder that wakes after being passed over is fenced at its ends: ``acquire`` returns None when
+    its turn went by, and ``release`` adds nothing when ``served`` moved on. A holder stalled in the
+    middle of its turn can still write beside the next holder once (that arrival's step is then not
+    atomic); nothing else is lost.
+
+    >>> lock = TicketLock(box, ticket=0, served=1, holders=2, rank=0, ranks=2, stall_s=10)  # doctest: +SKIP
+    >>> t = lock.acquire()                         # doctest: +SKIP
+    >>> ...; lock.release(t)                       # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        box: Any,
+        ticket: int,
+        served: int | None = None,
+        holders: int | None = None,
+        rank: int = 0,
+        ranks: int = 0,
+        stall_s: float = 300.0,
+    ):
+        self.box, self.ticket, self.rank, self.ranks, self.stall_s = box, ticket, rank, ranks, stall_s
+        self.served = ticket + 1 if served is None else served
+        self.holders = holders
+        self.passed_over = 0  # turns this rank moved on from a holder that died or stalled
+        self.clear()
+
+    def clear(self) -> None:
+        """This rank holds no ticket (a replacement's start: its predecessor's ticket is abandoned)."""
+        if self.holders is not None:
+            self._set(self.holders + self.rank, 0)
+
+    def reset(self, to: int) -> None:
+        """Ticket and turn both ``to``, nobody holding one (a restore from a checkpoint, by one rank)."""
+        self._set(self.ticket, to)
+        self._set(self.served, to)
+        for r in range(self.ranks if self.holders is not None else 0):
+            self._set(self.holders + r, 0)
+
+    def acquire(self) -> int | None:
+        """Take a ticket and wait for its turn: the ticket, or None if the turn was passed over meanwhile."""
+        return self.wait(self.take())
+
+    def take(self) -> int:
+        t = self.box.add_counter(self.ticket, 1)
+        if self.holders is not None:
+            self._set(self.holders + self.rank, t + 1)
+        return t
+
+    def wait(self, t: int) -> int | None:
         last, since = self.box.read_counter(self.served), time.monotonic()
         while (now := self.box.read_counter(self.served)) < t:
             if now != last:
                 last, since = now, time.monotonic()
-            elif time.monotonic() - since > self.lost_after_s:
-                if not self.anyone_lost():
-                    raise CommTimeout(
-                        f"diloco outer step: turn {now} stood still {self.lost_after_s:.0f} s, no worker lost"
-                    )
-                if t == now + 1:  # only the next in line moves the turn on
-                    self.box.add_counter(self.served, 1)
-                    self.passed_over += 1
+            elif time.monotonic() - since > self.stall_s * (1 + self._ahead(now, t)):
+                self.box.add_counter(self.served, t - now)  # pass over turns now..t-1
+                self.passed_over += t - now
+                break
             time.sleep(1e-4)
+        if self.box.read_counter(self.served) != t:  # stalled while waiting: the turn went by
+            self.clear()
+            return None
+        return t
+
+    def release(self, t: int) -> None:
+        if self.box.read_counter(self.served) == t:  # else passed over while holding it: fenced
+            self.box.add_counter(self.served, 1)
+        self.clear()
+
+    def _ahead(self, now: int, t: int) -> int:
+        """Tickets others hold between the stuck turn and ``t`` (the waiters in line before this one)."""
+        if self.holders is None:
+            return 0
+        held = (self.box.read_counter(self.holders + r) - 1 for r in range(self.ranks) if r != self.rank)
+        return sum(now < h < t for h in held)
+
+    def _set(self, i: int, value: int) -> None:
+        self.box.add_counter(i, value - self.box.read_counter(i))
 
 
 def local_steps(own_s: float, others_s: list[float], inner_steps: int) -> int:

@@ -27,10 +27,9 @@ until ``served == t`` and adds one when done. Two workers closing different bloc
 ``buffer_size``) can then no longer both read the old ``m``, and every block holds exactly its ``N``
 arrivals: ``theta`` follows Alg. 3 applied in ticket order. The wait is short (an outer step is a few
 box operations, once per round). A worker killed in the middle of a round takes only its own unpushed
-round with it; one killed holding the turn (between its ticket and ``served``) is passed over once
-the turn has stood still ``lost_after_s`` and a rank is known lost: the next arrival takes the turn,
-and that one arrival's step is lost. ``theta``, ``m`` and the accumulator live in the box, so they
-outlive any worker (with ``--box rma``, on its memory rank).
+round with it; a turn whose holder died or stalled past ``lost_after_s`` (``--timeout``) is passed
+over by the next waiter, and that one arrival's step is lost (``TicketLock``). ``theta``, ``m`` and
+the accumulator live in the box, so they outlive any worker (with ``--box rma``, on its memory rank).
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
 from parambox.strategies.base import Context, StepResult, Strategy, loss_value, period_end, trainable
 from parambox.strategies.center import DONE, LOST, NONFINITE
-from parambox.strategies.delayed_nesterov import DelayedNesterov, local_steps
+from parambox.strategies.delayed_nesterov import DelayedNesterov, TicketLock, local_steps
 from parambox.strategies.exchange import (
     Background,
     DeltaAverager,
@@ -259,9 +258,10 @@ class AsyncDiloco(AsyncStrategy):
 
     def __init__(self, ctx: Context, options: DilocoOptions):
         numel = Layout.from_model(ctx.model).numel
-        # extra counters: the ticket lock (ticket, served), then each rank's microseconds per inner
-        # step (DyLU)
-        super().__init__(ctx, options, extra_numel=2 * numel, extra_counters=2 + ctx.world.world_size)
+        # extra counters: the ticket lock (ticket, served), each rank's microseconds per inner step
+        # (DyLU), then the ticket each rank holds (the lock's slots)
+        size = ctx.world.world_size
+        super().__init__(ctx, options, extra_numel=2 * numel, extra_counters=2 + 2 * size)
         self.optimizer = ctx.make_optimizer(self.params)
         n = options.buffer_size or self.num_workers
         if options.momentum_activation > 1 / n:
@@ -276,9 +276,15 @@ class AsyncDiloco(AsyncStrategy):
             options.outer_momentum,
             n,
             options.momentum_activation,
-            self.lost_after_s,
-            self._anyone_lost,
-            self.counters.extra(1),
+            TicketLock(
+                self.box,
+                self.counters.extra(0),
+                self.counters.extra(1),
+                self.counters.extra(2 + size),
+                ctx.world.rank,
+                self.num_workers,
+                self.lost_after_s,
+            ),
         )
         self.pulled = self.x.clone()  # theta as this round started: g = pulled - x
         self.compressor = box_compressor(options, self.numel, self.x.device)
@@ -344,13 +350,6 @@ class AsyncDiloco(AsyncStrategy):
 
     def _speed(self, r: int) -> int:
         return self.counters.extra(2 + r)
-
-    def _anyone_lost(self) -> bool:
-        return any(
-            self.box.read_counter(self.counters.status(r)) & LOST
-            or (self.board is not None and self.board.dead(r))
-            for r in range(self.num_workers)
-        )
 
     def _next_target(self) -> int:
         """DyLU: this worker's H from its speed and the active workers' (those not done, lost or halted)."""
@@ -423,8 +422,7 @@ class AsyncDiloco(AsyncStrategy):
         if not self.serves and self.world.rank == 0 and "outer_state" in state:
             # before super() bumps `ready`: nobody pushes before the momentum is back
             self.outer.load_state(state["outer_state"])
-            self._set_counter(self.counters.extra(0), int(state.get("ticket", 0)))
-            self._set_counter(self.counters.extra(1), int(state.get("ticket", 0)))  # no turn in flight
+            self.outer.lock.reset(int(state.get("ticket", 0)))  # no turn in flight
         super().load_state_dict(state)
         if not self.serves and "pulled" in state:
             self.pulled.copy_(state["pulled"])
