@@ -220,7 +220,9 @@ class _Server(threading.Thread):
         for job in self.jobs:
             _cancel([r for r, _, _ in job.recvs[job.next :]])
 
-    def _repost(self, req: MPI.Request, header: np.ndarray, status: MPI.Status) -> tuple[np.ndarray, MPI.Request]:
+    def _repost(
+        self, req: MPI.Request, header: np.ndarray, status: MPI.Status
+    ) -> tuple[np.ndarray, MPI.Request]:
         """A fresh any-source receive of requests after a peer's failure interrupted ``req``.
 
         ULFM leaves a receive that raised ``ERR_PROC_FAILED_PENDING`` pending, to be tested again

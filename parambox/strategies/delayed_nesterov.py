@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 
-
 class DelayedNesterov:
     """The outer step of asynchronous DiLoCo on the box: Delayed Nesterov (Liu et al. 2024, Alg. 3).
 
