@@ -236,9 +236,14 @@ def _startup_kill(
     out = tmp_path / f"kill{delay}-{time.monotonic_ns()}"
     launcher = start(*args, "--out", str(out), env=env)
     t0 = time.monotonic()
-    victim = worker(launcher, 2)
-    time.sleep(max(0.0, victim.create_time() + delay - time.time()))
-    victim.kill()
+    for _ in range(50):  # the process named rank 2 may be gone by the time it is looked at: find it again
+        try:
+            victim = worker(launcher, 2)
+            time.sleep(max(0.0, victim.create_time() + delay - time.time()))
+            victim.kill()
+            break
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            time.sleep(0.02)
     _, err = launcher.communicate(timeout=150)
     return time.monotonic() - t0, launcher, err + f"\n{out}"
 

@@ -73,7 +73,11 @@ def run_worker(cfg, world: World, run_dir: Path, resume: bool) -> int:
     spawn.name_this_process(spawn.rank_name(world.rank))  # ps shows parambox-r3
     try:
         summary = train_rank(cfg, world, run_dir, resume)
-    except (KeyboardInterrupt, SystemExit):
+    except KeyboardInterrupt:
+        if world.world_size == 1:
+            raise
+        code = 130  # stopped (Ctrl-C, or the launcher ending a straggler), its checkpoint saved: no traceback
+    except SystemExit:
         raise
     except BaseException as e:
         code = 2 if is_user_error(e) else 1

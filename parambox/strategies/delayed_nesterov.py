@@ -191,7 +191,9 @@ class TicketLock:
         while (now := self.box.read_counter(self.served)) < t:
             if now != last:
                 last, since = now, time.monotonic()
-            elif time.monotonic() - since > self.stall_s * (1 + self._ahead(now, t)):
+            elif (stood := time.monotonic() - since) > self.stall_s and stood > self.stall_s * (
+                1 + self._ahead(now, t)
+            ):
                 self.box.add_counter(self.served, t - now)  # pass over turns now..t-1
                 self.passed_over += t - now
                 break
