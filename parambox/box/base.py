@@ -230,6 +230,10 @@ class ParameterBox(ABC):
     def add_counter(self, i: int, v: int) -> int:
         """Atomically add ``v`` to counter ``i``; returns the value before the add."""
 
+    def set_counter(self, i: int, value: int) -> None:
+        """Counter ``i`` := ``value``, for a counter one process writes at a time (a read, then an add)."""
+        self.add_counter(i, value - self.read_counter(i))
+
     # -- collective helpers ------------------------------------------------------------------------
     @abstractmethod
     def barrier(self, timeout: float | None = None) -> None:

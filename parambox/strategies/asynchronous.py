@@ -180,20 +180,16 @@ class AsyncStrategy(Strategy):
         """Rank 0 puts the initial center in the box (unless a previous life of it did), the others
         wait for that alone; a replacement then starts from the center."""
         m, rank = self.counters, self.world.rank
-        self._set_counter(m.ident(rank), process_identity())
+        self.box.set_counter(m.ident(rank), process_identity())
         if rank == 0 and self.box.read_counter(m.ready) == 0:
             self.box.write(self.x)  # every rank starts from the same weights (same seed)
-            self._set_counter(m.started, time.time_ns() // 1000)
+            self.box.set_counter(m.started, time.time_ns() // 1000)
             self.box.add_counter(m.ready, 1)
         else:
             self._await_ready(1)
         if self.rejoined:
             self.client.pull(self.x)
             self._reached = self.box.read_counter(m.steps(rank)) >= self.ctx.steps
-
-    def _set_counter(self, i: int, value: int) -> None:
-        """Counter ``i`` := ``value`` (one writer per such counter: this rank, in each of its lives)."""
-        self.box.add_counter(i, value - self.box.read_counter(i))
 
     def _set_status(self, r: int, bit: int) -> None:
         if not self.box.read_counter(self.counters.status(r)) & bit:
@@ -391,7 +387,7 @@ class AsyncStrategy(Strategy):
                 self.box.write(state["center"])
             if "box_extra" in state and self.extra_numel:
                 self.box.write(state["box_extra"], self.extra_start)
-            self._set_counter(m.started, time.time_ns() // 1000)  # this life's clock
+            self.box.set_counter(m.started, time.time_ns() // 1000)  # this life's clock
             self.box.add_counter(m.ready, 1)
         else:
             self._await_ready(2)

@@ -167,14 +167,14 @@ class TicketLock:
     def clear(self) -> None:
         """This rank holds no ticket (a replacement's start: its predecessor's ticket is abandoned)."""
         if self.holders is not None:
-            self._set(self.holders + self.rank, 0)
+            self.box.set_counter(self.holders + self.rank, 0)
 
     def reset(self, to: int) -> None:
         """Ticket and turn both ``to``, nobody holding one (a restore from a checkpoint, by one rank)."""
-        self._set(self.ticket, to)
-        self._set(self.served, to)
+        self.box.set_counter(self.ticket, to)
+        self.box.set_counter(self.served, to)
         for r in range(self.ranks if self.holders is not None else 0):
-            self._set(self.holders + r, 0)
+            self.box.set_counter(self.holders + r, 0)
 
     def acquire(self) -> int | None:
         """Take a ticket and wait for its turn: the ticket, or None if the turn was passed over meanwhile."""
@@ -183,7 +183,7 @@ class TicketLock:
     def take(self) -> int:
         t = self.box.add_counter(self.ticket, 1)
         if self.holders is not None:
-            self._set(self.holders + self.rank, t + 1)
+            self.box.set_counter(self.holders + self.rank, t + 1)
         return t
 
     def wait(self, t: int) -> int | None:
@@ -214,9 +214,6 @@ class TicketLock:
             return 0
         held = (self.box.read_counter(self.holders + r) - 1 for r in range(self.ranks) if r != self.rank)
         return sum(now < h < t for h in held)
-
-    def _set(self, i: int, value: int) -> None:
-        self.box.add_counter(i, value - self.box.read_counter(i))
 
 
 def local_steps(own_s: float, others_s: list[float], inner_steps: int) -> int:

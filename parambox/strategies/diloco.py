@@ -346,7 +346,7 @@ class AsyncDiloco(AsyncStrategy):
         now = time.perf_counter()
         s = (now - self.round_start) / max(self.round_steps, 1)
         self.s_per_step = s if self.s_per_step == 0 else 0.5 * self.s_per_step + 0.5 * s
-        self._set_counter(self._speed(self.world.rank), max(1, int(self.s_per_step * 1e6)))
+        self.box.set_counter(self._speed(self.world.rank), max(1, int(self.s_per_step * 1e6)))
 
     def _speed(self, r: int) -> int:
         return self.counters.extra(2 + r)
