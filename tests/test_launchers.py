@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from parambox.runtime.spawn import find_mpiexec
@@ -20,6 +22,10 @@ def local_run(tmp_path_factory):
 def _same_run(out, local_run, launcher):
     assert summary(out)["launcher"] == launcher
     assert summary(out)["workers"] == 2
+    assert (summary(out)["device"], summary(out)["backend"]) == (
+        "cpu",
+        "gloo",
+    )  # (nccl: scripts/gpu_check.py)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in local_run.iterdir())
     assert max_abs_diff(final_weights(out), final_weights(local_run)) <= 1e-6
 
@@ -45,3 +51,38 @@ def test_srun(tmp_path, local_run):
     out = tmp_path / "run"
     run_cli(*ARGS, "--out", str(out), prefix=["srun", "-n", "2", "--overlap"], timeout=140)
     _same_run(out, local_run, "slurm")
+
+
+def test_open_mpi_options_go_only_to_the_mpiexec_that_takes_them(tmp_path, monkeypatch, capsys):
+    """--with-ft ulfm (Open MPI 5), --oversubscribe and --bind-to (Open MPI) are not MPICH's options, nor
+    Open MPI 4's --with-ft: a cluster's own mpiexec gets only what it takes."""
+    import stat
+    import subprocess
+
+    from parambox.runtime import spawn
+
+    def fake(version: str) -> str:
+        path = tmp_path / f"mpiexec-{len(list(tmp_path.iterdir()))}"
+        path.write_text(
+            f'#!/bin/sh\nif [ "$1" = --version ]; then echo "{version}"; exit 0; fi\n'
+            f'printf "%s " "$@" > {path}.argv\n'
+        )
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+        return str(path)
+
+    seen = {}
+    for name, version in (
+        ("ompi5", "mpiexec (Open MPI) 5.0.11"),
+        ("ompi4", "mpiexec (OpenRTE) 4.1.6"),
+        ("mpich", "HYDRA build details:\n    Version: 4.2.0"),
+    ):
+        mpiexec = fake(version)
+        monkeypatch.setattr(spawn, "find_mpiexec", lambda m=mpiexec: m)
+        proc = spawn.start_mpi(["prog"], 2, {}, fault_tolerant=True, stdout=subprocess.DEVNULL)
+        proc.wait()
+        spawn.release_mpi(proc)
+        seen[name] = Path(f"{mpiexec}.argv").read_text().split()
+    assert seen["ompi5"] == ["--with-ft", "ulfm", "-n", "2", "--oversubscribe", "--bind-to", "none", "prog"]
+    assert seen["ompi4"] == ["-n", "2", "--oversubscribe", "--bind-to", "none", "prog"]
+    assert seen["mpich"] == ["-n", "2", "prog"]
+    assert capsys.readouterr().err.count("no ULFM (--with-ft ulfm), so a rank that dies ends the job") == 2

@@ -103,3 +103,46 @@ def test_first_host():
     assert first_host("node[03-05,07],gpu1") == "node03"
     assert first_host("login1") == "login1"
     assert first_host("a,b") == "a"
+
+
+def test_the_device_is_a_gpu_per_local_rank_unless_told_cpu(monkeypatch):
+    import pytest
+    import torch
+
+    from parambox.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("PARAMBOX_DEVICE", raising=False)
+    w = World(rank=3, world_size=4, local_rank=3, local_world_size=4)
+    assert (str(w.device), w.backend) == ("cuda:1", "nccl")
+    monkeypatch.setenv("PARAMBOX_DEVICE", "cpu")
+    assert (str(w.device), w.backend) == ("cpu", "gloo")
+    monkeypatch.setenv("PARAMBOX_DEVICE", "gpu")
+    with pytest.raises(UserError, match="PARAMBOX_DEVICE='gpu': choose cpu or cuda"):
+        _ = w.device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("PARAMBOX_DEVICE", "cuda")
+    with pytest.raises(UserError, match="torch sees no GPU"):
+        _ = w.device
+
+
+def test_more_ranks_on_a_node_than_gpus_is_refused_in_one_line(monkeypatch):
+    import pytest
+    import torch
+
+    from parambox.errors import UserError
+    from parambox.runtime.world import check_gpus
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name in ("PARAMBOX_DEVICE", "NCCL_HOSTID"):
+        monkeypatch.delenv(name, raising=False)
+    check_gpus(1)
+    with pytest.raises(UserError, match="2 ranks on this node share 1 GPU, and NCCL takes one GPU per rank"):
+        check_gpus(2)
+    monkeypatch.setenv("PARAMBOX_DEVICE", "cpu")
+    check_gpus(2)  # on the CPU: gloo, any number
+    monkeypatch.delenv("PARAMBOX_DEVICE")
+    monkeypatch.setenv("NCCL_HOSTID", "a-host-of-its-own")  # scripts/gpu_check.py's one-GPU check
+    check_gpus(2)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from parambox.config import RunConfig, build_config
 from parambox.errors import UserError, validation_message, warn
-from parambox.runtime.world import World, under_external_launcher
+from parambox.runtime.world import World, check_gpus, under_external_launcher
 
 
 @dataclass(frozen=True)
@@ -112,8 +112,10 @@ def resolve(cfg: RunConfig, caller: Caller, resume: bool = False) -> Plan:
     plan = Plan(cfg, cls, World.from_env(), caller, resume)
     if plan.external:
         _check_external(plan)
+        check_gpus(plan.world.local_world_size)
     else:
         cls.check_workers(cfg.workers, options)
+        check_gpus(plan.processes)  # an emulated cluster's nodes share this machine's GPUs
         if cfg.cluster.enabled:
             from parambox.runtime.cluster import check_environment
 

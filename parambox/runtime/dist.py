@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from parambox.errors import CommTimeout
@@ -63,6 +64,8 @@ def init_distributed(world: World, timeout_s: float, survive_in_place: bool = Fa
     global _ELASTIC
     if world.world_size == 1 or dist.is_initialized():
         return
+    if world.device.type == "cuda":
+        torch.cuda.set_device(world.device)  # nccl's barriers and object collectives use the current GPU
     group = ElasticGroup.from_env(world.rank, world.world_size, timeout_s, world.backend)
     if group is None and survive_in_place and world.launcher == "mpi":
         from parambox.runtime.mpi import fault_tolerant

@@ -66,7 +66,11 @@ def destroy_default_group() -> None:
     ``pt_gloo_runloop``, itself in ``take_gil`` under ``~AsyncBroadcastWork``)."""
     time.sleep(0.05)
     with suppress(Exception):
-        dist.destroy_process_group()
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            # nccl's destroy may wait on a collective a dead peer never finishes: abort, as torchft does
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
 
 
 class UlfmBoard:
@@ -145,19 +149,20 @@ def connect_store(address: str, timeout_s: float) -> dist.TCPStore:
 def broadcast_state(state: dict | None) -> dict:
     """Rank 0's ``state`` (tensors, numbers, strings in dicts and lists) on every rank of the current
     group: ``torch.save`` bytes in two broadcasts, read back with ``weights_only=True`` (no pickle)."""
-    data = torch.empty(0, dtype=torch.uint8)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    data = torch.empty(0, dtype=torch.uint8, device=device)
     if dist.get_rank() == 0:
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
+        data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8).to(device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     dist.broadcast(size, src=0)
     if dist.get_rank() != 0:
-        data = torch.empty(int(size), dtype=torch.uint8)
+        data = torch.empty(int(size), dtype=torch.uint8, device=device)
     dist.broadcast(data, src=0)
-    return (
-        state if dist.get_rank() == 0 else torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
-    )
+    if dist.get_rank() == 0:
+        return state
+    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True, map_location="cpu")
 
 
 def fenced_ranks(store: dist.Store) -> list[int]:
@@ -284,6 +289,11 @@ class ElasticGroup:
     def _init(self, generation: int) -> None:
         store = dist.PrefixStore(f"gen{generation}", self.store)
         timeout = timedelta(seconds=self.timeout_s)
+        if self.backend == "nccl":
+            # A failed collective raises in the rank that waits on it (and its communicator is aborted)
+            # instead of NCCL's watchdog ending the process: the survivors regroup as over gloo.
+            os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # (what _abort_process_group asks)
         dist.init_process_group(
             self.backend, store=store, rank=self.group_rank, world_size=self.group_size, timeout=timeout
         )

@@ -18,8 +18,10 @@ host from a slow one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
+import re
 import secrets
 import shutil
 import signal
@@ -35,7 +37,7 @@ from typing import Any
 
 import psutil
 
-from parambox.errors import UserError
+from parambox.errors import UserError, warn
 from parambox.runtime import zygote
 from parambox.runtime.world import LOCAL_LAUNCHER_ENV
 
@@ -79,6 +81,18 @@ def find_mpiexec() -> str | None:
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
     return shutil.which("mpiexec")
+
+
+@functools.cache
+def open_mpi_version(mpiexec: str) -> int | None:
+    """Open MPI's major version of ``mpiexec``, None for another MPI (MPICH's and Intel's take ``-n``
+    alone here; ``--oversubscribe`` and ``--bind-to`` are Open MPI's, ``--with-ft ulfm`` 5's)."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"\((?:open mpi|openrte|prrte)\)\s+(\d+)", (out.stdout + out.stderr).lower())
+    return int(found.group(1)) if found else None
 
 
 # -- shared-memory segments of a run ----------------------------------------------------------------
@@ -218,14 +232,19 @@ def start_mpi(
     env = mpi_env(env)
     env.pop("MASTER_ADDR", None)
     env.pop("MASTER_PORT", None)
-    binding = [] if bind else ["--bind-to", "none"]
-    ft = ["--with-ft", "ulfm"] if fault_tolerant else []
+    version = open_mpi_version(mpiexec)
+    open_mpi, ulfm = version is not None, (version or 0) >= 5
+    if fault_tolerant and not ulfm:
+        warn(f"{mpiexec} is not Open MPI 5's: no ULFM (--with-ft ulfm), so a rank that dies ends the job")
+    binding = [] if bind or not open_mpi else ["--bind-to", "none"]
+    ft = ["--with-ft", "ulfm"] if fault_tolerant and ulfm else []
     private = tempfile.mkdtemp(prefix=MPI_DIR_PREFIX, dir=SHM_ROOT if os.path.isdir(SHM_ROOT) else None)
     env.update(dict.fromkeys(MPI_FILE_PARAMS, private))
     if mpi_command is not None:  # mpiexec reads options up to the program: --with-ft may come last
         argv, env = mpi_command(mpiexec, world_size, [*ft, *cmd], env)
     else:
-        argv = [mpiexec, *ft, "-n", str(world_size), "--oversubscribe", *binding, *cmd]
+        over = ["--oversubscribe"] if open_mpi else []  # MPICH's hydra runs any number of ranks
+        argv = [mpiexec, *ft, "-n", str(world_size), *over, *binding, *cmd]
     guard, reaper = _start_reaper(private)
     try:
         proc = start(argv, env, **popen)

@@ -12,6 +12,8 @@ import torch
 
 # Set by parambox's own local launcher on the workers it spawns.
 LOCAL_LAUNCHER_ENV = "PARAMBOX_LOCAL_LAUNCHER"
+# cpu | cuda: where the workers run; unset, a GPU per local rank where torch sees one, else the CPU.
+DEVICE_ENV = "PARAMBOX_DEVICE"
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class World:
     @property
     def device(self) -> torch.device:
         # The one place that picks a device: a GPU per local rank where there is one.
-        if torch.cuda.is_available():
+        if _wants_gpu():
             return torch.device("cuda", self.local_rank % torch.cuda.device_count())
         return torch.device("cpu")
 
@@ -56,6 +58,36 @@ class World:
             if world is not None:
                 return world
         return cls()
+
+
+def _wants_gpu() -> bool:
+    wanted = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if wanted not in ("", "cpu", "cuda"):
+        from parambox.errors import UserError
+
+        raise UserError(f"{DEVICE_ENV}={wanted!r}: choose cpu or cuda (unset: a GPU where there is one)")
+    if wanted == "cuda" and not torch.cuda.is_available():
+        from parambox.errors import UserError
+
+        raise UserError(f"{DEVICE_ENV}=cuda, but torch sees no GPU (torch {torch.__version__})")
+    return wanted != "cpu" and torch.cuda.is_available()
+
+
+def check_gpus(ranks_per_node: int) -> None:
+    """Refuse, in one line, more ranks on a node than it has GPUs where they would run on GPUs: NCCL
+    takes one GPU per rank (else every rank fails with its "Duplicate GPU detected"). A rank that
+    names its own ``NCCL_HOSTID`` is taken as a host of its own (a test of the nccl path on one GPU,
+    over NCCL's socket transport)."""
+    if not _wants_gpu() or os.environ.get("NCCL_HOSTID"):
+        return
+    gpus = torch.cuda.device_count()
+    if ranks_per_node > gpus:
+        from parambox.errors import UserError
+
+        raise UserError(
+            f"{ranks_per_node} ranks on this node share {gpus} GPU{'s' * (gpus != 1)}, and NCCL takes one "
+            f"GPU per rank: run at most {gpus} per node, or on the CPU with {DEVICE_ENV}=cpu"
+        )
 
 
 def under_external_launcher(env: Mapping[str, str] | None = None) -> bool:

@@ -279,7 +279,7 @@ class Strategy:
             return float(local)
 
         def reduce() -> float:
-            total = torch.tensor([float(local)])
+            total = torch.tensor([float(local)], device=self.world.device)  # nccl: a GPU tensor
             with self.collective("summary"):
                 dist.all_reduce(total)
             return float(total)

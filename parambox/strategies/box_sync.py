@@ -73,11 +73,16 @@ class BoxSync(Strategy):
             )
         self.shared = None if self.summing else self.box.local_view()
         self.mean = torch.zeros(self.slot)
-        self.mean_grads = list(self.layout.views(self.mean[:numel]).values())
         self.local = torch.zeros(self.slot) if self.shared is None else None
-        # This worker's slot of even and odd steps, and the parameters' .grad views into each.
+        # This worker's slot of even and odd steps, and the parameters' .grad views into each. On a
+        # GPU backward writes a device buffer, copied into the host slot after it (and the mean back).
+        device = self.world.device
+        self.staged = None if device.type == "cpu" else torch.zeros(self.slot, device=device)
+        self.mean_on_device = self.mean if self.staged is None else torch.zeros(self.slot, device=device)
+        self.mean_grads = list(self.layout.views(self.mean_on_device[:numel]).values())
         self.slot_of = [self._my_slot(parity) for parity in (0, 1)]
-        self.views_of = [list(self.layout.views(s[:numel]).values()) for s in self.slot_of]
+        bound = self.slot_of if self.staged is None else [self.staged, self.staged]
+        self.views_of = [list(self.layout.views(s[:numel]).values()) for s in bound]
         # Across nodes (one level), a bucket goes into the box as soon as backward has finished it, as
         # DDP's allreduce starts during backward: the parameters' gradients are laid out in order and
         # backward finishes them roughly last to first, so the finished tail of the slot grows down.
@@ -85,7 +90,7 @@ class BoxSync(Strategy):
             self.summing and ctx.box.backend == "rma" and not self.box.two_level and self.world.world_size > 1
         )
         self.bucket = max(1, int(options.bucket_mb * (1 << 20) / 4)) if options.bucket_mb > 0 else 0
-        early = early and self.bucket > 0
+        early = early and self.bucket > 0 and self.staged is None
         self.offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
         self.grads = GradViews(  # hooks note who got a gradient
             self.params, self.views_of[0], track=True, on_ready=self._ready if early else None
@@ -106,12 +111,16 @@ class BoxSync(Strategy):
         self.pushed_from = self.offsets[-1]  # the slot's gradients from here on are in the box
         self.grad = self.slot_of[step % 2]
         self.grad.zero_()
+        if self.staged is not None:
+            self.staged.zero_()
         self.grads.views = self.views_of[step % 2]
         self.grads.rebind_()  # backward accumulates here
         self.sync_buffers()
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         n, numel, grad, slot = self.world.world_size, self.layout.numel, self.grad, self.slot
+        if self.staged is not None:
+            grad[:numel].copy_(self.staged[:numel])
         grad[numel:].copy_(torch.tensor(self.grads.used, dtype=grad.dtype))
         if self.summing:
             self._sum_in_box(step)
@@ -122,6 +131,8 @@ class BoxSync(Strategy):
             with self.timers.phase("average"):
                 slots = self.shared[area : area + n * slot].view(n, slot)
                 torch.sum(slots, dim=0, out=self.mean).mul_(1.0 / n)
+        if self.staged is not None:
+            self.mean_on_device.copy_(self.mean)
         got = self.mean[numel:].tolist() if not all(self.grads.used) else None
         for i, (p, view) in enumerate(zip(self.params, self.mean_grads)):
             p.grad = view if got is None or got[i] else None  # no worker computed it: as in one process
@@ -146,5 +157,5 @@ class BoxSync(Strategy):
         self.grads.close()  # no hooks left on a user's model, which outlives the strategy
         for p in self.params:
             p.grad = None  # drop views into the shared segment before it is unmapped
-        self.shared = self.slot_of = self.views_of = None
+        self.shared = self.slot_of = self.views_of = self.staged = None
         self.box.close()

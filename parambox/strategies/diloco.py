@@ -213,7 +213,7 @@ class Diloco(Strategy):
                 t.copy_(value.view_as(t))
 
     def _any_pending(self) -> bool:
-        pending = torch.tensor([float(self.round_steps)])
+        pending = torch.tensor([float(self.round_steps)], device=self.world.device)
         if self.world.world_size > 1:
             with self.collective("diloco finish"):
                 dist.all_reduce(pending)

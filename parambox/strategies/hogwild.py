@@ -56,7 +56,9 @@ class Hogwild(AsyncStrategy):
                 f"hogwild shares weights in local memory: use --box shm, not --box {ctx.box.backend}"
             )
         if ctx.world.device.type != "cpu":
-            raise UserError("hogwild keeps the model in host shared memory: it runs on CPU only")
+            raise UserError(
+                "hogwild keeps the model in host shared memory: it runs on the CPU (PARAMBOX_DEVICE=cpu)"
+            )
         if ctx.world.num_nodes > 1:
             raise UserError(
                 f"hogwild runs on one node, this run has {ctx.world.num_nodes}; try easgd or downpour"

@@ -301,6 +301,8 @@ def write_summary(run: Run, step: int, wall: float, samples: int, final: dict[st
         "restarts": 0,  # the local launcher counts them in (replacements or group restarts)
         "launcher": run.world.launcher,
         "num_nodes": run.world.num_nodes,
+        "device": run.world.device.type,
+        "backend": run.world.backend,
         "config": cfg.model_dump(),
     }
     summary.update(run.strategy.summary_extra())
