@@ -12,7 +12,9 @@ Every 50 ms it polls the workers. What it does when one exits non-zero depends o
   once every rank had joined the group, a dead rank other than 0 is marked dead on the board and listed
   as lost, and the others regroup without it (with restarts left, a replacement is started instead:
   it joins at a step boundary and receives its state from a live rank); a rank the survivors fenced
-  out (it stalled past their timeout) is SIGKILLed. A death before the group formed, or of rank 0, falls back to the next case.
+  out (it stalled past their timeout) is SIGKILLed, and so is a rank the kernel shows stopped
+  (SIGSTOP, a suspended job) for ``--timeout``: its death then ends the survivors' wait at once,
+  where a stopped rank left alive costs them the decider's grace on top of their timeout. A death before the group formed, or of rank 0, falls back to the next case.
 - synchronous: every worker is stopped. With restarts left the whole group starts again from the
   last checkpoint (torchrun's behaviour: nothing before the checkpoint is lost); otherwise the run
   fails, naming the rank that caused it.
@@ -40,6 +42,7 @@ from parambox.runtime.control import DEAD, EXITED, SegmentKeeper, WorkerBoard
 STRAGGLER_GRACE_S = 30.0
 POLL_S = 0.05
 SCAN_EVERY_S = 0.5  # how often the launcher looks for new box segments to keep (restarts only)
+STOPPED_EVERY_S = 0.25  # how often a run that survives in place looks for stopped workers
 USER_ERROR = 2
 
 
@@ -95,6 +98,8 @@ class Supervisor:
         self._fenced: set[int] = set()
         self._group_life = 0  # restarts of the whole group (each runs the elastic protocol afresh)
         self._beat: tuple[float, float] = (0.0, time.monotonic())  # (file size, when it last changed)
+        self._stopped_since: dict[int, float] = {}  # rank -> when it was first seen stopped
+        self._stopped_at = 0.0
 
     def run(self) -> LaunchResult:
         old = signal.signal(signal.SIGINT, lambda *_: self._interrupted.append(1))
@@ -117,6 +122,7 @@ class Supervisor:
         if goes_on and len(self.procs) > 1 and codes[0] == 0 and self._stragglers(codes):
             return True
         self._kill_fenced(codes)
+        self._kill_stopped(codes)
         if codes[0] is None and len(self.procs) > 1 and self._rank0_stalled(codes):
             return True
         for rank, code in enumerate(codes):
@@ -235,6 +241,21 @@ class Supervisor:
                 self._fenced.add(rank)
                 _kill_session(self.procs[rank])  # its late messages go to a group nobody listens to
 
+    def _kill_stopped(self, codes: list[int | None]) -> None:
+        """A rank other than 0 that the kernel shows stopped for ``--timeout`` (``stall_s``) is SIGKILLed:
+        stalled past the others' timeout, it would be fenced out anyway."""
+        now = time.monotonic()
+        if self.shrink_store is None or not self.stall_s or now - self._stopped_at < STOPPED_EVERY_S:
+            return
+        self._stopped_at = now
+        for rank in range(1, len(self.procs)):
+            if codes[rank] is not None or rank in self._fenced or not _stopped(self.procs[rank].pid):
+                self._stopped_since.pop(rank, None)
+                continue
+            if now - self._stopped_since.setdefault(rank, now) >= self.stall_s:
+                self._stopped_since.pop(rank)
+                _kill_session(self.procs[rank])  # next poll: dead, and the others go on without it
+
     # -- synchronous: restart everyone from the last checkpoint -------------------------------------------
     def _restart_group(self, code: int) -> bool:
         if code == USER_ERROR or not self._restarts_left():
@@ -253,6 +274,15 @@ class Supervisor:
         code = self.procs[rank].returncode
         self.result.failed[rank] = (code, worker_error(self.log_dir, rank, code))
         self.result.returncode = 1
+
+
+def _stopped(pid: int) -> bool:
+    """The kernel shows the process stopped (by SIGSTOP, SIGTSTP or a debugger)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
