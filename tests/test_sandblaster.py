@@ -6,7 +6,6 @@ from __future__ import annotations
 import heapq
 import json
 import queue
-import statistics
 import time
 
 import pytest
@@ -310,37 +309,17 @@ def test_computing_coordinator_with_two_workers_follows_the_same_iterates(two_wo
     assert [r["loss"] for r in here] == pytest.approx([r["loss"] for r in there], abs=1e-5)
 
 
-def _slow_worker_run(out, backup: bool, steps: int = 12) -> list[dict]:
-    """Two computing workers (ranks 1, 2; rank 0 coordinates), rank 2 five times slower, 8 portions,
-    one evaluation per step (no line search: the same path with and without backups)."""
-    run_cli(
-        "train", "--strategy", "sandblaster", "--workers", "3", "--model", "lenet", "--batch-size", "1438",
-        "--steps", str(steps), "--eval-every", "0", "--no-progress", "--threads", "1",
-        "--set", "sandblaster.slow_worker=2:5", "--set", "sandblaster.num_portions=8",
-        "--set", "sandblaster.line_search=none", "--set", f"sandblaster.backup={str(backup).lower()}",
-        "--out", str(out),
-    )  # fmt: skip
-    return _steps(out)[1:]  # step 1 also pays one-off set-up (threads, first kernels)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_worker_slowed_5x_does_not_hold_the_batch_up(tmp_path):
-    """Backup copies win portions, copies in flight are stopped, and the path is the same as without
-    backups. The timings (the whole step against the same run without backups, and against its portion
-    phase: the issue's Must show) are printed, not asserted: a timed unit test on a shared 2-core
-    machine fails on load, not on the code (72 % less under load 14, 15 % less on CI's quieter run)."""
-    fast = _slow_worker_run(tmp_path / "backup", backup=True)
-    plain = _slow_worker_run(tmp_path / "plain", backup=False)
-    assert fast[-1]["portion_s_rank2"] > 2.0 * fast[-1]["portion_s_rank1"]  # the slowdown is real
-    step = statistics.median(r["step_s"] for r in fast)
-    phase = statistics.median(r["portion_phase_s"] for r in fast)
-    step_plain = statistics.median(r["step_s"] for r in plain)
-    print(
-        f"step {step:.3f} s, portion phase {phase:.3f} s ({step / phase:.2f}x), without backups {step_plain:.3f} s"
-    )
-    assert [r["loss"] for r in fast] == pytest.approx([r["loss"] for r in plain], rel=1e-3)
-    assert (
-        sum(r["backup_wins"] for r in fast) >= 1
-        and summary(tmp_path / "backup")["sandblaster_copies_stopped"] >= 1
-    )
+def test_a_worker_slowed_5x_does_not_hold_the_batch_up():
+    """`parambox bench sandblaster --quick`: backup copies win portions, copies in flight are stopped,
+    and the path is the same as without backups. Its timings (the whole step against the same run
+    without backups, and against its portion phase: the issue's Must show) are the benchmark's full
+    form, not asserted here: a timed unit test on a shared 2-core machine fails on load, not on the
+    code."""
+    r = json.loads(run_cli("bench", "sandblaster", "--quick", "--json", timeout=280).stdout)
+    (one,) = r["rounds_measured"]
+    assert one["slow_portion_over_fast"] > 2.0  # the slowdown is real
+    assert r["same_path"] and one["backup_wins"] >= 1 and one["copies_stopped"] >= 1
+    assert one["bytes_to_coordinator_per_step"] < 10_000  # scalars only, whatever the model's size
+    assert {"step_over_portion_phase", "saved", "targets"} <= set(r)

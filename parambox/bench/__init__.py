@@ -39,6 +39,11 @@ BENCHES: dict[str, tuple[str, str, str]] = {  # name -> (module, function, what 
         "run_bench_chaos",
         "easgd, asynchronous diloco and allreduce under a fault every ~30 s vs none",
     ),
+    "sandblaster": (
+        "parambox.bench.sandblaster",
+        "run_bench_sandblaster",
+        "Sandblaster with one worker 5x slower: the whole step vs its portion phase, backups vs none",
+    ),
 }
 
 

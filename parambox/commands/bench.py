@@ -1,4 +1,4 @@
-"""``parambox bench sync | box | async | local | cluster | optimizer | api | chaos | defaults``: benchmarks that print
+"""``parambox bench sync | box | async | local | cluster | optimizer | api | chaos | defaults | sandblaster``: benchmarks that print
 ratios measured side by side.
 
 Each prints a JSON object with ``--json`` (and nothing else on stdout), or a table otherwise.
@@ -20,8 +20,10 @@ def configure(p: argparse.ArgumentParser) -> None:
         "which", choices=sorted(BENCHES), help="; ".join(f"{k}: {v[2]}" for k, v in BENCHES.items())
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--rounds", type=int, default=None, help="alternating rounds (sync, async)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per setup and round (sync, async)")
+    p.add_argument("--rounds", type=int, default=None, help="alternating rounds (sync, async, sandblaster)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="timed steps per setup and round (sync, async, sandblaster)"
+    )
     p.add_argument("--out", default=None, help="also write the JSON to this file")
     cluster = p.add_argument_group("bench cluster (an emulated cluster: needs root)")
     cluster.add_argument("--nodes", type=int, default=None, help="emulated nodes (default 2)")
@@ -41,7 +43,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="a short form for tests (cluster, chaos, defaults): checks, no figures",
+        help="a short form for tests (cluster, chaos, defaults, sandblaster): checks, no figures",
     )
 
 
