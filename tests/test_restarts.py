@@ -255,7 +255,7 @@ STARTUP = [
     "--workers",
     "3",
     "--steps",
-    "200",
+    "1000",  # 200 ran in under 0.8 s warm here (27 Nov): the 0.8 s victim had finished before its kill
     "--eval-every",
     "0",
     "--no-progress",
