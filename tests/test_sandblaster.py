@@ -319,7 +319,8 @@ def test_a_worker_slowed_5x_does_not_hold_the_batch_up():
     code."""
     r = json.loads(run_cli("bench", "sandblaster", "--quick", "--json", timeout=280).stdout)
     (one,) = r["rounds_measured"]
-    assert one["slow_portion_over_fast"] > 2.0  # the slowdown is real
     assert r["same_path"] and one["backup_wins"] >= 1 and one["copies_stopped"] >= 1
+    # the slowdown is real (None: every copy the slow worker ran was beaten and stopped)
+    assert one["slow_portion_over_fast"] is None or one["slow_portion_over_fast"] > 2.0
     assert one["bytes_to_coordinator_per_step"] < 10_000  # scalars only, whatever the model's size
     assert {"step_over_portion_phase", "saved", "targets"} <= set(r)

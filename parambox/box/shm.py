@@ -224,9 +224,15 @@ def open_shm_box(
     board = WorkerBoard.from_env()
     fd = inherited_box_fd(name) if rejoining() else None
     if fd is None and world.local_rank == 0 and not (rejoining() and os.path.exists(path)):
-        fd, mm = _create(name, path, want, max(1, stripe_bytes // 4), world.local_world_size)
-        box = ShmBox(name, path, fd, mm, 0, timeout)
-        _finish_rendezvous(box, path, timeout, board)
+        try:
+            fd, mm = _create(name, path, want, max(1, stripe_bytes // 4), world.local_world_size)
+            box = ShmBox(name, path, fd, mm, 0, timeout)
+            _finish_rendezvous(box, path, timeout, board)
+        except _NameTaken:
+            raise  # someone else's segment: not ours to remove
+        except BaseException:
+            _unlink_quietly(path)  # a signal between creating the name and the rendezvous' own cleanup
+            raise
         return box
     if fd is None:
         fd = _open_by_name(name, path, timeout, board)
@@ -276,6 +282,10 @@ def _exchange_prefix(world: World, timeout: float) -> str:
     return store.get(key).decode()
 
 
+class _NameTaken(UserError):
+    """The segment's name exists already: another run's box, which the creator must leave alone."""
+
+
 def _create(
     name: str, path: str, want: tuple[int, int, int], stripe: int, expected: int
 ) -> tuple[int, mmap.mmap]:
@@ -284,7 +294,7 @@ def _create(
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        raise UserError(f"box {name!r}: {path} already exists (a box of that name is open?)") from None
+        raise _NameTaken(f"box {name!r}: {path} already exists (a box of that name is open?)") from None
     try:
         os.fchmod(fd, 0o600)  # whatever the umask: owner only
         try:
