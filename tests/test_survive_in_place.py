@@ -21,7 +21,13 @@ import parambox
 from parambox.runtime import spawn
 from parambox.runtime.elastic import STORE_ENV, host_store
 from tests.conftest import ROOT, final_weights, run_cli, summary
-from tests.workloads.constant_gradient import closed_form, diloco_after, easgd_center_after, weight_after
+from tests.workloads.constant_gradient import (
+    closed_form,
+    diloco_after,
+    easgd_center_after,
+    gradient_of,
+    weight_after,
+)
 
 W = "tests/workloads/constant_gradient.py"
 LR, STEPS, KILLED, AT = 0.01, 12, 1, 5
@@ -268,3 +274,42 @@ def test_shrink_is_refused_for_a_strategy_that_cannot_regroup():
             progress=False,
             options={"overlap": True},
         )
+
+
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("launcher", ["local", pytest.param("ulfm", marks=pytest.mark.slow)])
+def test_survivors_a_step_apart_go_on_with_the_leaders_state(tmp_path, launcher):
+    """A rank that dies at the very end of an allreduce can leave the survivors a step apart (gloo's
+    ring gave rank 0 all it needed; rank 1's last send to the dead rank failed): rank 1 checks in at
+    step 6, rank 0 at 7. Rank 1 takes rank 0's weights and momentum (which hold step 6's update,
+    made with rank 2's gradient) and skips its own update of step 6: no restart, and the weights are
+    3 ranks' mean gradient for 7 steps, then the survivors' (momentum SGD), on both survivors. Under
+    the local launcher and under ``mpiexec --with-ft ulfm`` (the members agree on the newer step;
+    there rank 0 fails in its allreduce only at its --timeout, 10 s: rank 1's closed group does not
+    end it at once as it does under the local launcher)."""
+    from parambox.runtime.spawn import find_mpiexec
+    from tests.conftest import MPI_ENV
+
+    out, momentum, lost_at = tmp_path / "run", 0.5, 7
+    env, prefix = {"PARAMBOX_FAULT": f"1:{lost_at - 1}:lose-exchange,2:{lost_at}:kill"}, None
+    if launcher == "ulfm":
+        if find_mpiexec() is None:
+            pytest.skip("no mpiexec found")
+        env, prefix = {**MPI_ENV, **env}, [find_mpiexec(), "--with-ft", "ulfm", "-n", "3", "--oversubscribe"]
+    run_cli(
+        "train", "--strategy", "allreduce", *ARGS, "--timeout", "10", "--momentum", str(momentum),
+        "--out", str(out), env=env, prefix=prefix, timeout=150,
+    )  # fmt: skip
+    expected = weight_after(LR, [(lost_at, [0, 1, 2]), (STEPS - lost_at, [0, 1])], momentum)
+    weight = final_weights(out)["weight"]
+    assert (weight - expected).abs().max().item() < 1e-6, (weight, expected)
+    assert summary(out)["lost_workers"] == [2] and summary(out)["restarts"] == 0
+
+    def sums(rank: int) -> list[float]:  # sum(w) before each step: the loss over the rank's gradient
+        path = out / ("metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl")
+        rows = [json.loads(x) for x in path.read_text().splitlines() if '"step"' in x]
+        return [r["loss"] / gradient_of(rank) for r in rows if r.get("kind") == "step"]
+
+    assert len(sums(1)) == STEPS and sums(1) == pytest.approx(sums(0), abs=1e-6)
+    replica = torch.load(next((out / "checkpoints").glob("rank1-*.pt")), weights_only=True)["replica"]
+    assert (_flat(replica)) and json.dumps(_flat(replica)) == json.dumps(_flat(final_weights(out)))

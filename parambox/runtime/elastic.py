@@ -26,9 +26,16 @@ at the start of that step the members and the replacement form the next generati
 broadcasts its weights and resume state to it (``Strategy.share_state``).
 
 The survivors then repeat the exchange that failed (``Strategy.exchange``), so the step ends as if
-the dead rank had never taken part in it. Members that disagree on the step (a kill in the middle of
-a collective that some ranks had finished) cannot be reconciled here: that raises, and the run falls
-back to restart-all (``--max-restarts``) or fails.
+the dead rank had never taken part in it.
+
+A rank that dies at the very end of a collective can leave the survivors one step apart: gloo's ring
+delivered everything some of them needed (they finished the step and failed in the next one) while a
+send of another failed (it failed in this one). The members then check in with two steps, ``s`` and
+``s + 1``; :attr:`ElasticGroup.lag` names the lowest-ranked member at ``s + 1`` and whether this rank
+is behind, and the strategy's ``catch_up`` gives the ranks behind that member's state (which has step
+``s``'s update, made with the dead rank's contribution), as a replacement receives it. A strategy
+without ``catch_up`` raises, and the run falls back to restart-all (``--max-restarts``) or fails, as
+it does for members further apart.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -95,10 +103,10 @@ class UlfmBoard:
         return 0
 
     def agree(self, members: list[int], step: int, timeout_s: float) -> None:
-        """``MPI_Comm_shrink`` to the live ranks, then ``MPI_Comm_agree`` among them that each is at
-        ``step`` (the bitwise AND of every member's step). Both are collective over every live rank:
-        the caller skips them where the group left out a rank that is alive (a stalled one, fenced),
-        and the store's word stands alone there."""
+        """``MPI_Comm_shrink`` to the live ranks, then ``MPI_Comm_agree`` among them on ``step`` (the
+        bitwise AND of every member's: the newest step a member checked in with, as each read it from
+        the store). Both are collective over every live rank: the caller skips them where the group
+        left out a rank that is alive (a stalled one, fenced), and the store's word stands alone there."""
         import numpy as np
         from mpi4py import MPI
 
@@ -124,6 +132,21 @@ class UlfmBoard:
             raise CommTimeout(f"regrouping: the members {members} are not all at step {step}")
 
 
+@dataclass(frozen=True)
+class Lag:
+    """The members of a new generation checked in one step apart (see the module docstring)."""
+
+    src: int  # the group rank, in the new generation, whose state the ranks behind take
+    behind: bool  # this rank is at the earlier step: its exchange failed where the leader's did not
+    steps: dict[int, int]  # launch rank -> the step it checked in with
+
+    def why(self) -> str:
+        return (
+            f"the surviving ranks {sorted(self.steps)} stopped at different steps "
+            f"{sorted(set(self.steps.values()))} (a failure inside a collective): they cannot go on in place"
+        )
+
+
 class PeerLost(RuntimeError):
     """A collective failed because a peer died or stalled; the group can go on without it."""
 
@@ -146,21 +169,22 @@ def connect_store(address: str, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
-def broadcast_state(state: dict | None) -> dict:
-    """Rank 0's ``state`` (tensors, numbers, strings in dicts and lists) on every rank of the current
-    group: ``torch.save`` bytes in two broadcasts, read back with ``weights_only=True`` (no pickle)."""
+def broadcast_state(state: dict | None, src: int = 0) -> dict:
+    """Group rank ``src``'s ``state`` (tensors, numbers, strings in dicts and lists) on every rank of the
+    current group: ``torch.save`` bytes in two broadcasts, read back with ``weights_only=True`` (no
+    pickle)."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     data = torch.empty(0, dtype=torch.uint8, device=device)
-    if dist.get_rank() == 0:
+    if dist.get_rank() == src:
         buffer = io.BytesIO()
         torch.save(state, buffer)
         data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8).to(device)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=0)
-    if dist.get_rank() != 0:
+    dist.broadcast(size, src=src)
+    if dist.get_rank() != src:
         data = torch.empty(int(size), dtype=torch.uint8, device=device)
-    dist.broadcast(data, src=0)
-    if dist.get_rank() == 0:
+    dist.broadcast(data, src=src)
+    if dist.get_rank() == src:
         return state
     return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True, map_location="cpu")
 
@@ -186,12 +210,18 @@ class ElasticGroup:
         self.members = list(range(world_size))
         self.generation = 0
         self.board = WorkerBoard.from_env()
-        # How long the decider waits for members still on their way: --timeout, as any wait. A stalled
-        # rank is so fenced after twice --timeout (the collective's, then this); a live one that a
-        # loaded machine starves for seconds is not mistaken for it.
-        self.grace_s = timeout_s
+        # How long the decider waits for members still on their way: --timeout and a quarter (at least
+        # 1 s). A live member blocked in a collective that fails only at its own --timeout (it began
+        # before the decider's failed: the decider's own failure was at once, a send to a dead peer)
+        # checks in within --timeout of the decider, plus its way here; with --timeout alone it lost
+        # that race (1 run of 2 of the step-apart test under mpiexec). A stalled rank is so fenced after about twice --timeout (the
+        # collective's, then this) where the launcher has not killed it first (a rank the kernel
+        # shows stopped for --timeout); a live one that a loaded machine starves for seconds is not
+        # mistaken for it.
+        self.grace_s = timeout_s + max(1.0, 0.25 * timeout_s)
         self.lives = self._lives()  # each member's life: a replacement (a later life) is not waited for
         self.joined_at: int | None = None  # a replacement: the step at which it joined
+        self.lag: Lag | None = None  # after a regroup whose members were one step apart
         self.admitted = 0  # replacements admitted so far (group rank 0 counts)
 
     @classmethod
@@ -320,16 +350,19 @@ class ElasticGroup:
         decided = json.loads(self._get(f"{prefix}members"))
         if self.rank not in decided:
             raise Fenced(f"rank {self.rank} stalled past the others' timeout and was left out of the group")
-        steps = {int(self._get(f"{prefix}in/{r}")) for r in decided}
-        if steps != {step}:
-            raise CommTimeout(
-                f"the surviving ranks {decided} stopped at different steps {sorted(steps)} "
-                "(a failure inside a collective): they cannot go on in place"
-            )
+        at = {r: int(self._get(f"{prefix}in/{r}")) for r in decided}
+        self.lag = None
+        if len(set(at.values())) > 1:
+            ahead = max(at.values())
+            self.lag = Lag(decided.index(min(r for r in decided if at[r] == ahead)), step < ahead, at)
+            if ahead - min(at.values()) > 1:
+                raise CommTimeout(self.lag.why())
         self.members, self.generation = decided, gen
         self.lives = {r: self.lives[r] for r in decided}
         if isinstance(self.board, UlfmBoard) and not json.loads(self._get(f"{prefix}fenced")):
-            self.board.agree(decided, step, self.timeout_s)  # every rank left out is dead: MPI can agree
+            self.board.agree(
+                decided, max(at.values()), self.timeout_s
+            )  # every rank left out is dead: MPI can agree
         self._init(gen)
 
     def _decide(self, prefix: str) -> None:

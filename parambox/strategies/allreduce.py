@@ -24,6 +24,7 @@ from pydantic import Field
 from parambox.errors import UserError
 from parambox.runtime.elastic import PeerLost
 from parambox.strategies.base import (
+    CAUGHT_UP,
     Context,
     GradViews,
     Options,
@@ -121,12 +122,14 @@ class AllReduce(Strategy):
         partial = [b for b in self.buckets if b.ready < len(b.params)]
         for b in partial:  # parameters without a gradient on this rank: their flag stays 0
             b.flags.copy_(torch.tensor(b.grads.used, dtype=b.flags.dtype))
+        caught_up = False
         if self.distributed:
             with self.timers.phase("allreduce_wait"):
-                self.exchange(self._wait_all, step, again=self._reduce_again)
-        for b in partial:  # a rank whose every parameter got a gradient has no flag to read
-            b.grads.drop_unused_(b.flags.tolist())
-        self.optimizer.step()
+                caught_up = self.exchange(self._wait_all, step, again=self._reduce_again) is CAUGHT_UP
+        if not caught_up:  # (caught up: the leader's weights and optimizer have this step's update)
+            for b in partial:  # a rank whose every parameter got a gradient has no flag to read
+                b.grads.drop_unused_(b.flags.tolist())
+            self.optimizer.step()
         for b in self.buckets:
             b.work = None  # a finished Work kept alive past destroy_process_group can abort the process
         return StepResult(loss_value(loss), samples, self.timers.pop())
@@ -161,6 +164,9 @@ class AllReduce(Strategy):
                 dist.all_reduce(b.buffer)
         for b in self.buckets:
             b.buffer.div_(self.group_size)
+
+    def catch_up(self, src: int, behind: bool, why: str) -> None:
+        self.share_state(src, receive=behind, phase="state to a rank a step behind")
 
     def close(self) -> None:
         for b in self.buckets:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from parambox.box import BoxConfig, Layout
-from parambox.errors import UserError
+from parambox.errors import CommTimeout, UserError
 from parambox.runtime.dist import ProgressBoard, collective, elastic_group
 from parambox.runtime.elastic import PeerLost, broadcast_state
 from parambox.runtime.world import World
@@ -151,19 +151,27 @@ class Strategy:
         self.optimizer: torch.optim.Optimizer | None = None  # set by strategies with a local optimizer
         self.elastic = elastic_group()  # set when the run survives a lost worker in place
         self._awaits_state = self.joining  # a replacement, until share_state has given it a peer's state
+        self._exchange_fault = _exchange_fault(ctx.world.rank) if self.elastic is not None else None
+        self._exchanging: int | None = None  # the step of the exchange under way (``exchange``)
 
     def collective(self, phase: str) -> AbstractContextManager[None]:
         """Wrap blocking communication: a timeout becomes a ``CommTimeout`` naming the phase, the step
         and the ranks that never arrived (read from the run's progress board); in a run that survives
         in place, a ``PeerLost`` that :meth:`exchange` answers by regrouping."""
         if self.elastic is not None:
+            if self._exchange_fault is not None and self._exchange_fault == self._exchanging:
+                self._exchange_fault = None
+                return _lose(self.elastic.guard(phase, self._exchanging), phase, self._exchanging)
             return self.elastic.guard(phase, self.ctx.board.step if self.ctx.board is not None else None)
         return collective(phase, self.ctx.board)
 
     def exchange(self, fn: Callable[[], Any], step: int, again: Callable[[], Any] | None = None) -> Any:
         """``fn()``, an exchange whose collectives run under :meth:`collective`. In a run that survives
         in place, a lost peer makes the survivors regroup and repeat it (``again()``, where a first
-        attempt already spent its input, as an in-place allreduce does)."""
+        attempt already spent its input, as an in-place allreduce does). Returns ``CAUGHT_UP`` on a
+        rank that the regroup found a step behind the others and that took a leader's state for this
+        step (:meth:`catch_up`): its own update of the step must not be applied."""
+        self._exchanging = step
         try:
             return fn()
         except PeerLost:
@@ -172,9 +180,21 @@ class Strategy:
         while True:
             self.elastic.regroup(step)
             try:
+                lag = self.elastic.lag
+                if lag is not None:
+                    self.catch_up(lag.src, lag.behind, lag.why())
+                    if lag.behind:
+                        return CAUGHT_UP
                 return (again or fn)()
             except PeerLost:
                 continue
+
+    def catch_up(self, src: int, behind: bool, why: str) -> None:
+        """After a regroup whose members were a step apart: group rank ``src`` (a step ahead: its update
+        of the step the ranks behind failed in is made) gives them its state, and they skip their own
+        update of that step. Collective over the new group. A strategy whose state is more than its
+        model and :meth:`state_dict` cannot: it raises (the run falls back to a restart)."""
+        raise CommTimeout(why)
 
     @property
     def joining(self) -> bool:
@@ -195,12 +215,17 @@ class Strategy:
         ``period_end`` where the exchange comes every few steps)."""
         return step
 
-    def share_state(self) -> None:
-        """Group rank 0's weights and resume state (optimizer, counters) to a replacement that joined."""
-        receive, self._awaits_state = self._awaits_state, False
+    def share_state(
+        self, src: int = 0, receive: bool | None = None, phase: str = "state to a replacement"
+    ) -> None:
+        """Group rank ``src``'s weights and resume state (optimizer, counters) to a replacement that
+        joined (or, with ``receive``, to the ranks that say so)."""
+        if receive is None:
+            receive = self._awaits_state
+        self._awaits_state = False
         mine = {"model": self.model.state_dict(), "strategy": self.state_dict()}
-        with self.collective("state to a replacement"):
-            state = broadcast_state(mine if self.elastic.group_rank == 0 else None)
+        with self.collective(phase):
+            state = broadcast_state(mine if self.elastic.group_rank == src else None, src)
         if receive:
             self.load_model_state(state["model"])
             self.load_state_dict(state["strategy"])
@@ -315,6 +340,25 @@ class PhaseTimers:
     def pop(self) -> dict[str, float]:
         out, self.seconds = self.seconds, {}
         return out
+
+
+CAUGHT_UP = object()  # Strategy.exchange's word to a rank that took a leader's state for the step
+
+
+def _exchange_fault(rank: int) -> int | None:
+    """The step whose exchange ``PARAMBOX_FAULT``'s ``lose-exchange`` fails on this rank, if any."""
+    from parambox.training.faults import FaultPlan
+
+    return FaultPlan.from_env().exchange_fault(rank)
+
+
+@contextmanager
+def _lose(guard: AbstractContextManager[None], phase: str, step: int | None) -> Iterator[None]:
+    """``lose-exchange``: the collectives under ``guard`` finish, then fail as a last send to a dead peer
+    would (the strategy's own clean-up of a failed exchange runs)."""
+    with guard:
+        yield
+    raise PeerLost(f"{phase} at step {step}: injected (lose-exchange), after the others finished it")
 
 
 def period_end(step: int, period: int) -> int:

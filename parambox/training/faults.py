@@ -3,9 +3,12 @@
 KIND is ``kill`` (SIGKILL this worker before the step), ``nan`` (from that step on every floating
 tensor of its batch is NaN, so its loss and gradients become non-finite) ``slow`` (sleep 0.2 s per step from then on)
 ``hang`` (stall at that step, sleeping), ``stop`` (SIGSTOP itself at that step: frozen, it holds its
-connections open and answers nothing, until its launcher kills it) or ``partition=T`` (on an emulated
+connections open and answers nothing, until its launcher kills it), ``partition=T`` (on an emulated
 node: take the node's link down for T seconds, then up again; the process trains on, its messages
-wait in TCP's retransmissions). The plan is read once, in set-up, and handed to the loop.
+wait in TCP's retransmissions) or ``lose-exchange`` (a run that survives in place: the step's
+exchange fails on this rank after it finished on the others, as when a peer dies at the very end of
+a collective and this rank's last send to it fails: the others go on to the next step). The plan is
+read once, in set-up, and handed to the loop (``lose-exchange`` to the strategy).
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ class FaultPlan:
         if current_life(env) > 0:
             return cls()
         return cls.parse(env.get("PARAMBOX_FAULT"))
+
+    def exchange_fault(self, rank: int) -> int | None:
+        """The step whose exchange ``lose-exchange`` fails on ``rank``; None if none."""
+        return next((st for r, st, kind in self.faults if r == rank and kind == "lose-exchange"), None)
 
     def __bool__(self) -> bool:
         return bool(self.faults)
