@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from parambox.runtime.elastic import ElasticGroup, Fenced, PeerLost
 
-TIMEOUT_S, STALL_S, SURVIVE_S = 2.0, 6.0, 8.0
+TIMEOUT_S, STALL_S, SURVIVE_S = 2.0, 8.0, 10.0  # fenced at ~5 s: the timeout, then the grace (2 + 1)
 
 
 def allreduce(group: ElasticGroup, value: float, step: int) -> float:
