@@ -52,6 +52,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Before any process group exists. At import, torch.distributed.nn.functional's ten collectives bind
+# the default group of that moment as a default argument (``group=group.WORLD``); the first optimizer
+# imports it (through torch._dynamo). A group made before that import was then held for good:
+# destroy_process_group left its sockets and threads open, so a peer blocked on a rank that had
+# regrouped waited its whole --timeout (under mpiexec, where no warm zygote imported it first), and
+# every regroup kept the old group. 3 ms.
+import torch.distributed.nn.functional  # noqa: F401  isort: skip
+
 from parambox.errors import CommTimeout
 from parambox.runtime.control import WorkerBoard, current_life, rejoining
 
