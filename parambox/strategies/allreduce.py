@@ -130,8 +130,6 @@ class AllReduce(Strategy):
             for b in partial:  # a rank whose every parameter got a gradient has no flag to read
                 b.grads.drop_unused_(b.flags.tolist())
             self.optimizer.step()
-        for b in self.buckets:
-            b.work = None  # a finished Work kept alive past destroy_process_group can abort the process
         return StepResult(loss_value(loss), samples, self.timers.pop())
 
     def _start(self, b: _Bucket) -> None:
@@ -154,6 +152,9 @@ class AllReduce(Strategy):
                     b.work = None
             raise
         for b in self.buckets:
+            # A finished Work kept alive holds the group (a regroup's destroy would leave it open) and,
+            # past destroy_process_group, can abort the process.
+            b.work = None
             b.buffer.div_(self.group_size)
 
     def _reduce_again(self) -> None:

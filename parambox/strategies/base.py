@@ -152,16 +152,12 @@ class Strategy:
         self.elastic = elastic_group()  # set when the run survives a lost worker in place
         self._awaits_state = self.joining  # a replacement, until share_state has given it a peer's state
         self._exchange_fault = _exchange_fault(ctx.world.rank) if self.elastic is not None else None
-        self._exchanging: int | None = None  # the step of the exchange under way (``exchange``)
 
     def collective(self, phase: str) -> AbstractContextManager[None]:
         """Wrap blocking communication: a timeout becomes a ``CommTimeout`` naming the phase, the step
         and the ranks that never arrived (read from the run's progress board); in a run that survives
         in place, a ``PeerLost`` that :meth:`exchange` answers by regrouping."""
         if self.elastic is not None:
-            if self._exchange_fault is not None and self._exchange_fault == self._exchanging:
-                self._exchange_fault = None
-                return _lose(self.elastic.guard(phase, self._exchanging), phase, self._exchanging)
             return self.elastic.guard(phase, self.ctx.board.step if self.ctx.board is not None else None)
         return collective(phase, self.ctx.board)
 
@@ -171,9 +167,14 @@ class Strategy:
         attempt already spent its input, as an in-place allreduce does). Returns ``CAUGHT_UP`` on a
         rank that the regroup found a step behind the others and that took a leader's state for this
         step (:meth:`catch_up`): its own update of the step must not be applied."""
-        self._exchanging = step
         try:
-            return fn()
+            result = fn()
+            if self._exchange_fault == step:  # PARAMBOX_FAULT lose-exchange: as a last send to a dead peer
+                self._exchange_fault = None
+                raise PeerLost(
+                    f"step {step}: injected (lose-exchange), after the others finished the exchange"
+                )
+            return result
         except PeerLost:
             if self.elastic is None:
                 raise
@@ -350,15 +351,6 @@ def _exchange_fault(rank: int) -> int | None:
     from parambox.training.faults import FaultPlan
 
     return FaultPlan.from_env().exchange_fault(rank)
-
-
-@contextmanager
-def _lose(guard: AbstractContextManager[None], phase: str, step: int | None) -> Iterator[None]:
-    """``lose-exchange``: the collectives under ``guard`` finish, then fail as a last send to a dead peer
-    would (the strategy's own clean-up of a failed exchange runs)."""
-    with guard:
-        yield
-    raise PeerLost(f"{phase} at step {step}: injected (lose-exchange), after the others finished it")
 
 
 def period_end(step: int, period: int) -> int:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from parambox.strategies.base import (
+    CAUGHT_UP,
     Context,
     Options,
     StepResult,
@@ -58,10 +59,17 @@ class ParameterServerSync(Strategy):
         self.stepped = False
         # One sequence on every rank, also when repeated over the survivors after a lost worker:
         # gather the gradients (each rank's kept), the server steps once, broadcast the weights.
-        self.exchange(lambda: self._gather_step_broadcast(grad), step)
-        if self.world.rank != 0:
+        if self.exchange(lambda: self._gather_step_broadcast(grad), step) is CAUGHT_UP:
+            self.flat = parameters_to_vector(self.params).detach()  # the leader's, this step's update made
+        elif self.world.rank != 0:
             vector_to_parameters(self.flat, self.params)
         return StepResult(loss_value(loss), samples, self.timers.pop())
+
+    def catch_up(self, src: int, behind: bool, why: str) -> None:
+        """The leader's weights (and, from the server, its optimizer) to the ranks a step behind: a
+        worker whose broadcast failed, or the server whose broadcast to the dead rank failed after a
+        worker had its copy (the server has stepped then: it keeps its own optimizer)."""
+        self.share_state(src, receive=behind, phase="weights to a rank a step behind")
 
     def _gather_step_broadcast(self, grad: torch.Tensor) -> None:
         server = self.world.rank == 0
