@@ -219,13 +219,13 @@ class ElasticGroup:
         self.generation = 0
         self.board = WorkerBoard.from_env()
         # How long the decider waits for members still on their way: --timeout and a quarter (at least
-        # 1 s). A live member blocked in a collective that fails only at its own --timeout (it began
-        # before the decider's failed: the decider's own failure was at once, a send to a dead peer)
-        # checks in within --timeout of the decider, plus its way here; with --timeout alone it lost
-        # that race (1 run of 2 of the step-apart test under mpiexec). A stalled rank is so fenced after about twice --timeout (the
-        # collective's, then this) where the launcher has not killed it first (a rank the kernel
-        # shows stopped for --timeout); a live one that a loaded machine starves for seconds is not
-        # mistaken for it.
+        # 1 s). A live member blocked in a collective that fails only at its own --timeout (begun before
+        # the decider's, which failed at once: a send to a dead peer) checks in within --timeout of the
+        # decider, plus its way here; at --timeout alone it lost that race (1 run of 2 of the step-apart
+        # test under mpiexec). A stalled rank is so fenced after about twice --timeout (the
+        # collective's, then this) where the launcher has not killed it first (a rank the kernel shows
+        # stopped for --timeout); a live one that a loaded machine starves for seconds is not mistaken
+        # for it.
         self.grace_s = timeout_s + max(1.0, 0.25 * timeout_s)
         self.lives = self._lives()  # each member's life: a replacement (a later life) is not waited for
         self.joined_at: int | None = None  # a replacement: the step at which it joined
@@ -368,9 +368,8 @@ class ElasticGroup:
         self.members, self.generation = decided, gen
         self.lives = {r: self.lives[r] for r in decided}
         if isinstance(self.board, UlfmBoard) and not json.loads(self._get(f"{prefix}fenced")):
-            self.board.agree(
-                decided, max(at.values()), self.timeout_s
-            )  # every rank left out is dead: MPI can agree
+            # every rank left out is dead: MPI can agree (on the newest step, which every member read)
+            self.board.agree(decided, max(at.values()), self.timeout_s)
         self._init(gen)
 
     def _decide(self, prefix: str) -> None:
