@@ -90,7 +90,15 @@ def main() -> int:
         jobs[name] = (cmd, {**env, "PARAMBOX_DEVICE": "cpu"} if name in CPU_ONLY else env)
     # Surviving in place over nccl: rank 1 killed mid-run; the survivors go on, then a replacement joins.
     shrink = ["--workers", "3", "--set", "on_failure=shrink", "--timeout", "20", "--steps", "400"]
-    for name, extra in (("shrink/allreduce", []), ("shrink-replace/weight-avg", ["--max-restarts", "1"])):
+    survive = (
+        ("shrink/allreduce", []),
+        ("shrink-replace/allreduce", ["--max-restarts", "1"]),
+        ("shrink-replace/weight-avg", ["--max-restarts", "1"]),
+        ("shrink-replace/ps-sync", ["--max-restarts", "1"]),
+        ("shrink-replace/easgd", ["--max-restarts", "1"]),
+        ("shrink-replace/diloco", ["--max-restarts", "1"]),
+    )
+    for name, extra in survive:
         cmd = [sys.executable, "-m", "parambox", "train", "--strategy", name.split("/")[1], "--no-progress"]
         cmd += ["--out", str(out / name)] + shrink + extra
         jobs[name] = (cmd, {**env, "PARAMBOX_FAULT": "1:150:kill"})

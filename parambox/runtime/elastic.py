@@ -188,10 +188,10 @@ def broadcast_state(state: dict | None, src: int = 0) -> dict:
         torch.save(state, buffer)
         data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8).to(device)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=src)
+    dist.broadcast(size, src=src, async_op=True).wait()
     if dist.get_rank() != src:
         data = torch.empty(int(size), dtype=torch.uint8, device=device)
-    dist.broadcast(data, src=src)
+    dist.broadcast(data, src=src, async_op=True).wait()
     if dist.get_rank() == src:
         return state
     return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True, map_location="cpu")
@@ -329,7 +329,10 @@ class ElasticGroup:
         timeout = timedelta(seconds=self.timeout_s)
         if self.backend == "nccl":
             # A failed collective raises in the rank that waits on it (and its communicator is aborted)
-            # instead of NCCL's watchdog ending the process: the survivors regroup as over gloo.
+            # instead of NCCL's watchdog ending the process: the survivors regroup as over gloo. Only
+            # where the caller waits on a Work: the strategies' guarded collectives are started with
+            # async_op=True and waited on. A synchronous NCCL collective returned at once, and the
+            # survivors of a weight-avg run hung in the next host sync on the GPU, with no error.
             os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # (what _abort_process_group asks)
         dist.init_process_group(

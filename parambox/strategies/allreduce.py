@@ -162,7 +162,7 @@ class AllReduce(Strategy):
         with self.collective("gradient allreduce"):
             for b in self.buckets:
                 b.buffer.copy_(b.local)
-                dist.all_reduce(b.buffer)
+                dist.all_reduce(b.buffer, async_op=True).wait()
         for b in self.buckets:
             b.buffer.div_(self.group_size)
 

@@ -307,7 +307,7 @@ class Strategy:
         def reduce() -> float:
             total = torch.tensor([float(local)], device=self.world.device)  # nccl: a GPU tensor
             with self.collective("summary"):
-                dist.all_reduce(total)
+                dist.all_reduce(total, async_op=True).wait()
             return float(total)
 
         return self.exchange(reduce, self.ctx.steps)
@@ -508,7 +508,7 @@ def broadcast_tensors_(tensors: list[torch.Tensor], src: int = 0, group: Any = N
         kinds.setdefault((t.dtype, t.device), []).append(t)
     for same in kinds.values():
         flat = torch.cat([t.detach().reshape(-1) for t in same])
-        dist.broadcast(flat, src=src, group=group)
+        dist.broadcast(flat, src=src, group=group, async_op=True).wait()
         offset = 0
         with torch.no_grad():
             for t in same:

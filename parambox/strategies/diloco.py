@@ -216,7 +216,7 @@ class Diloco(Strategy):
         pending = torch.tensor([float(self.round_steps)], device=self.world.device)
         if self.world.world_size > 1:
             with self.collective("diloco finish"):
-                dist.all_reduce(pending)
+                dist.all_reduce(pending, async_op=True).wait()
         return float(pending) > 0
 
     def state_dict(self) -> dict[str, Any]:

@@ -76,7 +76,7 @@ class ParameterServerSync(Strategy):
         with self.timers.phase("gather"), self.collective("gradient gather"):
             if self.world.world_size > 1:
                 inbox = [torch.empty_like(grad) for _ in range(dist.get_world_size())] if server else None
-                dist.gather(grad, inbox, dst=0)
+                dist.gather(grad, inbox, dst=0, async_op=True).wait()
             else:  # one worker (a scaling study's baseline): no process group, the server is the worker
                 inbox = [grad]
         if server and not self.stepped:  # a repeat after a failed broadcast does not step twice
@@ -91,4 +91,4 @@ class ParameterServerSync(Strategy):
             self.flat = parameters_to_vector(self.params).detach()
         with self.timers.phase("broadcast"), self.collective("weight broadcast"):
             if self.world.world_size > 1:
-                dist.broadcast(self.flat, src=0)
+                dist.broadcast(self.flat, src=0, async_op=True).wait()

@@ -65,7 +65,7 @@ class WeightAveraging(Strategy):
         def average() -> None:
             flat = parameters_to_vector(tensors).detach()  # a copy: a failed allreduce leaves the weights
             with self.timers.phase("allreduce"), self.collective("weight averaging"):
-                dist.all_reduce(flat)
+                dist.all_reduce(flat, async_op=True).wait()  # (nccl: see ElasticGroup._init)
             flat.div_(self.group_size)
             with torch.no_grad():
                 for t, mean in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
