@@ -84,6 +84,7 @@ def run_bench_chaos(
     fault_every_s: float | None = None,
     setups: list[str] | None = None,
     seed: int = 0,
+    timeout: float | None = None,
 ) -> dict[str, Any]:
     from parambox.errors import UserError
 
@@ -93,6 +94,9 @@ def run_bench_chaos(
         raise UserError(f"bench chaos: unknown setups {unknown}; choose from {', '.join(SETUPS)}")
     plan = dict(QUICK if quick else FULL)
     plan["fault_every_s"] = fault_every_s or plan["fault_every_s"]
+    plan["timeout"] = timeout or plan["timeout"]
+    if plan["stop_s"] <= plan["timeout"]:
+        raise UserError(f"bench chaos: --timeout {timeout} must be under the stops' {plan['stop_s']} s")
     result: dict[str, Any] = {"workers": WORKERS, **plan, "setups": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in setups:

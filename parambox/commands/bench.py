@@ -34,6 +34,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     cluster.add_argument(
         "--setups", default=None, help="comma list of setups (cluster, sync, chaos; default: all)"
     )
+    chaos = p.add_argument_group("bench chaos")
+    chaos.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="the runs' --timeout in seconds (default 3): a stopped rank's stall costs about this",
+    )
     defaults = p.add_argument_group("bench defaults (each strategy's default run over seeds)")
     defaults.add_argument("--seeds", default=None, help="seeds, a range or a list: 0-9 (default), 0,3,5")
     defaults.add_argument("--strategies", default=None, help="comma list of strategies (default: all)")
@@ -55,6 +62,12 @@ def run(args: argparse.Namespace) -> int:
     kwargs.update(_cluster_options(args))
     kwargs.update(_defaults_options(args))
     kwargs.update(_link_options(args))
+    if args.timeout is not None:
+        if args.which != "chaos":
+            raise UserError("--timeout applies to bench chaos only")
+        if args.timeout <= 0:
+            raise UserError(f"--timeout must be positive, got {args.timeout}")
+        kwargs["timeout"] = args.timeout
     if args.quick:
         if "quick" not in inspect.signature(bench).parameters:
             raise UserError(f"bench {args.which} has no --quick form")
