@@ -79,6 +79,15 @@ def test_a_killed_worker_is_survived_in_place_to_the_closed_form(tmp_path, strat
     _check_closed_form(out)
 
 
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("strategy", ["allreduce", "ps-sync"])
+def test_a_model_with_buffers_survives_a_kill_in_place(tmp_path, strategy):
+    """The buffer broadcast (batch norm's statistics, rank 0's every step) runs inside the exchange: a
+    peer lost there is survived in place too (before, it ended the rank: a restart of all)."""
+    out, _ = _run(tmp_path, strategy, "kill", timeout_s=30, extra=("--model", f"{W}:make_model_with_buffer"))
+    _check_closed_form(out)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("strategy", ["allreduce", "weight-avg"])

@@ -84,8 +84,8 @@ class AllReduce(Strategy):
         params = trainable(self.model)
         self.distributed = self.world.world_size > 1 and dist.is_initialized()
         if self.distributed and not self.joining:
-            for p in params:  # same start everywhere, whatever each rank's seed did
-                dist.broadcast(p.data, src=0)
+            for t in [*params, *self.model.buffers()]:  # same start everywhere, whatever the seeds did
+                dist.broadcast(t.data, src=0)
         self.buckets = build_buckets(list(reversed(params)), options.bucket_mb, options.first_bucket_mb)
         for b in self.buckets:
             b.grads = GradViews(b.params, b.views, track=True, on_ready=self._ready_in(b))
@@ -116,7 +116,6 @@ class AllReduce(Strategy):
             b.ready, b.work = 0, None
             b.grads.rebind_()
         self.admit_replacements(step)
-        self.sync_buffers()
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         partial = [b for b in self.buckets if b.ready < len(b.params)]
@@ -156,6 +155,7 @@ class AllReduce(Strategy):
             # past destroy_process_group, can abort the process.
             b.work = None
             b.buffer.div_(self.group_size)
+        self.sync_buffers()
 
     def _reduce_again(self) -> None:
         """The step's allreduce once more, over the survivors, from the gradients each rank kept."""
@@ -165,6 +165,7 @@ class AllReduce(Strategy):
                 dist.all_reduce(b.buffer, async_op=True).wait()
         for b in self.buckets:
             b.buffer.div_(self.group_size)
+        self.sync_buffers()
 
     def catch_up(self, src: int, behind: bool, why: str) -> None:
         self.share_state(src, receive=behind, phase="state to a rank a step behind")

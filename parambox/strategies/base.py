@@ -260,8 +260,10 @@ class Strategy:
         raise NotImplementedError(f"strategy {self.name!r} owns forward/backward: call step(batch, step)")
 
     def sync_buffers(self) -> None:
-        """Rank 0's buffers (batch-norm statistics) to every rank, as DDP does before each forward pass
-        (the synchronous strategies call it in ``begin_step``); nothing for a model without buffers."""
+        """Rank 0's buffers (batch-norm statistics) to every rank, as DDP does before each forward pass;
+        nothing for a model without buffers. box-sync calls it in ``begin_step``; allreduce and ps-sync
+        at the end of their exchange, inside it (the same values: rank 0's after its last forward), so
+        that a peer lost during it is survived in place as one lost in the exchange."""
         if (
             self.world.world_size > 1
             and dist.is_initialized()

@@ -41,6 +41,7 @@ class ParameterServerSync(Strategy):
         if self.world.world_size > 1 and not self.joining:
             dist.broadcast(self.flat, src=0)
             vector_to_parameters(self.flat, self.params)
+            self.sync_buffers()
         if self.world.rank == 0:  # only the server holds an optimizer
             self.optimizer = ctx.make_optimizer(self.params)
 
@@ -48,7 +49,6 @@ class ParameterServerSync(Strategy):
         for p in self.params:
             p.grad = None
         self.admit_replacements(step)
-        self.sync_buffers()
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         got = torch.tensor([p.grad is not None for p in self.params], dtype=self.flat.dtype)
@@ -92,3 +92,4 @@ class ParameterServerSync(Strategy):
         with self.timers.phase("broadcast"), self.collective("weight broadcast"):
             if self.world.world_size > 1:
                 dist.broadcast(self.flat, src=0, async_op=True).wait()
+        self.sync_buffers()  # rank 0's batch-norm statistics, inside the exchange (see Strategy.sync_buffers)

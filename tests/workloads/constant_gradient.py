@@ -21,6 +21,14 @@ def make_model():
     return model
 
 
+def make_model_with_buffer():
+    """``make_model`` with a float buffer (as batch norm's statistics): the synchronous strategies
+    broadcast rank 0's buffers every step, a collective a lost peer can break too."""
+    model = make_model()
+    model.register_buffer("running", torch.ones(DIM))
+    return model
+
+
 def make_data():
     x = torch.zeros(256, DIM)
     return TensorDataset(x, torch.zeros(256, 1)), TensorDataset(x[:32], torch.zeros(32, 1))
