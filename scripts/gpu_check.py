@@ -17,8 +17,10 @@ hogwild keeps its model in host shared memory: it runs with ``PARAMBOX_DEVICE=cp
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -66,6 +68,7 @@ def main() -> int:
     gpus = torch.cuda.device_count()
     if gpus < 2:
         site = Path(tempfile.mkdtemp(prefix="parambox-gpu-site-"))
+        atexit.register(shutil.rmtree, site, ignore_errors=True)
         (site / "sitecustomize.py").write_text(SITE)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(ROOT), env.get("PYTHONPATH")) if p)
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")  # the ranks' "hosts" are this one

@@ -88,6 +88,22 @@ def test_a_model_with_buffers_survives_a_kill_in_place(tmp_path, strategy):
     _check_closed_form(out)
 
 
+@pytest.mark.solo  # looks at /tmp
+@pytest.mark.timeout(170)
+def test_a_killed_rank_and_its_loaders_leave_nothing_in_tmp(tmp_path):
+    """The ranks' temporary files live in a directory of the run's, removed at its end: a rank killed
+    mid-run and its data-loader processes (user data: two each) used to leave multiprocessing's
+    pymp-* folders in /tmp."""
+
+    def ours() -> set[str]:
+        return {p.name for p in Path("/tmp").iterdir() if p.name.startswith(("pymp-", "parambox-"))}
+
+    before = ours()
+    out, _ = _run(tmp_path, "allreduce", "kill", timeout_s=30)
+    _check_closed_form(out)
+    assert ours() <= before
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("strategy", ["allreduce", "weight-avg"])

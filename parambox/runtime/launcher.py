@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,10 @@ def launch_local(
     env.update(PARAMBOX_LOG_DIR=str(log_dir), PARAMBOX_THREADS=str(n_threads))
     cmd = [sys.executable, "-m", module, *argv]
     with contextlib.ExitStack() as stack:  # the cluster closes after the workers are stopped
+        # The ranks' temporary files in a directory of the run's, removed once they are stopped: a rank
+        # killed mid-run leaves what it and its data loaders made (multiprocessing's pymp-* folders).
+        scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"parambox-{prefix}-"))
+        env["TMPDIR"] = scratch
         stack.enter_context(spawn.segments_guarded(prefix))
         net = stack.enter_context(cluster.build(num_workers)) if cluster is not None else None
         if use_mpi:

@@ -35,6 +35,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -417,6 +418,7 @@ def become(request: dict[str, Any]) -> None:
         os.close(fd)
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again, as a fresh interpreter would
     if os.environ.get("PYTHONFAULTHANDLER"):  # as a fresh interpreter reads it at start
         import faulthandler
 
