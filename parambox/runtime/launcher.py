@@ -72,12 +72,12 @@ def launch_local(
     env = spawn.loopback_env(n_threads, prefix)
     env.update(PARAMBOX_LOG_DIR=str(log_dir), PARAMBOX_THREADS=str(n_threads))
     cmd = [sys.executable, "-m", module, *argv]
+    # The ranks' temporary files in a directory of the run's, removed once they are stopped (by a
+    # reaper if this process is SIGKILLed): a rank killed mid-run leaves what it and its data loaders
+    # made there (multiprocessing's pymp-* folders).
+    env["TMPDIR"] = scratch = tempfile.mkdtemp(prefix=f"parambox-{prefix}-")
     with contextlib.ExitStack() as stack:  # the cluster closes after the workers are stopped
-        # The ranks' temporary files in a directory of the run's, removed once they are stopped: a rank
-        # killed mid-run leaves what it and its data loaders made (multiprocessing's pymp-* folders).
-        scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"parambox-{prefix}-"))
-        env["TMPDIR"] = scratch
-        stack.enter_context(spawn.segments_guarded(prefix))
+        stack.enter_context(spawn.segments_guarded(prefix, scratch=scratch))
         net = stack.enter_context(cluster.build(num_workers)) if cluster is not None else None
         if use_mpi:
             mpi_command = net.mpi_launch if net is not None else None

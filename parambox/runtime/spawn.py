@@ -337,15 +337,18 @@ def _start_reaper(private: str = "", segments: str = "") -> tuple[int, subproces
 
 
 @contextlib.contextmanager
-def segments_guarded(prefix: str, root: str = SHM_ROOT):
-    """The run's shared-memory segments (``<root>/<prefix>*``) are removed when the block ends, and
-    by a reaper if this process is SIGKILLed before: the creator of a box holds its name until
-    every local process has mapped it, and dies with the launcher."""
-    guard, reaper = _start_reaper(segments=os.path.join(root, prefix))
+def segments_guarded(prefix: str, root: str = SHM_ROOT, scratch: str = ""):
+    """The run's shared-memory segments (``<root>/<prefix>*``) and its ``scratch`` directory (the
+    ranks' TMPDIR) are removed when the block ends, and by a reaper if this process is SIGKILLed
+    before: the creator of a box holds its name until every local process has mapped it, and dies
+    with the launcher."""
+    guard, reaper = _start_reaper(private=scratch, segments=os.path.join(root, prefix))
     try:
         yield
     finally:
         remove_segments(prefix, root)
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.write(guard, b"done")
         os.close(guard)
