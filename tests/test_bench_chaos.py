@@ -14,8 +14,11 @@ from tests.conftest import run_cli
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bench_chaos_quick():
-    result = json.loads(run_cli("bench", "chaos", "--quick", "--json", timeout=390).stdout)
+    result = json.loads(
+        run_cli("bench", "chaos", "--quick", "--timeout", "2.5", "--json", timeout=390).stdout
+    )
     assert set(result["setups"]) == {"easgd", "diloco-async", "allreduce"}
+    assert result["timeout"] == 2.5  # the runs' --timeout (the stops, 7 s, are past it)
     for name, r in result["setups"].items():
         faults = r["faults"]
         assert faults["kill-at-start"] == 1 and faults["kill"] >= 1 and faults["stop"] >= 1, (name, r)

@@ -38,6 +38,21 @@ def test_bad_input_is_one_line_exit_2(args, message, capsys, tmp_path):
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["sync", "--timeout", "2"], "--timeout applies to bench chaos only"),
+        (["chaos", "--quick", "--timeout", "0"], "--timeout must be positive"),
+        (["chaos", "--quick", "--timeout", "9"], "must be under the stops' 7.0 s"),
+    ],
+)
+def test_bench_chaos_timeout_errors_are_one_line(args, message, capsys):
+    code = main(["bench", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_single_needs_no_workers_flag(tmp_path):
     out = tmp_path / "r"
     assert main(["train", "--strategy", "single", "--steps", "3", "--eval-every", "0", "--no-progress",
