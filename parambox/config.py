@@ -73,7 +73,8 @@ class RunConfig(BaseModel):
     on_failure: Literal["restart", "shrink"] = Field(
         "restart",
         description="local launcher, synchronous run: after a lost worker, restart all (with max_restarts) "
-        "or go on in place as a smaller group (shrink: allreduce, weight-avg)",
+        "or go on in place as a smaller group (shrink: allreduce, ps-sync, weight-avg, box-sync, "
+        "synchronous diloco and easgd)",
     )
     warm_spare: bool = Field(
         False,

@@ -73,14 +73,14 @@ def _check_closed_form(out: Path, expected: float | None = None) -> None:
 
 
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize("strategy", ["allreduce", "weight-avg", "ps-sync"])
+@pytest.mark.parametrize("strategy", ["allreduce", "weight-avg", "ps-sync", "box-sync"])
 def test_a_killed_worker_is_survived_in_place_to_the_closed_form(tmp_path, strategy):
     out, _ = _run(tmp_path, strategy, "kill", timeout_s=30)
     _check_closed_form(out)
 
 
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize("strategy", ["allreduce", "ps-sync"])
+@pytest.mark.parametrize("strategy", ["allreduce", "ps-sync", "box-sync"])
 def test_a_model_with_buffers_survives_a_kill_in_place(tmp_path, strategy):
     """The buffer broadcast (batch norm's statistics, rank 0's every step) runs inside the exchange: a
     peer lost there is survived in place too (before, it ended the rank: a restart of all)."""
@@ -153,7 +153,7 @@ def test_synchronous_easgd_survives_a_kill_to_the_closed_form(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("strategy", ["allreduce", "ps-sync"])
+@pytest.mark.parametrize("strategy", ["allreduce", "ps-sync", "box-sync"])
 def test_a_replacement_joins_with_a_live_ranks_state(tmp_path, strategy):
     """--max-restarts: the killed rank's replacement joins at a step boundary, receives the weights and
     the optimizer's momentum from rank 0 over the new group, and trains on the dead rank's slice: the
@@ -235,10 +235,12 @@ def _flat(obj):
 
 @pytest.mark.slow
 @pytest.mark.timeout(170)
-def test_a_stopped_worker_is_fenced_out_and_killed(tmp_path):
+@pytest.mark.parametrize("strategy", ["allreduce", "box-sync"])
+def test_a_stopped_worker_is_fenced_out_and_killed(tmp_path, strategy):
     """SIGSTOP past --timeout: the survivors leave it out and the launcher SIGKILLs it; the weights are
-    the closed form, so nothing of it was applied after step AT."""
-    out, _ = _run(tmp_path, "allreduce", "stop", timeout_s=4)
+    the closed form, so nothing of it was applied after step AT (box-sync: it may write its slot in
+    the box on waking, which the survivors no longer read)."""
+    out, _ = _run(tmp_path, strategy, "stop", timeout_s=4)
     _check_closed_form(out)
     stray = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
     assert not stray  # the stopped rank did not outlive the run
@@ -288,8 +290,8 @@ def test_a_death_before_the_group_formed_ends_the_run_at_once(tmp_path):
 
 
 def test_shrink_is_refused_for_a_strategy_that_cannot_regroup():
-    with pytest.raises(parambox.UserError, match="on_failure=shrink: strategy 'box-sync'"):
-        parambox.train(strategy="box-sync", workers=2, steps=1, on_failure="shrink", progress=False)
+    with pytest.raises(parambox.UserError, match="on_failure=shrink: strategy 'pipeline'"):
+        parambox.train(strategy="pipeline", workers=2, steps=1, on_failure="shrink", progress=False)
     with pytest.raises(parambox.UserError, match="diloco.overlap=true cannot go on as a smaller group"):
         parambox.train(
             strategy="diloco",

@@ -147,7 +147,8 @@ def _survives_in_place(plan: Plan, use_mpi: bool) -> bool:
     if not cls.survives_in_place:
         raise UserError(
             f"on_failure=shrink: strategy {cls.name!r} cannot go on as a "
-            "smaller group (allreduce, ps-sync, weight-avg, synchronous diloco and easgd can); use restart"
+            "smaller group (allreduce, ps-sync, weight-avg, box-sync, synchronous diloco and easgd can); "
+            "use restart"
         )
     if getattr(cfg.strategy_options(), "overlap", False):
         raise UserError(

@@ -391,6 +391,12 @@ class ElasticGroup:
         self.store.set(f"{prefix}fenced", json.dumps(fenced))
         self.store.set(f"{prefix}members", json.dumps(arrived))
 
+    def gone(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` that the launcher's board (or ULFM) shows dead or replaced: what a wait on
+        peers that sockets do not watch (the box's barrier) polls to end at once, not at its timeout."""
+        dead = set(self.board.dead_ranks()) if self.board is not None else set()
+        return [r for r in ranks if r in dead or self._renewed(r)]
+
     def _renewed(self, rank: int) -> bool:
         """A later life of ``rank`` (a replacement) runs: the member of that rank is gone."""
         return self.board is not None and self.board.life(rank) > self.lives.get(rank, 0)

@@ -178,18 +178,23 @@ class Supervisor:
         if code == USER_ERROR:
             return False
         if self._restarts_left() and self._rank0_running(rank):
-            self._keep_segments(force=True)
-            life = self.board.begin_life(rank) if self.board is not None else self.result.restarts + 1
-            extra = self.keeper.env() if self.keeper is not None else {}
-            fds = list(self.keeper.fds.values()) if self.keeper is not None else []
-            self.procs[rank] = self.starters.rank(rank, life, extra, fds)
-            self.result.restarts += 1
+            self._start_replacement(rank)
             return True
         if rank == 0:
             return False
         self._finished(rank, DEAD)
         self.result.lost.append(rank)
         return True
+
+    def _start_replacement(self, rank: int) -> None:
+        """A new life of ``rank``, handed the run's shared-memory boxes (a box-sync replacement takes
+        the dead rank's slot in the box; an asynchronous one, the center)."""
+        self._keep_segments(force=True)
+        life = self.board.begin_life(rank) if self.board is not None else self.result.restarts + 1
+        extra = self.keeper.env() if self.keeper is not None else {}
+        fds = list(self.keeper.fds.values()) if self.keeper is not None else []
+        self.procs[rank] = self.starters.rank(rank, life, extra, fds)
+        self.result.restarts += 1
 
     def _rank0_running(self, rank: int) -> bool:
         # Once rank 0 has written the result, a replacement would train for nothing.
@@ -223,9 +228,7 @@ class Supervisor:
             return False  # a rank died before every rank had joined: nobody can regroup (gloo#520)
         _kill_session(self.procs[rank])  # its loader processes hold its sockets: the peers see it gone now
         if self._restarts_left():  # a replacement joins at a step boundary, state from a live rank
-            life = self.board.begin_life(rank) if self.board is not None else self.result.restarts + 1
-            self.procs[rank] = self.starters.rank(rank, life, {}, [])
-            self.result.restarts += 1
+            self._start_replacement(rank)
             return True
         self._finished(rank, DEAD)
         self.result.lost.append(rank)

@@ -261,8 +261,8 @@ class Strategy:
 
     def sync_buffers(self) -> None:
         """Rank 0's buffers (batch-norm statistics) to every rank, as DDP does before each forward pass;
-        nothing for a model without buffers. box-sync calls it in ``begin_step``; allreduce and ps-sync
-        at the end of their exchange, inside it (the same values: rank 0's after its last forward), so
+        nothing for a model without buffers. allreduce, ps-sync and box-sync call it at the end of
+        their exchange, inside it (the same values: rank 0's after its last forward), so
         that a peer lost during it is survived in place as one lost in the exchange."""
         if (
             self.world.world_size > 1

@@ -13,6 +13,14 @@ step (``box/levels.py``): each worker pushes its gradient scaled by 1/n into it 
 pulls the mean (a byte of gradient crosses the link once each way, as in a ring allreduce, instead of
 every worker reading every slot); across nodes with several workers per node, in two levels: the
 node's shm box sums its workers' gradients and only the node's leader crosses the link.
+
+Surviving in place (``on_failure = "shrink"``, the shm box's slots): the barrier is each worker's
+step counter in the box (a worker posts its step once its slot is written, and waits for the other
+members' posts), which a dead rank simply stops moving. A survivor waiting on it sees the launcher's
+board mark the rank dead and regroups at once; a stalled rank runs it into ``--timeout``. The
+survivors average the members' slots only (a rank left out may write its slot on waking: nobody
+reads it), and a replacement takes the dead rank's slot and counter at the step it is admitted.
+Buffers (batch-norm statistics) are rank 0's, broadcast at the end of the exchange.
 """
 
 from __future__ import annotations
@@ -23,8 +31,11 @@ import torch
 from pydantic import Field
 
 from parambox.box import Layout, open_box
+from parambox.box.base import step_counter, wait_until
 from parambox.box.levels import BoxMean
+from parambox.runtime.elastic import PeerLost
 from parambox.strategies.base import (
+    CAUGHT_UP,
     Context,
     GradViews,
     Options,
@@ -47,6 +58,7 @@ class BoxSyncOptions(Options):
 class BoxSync(Strategy):
     name = "box-sync"
     Options = BoxSyncOptions
+    survives_in_place = True
 
     def __init__(self, ctx: Context, options: BoxSyncOptions):
         super().__init__(ctx, options)
@@ -56,7 +68,9 @@ class BoxSync(Strategy):
         n, numel = self.world.world_size, self.layout.numel
         self.slot = numel + len(self.params)  # gradients, then a "got a gradient" flag per parameter
         # Zero copy where backward can write into the box itself; elsewhere the box sums the pushes.
-        self.summing = not (options.zero_copy and ctx.box.has_local_view)
+        # A run that survives in place needs each member's own slot, so it keeps them (zero copy)
+        # whatever zero_copy says.
+        self.summing = not (ctx.box.has_local_view and (options.zero_copy or self.elastic is not None))
         name, fingerprint = "box-sync-grads", self.layout.fingerprint()
         if self.summing:  # one level, or two across nodes (box/levels.py)
             self.box = BoxMean(
@@ -96,6 +110,8 @@ class BoxSync(Strategy):
             self.params, self.views_of[0], track=True, on_ready=self._ready if early else None
         )
         self.optimizer = ctx.make_optimizer(self.params)
+        if self.joining:
+            self.share_state()  # a replacement: the survivors' weights and optimizer state
 
     def _slots(self, parity: int) -> tuple[int, int]:
         """Offsets of this step's slot area and of this worker's slot in it."""
@@ -107,6 +123,7 @@ class BoxSync(Strategy):
         return self.shared[mine : mine + self.slot] if self.shared is not None else self.local
 
     def begin_step(self, step: int) -> None:
+        self.admit_replacements(step)
         self.step_now, self.finished, self.tail = step, [False] * len(self.params), len(self.params)
         self.pushed_from = self.offsets[-1]  # the slot's gradients from here on are in the box
         self.grad = self.slot_of[step % 2]
@@ -115,7 +132,6 @@ class BoxSync(Strategy):
             self.staged.zero_()
         self.grads.views = self.views_of[step % 2]
         self.grads.rebind_()  # backward accumulates here
-        self.sync_buffers()
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         n, numel, grad, slot = self.world.world_size, self.layout.numel, self.grad, self.slot
@@ -124,6 +140,10 @@ class BoxSync(Strategy):
         grad[numel:].copy_(torch.tensor(self.grads.used, dtype=grad.dtype))
         if self.summing:
             self._sum_in_box(step)
+            self.sync_buffers()
+        elif self.elastic is not None:
+            if self.exchange(lambda: self._meet(step), step) is CAUGHT_UP:
+                return StepResult(loss_value(loss), samples, self.timers.pop())  # the leader's update
         else:
             area, _ = self._slots(step % 2)
             with self.timers.phase("barrier"):
@@ -131,6 +151,7 @@ class BoxSync(Strategy):
             with self.timers.phase("average"):
                 slots = self.shared[area : area + n * slot].view(n, slot)
                 torch.sum(slots, dim=0, out=self.mean).mul_(1.0 / n)
+            self.sync_buffers()
         if self.staged is not None:
             self.mean_on_device.copy_(self.mean)
         got = self.mean[numel:].tolist() if not all(self.grads.used) else None
@@ -149,6 +170,49 @@ class BoxSync(Strategy):
         if self.pushed_from - lo >= self.bucket:
             self.box.push_early(self.grad, lo, self.pushed_from, self.step_now, self.mean)
             self.pushed_from = lo
+
+    def _meet(self, step: int) -> None:
+        """The barrier and average of a run that survives in place: over the current members' slots."""
+        members, n, slot = self.elastic.members, self.world.world_size, self.slot
+        with self.timers.phase("barrier"), self.collective("box barrier"):
+            self._arrive_and_wait(step, [r for r in members if r != self.world.rank])
+        with self.timers.phase("average"):
+            area, _ = self._slots(step % 2)
+            slots = self.shared[area : area + n * slot].view(n, slot)
+            if len(members) < n:
+                slots = slots[members]
+            torch.sum(slots, dim=0, out=self.mean).mul_(1.0 / len(members))
+        self.sync_buffers()
+
+    def _arrive_and_wait(self, step: int, others: list[int]) -> None:
+        """Post this worker's step (its slot is written), then wait for every other member's post;
+        ``PeerLost`` as soon as one of them is dead without having posted."""
+        box = self.box
+        box.set_counter(step_counter(self.world.rank), step + 1)
+
+        def missing() -> list[int]:
+            return [r for r in others if box.read_counter(step_counter(r)) <= step]
+
+        def arrived() -> bool:
+            late = missing()
+            if late and self.elastic.gone(late):
+                # A rank that posted, then died, counts (its slot is whole): a second look, made after
+                # the board showed the death, sees every post made before it.
+                dead = self.elastic.gone(missing())
+                if dead:
+                    raise PeerLost(f"box barrier at step {step}: rank(s) {dead} died")
+            return not late
+
+        wait_until(
+            arrived,
+            self.ctx.timeout_s,
+            lambda: (
+                f"box barrier at step {step}: ranks {missing()} did not arrive within {self.ctx.timeout_s:g} s"
+            ),
+        )
+
+    def catch_up(self, src: int, behind: bool, why: str) -> None:
+        self.share_state(src, receive=behind, phase="state to a rank a step behind")
 
     def _sum_in_box(self, step: int) -> None:
         self.box.mean_(self.grad, step, out=self.mean, timers=self.timers)  # its phases: push, barrier, pull
