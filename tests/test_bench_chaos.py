@@ -25,7 +25,7 @@ def test_bench_chaos_quick():
         # every kill is replaced; a stopped synchronous rank is fenced out and replaced too, a stopped
         # asynchronous one wakes and goes on (or, if the others finished meanwhile, is passed over)
         stopped = {f["rank"] for f in r["chaos"]["fault_log"] if f["kind"] == "stop"}
-        if name == "allreduce":
+        if name in ("allreduce", "box-sync"):
             assert r["replacements"] >= 3 and r["chaos"]["lost_workers"] == [], (name, r)
         else:
             assert r["replacements"] >= 2 and set(r["chaos"]["lost_workers"]) <= stopped, (name, r)
@@ -33,6 +33,22 @@ def test_bench_chaos_quick():
         assert r["mean_recovery_s"] is not None and r["mean_recovery_s"] > 0, (name, r)
     bad = run_cli("bench", "chaos", "--quick", "--setups", "nope", check=False)
     assert bad.returncode == 2 and "unknown setups ['nope']" in bad.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_bench_chaos_quick_box_sync_survives_in_place():
+    """box-sync on request: a kill before its first step (a restart of all), a kill and a SIGSTOP
+    survived in place, every one replaced, nobody lost."""
+    result = json.loads(
+        run_cli(
+            "bench", "chaos", "--quick", "--setups", "box-sync", "--timeout", "2.5", "--json", timeout=190
+        ).stdout
+    )  # fmt: skip
+    r = result["setups"]["box-sync"]
+    assert r["faults"] == {"kill": 1, "stop": 1, "kill-at-start": 1}, r
+    assert r["replacements"] >= 3 and r["chaos"]["lost_workers"] == [], r
+    assert r["accuracy_chaos"] > 0.8 and r["mean_recovery_s"] > 0, r
 
 
 def test_bench_quick_is_refused_where_there_is_none():

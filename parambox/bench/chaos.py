@@ -14,8 +14,10 @@ fewer steps), one after the other, as a user starts them:
 Setups (``SETUPS``): ``easgd`` and ``diloco-async`` (asynchronous over the shm box: a dead worker is
 replaced by a new process that pulls the center and does its remaining steps), ``allreduce``
 (``on_failure=shrink``: the survivors go on in place over a new process group, and the replacement
-joins at a step boundary with its state from rank 0). Rank 0 of ``allreduce`` is never hit: its death
-is not survived in place (it falls back to a restart of all from the last checkpoint).
+joins at a step boundary with its state from rank 0); those three by default, and ``box-sync`` (the
+same as allreduce's, through the shm box's slots) on request. Rank 0 of the synchronous setups is
+never hit: its death is not survived in place (it falls back to a restart of all from the last
+checkpoint).
 
 Reported per setup: ``throughput_retained`` (both runs do the same training, every rank's
 ``--steps``: the clean run's time over the chaos run's, each from the launcher's start to its exit,
@@ -67,7 +69,15 @@ SETUPS = {
         800,
         hits_rank0=False,
     ),
+    # On request (--setups box-sync): synchronous through the shm box, surviving in place as allreduce.
+    "box-sync": ChaosSetup(
+        ("--strategy", "box-sync", "--set", "on_failure=shrink", "--checkpoint-every", "500"),
+        75_000,
+        800,
+        hits_rank0=False,
+    ),
 }
+DEFAULT_SETUPS = ("easgd", "diloco-async", "allreduce")  # torchft's chaos run's kinds of rule
 KINDS = ("kill", "stop")  # the fault loop's kinds, in turn; kill-at-start comes from PARAMBOX_FAULT
 # A fault every 30 s (torchft's CPU chaos run). --timeout 3: a step here takes milliseconds, and a stopped
 # rank (stop_s 25) is far past it; a synchronous run's stall costs about --timeout (allreduce, 27 Nov,
@@ -88,7 +98,7 @@ def run_bench_chaos(
 ) -> dict[str, Any]:
     from parambox.errors import UserError
 
-    setups = setups or list(SETUPS)
+    setups = setups or list(DEFAULT_SETUPS)
     unknown = [s for s in setups if s not in SETUPS]
     if unknown:
         raise UserError(f"bench chaos: unknown setups {unknown}; choose from {', '.join(SETUPS)}")
