@@ -76,6 +76,25 @@ def test_max_restarts_replaces_a_killed_worker(tmp_path):
     assert [(r["life"], r["from_spare"]) for r in lives] == [(0, False), (1, True)]  # a warm spare took over
 
 
+@pytest.mark.timeout(170)
+def test_an_asynchronous_worker_stopped_past_the_timeout_is_killed_and_replaced(tmp_path):
+    """A SIGSTOPped worker keeps the box's locks it held, and every peer that needed one died of its
+    timeout, again and again while the stop lasted. The launcher now SIGKILLs a rank stopped for
+    --timeout in an asynchronous run too: replaced, nobody lost (before: it stayed stopped for good,
+    and rank 0 ended without it, lost)."""
+    out = tmp_path / "run"
+    args = ["train", "--strategy", "easgd", "--workers", "3", "--steps", "400", "--max-restarts", "1"]
+    run_cli(*args, *FAST, "--timeout", "2", "--out", str(out), env={"PARAMBOX_FAULT": "1:50:stop"})
+    s = summary(out)
+    assert (s["restarts"], s["lost_workers"], s["worker_steps"]) == (1, [], [400, 400, 400]), s
+    lives = [
+        r
+        for r in map(json.loads, (out / "metrics.rank1.jsonl").read_text().splitlines())
+        if r["kind"] == "world"
+    ]
+    assert [r["life"] for r in lives] == [0, 1]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_rank0_is_replaced_too(tmp_path):

@@ -83,7 +83,10 @@ class ShmBox(ParameterBox):
 
     # -- locks ------------------------------------------------------------------------------------
     def _locked(self, offset: int, phase: str):
-        return _lock(self._fd, offset, self.timeout, lambda: f"box {self.name!r} {phase}")
+        # --timeout and a quarter (at least 1 s): a holder stopped for --timeout is SIGKILLed by the
+        # local launcher (its lock goes with it) before a waiter that began just after the stop gives up.
+        wait_s = self.timeout + max(1.0, 0.25 * self.timeout)
+        return _lock(self._fd, offset, wait_s, lambda: f"box {self.name!r} {phase}")
 
     @contextlib.contextmanager
     def exclusive(self, key: int = 0, wait: bool = True):

@@ -15,6 +15,8 @@ Every 50 ms it polls the workers. What it does when one exits non-zero depends o
   out (it stalled past their timeout) is SIGKILLed, and so is a rank the kernel shows stopped
   (SIGSTOP, a suspended job) for ``--timeout``: its death then ends the survivors' wait at once,
   where a stopped rank left alive costs them the decider's grace on top of their timeout. A death before the group formed, or of rank 0, falls back to the next case.
+  An asynchronous run's rank stopped for ``--timeout`` is SIGKILLed too (and replaced, or lost): it
+  may hold a lock of the box that its peers wait for.
 - synchronous: every worker is stopped. With restarts left the whole group starts again from the
   last checkpoint (torchrun's behaviour: nothing before the checkpoint is lost); otherwise the run
   fails, naming the rank that caused it.
@@ -42,7 +44,7 @@ from parambox.runtime.control import DEAD, EXITED, SegmentKeeper, WorkerBoard
 STRAGGLER_GRACE_S = 30.0
 POLL_S = 0.05
 SCAN_EVERY_S = 0.5  # how often the launcher looks for new box segments to keep (restarts only)
-STOPPED_EVERY_S = 0.25  # how often a run that survives in place looks for stopped workers
+STOPPED_EVERY_S = 0.25  # how often the launcher looks for stopped workers (in place, asynchronous)
 USER_ERROR = 2
 
 
@@ -245,14 +247,27 @@ class Supervisor:
                 _kill_session(self.procs[rank])  # its late messages go to a group nobody listens to
 
     def _kill_stopped(self, codes: list[int | None]) -> None:
-        """A rank other than 0 that the kernel shows stopped for ``--timeout`` (``stall_s``) is SIGKILLed:
-        stalled past the others' timeout, it would be fenced out anyway."""
+        """A rank that the kernel shows stopped for ``--timeout`` (``stall_s``) is SIGKILLed, in a run
+        that survives in place (a rank other than 0: stalled past the others' timeout, it would be
+        fenced out anyway) and in an asynchronous one (any rank while a replacement can be made, else
+        one other than 0). A stopped process keeps the box's locks it held (an ``fcntl`` lock goes
+        only with its process): every peer that needed one ran into its own timeout, died and was
+        replaced, and its replacement again, for as long as the stop lasted (``bench chaos``, 27 Nov:
+        a 25 s SIGSTOP of an asynchronous diloco worker, 15 lives of ranks 0 and 2 in 25 s). The
+        peers' lock waits outlast ``--timeout`` (``box/shm.py``), so this kill comes first."""
         now = time.monotonic()
-        if self.shrink_store is None or not self.stall_s or now - self._stopped_at < STOPPED_EVERY_S:
+        watched = self.shrink_store is not None or self.tolerate_loss
+        if not watched or not self.stall_s or now - self._stopped_at < STOPPED_EVERY_S:
             return
         self._stopped_at = now
-        for rank in range(1, len(self.procs)):
-            if codes[rank] is not None or rank in self._fenced or not _stopped(self.procs[rank].pid):
+        first = 0 if self.tolerate_loss and self._restarts_left() else 1
+        for rank in range(len(self.procs)):
+            if (
+                rank < first
+                or codes[rank] is not None
+                or rank in self._fenced
+                or not _stopped(self.procs[rank].pid)
+            ):
                 self._stopped_since.pop(rank, None)
                 continue
             if now - self._stopped_since.setdefault(rank, now) >= self.stall_s:
