@@ -83,10 +83,11 @@ def test_an_asynchronous_worker_stopped_past_the_timeout_is_killed_and_replaced(
     --timeout in an asynchronous run too: replaced, nobody lost (before: it stayed stopped for good,
     and rank 0 ended without it, lost)."""
     out = tmp_path / "run"
-    args = ["train", "--strategy", "easgd", "--workers", "3", "--steps", "400", "--max-restarts", "1"]
+    # long enough (a few seconds) that the others are still training when the replacement comes
+    args = ["train", "--strategy", "easgd", "--workers", "3", "--steps", "4000", "--max-restarts", "1"]
     run_cli(*args, *FAST, "--timeout", "2", "--out", str(out), env={"PARAMBOX_FAULT": "1:50:stop"})
     s = summary(out)
-    assert (s["restarts"], s["lost_workers"], s["worker_steps"]) == (1, [], [400, 400, 400]), s
+    assert (s["restarts"], s["lost_workers"], s["worker_steps"]) == (1, [], [4000, 4000, 4000]), s
     lives = [
         r
         for r in map(json.loads, (out / "metrics.rank1.jsonl").read_text().splitlines())
