@@ -201,7 +201,9 @@ def test_sigkilled_worker_leaves_nothing_and_no_lock(prefix: str, tmp_path: Path
 
 @pytest.mark.timeout(60)
 def test_push_against_a_stopped_lock_holder_times_out(prefix: str, tmp_path) -> None:
-    """Before: a blocking fcntl lock waited for good behind a SIGSTOPped holder."""
+    """Before: a blocking fcntl lock waited for good behind a SIGSTOPped holder. The wait is the box's
+    timeout and a quarter, at least 1 s more (2 s: 3 s): a local launcher kills a holder stopped for
+    the timeout first."""
     [holder] = fork_ranks(_hold_rank, 1, (2, str(tmp_path)), wait=False, shm_prefix=prefix)
     try:
         box = open_box("shm", _world(0, 2), 1000, 1, "held", timeout=30)
@@ -209,7 +211,7 @@ def test_push_against_a_stopped_lock_holder_times_out(prefix: str, tmp_path) -> 
         box.timeout = 2.0
         os.kill(holder.pid, signal.SIGSTOP)
         t0 = time.monotonic()
-        with pytest.raises(CommTimeout, match=r"box 'held' push \(stripe 0\).*held for 2 s"):
+        with pytest.raises(CommTimeout, match=r"box 'held' push \(stripe 0\).*held for 3 s"):
             box.push(torch.ones(1000))
         assert time.monotonic() - t0 < 10
         box.close()

@@ -9,8 +9,8 @@ two runs' accuracies are compared to half a point, 50 samples there; on digits' 
 - ``chaos``: the same run with ``--max-restarts`` high and a fault about every ``fault_every_s``
   seconds (torchft's CPU chaos run: one about every 30 s), the kinds in turn:
   ``kill`` (SIGKILL a random worker that is training), ``stop`` (SIGSTOP it for ``stop_s``, longer
-  than the run's ``--timeout``: a synchronous run fences it out and replaces it, an asynchronous run
-  goes on without it, then it wakes, SIGCONT, and carries on), and ``kill-at-start`` (rank 1 SIGKILLs
+  than the run's ``--timeout``: the launcher kills it once stopped for ``--timeout`` and replaces it;
+  a synchronous run fences it out first; the SIGCONT at ``stop_s`` finds it gone), and ``kill-at-start`` (rank 1 SIGKILLs
   itself before its first step, ``PARAMBOX_FAULT``: before the first collective of a synchronous run).
 
 Setups (``SETUPS``): ``easgd`` and ``diloco-async`` (asynchronous over the shm box: a dead worker is
