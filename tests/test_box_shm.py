@@ -238,6 +238,33 @@ def test_creator_killed_inside_open(prefix: str) -> None:
         join_or_kill([creator], 0)
 
 
+def test_under_the_launcher_a_replacement_of_rank0_finds_the_box_after_the_others_exited(
+    prefix: str, monkeypatch
+) -> None:
+    """Rank 0 of two dies just after the rendezvous, and rank 1 finishes before the launcher has kept
+    a descriptor of the box (27 Nov, CI: a downpour run's replacement of rank 0 made a new, empty box
+    and waited the whole --timeout for rank 1, which had exited). Under the launcher the box's name
+    stays until the run ends, and nobody waits for a rank the board shows exited: the replacement
+    attaches to the run's box, its contents intact, at once."""
+    from parambox.runtime import control
+
+    board = control.WorkerBoard.create(2)
+    monkeypatch.setenv(control.BOARD_ENV, str(board.fd))
+    try:
+        board.set_state(1, control.EXITED)  # rank 1 attached, trained and exited long ago
+        with open_box("shm", _world(0, 2), 10, 1, "center", timeout=2) as box:
+            box.push(torch.arange(10.0))
+        assert _entries(prefix) == [f"{prefix}center"]  # kept for a replacement
+        monkeypatch.setenv(control.REJOIN_ENV, "1")  # the replacement of rank 0, no descriptor given
+        start = time.monotonic()
+        with open_box("shm", _world(0, 2), 10, 1, "center", timeout=2) as box:
+            assert box.pull(torch.empty(10)).tolist() == list(range(10))
+        assert time.monotonic() - start < 1.0
+    finally:
+        control._OPEN.pop(board.fd, None)
+        os.close(board.fd)
+
+
 @pytest.mark.timeout(60)
 def test_sigint_inside_open_unlinks(prefix: str) -> None:
     [creator] = fork_ranks(_create_rank, 1, (2,), wait=False, shm_prefix=prefix)

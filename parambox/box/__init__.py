@@ -28,9 +28,11 @@ Backends
 Clean-up guarantees (shm)
 -------------------------
 Segment names carry a random per-run prefix (``PARAMBOX_SHM_PREFIX``, set by the local launcher).
-A name exists only while ``open_box`` runs: once every local process has the segment mapped, it is
-unlinked, so a run that is SIGKILLed or interrupted later leaves nothing in /dev/shm; the memory
-goes when the last process unmaps it. A failed or timed-out open unlinks the name too, and the
+Under torchrun, srun or mpiexec a name exists only while ``open_box`` runs: once every local process
+has the segment mapped, it is unlinked, so a run that is SIGKILLed or interrupted later leaves nothing
+in /dev/shm; the memory goes when the last process unmaps it. Under parambox's launcher the name stays
+while the run lasts (a replacement of a dead worker attaches by it), and the launcher removes the
+run's segments when it ends, or its reaper when the launcher itself is SIGKILLed. A failed or timed-out open unlinks the name too, and the
 launcher calls :func:`remove_segments` with the run's prefix at the end as a backstop for a process
 killed inside ``open_box``. For ``rma``, MPI owns the window memory and frees it with the job.
 """

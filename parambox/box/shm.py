@@ -6,7 +6,9 @@ run ends) or, under torchrun/srun/mpiexec, is made by local rank 0 and handed ou
 torch.distributed store. Local rank 0 creates the segment (``O_CREAT|O_EXCL``, space reserved up
 front so a full /dev/shm is an error now rather than a SIGBUS later); the others attach and check
 the header. As soon as every local process has it mapped, the name is unlinked: the memory lives
-on while mapped, and nothing is left in /dev/shm even if a process is SIGKILLed afterwards.
+on while mapped, and nothing is left in /dev/shm even if a process is SIGKILLed afterwards. Under
+parambox's own launcher the name stays until the run ends instead (a replacement of a dead worker
+attaches by it; the launcher removes the run's segments, its reaper if it is SIGKILLed).
 
 Memory map: a 4 KiB header, the int64 counters (rounded to 4 KiB), then the float32 data.
 Pushes lock stripes of the data with ``fcntl`` byte-range locks on the segment's descriptor: the
@@ -28,7 +30,7 @@ import torch
 
 from parambox.box.base import DONE, Handle, ParameterBox, wait_until
 from parambox.errors import CommTimeout, UserError
-from parambox.runtime.control import WorkerBoard, inherited_box_fd, rejoining
+from parambox.runtime.control import RUNNING, WorkerBoard, inherited_box_fd, rejoining
 from parambox.runtime.spawn import PREFIX_ENV, new_prefix, remove_segments  # noqa: F401  (re-exported)
 from parambox.runtime.world import World
 
@@ -214,8 +216,9 @@ def open_shm_box(
     replacement (life > 0) attaches through the descriptor its launcher kept (or, while the
     rendezvous still runs, by name; a replacement of local rank 0 takes over the creator's part).
 
-    The segment's name exists only during the rendezvous; the launcher's descriptor (see
-    ``runtime/control.py``) is what keeps a box attachable for replacements afterwards."""
+    Without parambox's launcher the segment's name exists only during the rendezvous. Under it, the
+    name stays until the run ends, and the launcher also keeps a descriptor (see
+    ``runtime/control.py``): either lets a replacement attach afterwards."""
     if world.num_nodes > 1:
         raise UserError(f"the shm box spans one node, this run has {world.num_nodes}; use --box rma")
     if not Path(SHM_DIR).is_dir():
@@ -320,11 +323,12 @@ def _create(
 
 
 def _missing(hdr: memoryview, board: WorkerBoard | None) -> list[int]:
-    """Local ranks that have not attached yet and are not known dead (the launcher's board)."""
+    """Local ranks that have not attached yet and still may: not known dead or exited (the launcher's
+    board)."""
     return [
         r
         for r in range(1, hdr[_H_EXPECTED])
-        if not hdr[_H_ATTACH0 + r] and not (board is not None and board.dead(r))
+        if not hdr[_H_ATTACH0 + r] and not (board is not None and board.state(r) != RUNNING)
     ]
 
 
@@ -350,7 +354,13 @@ def _finish_rendezvous(box: ShmBox, path: str, timeout: float, board: WorkerBoar
         _unlink_quietly(path)
         box.close()
         raise
-    _unlink_quietly(path)
+    if board is None:
+        _unlink_quietly(path)
+    # Under parambox's launcher the name stays until the run ends (the launcher removes the run's
+    # segments then, or its reaper if it is SIGKILLed): a replacement attaches by name even when no
+    # live process holds the box any more, and the launcher has not kept a descriptor of it yet (a
+    # run whose rank 0 dies a tenth of a second after the rendezvous, the others finishing before the
+    # launcher looks: the replacement made a new, empty box and waited for a rank that had exited).
     if hdr[_H_REJECTED]:
         hdr[_H_STATE] = _FAILED
         error = UserError(f"box {box.name!r} ({_describe(hdr)}): a local process asked for a different one")

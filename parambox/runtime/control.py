@@ -12,10 +12,11 @@ and stops waiting for a rank the launcher has declared dead.
 
 A replacement worker also inherits the shared-memory boxes of the run: the launcher keeps a
 descriptor of each segment (opened through ``/proc/<worker pid>/fd/<n>`` once a worker has it
-open; the name itself is unlinked as soon as the box is set up) and passes them with ``pass_fds``,
-named in ``PARAMBOX_BOX_FDS``. The launcher's descriptors die with it, so even a SIGKILLed launcher
-leaves nothing behind: its workers die with it (``PR_SET_PDEATHSIG``), and the memory goes with the
-last descriptor.
+open) and passes them with ``pass_fds``, named in ``PARAMBOX_BOX_FDS``; the segment's name also
+stays in /dev/shm while the run lasts, for a replacement that comes before the launcher took a
+descriptor. The launcher's descriptors die with it, and its reaper removes the names, so even a
+SIGKILLed launcher leaves nothing behind: its workers die with it (``PR_SET_PDEATHSIG``), and the
+memory goes with the last descriptor.
 
 >>> board = WorkerBoard.create(3)          # the launcher
 >>> board.set_state(2, DEAD); board.dead(2), board.dead(1)
