@@ -134,7 +134,7 @@ class BoxSync(Strategy):
         self.grads.rebind_()  # backward accumulates here
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
-        n, numel, grad, slot = self.world.world_size, self.layout.numel, self.grad, self.slot
+        numel, grad = self.layout.numel, self.grad
         if self.staged is not None:
             grad[:numel].copy_(self.staged[:numel])
         grad[numel:].copy_(torch.tensor(self.grads.used, dtype=grad.dtype))
@@ -142,16 +142,10 @@ class BoxSync(Strategy):
             self._sum_in_box(step)
             self.sync_buffers()
         elif self.elastic is not None:
-            if self.exchange(lambda: self._meet(step), step) is CAUGHT_UP:
+            if self.exchange(lambda: self._meet(step, self.elastic.members), step) is CAUGHT_UP:
                 return StepResult(loss_value(loss), samples, self.timers.pop())  # the leader's update
         else:
-            area, _ = self._slots(step % 2)
-            with self.timers.phase("barrier"):
-                self.box.barrier()
-            with self.timers.phase("average"):
-                slots = self.shared[area : area + n * slot].view(n, slot)
-                torch.sum(slots, dim=0, out=self.mean).mul_(1.0 / n)
-            self.sync_buffers()
+            self._meet(step)
         if self.staged is not None:
             self.mean_on_device.copy_(self.mean)
         got = self.mean[numel:].tolist() if not all(self.grads.used) else None
@@ -171,17 +165,22 @@ class BoxSync(Strategy):
             self.box.push_early(self.grad, lo, self.pushed_from, self.step_now, self.mean)
             self.pushed_from = lo
 
-    def _meet(self, step: int) -> None:
-        """The barrier and average of a run that survives in place: over the current members' slots."""
-        members, n, slot = self.elastic.members, self.world.world_size, self.slot
-        with self.timers.phase("barrier"), self.collective("box barrier"):
-            self._arrive_and_wait(step, [r for r in members if r != self.world.rank])
+    def _meet(self, step: int, members: list[int] | None = None) -> None:
+        """The barrier, then the average over the slots: every worker's, or in a run that survives in
+        place the current ``members``' (their step counters are its barrier)."""
+        n, slot = self.world.world_size, self.slot
+        with self.timers.phase("barrier"):
+            if members is None:
+                self.box.barrier()
+            else:
+                with self.collective("box barrier"):
+                    self._arrive_and_wait(step, [r for r in members if r != self.world.rank])
         with self.timers.phase("average"):
             area, _ = self._slots(step % 2)
             slots = self.shared[area : area + n * slot].view(n, slot)
-            if len(members) < n:
+            if members is not None and len(members) < n:
                 slots = slots[members]
-            torch.sum(slots, dim=0, out=self.mean).mul_(1.0 / len(members))
+            torch.sum(slots, dim=0, out=self.mean).mul_(1.0 / len(slots))
         self.sync_buffers()
 
     def _arrive_and_wait(self, step: int, others: list[int]) -> None:
