@@ -140,6 +140,8 @@ def test_sync_restart_resumes_from_the_checkpoint_bit_exact(tmp_path):
     run_cli(*args, *FAST, "--out", str(cut), "--max-restarts", "1", env={"PARAMBOX_FAULT": "1:25:kill"})
     s = summary(cut)
     assert (s["steps"], s["restarts"]) == (40, 1)
+    # the life before the restart is in the run's time (rank 0 measured its last life only)
+    assert 0 < s["earlier_lives_s"] < s["wall_time_s"], s
     assert max_abs_diff(final_weights(cut), final_weights(tmp_path / "full")) == 0.0
 
 

@@ -28,8 +28,7 @@ chaos run over the clean run's: above 1, steps done again after a restart from a
 a lost rank's steps nobody trained before its replacement joined), ``accuracy_clean``,
 ``accuracy_chaos``, ``faults`` by kind, ``replacements`` (restarts) and ``mean_recovery_s`` (from a
 fault to the hit rank's next logged step, a replacement's or its own after waking), and each run's
-times. (Rank 0's ``wall_time_s`` in ``summary.json`` is its last life's: after a restart of the whole
-group it leaves out the time before it.)
+times.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def launch(plan: Plan, run_dir: Path, callables: dict[str, Callable] | None = No
             f"parambox: error: the run ended without a result: rank 0 died (log: {run_dir / 'logs'})", 1
         )
     if result.lost or result.restarts:
-        mark_lost(run_dir, result.lost, result.restarts)
+        mark_lost(run_dir, result.lost, result.restarts, result.earlier_lives_s)
     return json.loads(summary_file.read_text())
 
 
@@ -161,13 +161,18 @@ def _survives_in_place(plan: Plan, use_mpi: bool) -> bool:
     return True
 
 
-def mark_lost(run_dir: Path, lost: list[int], restarts: int = 0) -> None:
-    """What only the launcher knows, into rank 0's summary: ranks lost, and restarts made."""
+def mark_lost(run_dir: Path, lost: list[int], restarts: int = 0, earlier_lives_s: float = 0.0) -> None:
+    """What only the launcher knows, into rank 0's summary: ranks lost, restarts made, and the time of
+    the lives of the whole group before its last restart (rank 0 measured its last life only): added
+    to ``wall_time_s`` and said as ``earlier_lives_s``. ``samples_per_s`` stays the last life's rate."""
     path = run_dir / "summary.json"
     if path.exists():
         summary = json.loads(path.read_text())
         summary["lost_workers"] = sorted(set(summary.get("lost_workers", [])) | set(lost))
         summary["restarts"] = restarts
+        if earlier_lives_s:
+            summary["earlier_lives_s"] = earlier_lives_s
+            summary["wall_time_s"] += earlier_lives_s
         atomic_write_json(path, summary)
     if restarts:
         warn(f"{restarts} restart(s) of workers")

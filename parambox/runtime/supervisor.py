@@ -54,6 +54,7 @@ class LaunchResult:
     failed: dict[int, tuple[int, str]] = field(default_factory=dict)  # rank -> (exit code, one-line error)
     lost: list[int] = field(default_factory=list)  # ranks that died while the run carried on
     restarts: int = 0  # replacements (asynchronous) or group restarts (synchronous)
+    earlier_lives_s: float = 0.0  # the whole group's lives before its last restart, start to failure
 
 
 @dataclass
@@ -102,6 +103,7 @@ class Supervisor:
         self._beat: tuple[float, float] = (0.0, time.monotonic())  # (file size, when it last changed)
         self._stopped_since: dict[int, float] = {}  # rank -> when it was first seen stopped
         self._stopped_at = 0.0
+        self._life_started = time.monotonic()  # the whole group's current life
 
     def run(self) -> LaunchResult:
         old = signal.signal(signal.SIGINT, lambda *_: self._interrupted.append(1))
@@ -279,6 +281,9 @@ class Supervisor:
         if code == USER_ERROR or not self._restarts_left():
             return False
         self.starters.stop(self.procs)
+        now = time.monotonic()
+        self.result.earlier_lives_s += now - self._life_started
+        self._life_started = now
         self.result.restarts += 1
         self._group_life = self.result.restarts
         self.procs[:] = self.starters.group(self.result.restarts, self.starters.can_resume())
