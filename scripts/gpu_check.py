@@ -100,7 +100,7 @@ def main() -> int:
         ("shrink-replace/ps-sync", ["--max-restarts", "1"]),
         ("shrink-replace/easgd", ["--max-restarts", "1"]),
         ("shrink-replace/diloco", ["--max-restarts", "1"]),
-        ("shrink-replace/box-sync", ["--max-restarts", "1"]),  # not yet run on a GPU (27 Nov)
+        ("shrink-replace/box-sync", ["--max-restarts", "1"]),
     )
     for name, extra in survive:
         cmd = [sys.executable, "-m", "parambox", "train", "--strategy", name.split("/")[1], "--no-progress"]
