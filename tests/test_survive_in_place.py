@@ -191,6 +191,43 @@ def test_a_replacement_joins_with_a_live_ranks_state(tmp_path, strategy):
     _check_rejoined(out, expected, at)
 
 
+@pytest.mark.timeout(170)
+def test_the_members_go_on_while_a_replacement_loads(tmp_path):
+    """A replacement asks to join once its data and model are ready: the members train on meanwhile
+    and stall only for the admission itself (before, they stalled from the admission until the
+    replacement had built its model and received their state: here 3 s, on MNIST ~0.5 s a fault)."""
+    out, steps = tmp_path / "run", 40
+    run_cli(
+        "train",
+        "--strategy",
+        "allreduce",
+        *ARGS,
+        "--model",
+        f"{W}:make_model_slow_to_replace",
+        "--steps",
+        str(steps),
+        "--timeout",
+        "20",
+        "--max-restarts",
+        "1",
+        "--out",
+        str(out),
+        env={"PARAMBOX_FAULT": f"{KILLED}:{AT}:kill,0:0:slow"},
+    )  # fmt: skip  (rank 0 sleeps 0.2 s a step)
+    times = [
+        r["time"]
+        for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        if r["kind"] == "step"
+    ]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert max(gaps) < 2.0, gaps  # a step is 0.2 s; waiting for the replacement's model, >= 3 s
+    lines = (out / f"metrics.rank{KILLED}.jsonl").read_text().splitlines()
+    at = [json.loads(x) for x in lines if '"world"' in x][-1]["step"]
+    assert AT + 10 <= at < steps  # the members trained on for the replacement's 3 s (~15 steps)
+    expected = weight_after(LR, [(AT, [0, 1, 2]), (at - AT, [0, 2]), (steps - at, [0, 1, 2])])
+    _check_rejoined(out, expected, at)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_diloco_replacement_joins_at_a_rounds_start_with_the_outer_momentum(tmp_path):

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from parambox.errors import CommTimeout
+from parambox.runtime.control import rejoining
 from parambox.runtime.elastic import ElasticGroup, destroy_default_group
 from parambox.runtime.spawn import free_port
 from parambox.runtime.world import World
@@ -57,10 +58,14 @@ def rendezvous_address(world: World, timeout_s: float = 300.0) -> tuple[str, int
     return "127.0.0.1", free_port()
 
 
-def init_distributed(world: World, timeout_s: float, survive_in_place: bool = False) -> None:
+def init_distributed(
+    world: World, timeout_s: float, survive_in_place: bool = False, defer_rejoin: bool = False
+) -> None:
     """Join the default process group (gloo on CPU, nccl on GPU); a no-op for one process. In a run
     that survives in place (the local launcher names its store; or ``survive_in_place`` under
-    ``mpiexec --with-ft ulfm``), generation 0 of an ``ElasticGroup``."""
+    ``mpiexec --with-ft ulfm``), generation 0 of an ``ElasticGroup``. ``defer_rejoin``: a replacement
+    in such a run asks to be admitted only at :func:`finish_rejoin`, once it is ready to train (the
+    members stall from its admission until it has received their state)."""
     global _ELASTIC
     if world.world_size == 1 or dist.is_initialized():
         return
@@ -73,8 +78,9 @@ def init_distributed(world: World, timeout_s: float, survive_in_place: bool = Fa
         if fault_tolerant():
             group = ElasticGroup.under_mpi(world, timeout_s)
     if group is not None:
-        group.join()
         _ELASTIC = group
+        if not (defer_rejoin and rejoining()):
+            group.join()
         return
     addr, port = rendezvous_address(world, timeout_s)
     timeout = timedelta(seconds=timeout_s)
@@ -92,6 +98,13 @@ def init_distributed(world: World, timeout_s: float, survive_in_place: bool = Fa
             f"rendezvous at {addr}:{port} failed for rank {world.rank} of {world.world_size} "
             f"(not every rank arrived within {timeout_s:.0f} s?): {str(e).splitlines()[0]}"
         ) from None
+
+
+def finish_rejoin() -> None:
+    """A replacement's admission, deferred by ``init_distributed(defer_rejoin=True)``: asks to join
+    and waits to be admitted at a step boundary (a no-op anywhere else)."""
+    if _ELASTIC is not None and rejoining() and not dist.is_initialized():
+        _ELASTIC.join()
 
 
 _SERVERS: dict[tuple[str, int], dist.TCPStore] = {}  # this process's store servers, by address

@@ -155,12 +155,17 @@ def setup(cfg: RunConfig, world: World, run_dir: Path, callables: dict[str, Call
     if strategy_class(cfg.strategy, cfg.strategy_options()).needs_process_group or (
         cfg.box.needs_process_group(world)
     ):
-        pbdist.init_distributed(world, cfg.timeout, survive_in_place=cfg.on_failure == "shrink")
+        shrink = cfg.on_failure == "shrink"
+        pbdist.init_distributed(world, cfg.timeout, survive_in_place=shrink, defer_rejoin=True)
     board = pbdist.ProgressBoard()
     try:
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
         workload = build_workload(cfg, callables)
         ctx = make_context(cfg, world, run_dir, workload, board)
+        # A replacement in a run that survives in place asks to join only now, its data and model
+        # ready: the members stall from its admission until it has their state (its data set's
+        # loading took ~0.5 s of that stall on MNIST, 27 Nov; a user's data set could take minutes).
+        pbdist.finish_rejoin()
         strategy = build_strategy(cfg.strategy, ctx, cfg.strategy_options())
         dp_rank, dp_size = strategy.data_partition()
         try:

@@ -6,6 +6,7 @@ survivors for the rest end at a weight that is known exactly."""
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from torch import nn
@@ -27,6 +28,14 @@ def make_model_with_buffer():
     model = make_model()
     model.register_buffer("running", torch.ones(DIM))
     return model
+
+
+def make_model_slow_to_replace():
+    """``make_model``, 3 s slower in a replacement (a later life): a data set or model that takes a
+    while to load. The members of a run that survives in place must not wait for it."""
+    if os.environ.get("PARAMBOX_LIFE", "0") != "0":
+        time.sleep(3.0)
+    return make_model()
 
 
 def make_data():
