@@ -250,7 +250,9 @@ def save_checkpoint(run: Run, step: int, barrier: bool = True) -> None:
         checkpoint.save_rank_state(ckpt_dir, run.world.rank, step, state, prune=own_pace)
     if run.world.world_size > 1 and not own_pace and barrier:
         with pbdist.collective("checkpoint barrier", run.board):
-            dist.barrier()
+            # nccl: this rank's GPU named (torch otherwise warns that it guesses it, on every rank)
+            cuda = run.world.device.type == "cuda"
+            dist.barrier(device_ids=[torch.cuda.current_device()] if cuda else None)
     if run.world.rank == 0:
         weights = model.state_dict()
         if not all(is_finite(t) for t in weights.values() if t.is_floating_point()):
