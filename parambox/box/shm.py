@@ -30,7 +30,7 @@ import torch
 
 from parambox.box.base import DONE, Handle, ParameterBox, wait_until
 from parambox.errors import CommTimeout, UserError
-from parambox.runtime.control import RUNNING, WorkerBoard, inherited_box_fd, rejoining
+from parambox.runtime.control import RUNNING, WorkerBoard, rejoining
 from parambox.runtime.spawn import PREFIX_ENV, new_prefix, remove_segments  # noqa: F401  (re-exported)
 from parambox.runtime.world import World
 
@@ -212,13 +212,10 @@ def open_shm_box(
 ) -> ShmBox:
     """Local rank 0 creates the segment, the other local ranks attach; collective over the node.
 
-    Under parambox's launcher a rank that the launcher declares dead is not waited for, and a
-    replacement (life > 0) attaches through the descriptor its launcher kept (or, while the
-    rendezvous still runs, by name; a replacement of local rank 0 takes over the creator's part).
-
-    Without parambox's launcher the segment's name exists only during the rendezvous. Under it, the
-    name stays until the run ends, and the launcher also keeps a descriptor (see
-    ``runtime/control.py``): either lets a replacement attach afterwards."""
+    Under parambox's launcher a rank that the launcher declares dead or exited is not waited for,
+    the segment's name stays until the run ends, and a replacement (life > 0) attaches by it (a
+    replacement of local rank 0 takes over the creator's part if the rendezvous still runs).
+    Without parambox's launcher the name exists only during the rendezvous."""
     if world.num_nodes > 1:
         raise UserError(f"the shm box spans one node, this run has {world.num_nodes}; use --box rma")
     if not Path(SHM_DIR).is_dir():
@@ -228,8 +225,7 @@ def open_shm_box(
     path = f"{SHM_DIR}/{_run_prefix(world, timeout)}{name}"
     want = (numel, num_counters, layout_hash)
     board = WorkerBoard.from_env()
-    fd = inherited_box_fd(name) if rejoining() else None
-    if fd is None and world.local_rank == 0 and not (rejoining() and os.path.exists(path)):
+    if world.local_rank == 0 and not (rejoining() and os.path.exists(path)):
         try:
             fd, mm = _create(name, path, want, max(1, stripe_bytes // 4), world.local_world_size)
             box = ShmBox(name, path, fd, mm, 0, timeout)
@@ -240,8 +236,7 @@ def open_shm_box(
             _unlink_quietly(path)  # a signal between creating the name and the rendezvous' own cleanup
             raise
         return box
-    if fd is None:
-        fd = _open_by_name(name, path, timeout, board)
+    fd = _open_by_name(name, path, timeout, board)
     fd, mm = _attach(name, path, fd, want, world.local_rank, timeout)
     box = ShmBox(name, path, fd, mm, world.local_rank, timeout)
     if world.local_rank == 0:  # a replacement of the creator: finish what it started
@@ -357,10 +352,10 @@ def _finish_rendezvous(box: ShmBox, path: str, timeout: float, board: WorkerBoar
     if board is None:
         _unlink_quietly(path)
     # Under parambox's launcher the name stays until the run ends (the launcher removes the run's
-    # segments then, or its reaper if it is SIGKILLed): a replacement attaches by name even when no
-    # live process holds the box any more, and the launcher has not kept a descriptor of it yet (a
-    # run whose rank 0 dies a tenth of a second after the rendezvous, the others finishing before the
-    # launcher looks: the replacement made a new, empty box and waited for a rank that had exited).
+    # segments then, or its reaper if it is SIGKILLed): a replacement attaches by it, also when no
+    # live process holds the box any more (27 Nov: a run whose rank 0 died a tenth of a second after
+    # the rendezvous, the others finishing before the launcher had kept a descriptor of the box: the
+    # replacement made a new, empty box and waited for a rank that had exited).
     if hdr[_H_REJECTED]:
         hdr[_H_STATE] = _FAILED
         error = UserError(f"box {box.name!r} ({_describe(hdr)}): a local process asked for a different one")

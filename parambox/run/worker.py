@@ -125,7 +125,7 @@ def _become_a_replacement(cfg) -> bool:
     """A spare (see ``parambox.runtime.launcher``): warm up, then wait for the launcher to say which
     rank this process replaces. False when the launcher closed the pipe without a word."""
     import parambox.training.loop  # noqa: F401  (torch, the strategies: the bulk of a start-up)
-    from parambox.runtime.control import reopen_box_fds
+    from parambox.runtime.control import SPARE_ENV
 
     with contextlib.suppress(Exception):  # warm the data's imports and files; errors show in the real run
         from parambox.workload import build_workload
@@ -134,7 +134,7 @@ def _become_a_replacement(cfg) -> bool:
     line = sys.stdin.readline()
     if not line.strip():
         return False
-    env = reopen_box_fds(json.loads(line))
+    env = {**json.loads(line), SPARE_ENV: "1"}  # it attaches to the run's boxes by name
     os.environ.clear()
     os.environ.update(env)
     return True

@@ -1,4 +1,4 @@
-"""The local launcher's board of its workers, and the descriptors it hands to a replacement.
+"""The local launcher's board of its workers.
 
 The launcher knows at once when a worker dies (it is the parent); the workers do not. The board
 tells them: an anonymous shared-memory file (``memfd_create``: it has no name, so nothing appears in
@@ -10,13 +10,13 @@ stores are atomic, so nobody locks: a worker reads a slot whenever it waits for 
 rendezvous, an asynchronous run's wait for rank 0's center, rank 0's wait for the others at the end)
 and stops waiting for a rank the launcher has declared dead.
 
-A replacement worker also inherits the shared-memory boxes of the run: the launcher keeps a
-descriptor of each segment (opened through ``/proc/<worker pid>/fd/<n>`` once a worker has it
-open) and passes them with ``pass_fds``, named in ``PARAMBOX_BOX_FDS``; the segment's name also
-stays in /dev/shm while the run lasts, for a replacement that comes before the launcher took a
-descriptor. The launcher's descriptors die with it, and its reaper removes the names, so even a
-SIGKILLed launcher leaves nothing behind: its workers die with it (``PR_SET_PDEATHSIG``), and the
-memory goes with the last descriptor.
+A replacement worker attaches to the run's shared-memory boxes by name: under this launcher a
+box's name stays in /dev/shm while the run lasts (``box/shm.py``), and the launcher removes the
+run's segments when it ends, or its reaper when the launcher itself is SIGKILLed (its workers die
+with it: ``PR_SET_PDEATHSIG``). Until 27 Nov the launcher instead kept a descriptor of each segment,
+found by scanning its workers' descriptors every 0.5 s, and handed those to a replacement: a run
+whose workers all let go of a box before a scan (a short run under load) left its replacement
+without the box.
 
 >>> board = WorkerBoard.create(3)          # the launcher
 >>> board.set_state(2, DEAD); board.dead(2), board.dead(1)
@@ -29,12 +29,10 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 BOARD_ENV = "PARAMBOX_BOARD_FD"  # the board's descriptor in a worker
 LIFE_ENV = "PARAMBOX_LIFE"  # 0 in a worker's first life, k in its k-th replacement (or group restart)
-BOX_FDS_ENV = "PARAMBOX_BOX_FDS"  # "name:fd,..." shared-memory boxes a replacement attaches to
-BOX_OWNER_ENV = "PARAMBOX_BOX_OWNER"  # the pid holding those descriptors (the launcher)
 REJOIN_ENV = "PARAMBOX_REJOIN"  # "1" in a replacement that joins a run in progress
 SPARE_FLAG = "--spare"  # the worker entry waits, warmed up, to be told which dead rank it replaces
 SPARE_ENV = "PARAMBOX_FROM_SPARE"  # "1" in a replacement that was a warm spare
@@ -128,61 +126,3 @@ def current_life(env: Mapping[str, str] | None = None) -> int:
 def rejoining(env: Mapping[str, str] | None = None) -> bool:
     """This process replaces a dead worker of a run that goes on (not a restart of the whole group)."""
     return (os.environ if env is None else env).get(REJOIN_ENV) == "1"
-
-
-def reopen_box_fds(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with the box descriptors it names (those of the launcher, ``PARAMBOX_BOX_OWNER``)
-    opened in this process, through ``/proc/<owner>/fd``: how a spare, started before the boxes
-    existed (and forked by the zygote: not the launcher's child), gets them."""
-    owner = env.get(BOX_OWNER_ENV, str(os.getppid()))
-    items = []
-    for item in env.get(BOX_FDS_ENV, "").split(","):
-        box, _, fd = item.rpartition(":")
-        if box and fd.isdigit():
-            items.append(f"{box}:{os.open(f'/proc/{owner}/fd/{fd}', os.O_RDWR)}")
-    return {**env, SPARE_ENV: "1", **({BOX_FDS_ENV: ",".join(items)} if items else {})}
-
-
-def inherited_box_fd(name: str, env: Mapping[str, str] | None = None) -> int | None:
-    """The descriptor of shared-memory box ``name`` this replacement inherited from its launcher."""
-    for item in (os.environ if env is None else env).get(BOX_FDS_ENV, "").split(","):
-        box, _, fd = item.rpartition(":")
-        if box == name and fd.isdigit():
-            return int(fd)
-    return None
-
-
-class SegmentKeeper:
-    """The launcher's own descriptors of the run's shared-memory boxes, for replacements.
-
-    ``scan(pids)`` looks through the workers' open descriptors for segments named with the run's
-    prefix (before or after their name is unlinked) and opens each once, through ``/proc``.
-    """
-
-    def __init__(self, prefix: str, root: str = "/dev/shm"):
-        self.mark = f"{root}/{prefix}"
-        self.fds: dict[str, int] = {}
-
-    def scan(self, pids: Iterable[int]) -> None:
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                for entry in os.listdir(f"/proc/{pid}/fd"):
-                    self._take(pid, entry)
-
-    def _take(self, pid: int, entry: str) -> None:
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/{pid}/fd/{entry}")
-            if not target.startswith(self.mark):
-                return
-            name = target[len(self.mark) :].removesuffix(" (deleted)")
-            if name not in self.fds:
-                self.fds[name] = os.open(f"/proc/{pid}/fd/{entry}", os.O_RDWR | os.O_CLOEXEC)
-
-    def env(self) -> dict[str, str]:
-        return {BOX_FDS_ENV: ",".join(f"{n}:{fd}" for n, fd in self.fds.items())} if self.fds else {}
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.fds.clear()

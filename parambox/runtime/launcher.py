@@ -23,15 +23,7 @@ from pathlib import Path
 
 from parambox.runtime import elastic, spawn
 from parambox.runtime.cluster import ClusterConfig
-from parambox.runtime.control import (
-    BOX_OWNER_ENV,
-    LIFE_ENV,
-    REJOIN_ENV,
-    RUNNING,
-    SPARE_FLAG,
-    SegmentKeeper,
-    WorkerBoard,
-)
+from parambox.runtime.control import LIFE_ENV, REJOIN_ENV, RUNNING, SPARE_FLAG, WorkerBoard
 from parambox.runtime.supervisor import LaunchResult, Starters, Supervisor, worker_error
 
 __all__ = ["LaunchResult", "launch_local", "threads_per_worker", "worker_error"]
@@ -126,7 +118,7 @@ def _launch_processes(
 ) -> LaunchResult:
     """``n`` worker processes, the board that tells them who is dead, and replacements or restarts."""
     max_restarts, resume_cmd, checkpoint, warm_spare = restart
-    board, keeper = WorkerBoard.create(n), SegmentKeeper(prefix)
+    board = WorkerBoard.create(n)
     env = dict(env, **board.env())
     # Set once a rank failed: what the others print then (a closed store's C++ warnings, "connection
     # closed") are symptoms, and the one line naming the cause is what the user should see.
@@ -144,9 +136,9 @@ def _launch_processes(
         env[elastic.GROUP_LIFE_ENV] = str(life)  # a replacement joins this life's elastic group
         return ranks.start_all(resume_cmd if resume else cmd, genv, [board.fd])
 
-    def one(rank: int, life: int, extra: dict[str, str], fds: list[int]) -> subprocess.Popen:
-        renv = dict(env, **extra, **{LIFE_ENV: str(life), REJOIN_ENV: "1"})
-        proc = ranks.take_spare(rank, renv) or ranks.start(cmd, rank, renv, [board.fd, *fds])
+    def one(rank: int, life: int) -> subprocess.Popen:
+        renv = dict(env, **{LIFE_ENV: str(life), REJOIN_ENV: "1"})
+        proc = ranks.take_spare(rank, renv) or ranks.start(cmd, rank, renv, [board.fd])
         if warm_spare:
             ranks.keep_spare(cmd, env, [board.fd])  # the next one warms up while this one works
         return proc
@@ -164,7 +156,6 @@ def _launch_processes(
             board=board,
             starters=starters,
             max_restarts=max_restarts,
-            keeper=keeper,
             muted=muted,
             **(watch or {}),
         )
@@ -172,7 +163,6 @@ def _launch_processes(
     finally:
         spawn.stop(procs)
         ranks.drop_spare()
-        keeper.close()
         board.close()
 
 
@@ -224,15 +214,13 @@ class _Ranks:
             self.spare = (self._piped([*cmd, SPARE_FLAG], env, fds, label, stdin=subprocess.PIPE), label)
 
     def take_spare(self, rank: int, env: dict[str, str]) -> subprocess.Popen | None:
-        """The spare, told to be ``rank`` with ``env`` (it reopens the box descriptors named there
-        through ``/proc/<launcher>/fd``); None when there is none alive."""
+        """The spare, told to be ``rank`` with ``env``; None when there is none alive."""
         if self.spare is None or self.spare[0].poll() is not None:
             return None
         (proc, label), self.spare = self.spare, None
-        owner = {BOX_OWNER_ENV: str(os.getpid())}  # whose descriptors it reopens
         try:
             proc.stdin.write(
-                (json.dumps(spawn.rank_env(env, rank, self.n, local_launcher=True) | owner) + "\n").encode()
+                (json.dumps(spawn.rank_env(env, rank, self.n, local_launcher=True)) + "\n").encode()
             )
             proc.stdin.close()
         except OSError:  # it died just now

@@ -37,13 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parambox.runtime.control import DEAD, EXITED, SegmentKeeper, WorkerBoard
+from parambox.runtime.control import DEAD, EXITED, WorkerBoard
 
 # Asynchronous runs: rank 0 exits only once every other worker is done or found lost, so a worker
 # still running this long after rank 0 succeeded is hung; it is stopped and counted as lost.
 STRAGGLER_GRACE_S = 30.0
 POLL_S = 0.05
-SCAN_EVERY_S = 0.5  # how often the launcher looks for new box segments to keep (restarts only)
 STOPPED_EVERY_S = 0.25  # how often the launcher looks for stopped workers (in place, asynchronous)
 USER_ERROR = 2
 
@@ -62,7 +61,7 @@ class Starters:
     """How the supervisor starts processes: every rank (``group(life, resume)``) or one (``rank(r, life, env, fds)``)."""
 
     group: Callable[[int, bool], list[subprocess.Popen]]
-    rank: Callable[[int, int, dict[str, str], list[int]], subprocess.Popen]
+    rank: Callable[[int, int], subprocess.Popen]
     stop: Callable[[list[subprocess.Popen]], None]
     can_resume: Callable[[], bool] = lambda: False  # a checkpoint exists to restart the group from
 
@@ -79,21 +78,19 @@ class Supervisor:
         board: WorkerBoard | None = None,
         starters: Starters | None = None,
         max_restarts: int = 0,
-        keeper: SegmentKeeper | None = None,
         muted: threading.Event | None = None,
         heartbeat: Path | None = None,
         stall_s: float = 0.0,
         shrink_store: Any = None,
     ):
         self.procs, self.log_dir, self.tolerate_loss = procs, log_dir, tolerate_loss
-        self.board, self.starters, self.keeper = board, starters, keeper
+        self.board, self.starters = board, starters
         self.muted = muted  # set on failure: the other ranks' output is symptoms from then on
         self.max_restarts = max_restarts if starters is not None else 0
         self.result = LaunchResult(0)
         self.finished: set[int] = set()
         self._interrupted: list[int] = []
         self._rank0_done_at: float | None = None
-        self._scanned_at = 0.0
         # Rank 0 alone, the others gone: its metrics file must keep growing (a hung rank 0 would
         # otherwise hold the run forever, since no peer is left to time out on it).
         self.heartbeat, self.stall_s = heartbeat, stall_s
@@ -120,7 +117,6 @@ class Supervisor:
         if self._interrupted:
             self.result.returncode = 130
             return True
-        self._keep_segments()
         codes = [p.poll() for p in self.procs]
         goes_on = self.tolerate_loss or self.shrink_store is not None
         if goes_on and len(self.procs) > 1 and codes[0] == 0 and self._stragglers(codes):
@@ -191,13 +187,10 @@ class Supervisor:
         return True
 
     def _start_replacement(self, rank: int) -> None:
-        """A new life of ``rank``, handed the run's shared-memory boxes (a box-sync replacement takes
-        the dead rank's slot in the box; an asynchronous one, the center)."""
-        self._keep_segments(force=True)
+        """A new life of ``rank`` (it attaches to the run's shared-memory boxes by name: a box-sync
+        replacement takes the dead rank's slot in the box; an asynchronous one, the center)."""
         life = self.board.begin_life(rank) if self.board is not None else self.result.restarts + 1
-        extra = self.keeper.env() if self.keeper is not None else {}
-        fds = list(self.keeper.fds.values()) if self.keeper is not None else []
-        self.procs[rank] = self.starters.rank(rank, life, extra, fds)
+        self.procs[rank] = self.starters.rank(rank, life)
         self.result.restarts += 1
 
     def _rank0_running(self, rank: int) -> bool:
@@ -206,14 +199,6 @@ class Supervisor:
 
     def _restarts_left(self) -> bool:
         return self.result.restarts < self.max_restarts
-
-    def _keep_segments(self, force: bool = False) -> None:
-        if self.keeper is None or not self.max_restarts:
-            return
-        now = time.monotonic()
-        if force or now - self._scanned_at > SCAN_EVERY_S:
-            self._scanned_at = now
-            self.keeper.scan(p.pid for p in self.procs if p.poll() is None)
 
     # -- synchronous, surviving in place: go on without the rank ------------------------------------------
     def _life_store(self) -> Any:
