@@ -106,6 +106,11 @@ def main() -> int:
         cmd = [sys.executable, "-m", "parambox", "train", "--strategy", name.split("/")[1], "--no-progress"]
         cmd += ["--out", str(out / name)] + shrink + extra
         jobs[name] = (cmd, {**env, "PARAMBOX_FAULT": "1:150:kill"})
+    # An asynchronous run's replacement: it attaches to the shm box (the center) by name.
+    for name in ("replace/downpour", "replace/easgd"):
+        cmd = [sys.executable, "-m", "parambox", "train", "--strategy", name.split("/")[1], "--no-progress"]
+        cmd += ["--out", str(out / name), "--max-restarts", "1"]
+        jobs[name] = (cmd, {**env, "PARAMBOX_FAULT": "1:150:kill"})
     cmd = [
         sys.executable,
         "-m",
