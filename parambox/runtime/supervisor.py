@@ -58,7 +58,7 @@ class LaunchResult:
 
 @dataclass
 class Starters:
-    """How the supervisor starts processes: every rank (``group(life, resume)``) or one (``rank(r, life, env, fds)``)."""
+    """How the supervisor starts processes: every rank (``group(life, resume)``) or one (``rank(r, life)``)."""
 
     group: Callable[[int, bool], list[subprocess.Popen]]
     rank: Callable[[int, int], subprocess.Popen]
