@@ -24,11 +24,13 @@ def test_bench_chaos_quick():
         assert faults["kill-at-start"] == 1 and faults["kill"] >= 1 and faults["stop"] >= 1, (name, r)
         # every kill is replaced; a rank stopped past --timeout is killed by the launcher and replaced
         # too (a synchronous one fenced out first), or lost if the others finished meanwhile
-        stopped = {f["rank"] for f in r["chaos"]["fault_log"] if f["kind"] == "stop"}
+        (run,) = r["runs"]  # one round: a clean run and a chaos run
+        stopped = {f["rank"] for f in run["chaos"]["fault_log"] if f["kind"] == "stop"}
         if name in ("allreduce", "box-sync"):
-            assert r["replacements"] >= 3 and r["chaos"]["lost_workers"] == [], (name, r)
+            assert r["replacements"] >= 3 and run["chaos"]["lost_workers"] == [], (name, r)
         else:
-            assert r["replacements"] >= 2 and set(r["chaos"]["lost_workers"]) <= stopped, (name, r)
+            assert r["replacements"] >= 2 and set(run["chaos"]["lost_workers"]) <= stopped, (name, r)
+        assert r["throughput_retained_rounds"] == [run["clean"]["command_s"] / run["chaos"]["command_s"]]
         assert r["throughput_retained"] > 0 and r["accuracy_chaos"] > 0.8, (name, r)
         assert r["mean_recovery_s"] is not None and r["mean_recovery_s"] > 0, (name, r)
     bad = run_cli("bench", "chaos", "--quick", "--setups", "nope", check=False)
@@ -47,10 +49,46 @@ def test_bench_chaos_quick_box_sync_survives_in_place():
     )  # fmt: skip
     r = result["setups"]["box-sync"]
     assert r["faults"] == {"kill": 1, "stop": 1, "kill-at-start": 1}, r
-    assert r["replacements"] >= 3 and r["chaos"]["lost_workers"] == [], r
+    assert r["replacements"] >= 3 and r["runs"][0]["chaos"]["lost_workers"] == [], r
     assert r["accuracy_chaos"] > 0.8 and r["mean_recovery_s"] > 0, r
 
 
 def test_bench_quick_is_refused_where_there_is_none():
     proc = run_cli("bench", "box", "--quick", check=False)
     assert proc.returncode == 2 and "no --quick form" in proc.stderr
+
+
+def test_rounds_alternate_and_their_ratios_are_medians(monkeypatch):
+    """In process, with the runs faked: rounds alternate which run goes first, each run is 1/rounds of
+    the full form, every chaos run has a fault sequence of its own, and the figures are medians."""
+    from parambox.bench import chaos
+
+    calls, times = [], iter([100, 110, 120, 100, 100, 125])  # seconds, in call order
+
+    def fake_run(args, out, faults=None, env=None):
+        calls.append((out.name, int(args[args.index("--steps") + 1]), faults and faults.rng.random()))
+        t, acc = next(times), 0.99 if faults is None else 0.98
+        run = {
+            "command_s": t,
+            "steps_logged": 30,
+            "final_test_accuracy": acc,
+            "restarts": 0,
+            "lost_workers": [],
+        }
+        if faults is not None:
+            run.update(restarts=2, faults={"kill": 1, "stop": 1, "kill-at-start": 1}, mean_recovery_s=1.0)
+        return run
+
+    monkeypatch.setattr(chaos, "_run", fake_run)
+    monkeypatch.setattr("parambox.data.mnist.fetch_mnist", lambda: None)  # the runs are fakes
+    r = chaos.run_bench_chaos(setups=["allreduce"], rounds=3)["setups"]["allreduce"]
+    assert [c[0] for c in calls] == [
+        "allreduce-clean-0", "allreduce-chaos-0", "allreduce-chaos-1",
+        "allreduce-clean-1", "allreduce-clean-2", "allreduce-chaos-2",
+    ]  # fmt: skip
+    assert {c[1] for c in calls} == {chaos.SETUPS["allreduce"].steps // 3}
+    assert len({c[2] for c in calls if c[2] is not None}) == 3  # one fault sequence per round
+    assert r["throughput_retained_rounds"] == [100 / 110, 100 / 120, 100 / 125]
+    assert r["throughput_retained"] == 100 / 120
+    assert r["faults"] == {"kill": 3, "stop": 3, "kill-at-start": 3} and r["replacements"] == 6
+    assert (r["accuracy_clean"], r["accuracy_chaos"]) == (0.99, 0.98)

@@ -37,6 +37,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -103,7 +104,12 @@ def run_bench_chaos(
     setups: list[str] | None = None,
     seed: int = 0,
     timeout: float | None = None,
+    rounds: int = 1,
 ) -> dict[str, Any]:
+    """``rounds`` > 1: that many pairs of a clean and a chaos run per setup, their order alternating
+    (a drift of the machine's speed then weighs on both), each run ``1/rounds`` as long as the full
+    form's (``steps`` overrides), a fresh fault sequence per round; the ratios are medians of the
+    rounds' ratios (one pair of 10-minute runs spread 0.02-0.03 here)."""
     from parambox.errors import UserError
 
     setups = setups or list(DEFAULT_SETUPS)
@@ -115,7 +121,7 @@ def run_bench_chaos(
     plan["timeout"] = timeout or plan["timeout"]
     if plan["stop_s"] <= plan["timeout"]:
         raise UserError(f"bench chaos: --timeout {timeout} must be under the stops' {plan['stop_s']} s")
-    result: dict[str, Any] = {"workers": WORKERS, **plan, "setups": {}}
+    result: dict[str, Any] = {"workers": WORKERS, **plan, "rounds": rounds, "setups": {}}
     if plan["data"] == "mnist":
         from parambox.data.mnist import fetch_mnist
 
@@ -123,31 +129,50 @@ def run_bench_chaos(
     with tempfile.TemporaryDirectory() as tmp:
         for name in setups:
             setup = SETUPS[name]
-            plan["steps"] = steps or (setup.quick_steps if quick else setup.steps)
+            plan["steps"] = steps or max(1, (setup.quick_steps if quick else setup.steps) // rounds)
             args = ["train", *setup.args, "--workers", str(WORKERS), "--model", plan["model"]]
             args += ["--data", plan["data"]]
             args += ["--steps", str(plan["steps"]), "--eval-every", "0", "--no-progress"]
             args += ["--timeout", str(plan["timeout"])]
-            clean = _run(args, Path(tmp) / f"{name}-clean")
-            chaos = _run(
-                [*args, "--max-restarts", "1000"],
-                Path(tmp) / f"{name}-chaos",
-                faults=_FaultLoop(plan, setup, random.Random(seed)),
-                env={"PARAMBOX_FAULT": "1:0:kill"},  # kill-at-start: before the first collective
-            )
-            result["setups"][name] = {
-                "steps": plan["steps"],
-                "throughput_retained": clean["command_s"] / max(chaos["command_s"], 1e-9),
-                "steps_logged_ratio": chaos["steps_logged"] / max(clean["steps_logged"], 1),
-                "accuracy_clean": clean["final_test_accuracy"],
-                "accuracy_chaos": chaos["final_test_accuracy"],
-                "faults": chaos.pop("faults"),
-                "replacements": chaos["restarts"],
-                "mean_recovery_s": chaos.pop("mean_recovery_s"),
-                "clean": clean,
-                "chaos": chaos,
-            }
+            pairs = []
+            for k in range(rounds):
+                pair = {}
+                for kind in ("clean", "chaos") if k % 2 == 0 else ("chaos", "clean"):
+                    out = Path(tmp) / f"{name}-{kind}-{k}"
+                    if kind == "clean":
+                        pair[kind] = _run(args, out)
+                    else:
+                        pair[kind] = _run(
+                            [*args, "--max-restarts", "1000"],
+                            out,
+                            faults=_FaultLoop(plan, setup, random.Random(seed + k)),
+                            env={"PARAMBOX_FAULT": "1:0:kill"},  # kill-at-start: before the first collective
+                        )
+                pairs.append(pair)
+            result["setups"][name] = _summary(plan["steps"], pairs)
     return result
+
+
+def _summary(steps: int, pairs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One setup's figures over its rounds: medians of the per-round ratios, faults summed."""
+    chaos = [p["chaos"] for p in pairs]
+    retained = [p["clean"]["command_s"] / max(p["chaos"]["command_s"], 1e-9) for p in pairs]
+    recoveries = [c["mean_recovery_s"] for c in chaos if c["mean_recovery_s"] is not None]
+    return {
+        "steps": steps,
+        "throughput_retained": statistics.median(retained),
+        "throughput_retained_rounds": retained,
+        "steps_logged_ratio": statistics.median(
+            p["chaos"]["steps_logged"] / max(p["clean"]["steps_logged"], 1) for p in pairs
+        ),
+        "accuracy_clean": statistics.median(p["clean"]["final_test_accuracy"] for p in pairs),
+        "accuracy_chaos": statistics.median(c["final_test_accuracy"] for c in chaos),
+        "faults": {k: sum(c["faults"][k] for c in chaos) for k in chaos[0]["faults"]},
+        "replacements": sum(c["restarts"] for c in chaos),
+        "lost_workers": [c["lost_workers"] for c in chaos],
+        "mean_recovery_s": statistics.mean(recoveries) if recoveries else None,
+        "runs": pairs,
+    }
 
 
 class _FaultLoop:

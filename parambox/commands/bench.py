@@ -20,9 +20,14 @@ def configure(p: argparse.ArgumentParser) -> None:
         "which", choices=sorted(BENCHES), help="; ".join(f"{k}: {v[2]}" for k, v in BENCHES.items())
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--rounds", type=int, default=None, help="alternating rounds (sync, async, sandblaster)")
     p.add_argument(
-        "--steps", type=int, default=None, help="timed steps per setup and round (sync, async, sandblaster)"
+        "--rounds", type=int, default=None, help="alternating rounds (sync, async, sandblaster, chaos)"
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per setup and round (sync, async, sandblaster); steps per run (chaos)",
     )
     p.add_argument("--out", default=None, help="also write the JSON to this file")
     cluster = p.add_argument_group("bench cluster (an emulated cluster: needs root)")
