@@ -157,6 +157,8 @@ def main() -> int:
             s = json.loads(summary.read_text())
             keys = ("device", "backend", "final_test_accuracy", "steps", "lost_workers", "restarts")
             row.update({k: s.get(k) for k in keys})
+            if name.startswith("shrink"):
+                row["samples_vs_closed_form"] = _samples_vs_closed_form(out / name, s)
         elif name.startswith("own_loop"):
             accs = [line for line in text.splitlines() if "test accuracy" in line]
             row["result"] = accs[-1] if accs else None
@@ -173,6 +175,20 @@ def main() -> int:
     (out / "gpu_check.json").write_text(json.dumps({**header, "runs": rows, "failed": failed}, indent=1))
     print(f"{len(rows) - len(failed)} of {len(rows)} ran; failed: {', '.join(failed) or 'none'}")
     return 1 if failed else 0
+
+
+def _samples_vs_closed_form(run: Path, s: dict) -> float | None:
+    """The summary's samples (rate x time) over the closed form of a shrink job: 3 ranks for the
+    first 150 steps, 2 until the replacement joined (if one did), then 3 again."""
+    try:
+        lines = (run / "metrics.rank1.jsonl").read_text().splitlines()
+        worlds = [json.loads(x) for x in lines if '"world"' in x]
+        joined = worlds[-1]["step"] if worlds[-1]["life"] > 0 else s["steps"]
+        steps, batch = s["steps"], s["config"]["batch_size"]
+        expected = (150 * 3 + (joined - 150) * 2 + (steps - joined) * 3) * batch
+        return round(s["samples_per_s"] * s["wall_time_s"] / expected, 6)
+    except (OSError, KeyError, IndexError, ValueError):
+        return None
 
 
 if __name__ == "__main__":

@@ -30,11 +30,11 @@ from tests.workloads.constant_gradient import (
 )
 
 W = "tests/workloads/constant_gradient.py"
-LR, STEPS, KILLED, AT = 0.01, 12, 1, 5
+LR, STEPS, KILLED, AT, BATCH = 0.01, 12, 1, 5, 4
 ARGS = [
     *("--model", f"{W}:make_model", "--data", f"{W}:make_data", "--loss", f"{W}:loss"),
     *("--metrics", f"{W}:metrics", "--steps", str(STEPS), "--lr", str(LR), "--momentum", "0"),
-    *("--batch-size", "4", "--eval-every", "0", "--no-progress", "--threads", "1"),
+    *("--batch-size", str(BATCH), "--eval-every", "0", "--no-progress", "--threads", "1"),
     *("--workers", "3", "--set", "on_failure=shrink"),
 ]
 
@@ -70,6 +70,15 @@ def _check_closed_form(out: Path, expected: float | None = None) -> None:
     assert (weight - expected).abs().max().item() < 1e-6, (weight, expected)
     assert summary(out)["lost_workers"] == [KILLED]
     assert summary(out)["restarts"] == 0  # in place: nobody restarted, nothing read from disk
+    _check_samples(out, [(AT, [0, 1, 2]), (STEPS - AT, [0, 2])])
+
+
+def _check_samples(out: Path, phases: list[tuple[int, list[int]]]) -> None:
+    """The summary's rate counts every member's samples, step by step: the lost rank's before its
+    death and a replacement's from its joining (an allreduce at the end saw only the last lives')."""
+    s = summary(out)
+    trained = sum(n * len(ranks) * BATCH for n, ranks in phases)
+    assert s["samples_per_s"] * s["wall_time_s"] == pytest.approx(trained, rel=1e-9), (s, phases)
 
 
 @pytest.mark.timeout(170)
@@ -189,6 +198,7 @@ def test_a_replacement_joins_with_a_live_ranks_state(tmp_path, strategy):
     phases = [(AT, [0, 1, 2]), (at - AT, [0, 2]), (steps - at, [0, 1, 2])]
     expected = weight_after(LR, phases, momentum)
     _check_rejoined(out, expected, at)
+    _check_samples(out, phases)
 
 
 @pytest.mark.timeout(170)

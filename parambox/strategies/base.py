@@ -150,6 +150,7 @@ class Strategy:
         self.timers = PhaseTimers()
         self.optimizer: torch.optim.Optimizer | None = None  # set by strategies with a local optimizer
         self.elastic = elastic_group()  # set when the run survives a lost worker in place
+        self._group_samples = 0.0  # every member's samples (count_step)
         self._awaits_state = self.joining  # a replacement, until share_state has given it a peer's state
         self._exchange_fault = _exchange_fault(ctx.world.rank) if self.elastic is not None else None
 
@@ -300,9 +301,19 @@ class Strategy:
         """Restore the whole model's weights on this rank (resume)."""
         self.model.load_state_dict(model_state)
 
+    def count_step(self, samples: int) -> None:
+        """After each step, this rank's ``samples`` in it. A run that survives in place counts every
+        member's, step by step (rank 0 is a member throughout): a lost rank's samples before its
+        death and a replacement's from its joining, none in between."""
+        if self.elastic is not None:
+            self._group_samples += samples * self.elastic.group_size
+
     def total_samples(self, local: int) -> float:
         """Samples every worker consumed, given this rank's (the value on rank 0 counts). Collective
-        here: an allreduce over the workers."""
+        here: an allreduce over the workers; in a run that survives in place, rank 0's count of every
+        member's (:meth:`count_step`: an allreduce would miss the lost ranks' lives)."""
+        if self.elastic is not None:
+            return self._group_samples
         if self.world.world_size == 1:
             return float(local)
 

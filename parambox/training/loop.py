@@ -103,6 +103,7 @@ def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | Non
                 batch = run.faults.inject(world.rank, step, batch)
             result = run.strategy.step(map_tensors(lambda t: t.to(world.device), batch), step)
             step, samples = step + 1, samples + result.samples
+            run.strategy.count_step(result.samples)
             if step % cfg.log_every == 0:
                 log.write(step_record(step, result, log.elapsed(), samples * run.batches.sampler.world_size))
             bar.update(step, result.loss)
