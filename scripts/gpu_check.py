@@ -179,7 +179,8 @@ def main() -> int:
 
 def _samples_vs_closed_form(run: Path, s: dict) -> float | None:
     """The summary's samples (rate x time) over the closed form of a shrink job: 3 ranks for the
-    first 150 steps, 2 until the replacement joined (if one did), then 3 again."""
+    first 150 steps, 2 until the replacement joined (if one did), then 3 again. Local SGD (diloco,
+    weight-avg, easgd) counts the lost rank's steps up to its last exchange: up to a round below."""
     try:
         lines = (run / "metrics.rank1.jsonl").read_text().splitlines()
         worlds = [json.loads(x) for x in lines if '"world"' in x]

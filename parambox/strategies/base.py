@@ -150,7 +150,8 @@ class Strategy:
         self.timers = PhaseTimers()
         self.optimizer: torch.optim.Optimizer | None = None  # set by strategies with a local optimizer
         self.elastic = elastic_group()  # set when the run survives a lost worker in place
-        self._group_samples = 0.0  # every member's samples (count_step)
+        self._group_samples, self._pending_samples = 0.0, 0  # every member's samples (count_step)
+        self._exchanges = self._counted = 0  # exchanges passed, and up to which the samples count
         self._awaits_state = self.joining  # a replacement, until share_state has given it a peer's state
         self._exchange_fault = _exchange_fault(ctx.world.rank) if self.elastic is not None else None
 
@@ -168,6 +169,7 @@ class Strategy:
         attempt already spent its input, as an in-place allreduce does). Returns ``CAUGHT_UP`` on a
         rank that the regroup found a step behind the others and that took a leader's state for this
         step (:meth:`catch_up`): its own update of the step must not be applied."""
+        self._exchanges += 1
         try:
             result = fn()
             if self._exchange_fault == step:  # PARAMBOX_FAULT lose-exchange: as a last send to a dead peer
@@ -303,17 +305,23 @@ class Strategy:
 
     def count_step(self, samples: int) -> None:
         """After each step, this rank's ``samples`` in it. A run that survives in place counts every
-        member's, step by step (rank 0 is a member throughout): a lost rank's samples before its
-        death and a replacement's from its joining, none in between."""
-        if self.elastic is not None:
-            self._group_samples += samples * self.elastic.group_size
+        member's (rank 0 is a member throughout): the steps since the last exchange once one has
+        passed, times the members it had (a rank lost within a round of local steps, found out at
+        the round's exchange, trained nothing the survivors kept); so a lost rank's samples count up
+        to its death and a replacement's from its joining."""
+        if self.elastic is None:
+            return
+        self._pending_samples += samples
+        if self._exchanges != self._counted:
+            self._group_samples += self._pending_samples * self.elastic.group_size
+            self._pending_samples, self._counted = 0, self._exchanges
 
     def total_samples(self, local: int) -> float:
         """Samples every worker consumed, given this rank's (the value on rank 0 counts). Collective
         here: an allreduce over the workers; in a run that survives in place, rank 0's count of every
         member's (:meth:`count_step`: an allreduce would miss the lost ranks' lives)."""
         if self.elastic is not None:
-            return self._group_samples
+            return self._group_samples + self._pending_samples * self.elastic.group_size
         if self.world.world_size == 1:
             return float(local)
 
