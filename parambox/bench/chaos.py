@@ -247,8 +247,8 @@ def _run(
         "command_s": command_s,
         "wall_time_s": s["wall_time_s"],
         "samples_per_s": s["samples_per_s"],
-        # Every life's steps, from the metrics files (the summary's count of a synchronous run starts a
-        # replacement's at its joining: its predecessors' samples were missing, 0.25 for 0.69 on 27 Nov)
+        # Every life's steps, from the metrics files: also a lost rank's steps that no exchange kept
+        # (the summary's rate counts the kept ones only)
         "steps_logged": _logged_steps(out),
         "final_test_accuracy": s["final_test_accuracy"],
         "restarts": s["restarts"],
