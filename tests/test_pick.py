@@ -180,6 +180,11 @@ def test_validation_ratios_and_confidence():
     one = [{**rows[0], "setup": "dynsgd", "convergence_points": 1}]
     assert not _confident(one + wide, "allreduce") and _confident(one + wide, "dynsgd")
     assert not _confident([{**rows[0], "convergence_points": 4, "convergence_censored": True}] + wide)
+    # A ratio still falling over the probe (downpour with Adagrad: 6.65 -> 2.24, and 2.6x optimistic):
+    # the band of its points does not say where it ends; one that held is taken at its word.
+    falling, held = ({**rows[0], "convergence_points": 9, "convergence_drift": d} for d in (0.34, 0.95))
+    assert not _confident([falling] + wide) and _confident([held] + wide)
+    assert _confident([{**falling, "setup": "allreduce"}] + wide, "allreduce")  # the reference is its own
     p = pm.predict(640.0, pm.Ratio(1, 1, 1), pm.StepCost(0.01, 0.0, 64.0))  # 10 steps; high 0.1 s
     assert _step_cap(600, p) == 600 and _step_cap(5, p) == 20 and _step_cap(1, p) == 10
 
