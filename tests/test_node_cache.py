@@ -118,9 +118,9 @@ def worker() -> None:
             time.sleep(0.003 * ((rank + k) % 3))  # ranks interleave differently every push
             box.push_pull(ramp, seen, scale=rank + 1)
             box.push(torch.ones(3), start=NUMEL)  # the pass-through region
-        box.barrier()  # two levels: each rank syncs its node before and after it
         if two:
-            out["syncs"] = box.syncs
+            out["syncs"] = box.syncs  # before the barrier: its syncs (two a rank) are not the pushes'
+        box.barrier()  # two levels: each rank syncs its node before and after it
         center = box.pull(torch.empty(NUMEL + 3))
         want = 1 + ramp * PUSHES * sum(range(1, SIZE + 1))
         out[f"two_level={two}"] = {
@@ -151,8 +151,10 @@ def test_two_level_center_ends_at_the_closed_form_with_one_exchange_per_node_rou
             assert part["error"] <= 1e-6, line
             assert part["extra"] == [float(PUSHES * SIZE)] * 3, line
         # 24 pushes a node, a sync every 2 (fewer where one was under way), one before the first pull,
-        # two by each rank at the barrier: never more than one exchange per round of the node's workers.
-        assert 2 <= line["syncs"] <= 1 + PUSHES * PER_NODE // PER_NODE + 2 * PER_NODE, line
+        # and the node-mate's first sync at the barrier where it got there first: never more than one
+        # exchange per round of the node's workers. (CI once read 18 after the barrier: the mate had
+        # already synced for the next one; the count is now read before it.)
+        assert 1 <= line["syncs"] <= 1 + PUSHES * PER_NODE // PER_NODE + (PER_NODE - 1), line
     per_node = {line["rank"] // PER_NODE: line["syncs"] for line in lines}
     assert len(per_node) == 2
     assert not left
