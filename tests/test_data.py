@@ -108,6 +108,17 @@ def _check_mnist(ds, arrays) -> None:
     )
 
 
+def test_mnist_bytes_normalise_as_their_floats_do():
+    # The byte path takes its statistics from a histogram; the same images as floats in [0, 1] take
+    # them from the pixels. Both must give the same tensors.
+    train_x, _, test_x, _ = _mnist_arrays()
+    from_bytes = mnist_mod._normalised(train_x, test_x)
+    from_floats = mnist_mod._normalised(*(x.astype(np.float32) / 255 for x in (train_x, test_x)))
+    for a, b in zip(from_bytes, from_floats):
+        assert a.dtype == torch.float32 and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
 def test_mnist_idx_folder(tmp_path):
     arrays = _mnist_arrays()
     _write_idx_folder(tmp_path / "mnist", arrays)

@@ -224,11 +224,27 @@ def _check(arrays: Arrays, source: str) -> None:
             )
 
 
-def _images(x: np.ndarray) -> torch.Tensor:
-    x = np.asarray(x).reshape(len(x), 1, 28, 28)
-    # IDX holds bytes 0..255; the pickle holds floats already in [0, 1).
-    scale = 255.0 if x.dtype == np.uint8 else 1.0
-    return torch.from_numpy(x.astype(np.float32)).div_(scale)
+def _tensor(x: np.ndarray) -> torch.Tensor:
+    x = np.asarray(x)
+    return torch.from_numpy(x if x.flags.writeable else x.copy())  # IDX files are read-only buffers
+
+
+def _normalised(train_x: np.ndarray, test_x: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both image sets as (N, 1, 28, 28) float32, normalised with the train set's mean and std of
+    pixels in [0, 1] (IDX holds bytes 0..255, the pickle floats in [0, 1)). Every worker of a run
+    loads MNIST at its start, a replacement too: from bytes the statistics come from a histogram of
+    the 256 values, exact in float64, and the scaling to [0, 1] joins the normalisation (0.3 s of CPU
+    where a float pass took 0.9 s)."""
+    tx, sx = (_tensor(x).reshape(len(x), 1, 28, 28).to(torch.float32) for x in (train_x, test_x))
+    if np.asarray(train_x).dtype != np.uint8:
+        mean, std = channel_stats(tx, per_channel=False)
+        return normalise_(tx, mean, std), normalise_(sx, mean, std)
+    counts = torch.bincount(_tensor(train_x).reshape(-1), minlength=256).double()
+    values = torch.arange(256, dtype=torch.float64) / 255
+    mean = (counts * values).sum() / counts.sum()
+    std = ((counts * (values - mean) ** 2).sum() / counts.sum()).sqrt().clamp_min(1e-8)
+    mean_u8, std_u8 = float(mean * 255), float(std * 255)  # (x / 255 - mean) / std on the bytes
+    return tx.sub_(mean_u8).div_(std_u8), sx.sub_(mean_u8).div_(std_u8)
 
 
 def _labels(y: np.ndarray, source: str) -> torch.Tensor:
@@ -245,13 +261,12 @@ def load_mnist(data_path: Path | None, seed: int) -> Dataset:
     train_x, train_y, test_x, test_y = _read_arrays(data_path)
     source = str(data_path or cache_dir() / PKL_NAME)
     _check((train_x, train_y, test_x, test_y), source)
-    tx, sx = _images(train_x), _images(test_x)
-    mean, std = channel_stats(tx, per_channel=False)
+    tx, sx = _normalised(train_x, test_x)
     return Dataset(
         name="mnist",
-        train_x=normalise_(tx, mean, std),
+        train_x=tx,
         train_y=_labels(train_y, source),
-        test_x=normalise_(sx, mean, std),
+        test_x=sx,
         test_y=_labels(test_y, source),
         num_classes=10,
     )
