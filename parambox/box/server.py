@@ -393,9 +393,6 @@ class ServerBox(ParameterBox):
         if op == OUTER:
             self._outer(lo, hi, src, bool(header[4]), *floats)
             return
-        scale = floats[0]
-        if op in (PUSH, PUSH_PULL) and scale != 1.0:
-            src = src * np.float32(scale)
         with self.lock:
             if op == PUSH and header[4] > 0:  # a keyed push: count what landed
                 key = int(header[4]) - 1
@@ -404,8 +401,8 @@ class ServerBox(ParameterBox):
                 np.copyto(self.shard[lo:hi], src)
             elif op == COMPANION_WRITE:
                 np.copyto(self.companion()[int(header[4]), lo:hi], src)
-            else:
-                np.add(self.shard[lo:hi], src, out=self.shard[lo:hi])
+            else:  # one pass, no temporary for scale * src (box-sync pushes g / n every step)
+                torch.from_numpy(self.shard[lo:hi]).add_(torch.from_numpy(src), alpha=float(floats[0]))
 
     def landed(self, key: int, target: int) -> bool:
         """Whether ``target`` elements have been pushed under ``key`` into this rank's shard."""
