@@ -14,7 +14,8 @@ two runs' accuracies are compared to half a point, 50 samples there; on digits' 
   itself before its first step, ``PARAMBOX_FAULT``: before the first collective of a synchronous run).
 
 Setups (``SETUPS``): ``easgd`` and ``diloco-async`` (asynchronous over the shm box: a dead worker is
-replaced by a new process that pulls the center and does its remaining steps), ``allreduce``
+replaced by a new process that pulls the center and trains on; the run ends once the workers' steps
+add up to ``workers x --steps``, ``termination=average``), ``allreduce``
 (``on_failure=shrink``: the survivors go on in place over a new process group, and the replacement
 joins at a step boundary with its state from rank 0); those three by default, and ``box-sync`` (the
 same as allreduce's, through the shm box's slots) on request. Rank 0 of the synchronous setups is
@@ -61,9 +62,17 @@ class ChaosSetup:
     hits_rank0: bool = True  # the fault loop may hit rank 0
 
 
+# The asynchronous setups end on the workers' total steps (``termination=average``: ShmCaffe's
+# alignment; torchft's replicas likewise count one global step): a replaced worker's lag is then
+# trained by whoever is running, not by it alone at the end while the others wait.
+_SHARED_END = "termination=average"
 SETUPS = {
-    "easgd": ChaosSetup(("--strategy", "easgd"), 75_000, 3000),
-    "diloco-async": ChaosSetup(("--strategy", "diloco", "--set", "diloco.asynchronous=true"), 65_000, 3000),
+    "easgd": ChaosSetup(("--strategy", "easgd", "--set", f"easgd.{_SHARED_END}"), 75_000, 3000),
+    "diloco-async": ChaosSetup(
+        ("--strategy", "diloco", "--set", "diloco.asynchronous=true", "--set", f"diloco.{_SHARED_END}"),
+        65_000,
+        3000,
+    ),
     # Every step waits for all three ranks on two cores: about half easgd's steps a second.
     "allreduce": ChaosSetup(
         ("--strategy", "allreduce", "--set", "on_failure=shrink", "--checkpoint-every", "500"),
