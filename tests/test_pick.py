@@ -11,9 +11,9 @@ import pytest
 from parambox.studies.pick import model as pm
 from parambox.studies.pick import scores
 from parambox.studies.pick.candidates import Candidate, registry_candidates
-from parambox.studies.pick.runs import Measured
+from parambox.studies.pick.runs import Measured, step_cap
 from parambox.studies.pick.study import _confident, merge_seeds
-from parambox.studies.pick.validation import _step_cap, choose, summarize_validation
+from parambox.studies.pick.validation import choose, summarize_validation
 from tests.conftest import run_cli
 from tests.test_cluster import live_namespaces, needs_root, root_state
 
@@ -186,7 +186,75 @@ def test_validation_ratios_and_confidence():
     assert not _confident([falling] + wide) and _confident([held] + wide)
     assert _confident([{**falling, "setup": "allreduce"}] + wide, "allreduce")  # the reference is its own
     p = pm.predict(640.0, pm.Ratio(1, 1, 1), pm.StepCost(0.01, 0.0, 64.0))  # 10 steps; high 0.1 s
-    assert _step_cap(600, p) == 600 and _step_cap(5, p) == 20 and _step_cap(1, p) == 10
+    assert step_cap(600, p) == 600 and step_cap(5, p) == 20 and step_cap(1, p) == 10
+
+
+def test_confirm_races_the_top_k_and_ranks_them_first_by_their_runs(monkeypatch, tmp_path):
+    """Predicted: downpour 1 s, weight-avg 2 s, allreduce (the reference) 3 s, easgd 4 s. The race of
+    the top 3 measures downpour at 5 s (its probe flattered it), weight-avg at 2.5 s; allreduce's own
+    run (3 s) is its measurement. So weight-avg, allreduce, downpour, then easgd as predicted."""
+    from parambox.studies.pick import study
+
+    cost = pm.StepCost(0.01, 0.0, 64.0)  # 6,400 samples a second
+    predicted = {"downpour": 1.0, "weight-avg": 2.0, "allreduce": 3.0, "easgd": 4.0}
+    entries = [
+        (
+            Candidate(name),
+            Measured(run_dir=tmp_path / name),
+            pm.predict(6400 * t, pm.Ratio(1, 1, 1, [1.0]), cost),
+        )
+        for name, t in predicted.items()
+    ]
+    measured = {"downpour": 5.0, "weight-avg": 2.5}
+    calls = []
+
+    def run_to_target(cfg, out, target, timeout, metric, asynchronous=False):
+        calls.append((cfg["strategy"], asynchronous, out.parent.name))
+        return Measured(run_dir=out, reached_s=measured[cfg["strategy"]])
+
+    monkeypatch.setattr(study.runs, "run_to_target", run_to_target)
+    base = {"strategy": "allreduce", "lr": 0.03, "options": {}, "box": {"backend": "shm"}, "steps": 100}
+    s = study.PickSettings(workers=2, target=0.9, base=base, out=tmp_path, confirm=3)
+    ref = Measured(run_dir=tmp_path / "reference", reached_s=3.0)
+    order, runs_by_index = study._confirm(
+        s, base, entries, pm.rank_order([p for *_, p in entries]), ref, Candidate("allreduce"), lambda _: None
+    )
+    assert calls == [("downpour", True, "confirm"), ("weight-avg", False, "confirm")]  # no second reference
+    rows = study._rank(entries, order, runs_by_index)
+    assert [r["setup"] for r in rows] == ["weight-avg", "allreduce", "downpour", "easgd"]
+    assert [r["predicted_rank"] for r in rows] == [2, 3, 1, 4] and [r["rank"] for r in rows] == [1, 2, 3, 4]
+    assert [r["confirmed_s"] for r in rows] == [2.5, 3.0, 5.0, None]
+    assert "confirmed: reached the target in 5.00 s (predicted #1)" in rows[2]["reason"]
+    assert rows[3]["confirm_run_dir"] is None and rows[1]["confirm_run_dir"].endswith("reference")
+    # A raced candidate that never reached the target goes after those that did.
+    measured["weight-avg"] = None
+    order, runs_by_index = study._confirm(s, base, entries, [0, 1, 2, 3], ref, Candidate("allreduce"), print)
+    assert [entries[i][0].strategy for i in order] == ["allreduce", "downpour", "weight-avg", "easgd"]
+
+
+def test_seeds_merge_confirmed_setups_first_and_score_the_models_own_first_too():
+    def row(setup, predicted, confirmed=None):
+        return {"setup": setup, "family": "synchronous", "predicted_s": predicted,
+                "predicted_low_s": predicted, "predicted_high_s": predicted, "confirmed_s": confirmed}  # fmt: skip
+
+    seeds = [
+        {"seed": 0, "ranking": [row("b", 2.0, 2.0), row("a", 1.5, 1.0), row("c", 1.0)], "confident": False},
+        {"seed": 1, "ranking": [row("b", 2.0, 3.0), row("a", 1.5, 5.0), row("c", 1.0)], "confident": False},
+    ]
+    for r in seeds:
+        r["wall_time_s"] = 1.0
+    out = merge_seeds(seeds)
+    # b: confirmed 2 and 3 s (median 2.5) before a: 1 and 5 s (3.0); c, predicted fastest, never raced
+    assert [r["setup"] for r in out["ranking"]] == ["b", "a", "c"]
+    assert [r["predicted_rank"] for r in out["ranking"]] == [3, 2, 1]
+    v = scores.summarize_seeds(
+        [
+            {"top_pick": "b", "predicted_top_pick_vs_best_measured": 2.0, "top_pick_vs_best_measured": 1.0,
+             "predicted_s": {"a": 1.5, "b": 2.0, "c": 1.0}, "measured_s": {"a": 3.0, "b": 1.5, "c": 3.0}},
+        ],
+        {"a": "synchronous", "b": "synchronous", "c": "synchronous"},
+    )  # fmt: skip
+    assert v["top_pick_within_1.2_of_best"] == 1 and v["predicted_top_pick_within_1.2_of_best"] == 0
 
 
 def test_kendall_tau_against_hand_counted_pairs():
@@ -373,6 +441,12 @@ def test_pick_quick_validate_json(tmp_path):
     assert {"measured_s", "top_pick_vs_best_measured", "top_pick_vs_allreduce"} <= set(v)
     assert {"rank_correlation", "top1_hit_rate", "prediction_error", "prediction_error_by_family"} <= set(v)
     assert result["ranking"][0]["setup"] in v["measured_s"] and "allreduce" in v["measured_s"]
+    # --quick races the top 2 predictions to the target: they lead, in the order their runs reached it
+    raced = result["ranking"][: result["confirmed"]]
+    assert result["confirmed"] == 2 and {r["predicted_rank"] for r in raced} == {1, 2}
+    times = [r["confirmed_s"] if r["confirmed_s"] is not None else math.inf for r in raced]
+    assert times == sorted(times) and all(r["confirmed_s"] is None for r in result["ranking"][2:])
+    assert v["predicted_top_pick"] in v["measured_s"] and "predicted_top_pick_vs_best_measured" in v
     assert len(v["measured_s"]) >= 2  # --quick --validate: the top pick and one other, and allreduce
     assert all(t is None or t > 0 for t in v["measured_s"].values())
     # The user's metric is "acc" (no "accuracy"): pick takes it as the target's metric.

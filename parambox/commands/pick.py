@@ -5,7 +5,8 @@ A reference run (allreduce) trains until its test accuracy reaches the target; e
 of the registry that accepts N workers is probed for a few dozen steps (its presets' options). Each
 prediction is samples to target / samples per second: the samples from how fast the probe's test loss
 fell against the reference's (convergence per sample, with a band), the rate from the probe's time
-per step (compute and communication). --validate trains every ranked candidate to the target (--validate K:
+per step (compute and communication). The top --confirm K predictions (default 3) are then trained
+to the target and put first in the order they reached it. --validate trains every ranked candidate to the target (--validate K:
 the top K and K others at random) and scores the predictions: Kendall's tau between predicted and
 measured order, the top pick's hit, the median prediction error per strategy and family. --seeds N
 repeats it all with N seeds. The runs live in --out (probes/, validation/, reference/; seed-K/ each
@@ -28,9 +29,9 @@ from parambox.errors import UserError
 
 RUN_FLAGS = ("model", "data", "loss", "metrics", "collate", "data_path", "batch_size", "lr", "optimizer")
 RUN_FLAGS += ("momentum", "steps", "seed", "threads", "box")
-QUICK = {"probe_fraction": 1.0, "eval_every": 2}
+QUICK = {"probe_fraction": 1.0, "eval_every": 2, "confirm": 2}
 BARE = "bare"  # --validate with no value: all (under --quick, the top pick and one other)
-DEFAULTS = {"probe_fraction": 1.0, "eval_every": 4}
+DEFAULTS = {"probe_fraction": 1.0, "eval_every": 4, "confirm": 3}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -47,6 +48,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         metavar="all|K",
         help="train every ranked candidate and allreduce to the target (all, the default), or the top K "
         "and K others at random",
+    )
+    a(
+        "--confirm",
+        type=int,
+        metavar="K",
+        help="train the top K predictions to the target and rank them by their measured time first "
+        "(default 3; 0: the prediction alone)",
     )
     a("--seeds", type=int, default=1, help="repeat probes and validations with N seeds (default 1)")
     a(
@@ -90,6 +98,8 @@ def settings_from_args(args: argparse.Namespace):
             f"--target-metric must be a metric's name (letters, digits, _), got {args.target_metric!r}"
         )
     num_validated = _num_validated(args.validate, args.quick)
+    if args.confirm is not None and args.confirm < 0:
+        raise UserError(f"--confirm must be >= 0, got {args.confirm}")
     sizes = {"probe_fraction": args.probe_fraction, "eval_every": args.eval_every}
     for key, value in {**sizes, "probe_steps": args.probe_steps}.items():
         if value is not None and not value > 0:
@@ -108,6 +118,7 @@ def settings_from_args(args: argparse.Namespace):
     base = build_config(base).model_dump(exclude_defaults=False)  # flags' types and ranges, once
     defaults = QUICK if args.quick else DEFAULTS
     sizes = {k: v if v is not None else defaults[k] for k, v in sizes.items()}
+    sizes["confirm"] = defaults["confirm"] if args.confirm is None else args.confirm
     if args.probe_steps is not None and sizes["eval_every"] > args.probe_steps // 2:
         raise UserError("--eval-every must leave at least two evaluations in a probe (<= --probe-steps / 2)")
     only = [x.strip() for x in args.strategies.split(",") if x.strip()] if args.strategies else None
@@ -190,7 +201,7 @@ def print_result(result: dict) -> None:
         title=f"time to test accuracy {result['target_accuracy']:g} with {result['workers']} workers "
         f"(probed with {result['probe_workers']})"
     )
-    for h in ("#", "setup", "predicted s", "band s", "x ref. samples", "ms/step", "comm ms"):
+    for h in ("#", "setup", "predicted s", "band s", "x ref. samples", "ms/step", "comm ms", "confirmed s"):
         table.add_column(h)
     for r in result["ranking"]:
         conv = r["convergence_vs_reference"]
@@ -202,6 +213,7 @@ def print_result(result: dict) -> None:
             "-" if not conv else f"{1 / conv:.2f}",
             f"{r['step_ms']:.1f}",
             f"{r['comm_ms']:.1f}",
+            sec(r.get("confirmed_s")) if r.get("confirm_run_dir") or r.get("confirmed_s") else "",
         )
     console = Console()
     console.print(table)
@@ -217,6 +229,7 @@ def print_result(result: dict) -> None:
             print(f"measured: {label}: {sec(t)} s" + ("" if t is not None else " (did not reach the target)"))
         for key in (
             "top_pick_vs_best_measured",
+            "predicted_top_pick_vs_best_measured",
             "top_pick_vs_allreduce",
             "rank_correlation",
             "top1_hit_rate",

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from parambox.runtime import spawn, zygote
-from parambox.studies.pick.model import Curve, StepCost, samples_to_accuracy, step_cost
+from parambox.studies.pick.model import Curve, Prediction, StepCost, samples_to_accuracy, step_cost
 from parambox.studies.runs import _last_error, _terminate_as_interrupt, clock_lead, train_args
 
 POLL_S = 0.1
@@ -168,6 +168,14 @@ def run_probe(
     if aligned:
         out.ranks = read_ranks(run_dir)
     return out
+
+
+def step_cap(base_steps: int, p: Prediction) -> int:
+    """Room for the prediction's upper end twice over, at least the base run's steps, at most 10x those."""
+    if p.high_s is None:
+        return base_steps
+    steps = math.ceil(2 * p.high_s * p.cost.samples_per_s / p.cost.samples_per_step)
+    return int(min(max(steps, base_steps), 10 * base_steps))
 
 
 def run_to_target(

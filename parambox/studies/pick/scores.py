@@ -119,6 +119,7 @@ def summarize_seeds(seeds: list[dict[str, Any]], families: dict[str, str]) -> di
     valid = [t for t in taus if t is not None]
     per_setup = prediction_error(predicted, measured)
     ratios = [s.get("top_pick_vs_best_measured") for s in seeds]
+    alone = [s.get("predicted_top_pick_vs_best_measured", s.get("top_pick_vs_best_measured")) for s in seeds]
     pairs = [
         seed_rank_correlation({k: v for k, v in a.items() if v is not None}, b)
         for i, a in enumerate(measured)
@@ -132,6 +133,8 @@ def summarize_seeds(seeds: list[dict[str, Any]], families: dict[str, str]) -> di
         "top1_hit_rate": top1_hit_rate([(s["top_pick"], s["measured_s"]) for s in seeds]),
         "top_pick_vs_best_measured_per_seed": ratios,
         "top_pick_within_1.2_of_best": sum(r is not None and r <= 1.2 for r in ratios),
+        "predicted_top_pick_vs_best_measured_per_seed": alone,
+        "predicted_top_pick_within_1.2_of_best": sum(r is not None and r <= 1.2 for r in alone),
         "prediction_error": per_setup,
         "prediction_error_by_family": family_error(per_setup, families),
         "families": families,

@@ -8,6 +8,11 @@
    before they fall need that much; one that falls early stops early.
 3. :mod:`parambox.studies.pick.model` turns each probe into a predicted time to the target (with a
    band), and the candidates are ranked, each with the reason for its rank.
+3a. ``confirm`` K (default 3): the top K predictions are trained to the target and put first in the
+   order they reached it; the rest keep their predicted order. A probe's convergence ratio is read
+   over the first part of the way and is often optimistic (local SGD's and Adagrad's early pace), so
+   a race among the few the model puts ahead costs K runs and catches a top pick that only looked
+   fast. ``predicted_rank`` keeps the model's own order, and validation scores both.
 4. ``validate``: every candidate ranked (``num_validated`` None), or the top K and K others drawn at
    random, and the reference are trained to the target; their measured times against the predicted
    ones give the scores of :mod:`~parambox.studies.pick.scores` (Kendall's tau, the top pick's hit,
@@ -67,6 +72,7 @@ class PickSettings:
     run_timeout_s: float = 900.0
     probe_timeout_s: float = 180.0  # a probe is a few dozen steps: one that hangs is given up soon
     fixed: set[str] = field(default_factory=set)  # run fields the user set: no preset overrides them
+    confirm: int = 3  # the top K predictions trained to the target, first in their measured order (0: off)
 
     @property
     def probe_workers(self) -> int:
@@ -115,7 +121,10 @@ def run_pick(s: PickSettings, say: Say = print) -> dict[str, Any]:
         entries.append((cand, measured, pm.predict(s_ref, ratio, cost)))
     if not entries:
         raise UserError("no candidate could be probed here; see the excluded list (--json)")
-    ranking = _rank(entries)
+    order, confirmed = pm.rank_order([p for _, _, p in entries]), {}
+    if s.confirm:
+        order, confirmed = _confirm(s, base, entries, order, ref, reference, say)
+    ranking = _rank(entries, order, confirmed)
     result = {
         "workers": s.workers,
         "probe_workers": n,
@@ -139,7 +148,9 @@ def run_pick(s: PickSettings, say: Say = print) -> dict[str, Any]:
         "eval_every": s.eval_every,
         "ranking": ranking,
         "excluded": excluded,
-        "confident": _confident(ranking, reference.label),
+        "confirmed": len(confirmed),
+        "confident": _confident(sorted(ranking, key=lambda r: r["predicted_rank"]), reference.label)
+        and ranking[0]["predicted_rank"] == 1,
     }
     if s.validate:
         from parambox.studies.pick.validation import validate
@@ -249,8 +260,49 @@ def _describe(c: Candidate) -> dict[str, Any]:
     }
 
 
-def _rank(entries: list[tuple[Candidate, runs.Measured, pm.Prediction]]) -> list[dict[str, Any]]:
-    order = pm.rank_order([p for _, _, p in entries])
+def _confirm(
+    s: PickSettings,
+    base: dict[str, Any],
+    entries: list[tuple[Candidate, runs.Measured, pm.Prediction]],
+    order: list[int],
+    ref: runs.Measured,
+    reference: Candidate,
+    say: Say,
+) -> tuple[list[int], dict[int, runs.Measured]]:
+    """Train the top ``s.confirm`` predictions to the target (the reference's run is its own). The
+    new order (those that reached the target, fastest first; then those that did not; then the rest
+    as predicted) and the runs by entry index."""
+    from parambox.config import merge
+
+    raced = [i for i in order if entries[i][2].seconds is not None][: s.confirm]
+    runs_by_index: dict[int, runs.Measured] = {}
+    for k, i in enumerate(raced, 1):
+        cand, _, p = entries[i]
+        if cand == reference:
+            runs_by_index[i] = ref
+            continue
+        steps = runs.step_cap(base["steps"], p)
+        say(
+            f"confirm [{k}/{len(raced)}] {cand.label} to {s.target_metric} {s.target:g} (at most {steps} steps)"
+        )
+        cfg = merge(cand.config(base), {"steps": steps})
+        runs_by_index[i] = runs.run_to_target(
+            cfg, s.out / "confirm" / cand.slug, s.target, s.run_timeout_s, s.metric, _is_async(cand)
+        )
+    measured = {i: m.reached_s for i, m in runs_by_index.items()}
+    first = sorted(raced, key=lambda i: (measured[i] is None, measured[i] or 0.0, raced.index(i)))
+    return first + [i for i in order if i not in runs_by_index], runs_by_index
+
+
+def _rank(
+    entries: list[tuple[Candidate, runs.Measured, pm.Prediction]],
+    order: list[int],
+    confirmed: dict[int, runs.Measured] | None = None,
+) -> list[dict[str, Any]]:
+    """The rows in ``order``, each with its reason against the first; ``confirmed``: the runs to the
+    target of the raced candidates (by entry index)."""
+    confirmed = confirmed or {}
+    predicted = pm.rank_order([p for _, _, p in entries])
     _, _, top = entries[order[0]]
     out = []
     for rank, i in enumerate(order, 1):
@@ -258,11 +310,21 @@ def _rank(entries: list[tuple[Candidate, runs.Measured, pm.Prediction]]) -> list
         first = rank == 1
         stale = measured.staleness()
         why = pm.reason(p, None if first else top, "the top pick", stale)
+        run = confirmed.get(i)
+        if run is not None:
+            got = (
+                "did not reach the target"
+                if run.reached_s is None
+                else f"reached the target in {run.reached_s:.2f} s"
+            )
+            why += f"; confirmed: {got} (predicted #{predicted.index(i) + 1})"
         r = p.ratio
         out.append(
             {
                 **_describe(cand),
                 "rank": rank,
+                "predicted_rank": predicted.index(i) + 1,
+                "confirmed_s": None if run is None else run.reached_s,
                 "predicted_s": p.seconds,
                 "predicted_low_s": p.low_s,
                 "predicted_high_s": p.high_s,
@@ -281,6 +343,7 @@ def _rank(entries: list[tuple[Candidate, runs.Measured, pm.Prediction]]) -> list
                 "staleness": stale,
                 "probe_samples": (measured.curve("test_loss").samples or [None])[-1],
                 "run_dir": str(measured.run_dir),
+                "confirm_run_dir": None if run is None else str(run.run_dir),
             }
         )
     return out
@@ -340,8 +403,24 @@ def merge_seeds(results: list[dict[str, Any]]) -> dict[str, Any]:
         for key in ("predicted_s", "predicted_low_s", "predicted_high_s"):
             row[key] = median([x[key] for x in per_seed])
         row["predicted_s_per_seed"] = [x["predicted_s"] for x in per_seed]
+        row["confirmed_s_per_seed"] = [x.get("confirmed_s") for x in per_seed]
+        row["confirmed_s"] = median(row["confirmed_s_per_seed"])
         ranking.append(row)
-    ranking.sort(key=lambda x: (x["predicted_s"] is None, x["predicted_s"] or 0.0))
+
+    def predicted_key(x: dict[str, Any]) -> tuple[bool, float]:
+        return x["predicted_s"] is None, x["predicted_s"] or 0.0
+
+    # First the setups every seed confirmed to reach the target, by their median time to it; then the
+    # rest by the median prediction.
+    def settled(x: dict[str, Any]) -> bool:
+        times = x["confirmed_s_per_seed"]
+        return len(times) == len(results) and all(t is not None for t in times)
+
+    for rank, row in enumerate(sorted(ranking, key=predicted_key), 1):
+        row["predicted_rank"] = rank
+    ranking.sort(
+        key=lambda x: (not settled(x), x["confirmed_s"] or 0.0 if settled(x) else 0.0, *predicted_key(x))
+    )
     for rank, row in enumerate(ranking, 1):
         row["rank"] = rank
     tops = {r["ranking"][0]["setup"] for r in results if r["ranking"]}

@@ -1,5 +1,9 @@
 """``parambox pick --validate``: train candidates to the target and score the predictions.
 
+The top pick is the ranking's first: after a confirmation race (``confirm``), the fastest of the
+raced candidates to the target in *their own* runs; validation trains it again, so its hit is
+scored on a fresh run, beside the model's own first (``predicted_top_pick_vs_best_measured``).
+
 Which candidates: every one ranked (``num_validated`` None: a faster strategy ranked low is measured
 too), or the top K and K others drawn at random from the rest (seeded by the run's seed, so a repeat
 draws the same), and always the reference (allreduce, whose run to the target is its measurement).
@@ -9,7 +13,6 @@ with ``run_pick_seeds``.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 from typing import Any
@@ -66,7 +69,7 @@ def validate(
         if label == ref_label:
             m = ref
         else:
-            steps = _step_cap(base["steps"], p)
+            steps = runs.step_cap(base["steps"], p)
             say(
                 f"validate [{i}/{len(chosen)}] {label} to {s.target_metric} {s.target:g} (at most {steps} steps)"
             )
@@ -81,18 +84,17 @@ def validate(
     top = timed[0] if timed else None  # None: no candidate had a prediction
     predicted = {label: by_label[label][1].seconds if label in by_label else None for label in measured}
     v = summarize_validation(measured, top, ref_label)
+    # The model's own first, before any confirmation race put another first (scored too).
+    by_prediction = min(
+        (r for r in ranking if r["predicted_s"] is not None), key=lambda r: r["predicted_rank"]
+    )
+    alone = summarize_validation(measured, by_prediction["setup"], ref_label)
+    v["predicted_top_pick"] = alone["top_pick"]
+    v["predicted_top_pick_vs_best_measured"] = alone["top_pick_vs_best_measured"]
     seed_scores = scores.summarize_seeds(
         [{"predicted_s": predicted, "measured_s": measured, **v}], {r["setup"]: r["family"] for r in ranking}
     )
     return v | {"predicted_s": predicted} | seed_scores | {"runs": details, "targets": TARGETS}
-
-
-def _step_cap(base_steps: int, p: pm.Prediction) -> int:
-    """Room for the prediction's upper end twice over, at least the base run's steps, at most 10x those."""
-    if p.high_s is None:
-        return base_steps
-    steps = math.ceil(2 * p.high_s * p.cost.samples_per_s / p.cost.samples_per_step)
-    return int(min(max(steps, base_steps), 10 * base_steps))
 
 
 def _validated(label: str, p: pm.Prediction | None, m: runs.Measured) -> dict[str, Any]:
