@@ -6,11 +6,11 @@ of the registry that accepts N workers is probed for a few dozen steps (its pres
 prediction is samples to target / samples per second: the samples from how fast the probe's test loss
 fell against the reference's (convergence per sample, with a band), the rate from the probe's time
 per step (compute and communication). The top --confirm K predictions (default 3) are then trained
-to the target and put first in the order they reached it. --validate trains every ranked candidate to the target (--validate K:
-the top K and K others at random) and scores the predictions: Kendall's tau between predicted and
-measured order, the top pick's hit, the median prediction error per strategy and family. --seeds N
-repeats it all with N seeds. The runs live in --out (probes/, validation/, reference/; seed-K/ each
-with several seeds) beside pick.json.
+to the target and put first in the order they reached it. --validate trains every ranked candidate
+to the target (--validate K: the top K and K others at random) and scores the predictions: Kendall's
+tau between predicted and measured order, the top pick's hit, the median prediction error per
+strategy and family. --seeds N repeats it all with N seeds. The runs live in --out (reference/,
+probes/, confirm/, validation/; seed-K/ each with several seeds) beside pick.json.
 
     parambox pick --workers 2 --target-accuracy 0.95 --validate all --seeds 3 --json
     parambox pick --workers 2 --target-accuracy 0.95 --emulate-nodes 2 --link-gbps 0.1 --validate 3
