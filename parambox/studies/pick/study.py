@@ -272,26 +272,38 @@ def _confirm(
     """Train the top ``s.confirm`` predictions to the target (the reference's run is its own). The
     new order (those that reached the target, fastest first; then those that did not; then the rest
     as predicted) and the runs by entry index."""
-    from parambox.config import merge
-
     raced = [i for i in order if entries[i][2].seconds is not None][: s.confirm]
     runs_by_index: dict[int, runs.Measured] = {}
     for k, i in enumerate(raced, 1):
         cand, _, p = entries[i]
-        if cand == reference:
-            runs_by_index[i] = ref
-            continue
-        steps = runs.step_cap(base["steps"], p)
-        say(
-            f"confirm [{k}/{len(raced)}] {cand.label} to {s.target_metric} {s.target:g} (at most {steps} steps)"
-        )
-        cfg = merge(cand.config(base), {"steps": steps})
-        runs_by_index[i] = runs.run_to_target(
-            cfg, s.out / "confirm" / cand.slug, s.target, s.run_timeout_s, s.metric, _is_async(cand)
-        )
+        is_ref = cand == reference
+        runs_by_index[i] = ref if is_ref else train_to_target(s, base, cand, p, "confirm", k, len(raced), say)
     measured = {i: m.reached_s for i, m in runs_by_index.items()}
     first = sorted(raced, key=lambda i: (measured[i] is None, measured[i] or 0.0, raced.index(i)))
     return first + [i for i in order if i not in runs_by_index], runs_by_index
+
+
+def train_to_target(
+    s: PickSettings,
+    base: dict[str, Any],
+    cand: Candidate,
+    p: pm.Prediction,
+    folder: str,
+    k: int,
+    of: int,
+    say: Say,
+) -> runs.Measured:
+    """``cand`` trained to the target in ``s.out/folder`` (a race's or a validation's run, the
+    ``k``-th of ``of``), with room for twice its prediction's upper end."""
+    from parambox.config import merge
+
+    steps = runs.step_cap(base["steps"], p)
+    verb = "validate" if folder == "validation" else folder
+    say(f"{verb} [{k}/{of}] {cand.label} to {s.target_metric} {s.target:g} (at most {steps} steps)")
+    cfg = merge(cand.config(base), {"steps": steps})
+    return runs.run_to_target(
+        cfg, s.out / folder / cand.slug, s.target, s.run_timeout_s, s.metric, _is_async(cand)
+    )
 
 
 def _rank(
@@ -302,7 +314,7 @@ def _rank(
     """The rows in ``order``, each with its reason against the first; ``confirmed``: the runs to the
     target of the raced candidates (by entry index)."""
     confirmed = confirmed or {}
-    predicted = pm.rank_order([p for _, _, p in entries])
+    predicted_rank = {i: k for k, i in enumerate(pm.rank_order([p for _, _, p in entries]), 1)}
     _, _, top = entries[order[0]]
     out = []
     for rank, i in enumerate(order, 1):
@@ -317,13 +329,13 @@ def _rank(
                 if run.reached_s is None
                 else f"reached the target in {run.reached_s:.2f} s"
             )
-            why += f"; confirmed: {got} (predicted #{predicted.index(i) + 1})"
+            why += f"; confirmed: {got} (predicted #{predicted_rank[i]})"
         r = p.ratio
         out.append(
             {
                 **_describe(cand),
                 "rank": rank,
-                "predicted_rank": predicted.index(i) + 1,
+                "predicted_rank": predicted_rank[i],
                 "confirmed_s": None if run is None else run.reached_s,
                 "predicted_s": p.seconds,
                 "predicted_low_s": p.low_s,

@@ -55,8 +55,7 @@ def validate(
 ) -> dict[str, Any]:
     """Train the chosen setups and the reference to the target (the reference's run is its own
     measurement); measured against predicted times, with this seed's scores."""
-    from parambox.config import merge
-    from parambox.studies.pick.study import _is_async
+    from parambox.studies.pick.study import train_to_target
 
     by_label = {c.label: (c, p) for c, _, p in entries}
     ref_label = reference.label
@@ -66,16 +65,11 @@ def validate(
     details = []
     for i, label in enumerate(chosen, 1):
         cand, p = by_label[label]
-        if label == ref_label:
-            m = ref
-        else:
-            steps = runs.step_cap(base["steps"], p)
-            say(
-                f"validate [{i}/{len(chosen)}] {label} to {s.target_metric} {s.target:g} (at most {steps} steps)"
-            )
-            cfg = merge(cand.config(base), {"steps": steps})
-            out = s.out / "validation" / cand.slug
-            m = runs.run_to_target(cfg, out, s.target, s.run_timeout_s, s.metric, _is_async(cand))
+        m = (
+            ref
+            if label == ref_label
+            else train_to_target(s, base, cand, p, "validation", i, len(chosen), say)
+        )
         measured[label] = m.reached_s
         details.append(_validated(label, p, m))
     if ref_label not in measured:
