@@ -191,8 +191,11 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
         result = run_setups(steppers, world, rounds, steps, warmup, meter)
         close_setups(steppers)
         link = _gather_means(result.metered, setups) if meter else None
+        mine = {name: _comm_per_step(result.outputs[name][warmup:]) for name in setups}
+        comm: list[Any] = [None] * world.world_size  # every rank's: a rank far from the counters waits longer
+        dist.all_gather_object(comm, mine)
         if world.rank == 0:
-            comm = {name: _comm_per_step(result.outputs[name][warmup:]) for name in setups}
+            comm = {name: [c[name] for c in comm] for name in setups}
             out.write_text(json.dumps({"per_round": result.per_round, "link_bytes": link, "comm": comm}))
     finally:
         destroy_distributed()
@@ -337,12 +340,24 @@ def summarize(data: dict, loopback: dict[str, list[float]]) -> dict[str, Any]:
             if data["link_bytes"] is None
             else statistics.mean(data["link_bytes"][n]),
             "link_bytes_per_step_per_node": None if data["link_bytes"] is None else data["link_bytes"][n],
-            "comm_s_per_step": None if data["comm"][n] is None else sum(data["comm"][n].values()),
-            "comm_s_per_step_by_phase": data["comm"][n],
+            **_comm_summary(data["comm"][n]),
         }
         for n in names
     }
     return out
+
+
+def _comm_summary(per_rank: list[dict[str, float] | None]) -> dict[str, Any]:
+    """Seconds per step in communication: the mean over ranks per phase, and each rank's total."""
+    if any(c is None for c in per_rank):
+        return {"comm_s_per_step": None, "comm_s_per_step_by_phase": None, "comm_s_per_step_per_rank": None}
+    phases = sorted({p for c in per_rank for p in c})
+    by_phase = {p: statistics.mean(c.get(p, 0.0) for c in per_rank) for p in phases}
+    return {
+        "comm_s_per_step": sum(by_phase.values()),
+        "comm_s_per_step_by_phase": by_phase,
+        "comm_s_per_step_per_rank": [sum(c.values()) for c in per_rank],
+    }
 
 
 if __name__ == "__main__":

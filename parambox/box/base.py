@@ -127,6 +127,16 @@ class Handle:
 DONE = Handle()  # backends that finish the transfer inside the call return this
 
 
+class Count(Handle):
+    """A counter add in flight (``add_counter_async``): ``wait()`` returns the value before the add."""
+
+    def __init__(self, value: int = 0):
+        self.value = value
+
+    def wait(self) -> int:
+        return self.value
+
+
 class _StagedPull(Handle):
     """A pull into a host staging buffer, copied into the caller's tensor (GPU, other dtype) on wait."""
 
@@ -229,6 +239,12 @@ class ParameterBox(ABC):
     @abstractmethod
     def add_counter(self, i: int, v: int) -> int:
         """Atomically add ``v`` to counter ``i``; returns the value before the add."""
+
+    def add_counter_async(self, i: int, v: int) -> Count:
+        """Start ``add_counter(i, v)``; the handle's ``wait()`` returns the value before the add. Where
+        the counters are remote (``rma`` across nodes) the add travels while the caller goes on, so
+        several adds cost one round trip; elsewhere it is done in the call."""
+        return Count(self.add_counter(i, v))
 
     def set_counter(self, i: int, value: int) -> None:
         """Counter ``i`` := ``value``, for a counter one process writes at a time (a read, then an add)."""

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from parambox.box.base import DONE, BoxConfig, Handle, ParameterBox, open_box
+from parambox.box.base import DONE, BoxConfig, Count, Handle, ParameterBox, open_box
 from parambox.runtime.world import World
 
 _SYNCS, _PUSHES, _PUSHERS = 0, 1, 2  # the node box's counters
@@ -130,6 +130,9 @@ class NodeCachedBox(ParameterBox):
 
     def add_counter(self, i: int, v: int) -> int:
         return self.cross.add_counter(i, v)
+
+    def add_counter_async(self, i: int, v: int) -> Count:
+        return self.cross.add_counter_async(i, v)
 
     def barrier(self, timeout: float | None = None) -> None:
         """The cross box's barrier, with a sync on each side: every push made before it is in every

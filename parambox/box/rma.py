@@ -47,7 +47,7 @@ from parambox.runtime import mpi as pbmpi
 pbmpi.before_import()
 from mpi4py import MPI  # noqa: E402  (importing it initialises MPI)
 
-from parambox.box.base import Handle, ParameterBox, wait_until  # noqa: E402
+from parambox.box.base import Count, Handle, ParameterBox, wait_until  # noqa: E402
 from parambox.box.layout import shard_range  # noqa: E402
 from parambox.errors import CommTimeout, UserError  # noqa: E402
 from parambox.runtime.world import World  # noqa: E402
@@ -69,6 +69,22 @@ class _Flush(Handle):
         for t in self.targets:
             self.win.Flush(t)
         self.targets, self.keep = [], None
+
+
+class _FetchedCount(Count):
+    """A ``Fetch_and_op`` in flight; its ``Flush`` on ``wait``."""
+
+    def __init__(self, win: MPI.Win, target: int, i: int, v: int):
+        super().__init__()
+        self.win, self.target = win, target
+        self.src, self.result = np.array([v], dtype=np.int64), np.zeros(1, dtype=np.int64)
+        win.Fetch_and_op(self.src, self.result, target, i, MPI.SUM)
+
+    def wait(self) -> int:
+        if self.win is not None:
+            self.win.Flush(self.target)
+            self.win, self.value = None, int(self.result[0])
+        return self.value
 
 
 class RmaBox(ParameterBox):
@@ -155,6 +171,9 @@ class RmaBox(ParameterBox):
         self.cwin.Fetch_and_op(np.array([v], dtype=np.int64), result, self.counter_rank, i, op)
         self.cwin.Flush(self.counter_rank)
         return int(result[0])
+
+    def add_counter_async(self, i: int, v: int) -> Count:
+        return _FetchedCount(self.cwin, self.counter_rank, self._counter_index(i), v)
 
     def read_counter(self, i: int) -> int:
         return self._fetch_and_op(self._counter_index(i), 0, MPI.NO_OP)

@@ -60,6 +60,7 @@ import torch
 from parambox.box.base import (
     FIRST_NAP_S,
     SPIN_S,
+    Count,
     Handle,
     ParameterBox,
     _host_flat,
@@ -132,6 +133,28 @@ class _Requests(Handle):
             msg = f"{self.what}: no answer within {self.timeout:.0f} s"
             wait_until(lambda: MPI.Request.Testall(self.reqs), self.timeout, lambda: msg)
         self.reqs, self.keep = [], []
+
+
+class _RemoteCount(Count):
+    """A counter request to the counters' rank: the old value arrives in the reply."""
+
+    def __init__(self, box: ServerBox, header: np.ndarray, i: int):
+        super().__init__()
+        self.old = np.zeros(1, dtype=np.int64)
+        tag = int(header[1])
+        reqs = [
+            box.data.Irecv(self.old, box.counter_rank, _reply(tag)),
+            box.data.Isend(header, box.counter_rank, REQUEST_TAG),
+        ]
+        self.requests: _Requests | None = _Requests(
+            reqs, [header], box.timeout, f"box {box.name!r} counter {i}"
+        )
+
+    def wait(self) -> int:
+        if self.requests is not None:
+            self.requests.wait()
+            self.requests, self.value = None, int(self.old[0])
+        return self.value
 
 
 class _LocalGated(Handle):
@@ -549,27 +572,23 @@ class ServerBox(ParameterBox):
         self._span(flat.numel(), start)
         self._transfer(COMPANION_WRITE, flat.numpy(), start, counter=row).wait()
 
-    def _fetch_add(self, i: int, v: int) -> int:
+    def add_counter_async(self, i: int, v: int) -> Count:
+        i = self._counter_index(i)
         if self.rank == self.counter_rank:
             with self.lock:
                 old = int(self.counters[i])
                 self.counters[i] += v
-            return old
-        tag, old = self._tag(), np.zeros(1, dtype=np.int64)
+            return Count(old)
+        tag = self._tag()
         header = np.zeros(_HEADER, dtype=np.int64)
         header[:6] = [COUNTER, tag, 0, 0, i, v]
-        reqs = [
-            self.data.Irecv(old, self.counter_rank, _reply(tag)),
-            self.data.Isend(header, self.counter_rank, REQUEST_TAG),
-        ]
-        _Requests(reqs, [header], self.timeout, f"box {self.name!r} counter {i}").wait()
-        return int(old[0])
+        return _RemoteCount(self, header, i)
 
     def read_counter(self, i: int) -> int:
-        return self._fetch_add(self._counter_index(i), 0)
+        return self.add_counter_async(i, 0).wait()
 
     def add_counter(self, i: int, v: int) -> int:
-        return self._fetch_add(self._counter_index(i), v)
+        return self.add_counter_async(i, v).wait()
 
     def close(self) -> None:
         """Collective over the live ranks: once all are here no request can come, so the server stops."""

@@ -55,6 +55,7 @@ pass, calling ``super().begin_step(step)``); e.g. the asynchronous EASGD update:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from typing import Any, ClassVar, Literal
@@ -64,7 +65,7 @@ from pydantic import Field
 from torch import nn
 
 from parambox.box import BoxConfig, Layout
-from parambox.box.base import wait_until
+from parambox.box.base import Count, wait_until
 from parambox.box.node_cache import open_center_box
 from parambox.errors import CommTimeout, UserError, warn
 from parambox.numerics import is_finite
@@ -158,6 +159,10 @@ class AsyncStrategy(Strategy):
         self.lost: set[int] = set()
         self._final = False
         self._reached = False
+        # This worker's steps as counted in the box, and its counter adds in flight: a step's adds
+        # travel while the next step computes (across nodes each is a trip over the link).
+        self._steps_done = 0
+        self._counting: list[Count] = []
         if not self.serves:
             self._join()
 
@@ -187,9 +192,10 @@ class AsyncStrategy(Strategy):
             self.box.add_counter(m.ready, 1)
         else:
             self._await_ready(1)
+        self._steps_done = self.box.read_counter(m.steps(rank))
         if self.rejoined:
             self.client.pull(self.x)
-            self._reached = self.box.read_counter(m.steps(rank)) >= self.ctx.steps
+            self._reached = self._steps_done >= self.ctx.steps
 
     def _set_status(self, r: int, bit: int) -> None:
         if not self.box.read_counter(self.counters.status(r)) & bit:
@@ -244,18 +250,26 @@ class AsyncStrategy(Strategy):
 
     def step_result(self, loss: torch.Tensor | None, samples: int) -> StepResult:
         """Count the step in the box (heartbeat, termination, the run's samples) and report comm times
-        and staleness."""
+        and staleness. The adds are waited for at the next step (or ``finish``): the others see
+        this step's counts one step late, which heartbeats and termination allow."""
         m, rank = self.counters, self.world.rank
-        done = self.box.add_counter(m.steps(rank), 1) + 1
-        self.box.add_counter(m.total, 1)
-        self.box.add_counter(m.samples, samples)
-        if done >= self.ctx.steps and not self._reached:
-            self._reached = True
-            self.box.add_counter(m.reached, 1)
+        with self.timers.phase("count"):
+            self._settle_counts()
+            self._steps_done += 1
+            add = self.box.add_counter_async
+            self._counting = [add(m.steps(rank), 1), add(m.total, 1), add(m.samples, samples)]
+            if self._steps_done >= self.ctx.steps and not self._reached:
+                self._reached = True
+                self.box.add_counter(m.reached, 1)
         extra = {"staleness": float(self.client.staleness)}
         if self.halted:
             extra["nonfinite"] = 1.0
         return StepResult(loss_value(loss), samples, self.timers.pop(), extra)
+
+    def _settle_counts(self) -> None:
+        for count in self._counting:
+            count.wait()
+        self._counting = []
 
     def flush(self) -> None:
         """Called once after the last step, before the worker says it is done: push what is left."""
@@ -278,6 +292,7 @@ class AsyncStrategy(Strategy):
         if self.serves:
             self._serve()
             return
+        self._settle_counts()  # every step counted before DONE says so
         if not self.halted:
             self.flush()
         self.box.sync_levels()  # a node's last update reaches the cross-node box before DONE says so
@@ -361,7 +376,8 @@ class AsyncStrategy(Strategy):
         if self.serves:
             return {}
         state = super().state_dict()
-        state["steps_done"] = self.box.read_counter(self.counters.steps(self.world.rank))
+        self._settle_counts()
+        state["steps_done"] = self._steps_done
         if self.world.rank == 0:
             state["center"] = self.box.pull(torch.empty(self.numel)).clone()
             if self.extra_numel:  # the strategy's own state in the box (Adagrad's sums, diloco's momentum)
@@ -377,6 +393,7 @@ class AsyncStrategy(Strategy):
         m, rank = self.counters, self.world.rank
         done = int(state.get("steps_done", 0))
         self.box.add_counter(m.steps(rank), done)
+        self._steps_done += done
         self.box.add_counter(m.total, done)
         # The samples counter starts afresh: samples_per_s is over this life's training time.
         if done >= self.ctx.steps and not self._reached:
@@ -417,4 +434,6 @@ class AsyncStrategy(Strategy):
     def close(self) -> None:
         for p in self.params:
             p.grad = None
+        with contextlib.suppress(CommTimeout):  # a failed run: its last counts matter to nobody
+            self._settle_counts()
         self.box.close()

@@ -81,8 +81,9 @@ class CenterClient:
     def pull(self, out: torch.Tensor) -> torch.Tensor:
         """``out <- c``; remembers the version for staleness."""
         with self.timers.phase("pull"):
-            self.pulled_version = self.box.read_counter(VERSION_COUNTER)
+            version = self.box.add_counter_async(VERSION_COUNTER, 0)  # read while the pull travels
             self.box.pull(out, self.start)
+            self.pulled_version = version.wait()
         return out
 
     def push(self, delta: torch.Tensor, scale: float = 1.0, damped: bool = False, count: bool = True) -> bool:
@@ -108,7 +109,7 @@ class CenterClient:
         False, moving nothing, if ``delta`` is not finite."""
         if not is_finite(delta):
             return False
-        with self._exchange():
+        with self._exchange(known=damped):
             if damped:
                 scale /= self.staleness + 1
             self.box.push_pull(delta, out, scale, self.start)
@@ -125,13 +126,17 @@ class CenterClient:
         return True
 
     @contextlib.contextmanager
-    def _exchange(self) -> Iterator[None]:
-        """A push that brings the center back: counted as one version (``staleness`` is set on entry),
-        after which this worker holds the version it made."""
+    def _exchange(self, known: bool = False) -> Iterator[None]:
+        """A push that brings the center back: counted as one version, after which this worker holds
+        the version it made. The count travels with the exchange; ``known``: it is waited for first,
+        so that ``staleness`` is set inside the block (a damped push scales by it)."""
         with self.timers.phase("push_pull"):
-            version = self.box.add_counter(VERSION_COUNTER, 1)
-            self.staleness = version - self.pulled_version
+            count = self.box.add_counter_async(VERSION_COUNTER, 1)
+            if known:
+                self.staleness = count.wait() - self.pulled_version
             yield
+            version = count.wait()
+            self.staleness = version - self.pulled_version
             self.pulled_version = version + 1
 
     def elastic_(self, x: torch.Tensor, alpha: float) -> bool:
