@@ -157,7 +157,7 @@ class CenterClient:
         if self._d is None or self._d.numel() != block or self._d.device != x.device:
             self._d = torch.empty(block, device=x.device)
             self._c = None if self._shared(x) is not None else torch.empty(block, device=x.device)
-        self.pulled_version = self.box.read_counter(VERSION_COUNTER)
+        pulled = self.box.add_counter_async(VERSION_COUNTER, 0)  # read while the pull travels
         shared = self._shared(x)
         for lo in range(0, n, block):
             hi = min(n, lo + block)
@@ -170,12 +170,15 @@ class CenterClient:
                 )
                 torch.sub(x[lo:hi], c, out=e)
             if not is_finite(e):
+                pulled.wait()  # nothing left in flight
                 return False
             x[lo:hi].sub_(e, alpha=alpha)
             with self.timers.phase("push"):
                 self.box.push(e, alpha, self.start + lo)
         with self.timers.phase("push"):
-            self.staleness = self.box.add_counter(VERSION_COUNTER, 1) - self.pulled_version
+            version = self.box.add_counter(VERSION_COUNTER, 1)
+            self.pulled_version = pulled.wait()
+            self.staleness = version - self.pulled_version
         return True
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
