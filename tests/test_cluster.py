@@ -390,6 +390,20 @@ def test_nothing_left_after_sigkill_during_an_mpi_job(tmp_path):
     assert {p.name for p in Path("/tmp").glob("ompi.*")} <= tmp_before
 
 
+@needs_root
+def test_nodes_run_cubic_tcp_unless_told_otherwise():
+    """The nodes' congestion control is Linux's default, not whatever the host runs; ``host`` keeps the
+    host's; a name the kernel lacks is one clear error, and nothing is left behind."""
+    before, where = root_state(), "/proc/sys/net/ipv4/tcp_congestion_control"
+    host = Path(where).read_text().strip()
+    for asked, seen in (("cubic", "cubic"), ("host", host)):
+        with EmulatedCluster(2, 1.0, tcp_congestion=asked) as c:
+            assert [_out(*c.command(k, ["cat", where])).strip() for k in range(2)] == [seen, seen]
+    with pytest.raises(ClusterUnavailable, match="TCP congestion control nosuch is not available"):
+        ClusterConfig(nodes=2, tcp_congestion="nosuch").build(2).start()
+    assert Path(where).read_text().strip() == host and root_state() == before
+
+
 # ----- the parts parambox adds: config, placement, the mpiexec filter ------------------------------
 def test_cluster_config_checks_its_fields():
     assert ClusterConfig(nodes=2, link_gbps=0.1).ranks_per_node(4) == 2

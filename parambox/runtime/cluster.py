@@ -70,6 +70,11 @@ MAX_NODES = 65000
 MIN_BURST_BYTES = 128 * 1024
 BURST_S = 1e-3
 DEFAULT_LATENCY_MS = 20.0  # the tbf queue: at most this long a wait, then tail drop
+# TCP congestion control inside the nodes: Linux's default, as a cluster's nodes run it, whatever the
+# host machine uses (a new namespace inherits the host's). This VM's host default, BBR, held box-sync's
+# traffic (both directions of one connection full at once) to 0.89-0.95 x DDP at 0.1-1 Gbit/s; with
+# CUBIC it ran at 1.01 / 1.00, DDP's own speed unchanged (``bench cluster``, 28 Nov).
+DEFAULT_TCP_CONGESTION = "cubic"
 READY_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 5.0
 # Open MPI across emulated nodes.
@@ -132,6 +137,11 @@ class ClusterConfig(BaseModel):
     link_gbps: float | None = Field(None, gt=0, description="each node's link in Gbit/s (None: unshaped)")
     burst_bytes: int | None = Field(None, ge=2048, description="tbf burst (default max(128 KiB, 1 ms))")
     latency_ms: float = Field(DEFAULT_LATENCY_MS, gt=0, description="tbf queue length in milliseconds")
+    tcp_congestion: str = Field(
+        DEFAULT_TCP_CONGESTION,
+        pattern=r"^[a-z0-9_]+$",
+        description="TCP congestion control in the nodes (default cubic, Linux's; 'host': the host's)",
+    )
 
     @model_validator(mode="after")
     def _needs_nodes(self) -> ClusterConfig:
@@ -165,6 +175,7 @@ class ClusterConfig(BaseModel):
             self.link_gbps,
             burst_bytes=self.burst_bytes,
             latency_ms=self.latency_ms,
+            tcp_congestion=self.tcp_congestion,
         )
 
 
@@ -225,6 +236,7 @@ class EmulatedCluster:
         latency_ms: float = DEFAULT_LATENCY_MS,
         mtu: int = 1500,
         hostnames: bool = True,
+        tcp_congestion: str = DEFAULT_TCP_CONGESTION,
     ) -> None:
         if not 1 <= num_nodes <= MAX_NODES:
             raise ClusterUnavailable(f"--emulate-nodes must be between 1 and {MAX_NODES}, not {num_nodes}")
@@ -237,6 +249,7 @@ class EmulatedCluster:
         self.latency_ms = latency_ms
         self.mtu = mtu
         self.hostnames = hostnames
+        self.tcp_congestion = tcp_congestion
         self._hub: subprocess.Popen | None = None
         self._nodes: list[subprocess.Popen] = []
         self._lifeline: int | None = None  # write end of the pipe every holder reads
@@ -391,7 +404,15 @@ class EmulatedCluster:
             ]
             if qdisc:
                 cmds.append(f"tc qdisc add dev {NODE_IFNAME} root {qdisc}")
+            if self.tcp_congestion != "host":
+                cmds.append(self._set_congestion())
             self._sh(node.pid, cmds, uts=self.hostnames)
+
+    def _set_congestion(self) -> str:
+        """The shell line that makes the node's new TCP sockets use ``tcp_congestion``."""
+        name, where = self.tcp_congestion, "/proc/sys/net/ipv4/tcp_congestion_control"
+        why = f"TCP congestion control {name} is not available here (cluster.tcp_congestion; host: the host default)"
+        return f'echo {name} > {where} 2>/dev/null || {{ echo "{why}" >&2; exit 1; }}'
 
     def tbf_spec(self) -> str | None:
         """The qdisc put on both ends of every link, or None for unshaped links."""
