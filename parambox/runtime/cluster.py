@@ -72,8 +72,8 @@ BURST_S = 1e-3
 DEFAULT_LATENCY_MS = 20.0  # the tbf queue: at most this long a wait, then tail drop
 # TCP congestion control inside the nodes: Linux's default, as a cluster's nodes run it, whatever the
 # host machine uses (a new namespace inherits the host's). This VM's host default, BBR, held box-sync's
-# traffic (both directions of one connection full at once) to 0.89-0.95 x DDP at 0.1-1 Gbit/s; with
-# CUBIC it ran at 1.01 / 1.00, DDP's own speed unchanged (``bench cluster``, 28 Nov).
+# traffic (both directions of one connection full at once) to 0.89 x DDP at 0.1 Gbit/s, against 1.01
+# with CUBIC, DDP's own speed unchanged (``bench cluster``, three paired runs, 28 Nov).
 DEFAULT_TCP_CONGESTION = "cubic"
 READY_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 5.0
