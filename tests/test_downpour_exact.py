@@ -8,6 +8,7 @@ fetched point barely changes the gradients; a dropped update would cost 1/6 to 1
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import pytest
@@ -114,3 +115,80 @@ def test_overlap_needs_equal_periods():
 
     with pytest.raises(ValueError, match="n_fetch == n_push"):
         DownpourOptions(overlap=True, n_fetch=2, n_push=1)
+
+
+@pytest.mark.parametrize("make", ["sgd", "adam", "adamw"])
+def test_stepping_bucket_by_bucket_during_backward_is_one_step(make):
+    """Downpour's buckets (``downpour.bucket_mb``): the local optimizer steps each finished bucket's
+    parameters alone, inside backward, on parameters that are views into one flat buffer (autograd
+    still needing the earlier layers' weights): the same weights and state as one step after it."""
+    from torch import nn
+
+    from parambox.box import Layout
+    from parambox.strategies.base import FinishedTail, GradViews, bind_flat_replica, step_only
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1))
+        layout = Layout.from_model(model)
+        x, g = bind_flat_replica(model, layout, torch.device("cpu"))
+        params = list(model.parameters())
+        kind = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[make]
+        opt = kind(params, lr=0.1, **({"momentum": 0.9} if make == "sgd" else {"weight_decay": 0.1}))
+        return model, layout, x, g, params, opt
+
+    batch = torch.randn(8, 6)
+    model, _, x_ref, g, _, opt = build()
+    GradViews.of_flat(model, Layout.from_model(model), g)
+    for _ in range(3):
+        g.zero_()
+        model(batch).pow(2).sum().backward()
+        opt.step()
+
+    model, layout, x, g, params, opt = build()
+    tail = FinishedTail([*(v.storage_offset() for v in layout.views(x).values()), layout.numel], bucket=9)
+    buckets = []
+
+    def ready(i: int, first: bool) -> None:
+        bucket = tail.finish(i)
+        if bucket is not None:
+            step_only(opt, params, bucket[0])
+            buckets.append(bucket[0])
+
+    views = GradViews.of_flat(model, layout, g, track=True, on_ready=ready)
+    for _ in range(3):
+        g.zero_()
+        tail.reset()
+        model(batch).pow(2).sum().backward()  # autograd still needs the earlier weights
+        step_only(opt, params, range(tail.cut_param))
+    views.close()
+    assert len(buckets) >= 6 and torch.allclose(x, x_ref, rtol=0, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("server,bucket_mb", [("true", 0.0001), ("false", 0.0003)])
+def test_buckets_pushed_during_backward_reach_the_center_in_closed_form(server, bucket_mb, tmp_path):
+    """Two workers over the rma box (its memory server, or the window), constant gradients 1 and 2 on
+    six parameters, SGD with momentum 0.9: each worker's update does not depend on what it pulled, so
+    the center ends at the sum of the two workers' momentum-SGD runs, however they interleaved. With
+    buckets of 26 floats every parameter goes during backward (nothing left after it); of 78, the
+    first layer goes after backward."""
+    pytest.importorskip("mpi4py")
+    from tests.conftest import MPI_ENV, run_cli, summary
+    from tests.workloads.constant_gradient import weight_after
+
+    w, steps, lr, out = "tests/workloads/constant_gradient.py", 12, 0.01, tmp_path / "run"
+    run_cli(
+        "train", "--strategy", "downpour", "--box", "rma", "--workers", "2", "--steps", str(steps),
+        "--model", f"{w}:make_layered_model", "--data", f"{w}:make_data", "--loss", f"{w}:loss_of_all",
+        "--lr", str(lr), "--momentum", "0.9", "--batch-size", "4", "--eval-every", "0", "--threads", "1",
+        "--no-progress", "--out", str(out), "--set", f"box.server={server}",
+        "--set", f"downpour.bucket_mb={bucket_mb}", env=MPI_ENV,
+    )  # fmt: skip
+    expected = sum(weight_after(lr, [(steps, [r])], momentum=0.9) for r in (0, 1))
+    weights = final_weights(out)
+    assert all((t - expected).abs().max().item() < 1e-5 for t in weights.values()), (weights, expected)
+    assert summary(out)["worker_steps"] == [steps, steps]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    sent = [r["buckets_in_backward"] for r in rows if r.get("kind") == "step"]
+    assert sent and all(n == (2 if bucket_mb == 0.0001 else 1) for n in sent), sent

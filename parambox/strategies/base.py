@@ -249,8 +249,14 @@ class Strategy:
         """One training step on this worker's ``batch`` (already on the device): ``begin_step``,
         forward/backward of the user's loss, ``end_step``."""
         self.begin_step(step)
-        loss = forward_backward(self.model, self.ctx.loss_fn, batch)
-        return self.end_step(loss, batch_size(batch), step)
+        loss = self.ctx.loss_fn(self.model, batch)
+        self.before_backward(loss)
+        loss.backward()
+        return self.end_step(loss.detach(), batch_size(batch), step)
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        """Between the forward and the backward pass of a step the strategy drives (``step``), with
+        the step's loss; not called under ``DistributedOptimizer``, whose user runs backward."""
 
     def begin_step(self, step: int) -> None:
         """Before the forward pass of ``step``: zero the gradients (in place where they are views into
@@ -388,13 +394,6 @@ def loss_value(loss: torch.Tensor | None) -> float:
     return float("nan") if loss is None else float(loss)
 
 
-def forward_backward(model: nn.Module, loss_fn: LossFn, batch: Any) -> torch.Tensor:
-    """The forward and backward pass every data-parallel strategy shares; returns the detached loss."""
-    loss = loss_fn(model, batch)
-    loss.backward()
-    return loss.detach()
-
-
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     """``batch`` with ``fn`` applied to every tensor in it (tuples, lists and dicts are walked).
 
@@ -520,6 +519,64 @@ class GradViews:
         self._handles = []
         for p in self.params:
             p.grad = None
+
+
+class FinishedTail:
+    """The finished tail of a flat buffer during backward, handed out in buckets of at least ``bucket``.
+
+    The parameters sit in the buffer in order (``offsets[i]``: parameter ``i``'s start, the last entry
+    the buffer's end) and backward finishes them roughly last to first, so the finished tail grows
+    down; ``finish(i)`` returns the next bucket once it holds ``bucket`` elements: ``(params, lo,
+    hi)``, the indices of its parameters and the buffer's ``[lo, hi)``.
+
+    >>> t = FinishedTail([0, 4, 6, 10], bucket=4)
+    >>> t.finish(2), t.finish(0), t.finish(1), t.cut
+    ((range(2, 3), 6, 10), None, (range(0, 2), 0, 6), 0)
+    """
+
+    def __init__(self, offsets: list[int], bucket: int):
+        self.offsets, self.bucket = offsets, bucket
+        self.reset()
+
+    def reset(self) -> None:
+        """A new backward: nothing finished; ``cut``: where the buckets handed out so far begin."""
+        n = len(self.offsets) - 1
+        self.finished, self.tail, self.cut, self.cut_param = [False] * n, n, self.offsets[-1], n
+
+    def finish(self, i: int) -> tuple[range, int, int] | None:
+        self.finished[i] = True
+        while self.tail > 0 and self.finished[self.tail - 1]:
+            self.tail -= 1
+        lo = self.offsets[self.tail]
+        if self.cut - lo < self.bucket:
+            return None
+        bucket = (range(self.tail, self.cut_param), lo, self.cut)
+        self.cut, self.cut_param = lo, self.tail
+        return bucket
+
+
+def step_only(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], chosen: range) -> None:
+    """``optimizer``'s step of ``params[j]`` for ``j`` in ``chosen`` alone: the others' ``.grad`` are
+    hidden meanwhile. Every optimizer of ``torch.optim`` but LBFGS is elementwise and skips a
+    parameter without a gradient, so stepping a model bucket by bucket is one step; inside backward
+    too (PyTorch's optimizer-in-backward), on the parameters whose gradients are done.
+
+    >>> a, b = nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(1))
+    >>> a.grad, b.grad = torch.ones(1), torch.ones(1)
+    >>> step_only(torch.optim.SGD([a, b], lr=0.5), [a, b], range(1, 2))
+    >>> float(a), float(b)
+    (1.0, 0.5)
+    """
+    if not chosen:
+        return
+    hidden = [(p, p.grad) for j, p in enumerate(params) if j not in chosen and p.grad is not None]
+    for p, _ in hidden:
+        p.grad = None
+    try:
+        optimizer.step()
+    finally:
+        for p, grad in hidden:
+            p.grad = grad
 
 
 def broadcast_tensors_(tensors: list[torch.Tensor], src: int = 0, group: Any = None) -> None:

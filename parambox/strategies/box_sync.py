@@ -37,6 +37,7 @@ from parambox.runtime.elastic import PeerLost
 from parambox.strategies.base import (
     CAUGHT_UP,
     Context,
+    FinishedTail,
     GradViews,
     Options,
     StepResult,
@@ -105,7 +106,7 @@ class BoxSync(Strategy):
         )
         self.bucket = max(1, int(options.bucket_mb * (1 << 20) / 4)) if options.bucket_mb > 0 else 0
         early = early and self.bucket > 0 and self.staged is None
-        self.offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
+        self.finishing = FinishedTail([0, *itertools.accumulate(p.numel() for p in self.params)], self.bucket)
         self.grads = GradViews(  # hooks note who got a gradient
             self.params, self.views_of[0], track=True, on_ready=self._ready if early else None
         )
@@ -124,8 +125,8 @@ class BoxSync(Strategy):
 
     def begin_step(self, step: int) -> None:
         self.admit_replacements(step)
-        self.step_now, self.finished, self.tail = step, [False] * len(self.params), len(self.params)
-        self.pushed_from = self.offsets[-1]  # the slot's gradients from here on are in the box
+        self.step_now = step
+        self.finishing.reset()  # the slot's gradients from finishing.cut on are in the box
         self.grad = self.slot_of[step % 2]
         self.grad.zero_()
         if self.staged is not None:
@@ -157,13 +158,10 @@ class BoxSync(Strategy):
     def _ready(self, i: int, first: bool) -> None:
         """Parameter ``i``'s gradient is complete (one backward a step): push the finished tail of the
         slot once it holds a bucket's worth beyond what is in the box."""
-        self.finished[i] = True
-        while self.tail > 0 and self.finished[self.tail - 1]:
-            self.tail -= 1
-        lo = self.offsets[self.tail]
-        if self.pushed_from - lo >= self.bucket:
-            self.box.push_early(self.grad, lo, self.pushed_from, self.step_now, self.mean)
-            self.pushed_from = lo
+        bucket = self.finishing.finish(i)
+        if bucket is not None:
+            _, lo, hi = bucket
+            self.box.push_early(self.grad, lo, hi, self.step_now, self.mean)
 
     def _meet(self, step: int, members: list[int] | None = None) -> None:
         """The barrier, then the average over the slots: every worker's, or in a run that survives in

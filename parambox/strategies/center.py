@@ -11,11 +11,12 @@ of EASGD.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from parambox.box import VERSION_COUNTER, ParameterBox
+from parambox.box.base import Handle
 from parambox.numerics import is_finite
 from parambox.strategies.base import PhaseTimers
 
@@ -102,17 +103,29 @@ class CenterClient:
         return True
 
     def push_pull(
-        self, delta: torch.Tensor, out: torch.Tensor, scale: float = 1.0, damped: bool = False
+        self,
+        delta: torch.Tensor,
+        out: torch.Tensor,
+        scale: float = 1.0,
+        damped: bool = False,
+        parts: Sequence[Handle] = (),
     ) -> bool:
         """``c <- c + scale * delta``, then ``out <- c`` (with this push in), as one box request
         (``ParameterBox.push_pull``: on the memory server the pull flows back while the push flows out);
-        False, moving nothing, if ``delta`` is not finite."""
+        False, moving nothing, if ``delta`` is not finite. ``delta`` and ``out`` start at ``c``'s
+        start; ``parts``: the push-pulls of the rest of ``c`` already on their way (Downpour's
+        buckets sent during backward), waited for here and counted with this one as one version."""
         if not is_finite(delta):
+            for h in parts:
+                h.wait()
             return False
         with self._exchange(known=damped):
             if damped:
                 scale /= self.staleness + 1
-            self.box.push_pull(delta, out, scale, self.start)
+            if delta.numel():
+                self.box.push_pull(delta, out, scale, self.start)
+            for h in parts:
+                h.wait()
         return True
 
     def outer_step(self, g: torch.Tensor, out: torch.Tensor, coefficients: tuple, last: bool) -> bool:

@@ -15,6 +15,15 @@ background while the next steps compute; the fetched center arrives one exchange
 worker's own steps since are re-applied on it (``x <- c + (x - x_pushed)``). Across nodes the link
 then hides behind the compute, as Streaming DiLoCo's overlap does for its outer step.
 
+``bucket_mb`` (across nodes, where the box is the memory server and a push and the next fetch go
+as one push-pull): each bucket of parameters backward has finished is stepped by the local optimizer
+and push-pulled at once, while backward goes on with the earlier layers, as DDP's allreduce starts
+during backward. DistBelief's parameter server is sharded and "each shard acts independently": a
+worker's buckets are exchanged with the center one at a time, each whole. The optimizer steps each
+bucket's parameters alone (an elementwise optimizer, as every one of ``torch.optim`` but LBFGS, steps
+the same); a bucket whose update is not finite is not pushed, and the worker halts at the step's end
+(the buckets pushed before it were finite). Only in the steps parambox drives, after a finite loss.
+
 As the rule says, a pull replaces the replica, also its own steps not yet pushed: with
 ``n_fetch < n_push`` and momentum a worker keeps re-taking those steps and overshoots (0.57 test
 accuracy on the default run with fetch 2 / push 4; 0.95 with --momentum 0). Adagrad wants a smaller
@@ -27,11 +36,11 @@ import torch
 from pydantic import Field, model_validator
 
 from parambox.box import VERSION_COUNTER
-from parambox.box.base import wait_until
+from parambox.box.base import Handle, wait_until
 from parambox.errors import CommTimeout, warn
 from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
-from parambox.strategies.base import Context, StepResult
+from parambox.strategies.base import Context, FinishedTail, GradViews, StepResult, step_only
 from parambox.strategies.center import CenterClient
 from parambox.strategies.exchange import Background
 
@@ -45,6 +54,12 @@ class DownpourOptions(AsyncOptions):
     warmup_steps: int = Field(0, ge=0, description="rank 0 trains alone this many steps first")
     overlap: bool = Field(
         False, description="push and fetch in the background; the center arrives one exchange late"
+    )
+    bucket_mb: float = Field(
+        1.0,
+        ge=0,
+        description="across nodes: push-pull each finished bucket of this size during backward; "
+        "0: the whole update after backward",
     )
 
     @model_validator(mode="after")
@@ -89,17 +104,27 @@ class DownpourWorker:
             # there is nothing to keep (one pass over the buffers saved).
             self.fetch(keep=step % self.n_push != 0)
 
-    def after_step(self, step: int) -> bool:
+    def after_step(self, step: int, upto: int | None = None, parts: list[Handle] = ()) -> bool:
+        """After the local step: push (and fetch) if the periods say so. ``upto``, ``parts``: the
+        buckets from ``upto`` on were sent during backward (``exchange_part``, a fused push-pull)."""
         if (step + 1) % self.n_push:
             return True
         if self.background is not None:
             self.fetched_for = step + 1
             return self.exchange_in_background()
         fetch_next = self.fuse and (step + 1) % self.n_fetch == 0
-        ok = self.push(fetch=fetch_next)
+        ok = self.push(fetch=fetch_next, upto=upto, parts=parts)
         if ok and fetch_next:
             self.fetched_for = step + 1
         return ok
+
+    def exchange_part(self, lo: int, hi: int) -> Handle | None:
+        """Start ``c[lo:hi] <- c[lo:hi] + (x - snap)[lo:hi]`` and ``x[lo:hi] <- c[lo:hi]`` (a bucket of
+        a fused push-pull, sent during backward); None, sending nothing, if its update is not finite."""
+        part = torch.sub(self.x[lo:hi], self.snap[lo:hi], out=self.acc[lo:hi])
+        if not is_finite(part):
+            return None
+        return self.client.box.push_pull_async(part, self.x[lo:hi], 1.0, self.client.start + lo)
 
     def fetch(self, keep: bool = True) -> None:
         """``x <- c``, keeping the local update made since the last exchange in ``acc`` (``keep``:
@@ -139,17 +164,23 @@ class DownpourWorker:
         self.background.start(task)
         return True
 
-    def push(self, fetch: bool = False) -> bool:
+    def push(self, fetch: bool = False, upto: int | None = None, parts: list[Handle] = ()) -> bool:
         """``c <- c + a`` (scaled by ``1/(s+1)`` when damped); False, pushing nothing, if ``a`` is not finite.
-        ``fetch``: then ``x <- c``, in the same box request."""
-        if self.acc_live:
-            self.acc.add_(self.x).sub_(self.snap)
+        ``fetch``: then ``x <- c``, in the same box request; ``upto``, ``parts``: only ``[0, upto)``
+        is left, the rest on its way in ``parts`` (a fused push-pull without accumulation)."""
+        if parts:
+            assert fetch and not self.acc_live, "buckets sent early are a fused push-pull's"
+            rest = torch.sub(self.x[:upto], self.snap[:upto], out=self.acc[:upto])
+            ok = self.client.push_pull(rest, self.x[:upto], parts=parts)
         else:
-            torch.sub(self.x, self.snap, out=self.acc)
-        if fetch:
-            ok = self.client.push_pull(self.acc, self.x, damped=self.damped)
-        else:
-            ok = self.client.push(self.acc, damped=self.damped)
+            if self.acc_live:
+                self.acc.add_(self.x).sub_(self.snap)
+            else:
+                torch.sub(self.x, self.snap, out=self.acc)
+            if fetch:
+                ok = self.client.push_pull(self.acc, self.x, damped=self.damped)
+            else:
+                ok = self.client.push(self.acc, damped=self.damped)
         self.acc.zero_()
         self.acc_live = False
         self.snap.copy_(self.x)
@@ -204,6 +235,30 @@ class Downpour(AsyncStrategy):
             Background(ctx.timeout_s, f"{self.name} exchange") if getattr(options, "overlap", False) else None
         )
         self.worker = DownpourWorker(self.client, self.x, n_fetch, n_push, damped, fuse, background)
+        # Buckets push-pulled during backward: a fused exchange every step (a push, then the next
+        # step's fetch), undamped (a damped push needs its staleness first), on the host.
+        bucket = int(getattr(options, "bucket_mb", 0.0) * (1 << 20) / 4)
+        self.finishing: FinishedTail | None = None
+        if (
+            bucket > 0
+            and fuse
+            and not damped
+            and background is None
+            and n_fetch == n_push
+            and self.num_workers > 1
+            and self.x.device.type == "cpu"
+        ):
+            self.grad_views.close()
+            self.grad_views = GradViews.of_flat(
+                self.model, self.layout, self.g, track=True, on_ready=self._ready
+            )
+            offsets = [v.storage_offset() - self.g.storage_offset() for v in self.grad_views.views]
+            self.finishing = FinishedTail([*offsets, self.numel], bucket)
+        self.early_ok = False  # a push step whose loss was finite: its buckets may go during backward
+        self.pushes_now = False
+        self.sent_in_backward = 0
+        self.parts: list[Handle] = []  # the buckets on their way
+        self.refused = False  # a bucket's update was not finite
         self.adagrad = None
         if getattr(options, "adagrad", False):
             group = self.optimizer.param_groups[0]
@@ -225,9 +280,48 @@ class Downpour(AsyncStrategy):
         if self.adagrad is not None and step % self.worker.n_fetch == 0:
             self.adagrad.fetch()
         super().begin_step(step)
+        if self.finishing is not None:
+            self.finishing.reset()
+            self.pushes_now = (step + 1) % self.worker.n_push == 0
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        self.early_ok = self.finishing is not None and self.pushes_now and not self.halted and is_finite(loss)
+
+    def _ready(self, i: int, first: bool) -> None:
+        """Parameter ``i`` has its gradient: once the finished tail holds a bucket, step the bucket's
+        parameters and start its push-pull, while backward goes on."""
+        bucket = self.finishing.finish(i) if self.early_ok else None
+        if bucket is None:
+            return
+        params, lo, hi = bucket
+        step_only(self.optimizer, self.grad_views.params, params)
+        part = self.worker.exchange_part(lo, hi)
+        if part is None:
+            self.refused, self.early_ok = True, False
+        else:
+            self.parts.append(part)
+
+    def _finish_early(self, loss: torch.Tensor | None, step: int) -> None:
+        """A step whose buckets from ``finishing.cut`` on went during backward: the rest of the
+        parameters stepped and push-pulled, the buckets' exchanges waited for with it."""
+        parts, self.parts = self.parts, []
+        self.sent_in_backward = len(parts)
+        ok = not self.refused and self.guard(loss, step)
+        if ok:
+            step_only(self.optimizer, self.grad_views.params, range(self.finishing.cut_param))
+            ok = self.worker.after_step(step, self.finishing.cut, parts)
+        else:
+            for part in parts:
+                part.wait()
+        self.refused = False
+        if not ok:
+            self.halt("update", step)
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
-        if self.guard(loss, step):
+        self.early_ok = False
+        if self.finishing is not None and self.finishing.cut < self.numel:
+            self._finish_early(loss, step)
+        elif self.guard(loss, step):
             if self.adagrad is not None:
                 self.adagrad.step_(self.x, self.g)
             else:
@@ -235,6 +329,8 @@ class Downpour(AsyncStrategy):
             if (step + 1) % self.worker.n_push == 0 and not self._push(step):
                 self.halt("update", step)
         result = self.step_result(loss, samples)
+        if self.finishing is not None:  # buckets push-pulled during backward
+            result.extra["buckets_in_backward"], self.sent_in_backward = self.sent_in_backward, 0
         if self.worker.background is not None:
             result.extra["exchange_wait_s"], self.worker.waited = self.worker.waited, 0.0
         return result

@@ -38,6 +38,20 @@ def make_model_slow_to_replace():
     return make_model()
 
 
+def make_layered_model():
+    """Three linear layers (six parameters), all zero: with ``loss_of_all`` backward finishes them one
+    by one, last to first, each with the constant gradient of ``loss``."""
+    model = nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, 1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model
+
+
+def loss_of_all(model, batch):
+    return gradient_of(_rank()) * sum(p.sum() for p in model.parameters())
+
+
 def make_data():
     x = torch.zeros(256, DIM)
     return TensorDataset(x, torch.zeros(256, 1)), TensorDataset(x[:32], torch.zeros(32, 1))
@@ -47,11 +61,12 @@ def gradient_of(rank: int) -> float:
     return float(2**rank)
 
 
+def _rank() -> int:
+    return int(os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0")  # mpiexec: Open MPI's
+
+
 def loss(model, batch):
-    rank = (
-        os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
-    )  # under mpiexec: Open MPI's
-    return gradient_of(int(rank)) * model.weight.sum()
+    return gradient_of(_rank()) * model.weight.sum()
 
 
 def metrics(model, batch):
