@@ -15,14 +15,16 @@ background while the next steps compute; the fetched center arrives one exchange
 worker's own steps since are re-applied on it (``x <- c + (x - x_pushed)``). Across nodes the link
 then hides behind the compute, as Streaming DiLoCo's overlap does for its outer step.
 
-``bucket_mb`` (across nodes, where the box is the memory server and a push and the next fetch go
-as one push-pull): each bucket of parameters backward has finished is stepped by the local optimizer
-and push-pulled at once, while backward goes on with the earlier layers, as DDP's allreduce starts
-during backward. DistBelief's parameter server is sharded and "each shard acts independently": a
-worker's buckets are exchanged with the center one at a time, each whole. The optimizer steps each
-bucket's parameters alone (an elementwise optimizer, as every one of ``torch.optim`` but LBFGS, steps
-the same); a bucket whose update is not finite is not pushed, and the worker halts at the step's end
-(the buckets pushed before it were finite). Only in the steps parambox drives, after a finite loss.
+``bucket_mb`` (where the center is remote and a push and the next fetch go as one push-pull: the
+rma box across nodes, one worker a node): each bucket of parameters backward has finished is stepped
+by the local optimizer and push-pulled at once, while backward goes on with the earlier layers, as
+DDP's allreduce starts during backward. DistBelief's parameter server is sharded and its shards act
+independently of one another (Dean et al. 2012, Sec. 4.1), so a worker's exchanges with different
+parts of the model need not happen at one moment; each bucket is one whole push-pull. The optimizer
+steps each bucket's parameters alone (``strategies/base.py: step_only``); a bucket whose update is
+not finite is not pushed, and the worker halts at the step's end (the buckets pushed before it were
+finite). Only in the steps parambox drives (``before_backward`` saw a finite loss): a
+``DistributedOptimizer`` user's backward pushes after it.
 
 As the rule says, a pull replaces the replica, also its own steps not yet pushed: with
 ``n_fetch < n_push`` and momentum a worker keeps re-taking those steps and overshoots (0.57 test
@@ -37,6 +39,7 @@ from pydantic import Field, model_validator
 
 from parambox.box import VERSION_COUNTER
 from parambox.box.base import Handle, wait_until
+from parambox.box.node_cache import NodeCachedBox
 from parambox.errors import CommTimeout, warn
 from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
@@ -236,7 +239,8 @@ class Downpour(AsyncStrategy):
         )
         self.worker = DownpourWorker(self.client, self.x, n_fetch, n_push, damped, fuse, background)
         # Buckets push-pulled during backward: a fused exchange every step (a push, then the next
-        # step's fetch), undamped (a damped push needs its staleness first), on the host.
+        # step's fetch), undamped (a damped push needs its staleness first), on the host, straight
+        # to the cross-node box (a node's cache counts pushes: its rounds are whole updates).
         bucket = int(getattr(options, "bucket_mb", 0.0) * (1 << 20) / 4)
         self.finishing: FinishedTail | None = None
         if (
@@ -247,6 +251,7 @@ class Downpour(AsyncStrategy):
             and n_fetch == n_push
             and self.num_workers > 1
             and self.x.device.type == "cpu"
+            and not isinstance(self.box, NodeCachedBox)
         ):
             self.grad_views.close()
             self.grad_views = GradViews.of_flat(
