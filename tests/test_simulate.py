@@ -12,7 +12,7 @@ import simpy
 from parambox.errors import UserError
 from parambox.perfmodel.compute import ComputeProfile
 from parambox.perfmodel.scaling import predict_curve
-from parambox.perfmodel.simulate import LINK_EFFICIENCY, Fabric, _Flow, simulate, simulate_curve
+from parambox.perfmodel.simulate import LINK_EFFICIENCY, Fabric, Pattern, _Flow, simulate, simulate_curve
 from parambox.perfmodel.topology import Network, ring_allreduce_s
 from tests.conftest import run_cli
 
@@ -46,7 +46,7 @@ def test_the_box_moves_each_shard_once_each_way(n):
     sync = simulate("box-sync", n, 0.1, S, NET)
     assert sync.phases_s["exchange"] == pytest.approx(2 * piece_phase + ALPHA, rel=1e-9)  # + the barrier
     # Fused: pushes and pulls at once, so every link carries its node's pushes and the pulls it serves.
-    fused = simulate("downpour", n, 0.1, S, NET)
+    fused = simulate(Pattern("box"), n, 0.1, S, NET)
     assert fused.phases_s["exchange"] == pytest.approx(ALPHA + 2 * (n - 1) * (S / n) / RATE, rel=1e-9)
     # Sent + received per node per step: every piece out and in, each way (n = 2: 2 S, bench's "need").
     assert fused.link_bytes_per_step == pytest.approx(4 * (n - 1) / n * S, rel=1e-9)
@@ -87,6 +87,17 @@ def test_buckets_start_during_backward():
     bucket = ring_allreduce_s(2, 2**20, Network(RATE, ALPHA))
     assert bucket < compute * (2 / 3) / 2  # the first bucket is done before backward ends
     assert r.step_s == pytest.approx(compute + bucket, rel=1e-9)
+
+
+def test_downpour_push_pulls_each_bucket_as_backward_finishes_it():
+    size, compute = 2 * 2**20, 0.3  # two buckets of 1 MiB: the first ready half way through backward
+    r = simulate("downpour", 2, compute, size, NET)
+    bucket = ALPHA + 2**20 / RATE  # both nodes' pushes and the answers, each link's two directions
+    assert bucket < compute * (2 / 3) / 2  # the first bucket's exchange is over before backward ends
+    assert r.step_s == pytest.approx(compute + bucket, rel=1e-9)
+    assert r.link_bytes_per_step == pytest.approx(
+        simulate(Pattern("box"), 2, compute, size, NET).link_bytes_per_step
+    )
 
 
 def test_jitter_keeps_the_mean_and_a_seed_repeats_it():

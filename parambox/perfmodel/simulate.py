@@ -9,8 +9,9 @@ setups, plus ``ps-sync``):
   start during backward (1 MB first, then 25 MB, as ``strategies/allreduce.py``);
 - ``box-sync``: every node pushes its gradient's shards to the nodes holding them, a barrier, then
   pulls the sums (the rma box cut over every node, the memory server adding);
-- ``box``: one fused push-pull against every shard, no barrier (Downpour; EASGD and asynchronous
-  DiLoCo every ``period`` steps);
+- ``box``: one fused push-pull against every shard, no barrier (EASGD and asynchronous DiLoCo every
+  ``period`` steps); Downpour's in buckets of 1 MB, each started once backward has finished it
+  (``downpour.bucket_mb``);
 - ``allreduce`` with a ``period``: a whole-model allreduce every ``period`` steps (weight-avg, DiLoCo);
 - ``ps``: rank 0 gathers every gradient, averages it, broadcasts the weights (ps-sync, SHM-Learn-Dist §6);
 - ``overlap``: the exchange runs behind the next steps' compute; the next exchange first waits for it.
@@ -50,6 +51,7 @@ from parambox.perfmodel.topology import Network
 LINK_EFFICIENCY = 0.955
 FORWARD_SHARE = 1 / 3  # of a step's compute; the rest is backward, where gradients become ready
 FIRST_BUCKET, BUCKET = 1 * 2**20, 25 * 2**20
+BOX_BUCKET = 1 * 2**20  # downpour.bucket_mb's default
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class Pattern:
     exchange: str  # none | allreduce | box-sync | box | ps
     period: int = 1
     overlap: bool = False
-    bucketed: bool = False  # the allreduce starts per bucket during backward
+    bucketed: bool = False  # the exchange starts per bucket during backward
 
 
 PATTERNS: dict[str, Pattern] = {
@@ -67,7 +69,7 @@ PATTERNS: dict[str, Pattern] = {
     "ddp": Pattern("allreduce", bucketed=True),
     "allreduce": Pattern("allreduce", bucketed=True),
     "box-sync": Pattern("box-sync"),
-    "downpour": Pattern("box"),
+    "downpour": Pattern("box", bucketed=True),
     "downpour-overlap": Pattern("box", overlap=True),
     "weight-avg": Pattern("allreduce", period=4),
     "easgd-tau4": Pattern("box", period=4),
@@ -282,7 +284,7 @@ def simulate(
             t0 = env.now
             exchanging = (k + 1) % pattern.period == 0 and nodes > 1 and pattern.exchange != "none"
             if pattern.bucketed and exchanging:
-                yield from _bucketed_step(run, me, k, compute_s, size_bytes)
+                yield from _bucketed_step(run, pattern, me, k, compute_s, size_bytes)
             else:
                 yield run.compute(compute_s)
             t1 = env.now
@@ -310,28 +312,40 @@ def simulate(
     return SimResult(setup, nodes, step_s, nodes * batch / step_s, wire, per_step)
 
 
-def _bucketed_step(run: _Cluster, me: int, k: int, compute_s: float, size_bytes: float):
-    """Forward, then backward with each bucket's allreduce started once its gradients are ready and the
-    previous bucket's is done; the step ends with the last bucket."""
+def _bucketed_step(run: _Cluster, pattern: Pattern, me: int, k: int, compute_s: float, size_bytes: float):
+    """Forward, then backward with each bucket's exchange started once its gradients are ready: an
+    allreduce once the previous bucket's is done too (gloo runs one at a time), a box push-pull at
+    once; the step ends with the last bucket's exchange."""
     env = run.env
     yield run.compute(compute_s * FORWARD_SHARE)
     backward = compute_s * (1 - FORWARD_SHARE)
     start = env.now
+    box = pattern.exchange == "box"
     sizes, left = [], size_bytes
     while left > 0:
-        sizes.append(min(left, FIRST_BUCKET if not sizes else BUCKET))
+        sizes.append(min(left, BOX_BUCKET if box else FIRST_BUCKET if not sizes else BUCKET))
         left -= sizes[-1]
+
+    def exchange(b: int, nbytes: float, ready: float):
+        wait = start + backward * ready / size_bytes - env.now
+        if wait > 0:
+            yield env.timeout(wait)
+        if box:
+            yield from run.push_pull(me, nbytes)
+        else:
+            yield from run.ring_allreduce(me, ("bucket", k, b), nbytes)
 
     def buckets():
         ready = 0.0
         for b, nbytes in enumerate(sizes):
             ready += nbytes
-            wait = start + backward * ready / size_bytes - env.now
-            if wait > 0:
-                yield env.timeout(wait)
-            yield from run.ring_allreduce(me, ("bucket", k, b), nbytes)
+            yield from exchange(b, nbytes, ready)
 
-    comm = env.process(buckets())
+    if box:
+        ready = [sum(sizes[: b + 1]) for b in range(len(sizes))]
+        comm = env.all_of([env.process(exchange(b, n, r)) for b, (n, r) in enumerate(zip(sizes, ready))])
+    else:
+        comm = env.process(buckets())
     yield run.compute(backward)
     yield comm
 
