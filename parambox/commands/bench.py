@@ -27,7 +27,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--steps",
         type=int,
         default=None,
-        help="timed steps per setup and round (sync, async, sandblaster); steps per run (chaos)",
+        help="timed steps per setup and round (sync, async, sandblaster, cluster); steps per run (chaos)",
     )
     p.add_argument("--out", default=None, help="also write the JSON to this file")
     cluster = p.add_argument_group("bench cluster (an emulated cluster: needs root)")
