@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -42,8 +43,11 @@ DATA_PARALLEL = [
 def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node 2 ARGS`` as a user runs it, importing this tree."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    # torchrun's logs in a folder of ours: without --log-dir it leaves a torchelastic_* folder in /tmp
+    with tempfile.TemporaryDirectory(prefix="pb-torchrun-") as logs:
+        torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--log-dir", logs]
+        cmd = [*torchrun, "--nproc-per-node", "2", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, (
         f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )

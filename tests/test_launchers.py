@@ -33,7 +33,13 @@ def _same_run(out, local_run, launcher):
 @pytest.mark.timeout(120)
 def test_torchrun(tmp_path, local_run):
     out = tmp_path / "run"
-    run_cli(*ARGS, "--out", str(out), prefix=["torchrun", "--standalone", "--nproc-per-node", "2", "-m"])
+    logs = str(tmp_path / "torchrun")  # not a torchelastic_* folder left in /tmp
+    run_cli(
+        *ARGS,
+        "--out",
+        str(out),
+        prefix=["torchrun", "--standalone", "--log-dir", logs, "--nproc-per-node", "2", "-m"],
+    )
     _same_run(out, local_run, "torchrun")
 
 

@@ -112,6 +112,8 @@ def test_result_model_on_every_rank_under_torchrun(tmp_path):
         "-m",
         "torch.distributed.run",
         "--standalone",
+        "--log-dir",
+        str(tmp_path / "torchrun"),
         "--nproc-per-node",
         "2",
         str(script),

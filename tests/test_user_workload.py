@@ -60,7 +60,7 @@ def test_script_allreduce_equals_single_at_double_batch(single_2b, tmp_path):
 @pytest.mark.timeout(170)
 def test_script_under_torchrun_equals_single(single_2b, tmp_path):
     kind, expected = single_2b
-    prefix = ["torchrun", "--standalone", "--nproc-per-node", "2"]
+    prefix = ["torchrun", "--standalone", "--log-dir", str(tmp_path / "torchrun"), "--nproc-per-node", "2"]
     run_script(
         "allreduce", "2", "16", str(tmp_path / "run"), *(["tied"] if kind == "tied" else []), prefix=prefix
     )
