@@ -192,6 +192,10 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
         close_setups(steppers)
         link = _gather_means(result.metered, setups) if meter else None
         mine = {name: _comm_per_step(result.outputs[name][warmup:]) for name in setups}
+        cpu_ms = {  # CPU per timed step, the medians over rounds: the process's, and its main thread's
+            name: [1e3 * statistics.median(c[name]) for c in (result.cpu, result.cpu_main)] for name in setups
+        }
+        mine = {name: {"comm": mine[name], "cpu_ms": cpu_ms[name]} for name in setups}
         comm: list[Any] = [None] * world.world_size  # every rank's: a rank far from the counters waits longer
         dist.all_gather_object(comm, mine)
         if world.rank == 0:
@@ -340,7 +344,10 @@ def summarize(data: dict, loopback: dict[str, list[float]]) -> dict[str, Any]:
             if data["link_bytes"] is None
             else statistics.mean(data["link_bytes"][n]),
             "link_bytes_per_step_per_node": None if data["link_bytes"] is None else data["link_bytes"][n],
-            **_comm_summary(data["comm"][n]),
+            **_comm_summary([c["comm"] for c in data["comm"][n]]),
+            # CPU ms a step per rank: the whole process, its main thread (the rest: gloo's, a box's server)
+            "cpu_ms_per_step_per_rank": [c["cpu_ms"][0] for c in data["comm"][n]],
+            "main_thread_cpu_ms_per_step_per_rank": [c["cpu_ms"][1] for c in data["comm"][n]],
         }
         for n in names
     }

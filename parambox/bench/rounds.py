@@ -24,11 +24,15 @@ Stepper = Callable[[Any, int], Any]  # (batch, step index) -> anything (a loss, 
 @dataclass
 class Rounds:
     """What ``run_rounds`` measured, per setup: samples/s per round, what each step returned (warm-up
-    steps first), and the increase of the ``meter`` per timed step, per round."""
+    steps first), the increase of the ``meter`` per timed step, per round, and this process's CPU
+    seconds per timed step, per round: all its threads' (``cpu``) and the calling thread's
+    (``cpu_main``; the rest is the communication threads': gloo's, a box's server)."""
 
     per_round: dict[str, list[float]]
     outputs: dict[str, list[Any]]
     metered: dict[str, list[float]] = field(default_factory=dict)
+    cpu: dict[str, list[float]] = field(default_factory=dict)
+    cpu_main: dict[str, list[float]] = field(default_factory=dict)
 
 
 def run_rounds(
@@ -46,6 +50,7 @@ def run_rounds(
     ``meter`` is a cumulative count read around them (e.g. the bytes over this process's link)."""
     names = list(steppers)
     result = Rounds({n: [] for n in names}, {n: [] for n in names}, {n: [] for n in names} if meter else {})
+    result.cpu, result.cpu_main = {n: [] for n in names}, {n: [] for n in names}
     for name, step in steppers.items():
         result.outputs[name] += [step(batches[i % len(batches)], i) for i in range(warmup)]
     for r in range(rounds):
@@ -53,11 +58,14 @@ def run_rounds(
             step = steppers[name]
             barrier()
             count0 = meter() if meter else 0.0
-            t0 = time.perf_counter()
+            cpu0, main0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
             for i in range(steps):
                 result.outputs[name].append(step(batches[i % len(batches)], warmup + r * steps + i))
+            cpu1, main1 = time.process_time(), time.thread_time()
             barrier()
             result.per_round[name].append(samples_per_step * steps / (time.perf_counter() - t0))
+            result.cpu[name].append((cpu1 - cpu0) / steps)
+            result.cpu_main[name].append((main1 - main0) / steps)
             if meter:
                 result.metered[name].append((meter() - count0) / steps)
     return result
