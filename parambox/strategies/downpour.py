@@ -34,6 +34,8 @@ rate than SGD here: ``--lr 0.01`` (preset ``digits-downpour-adagrad``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from pydantic import Field, model_validator
 
@@ -107,7 +109,7 @@ class DownpourWorker:
             # there is nothing to keep (one pass over the buffers saved).
             self.fetch(keep=step % self.n_push != 0)
 
-    def after_step(self, step: int, upto: int | None = None, parts: list[Handle] = ()) -> bool:
+    def after_step(self, step: int, upto: int | None = None, parts: Sequence[Handle] = ()) -> bool:
         """After the local step: push (and fetch) if the periods say so. ``upto``, ``parts``: the
         buckets from ``upto`` on were sent during backward (``exchange_part``, a fused push-pull)."""
         if (step + 1) % self.n_push:
@@ -167,7 +169,7 @@ class DownpourWorker:
         self.background.start(task)
         return True
 
-    def push(self, fetch: bool = False, upto: int | None = None, parts: list[Handle] = ()) -> bool:
+    def push(self, fetch: bool = False, upto: int | None = None, parts: Sequence[Handle] = ()) -> bool:
         """``c <- c + a`` (scaled by ``1/(s+1)`` when damped); False, pushing nothing, if ``a`` is not finite.
         ``fetch``: then ``x <- c``, in the same box request; ``upto``, ``parts``: only ``[0, upto)``
         is left, the rest on its way in ``parts`` (a fused push-pull without accumulation)."""
