@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from parambox.runtime import cluster, spawn
-from parambox.runtime.cluster import ClusterConfig, ClusterUnavailable, EmulatedCluster
+from parambox.runtime.cluster import ALLOWED_CONGESTION, ClusterConfig, ClusterUnavailable, EmulatedCluster
 from parambox.runtime.cluster_agent import DROPPED_CONNECTION
 
 CAN_RUN = os.geteuid() == 0 and all(shutil.which(t) for t in cluster.TOOLS)
@@ -44,6 +44,7 @@ def root_state() -> dict:
         "ip netns": _out("ip", "netns", "list"),
         "/var/run/netns": sorted(os.listdir(netns_dir)) if netns_dir.exists() else [],
         "tc qdisc": _out("tc", "qdisc", "show"),
+        "allowed congestion": Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text(),
     }
 
 
@@ -392,16 +393,22 @@ def test_nothing_left_after_sigkill_during_an_mpi_job(tmp_path):
 
 @needs_root
 def test_nodes_run_cubic_tcp_unless_told_otherwise():
-    """The nodes' congestion control is Linux's default, not whatever the host runs; ``host`` keeps the
-    host's; a name the kernel lacks is one clear error, and nothing is left behind."""
-    before, where = root_state(), "/proc/sys/net/ipv4/tcp_congestion_control"
-    host = Path(where).read_text().strip()
-    for asked, seen in (("cubic", "cubic"), ("host", host)):
-        with EmulatedCluster(2, 1.0, tcp_congestion=asked) as c:
-            assert [_out(*c.command(k, ["cat", where])).strip() for k in range(2)] == [seen, seen]
-    with pytest.raises(ClusterUnavailable, match="TCP congestion control nosuch is not available"):
-        ClusterConfig(nodes=2, tcp_congestion="nosuch").build(2).start()
-    assert Path(where).read_text().strip() == host and root_state() == before
+    """The nodes' congestion control is Linux's default, not whatever the host runs, even where the host
+    does not allow namespaces to take it (a BBR host's ``reno bbr``); ``host`` keeps the host's; a name
+    the kernel lacks is one clear error, and nothing is left behind, the host's allowed list included."""
+    where, allowed = "/proc/sys/net/ipv4/tcp_congestion_control", Path(ALLOWED_CONGESTION)
+    host, found = Path(where).read_text().strip(), allowed.read_text()
+    try:
+        allowed.write_text(" ".join(a for a in found.split() if a != "cubic"))
+        before = root_state()
+        for asked, seen in (("cubic", "cubic"), ("host", host)):
+            with EmulatedCluster(2, 1.0, tcp_congestion=asked) as c:
+                assert [_out(*c.command(k, ["cat", where])).strip() for k in range(2)] == [seen, seen]
+        with pytest.raises(ClusterUnavailable, match="TCP congestion control nosuch is not available"):
+            ClusterConfig(nodes=2, tcp_congestion="nosuch").build(2).start()
+        assert Path(where).read_text().strip() == host and root_state() == before
+    finally:
+        allowed.write_text(found)
 
 
 # ----- the parts parambox adds: config, placement, the mpiexec filter ------------------------------

@@ -41,6 +41,7 @@ Not root, ``ip``/``tc``/``nsenter``/``unshare`` missing, or namespaces/tbf not p
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -48,7 +49,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -75,6 +77,45 @@ DEFAULT_LATENCY_MS = 20.0  # the tbf queue: at most this long a wait, then tail 
 # traffic (both directions of one connection full at once) to 0.89 x DDP at 0.1 Gbit/s, against 1.01
 # with CUBIC, DDP's own speed unchanged (``bench cluster``, three paired runs, 28 Nov).
 DEFAULT_TCP_CONGESTION = "cubic"
+_IPV4 = Path("/proc/sys/net/ipv4")
+ALLOWED_CONGESTION = _IPV4 / "tcp_allowed_congestion_control"
+
+
+@contextlib.contextmanager
+def allowed_congestion(name: str) -> Iterator[None]:
+    """Within it, a new namespace may take ``name`` as its TCP congestion control.
+
+    Linux lets a namespace other than the host's default to an algorithm only if the host allows it
+    (``tcp_allowed_congestion_control``); a host that runs BBR may allow only ``reno bbr``, though
+    CUBIC is built in. As root, ``name`` is added to the host's list while the nodes are set up and
+    the list is restored right after (a namespace keeps its default once set), under a lock on the
+    list itself, so that clusters set up at once leave it as they found it."""
+    if not ALLOWED_CONGESTION.exists():
+        yield
+        return
+    with open(ALLOWED_CONGESTION) as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = _allow(name)
+        try:
+            yield
+        finally:
+            if found is not None:
+                ALLOWED_CONGESTION.write_text(" ".join(found))
+
+
+def _allow(name: str) -> list[str] | None:
+    """Add ``name`` to the host's allowed algorithms: the list as it was, or None where nothing
+    changed (allowed already, not built in, or not root: the nodes' setup then says what failed)."""
+    try:
+        allowed = ALLOWED_CONGESTION.read_text().split()
+        if name in allowed or name not in (_IPV4 / "tcp_available_congestion_control").read_text().split():
+            return None
+        ALLOWED_CONGESTION.write_text(" ".join([*allowed, name]))
+        return allowed
+    except OSError:
+        return None
+
+
 READY_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 5.0
 # Open MPI across emulated nodes.
@@ -393,6 +434,10 @@ class EmulatedCluster:
             if qdisc:
                 hub.append(f"tc qdisc add dev n{k} root {qdisc}")
         self._sh(self._hub.pid, hub, uts=False)
+        with allowed_congestion(self.tcp_congestion):
+            self._configure_nodes(qdisc)
+
+    def _configure_nodes(self, qdisc: str | None) -> None:
         for k, node in enumerate(self._nodes):
             cmds = [f"hostname {self.node_name(k)}"] if self.hostnames else []
             cmds += [
