@@ -142,6 +142,29 @@ def test_time_to_target_leaves_out_the_evaluation_pauses(tmp_path):
     assert m.time_to(0.9) == pytest.approx((0.54, 0.64))
 
 
+def test_asynchronous_time_to_target_gets_no_samples_for_free_while_rank_0_evaluates(tmp_path):
+    """Two ranks at 1000 samples a second each. Rank 0 pauses 50 ms to evaluate after step 2 while
+    rank 1 trains on: at rank 0's step 4 (t = 0.09 s, the target) 40 + 90 samples are in. At the two
+    ranks' training pace (2000 a second) that is 0.065 s of training, not rank 0's 0.04 s, which would
+    count rank 1's 50 samples of the pause as free."""
+    steps = [
+        {"step": k, "time": t, "samples_per_s": 1000.0 * 2}
+        for k, t in [(1, 0.01), (2, 0.02), (3, 0.08), (4, 0.09)]
+    ]
+    evals = [{"step": 2, "time": 0.07, "test_accuracy": 0.5}, {"step": 4, "time": 0.14, "test_accuracy": 0.9}]
+    m = Measured(tmp_path, steps, evals)
+    m.ranks = {
+        0: (100.0, [(s["time"], 10.0 * s["step"]) for s in steps]),
+        1: (100.0, [(0.01 * k, 10.0 * k) for k in range(1, 10)]),
+    }
+    assert m.global_samples(0.09) == pytest.approx(130.0)
+    assert m.training_rate() == pytest.approx(2000.0)  # rank 0 over step 3 -> 4 only; rank 1 past warmup
+    assert m.time_to(0.9) == pytest.approx((0.065, 0.14))
+    assert m.cost().samples_per_s == pytest.approx(2000.0)  # its prediction's pace: the same basis
+    m.ranks = None  # a synchronous run: everyone paused with rank 0
+    assert m.time_to(0.9) == pytest.approx((0.04, 0.14)) and m.training_rate() is None
+
+
 def test_clock_lead_is_how_long_before_rank_0_the_first_rank_started(tmp_path):
     from parambox.studies.runs import clock_lead
 

@@ -5,6 +5,10 @@ A probe is stopped (Ctrl-C to its launcher) once rank 0 logs a test loss at its 
 the target* once rank 0 logs a test accuracy at or above the target (else they end with their steps). Its time to target
 is the training time until the step before that evaluation: the run's own clock (start-up excluded)
 less rank 0's evaluation pauses, the basis the predictions are on too (``reached_wall_s`` keeps them).
+An asynchronous run's other ranks train on while rank 0 evaluates, so there it is the global samples
+at that step over the ranks' training pace (``Measured.training_rate``), the same pace its probe's
+prediction uses: rank 0's clock less its pauses would credit the run with the samples the others
+made meanwhile (on loopback, 2 ms steps and an evaluation every 4: a quarter of rank 0's time).
 ``run_to_target`` is the one function validation depends on, so the time-to-accuracy study can take
 its place.
 """
@@ -77,16 +81,45 @@ class Measured:
             pts.append((x, e[metric]))
         return Curve([p[0] for p in pts], [float(p[1]) for p in pts])
 
-    def cost(self, warmup: int) -> StepCost | None:
+    @property
+    def warmup(self) -> int:
+        """The first steps left out of its timing (start-up: forks, first allocations)."""
+        return max(2, len(self.steps) // 10)
+
+    def cost(self, warmup: int | None = None) -> StepCost | None:
+        warmup = self.warmup if warmup is None else warmup
         cost = step_cost(self.steps, {e["step"] for e in self.evals}, warmup)
         if cost is None or not self.ranks:
             return cost
-        # Every rank's samples over rank 0's steady window, on the aligned clocks.
-        window = [r["time"] for r in self.steps if r["step"] > warmup]
-        if len(window) < 2 or window[-1] <= window[0]:
-            return cost
-        rate = (self.global_samples(window[-1]) - self.global_samples(window[0])) / (window[-1] - window[0])
-        return StepCost(cost.step_s, cost.comm_s, rate * cost.step_s) if rate > 0 else cost
+        rate = self.training_rate(warmup)
+        return StepCost(cost.step_s, cost.comm_s, rate * cost.step_s) if rate else cost
+
+    def training_rate(self, warmup: int | None = None) -> float | None:
+        """Asynchronous runs: global samples per second of training, every rank's own pace summed.
+        Rank 0's over its steps less those that follow an evaluation (it paused for it), every other
+        rank's over its steps past ``warmup``: the others do not evaluate and train on while rank 0
+        does, so a rate over rank 0's clock, pauses in, would count samples a run without
+        evaluations does not get. None without every rank's steps."""
+        warmup = self.warmup if warmup is None else warmup
+        if not self.ranks or 0 not in self.ranks:
+            return None
+        evaluated = {e["step"] for e in self.evals}
+        steps = [r for r in self.steps if r["step"] > warmup]
+        kept = [
+            (b["time"] - a["time"], b["step"] - a["step"])
+            for a, b in zip(steps, steps[1:])
+            if a["step"] not in evaluated and b["step"] == a["step"] + 1
+        ]
+        points0 = self.ranks[0][1]
+        if not kept or len(points0) < 2:
+            return None
+        per_step = points0[-1][1] / len(points0)  # rank 0's samples a step
+        rate = per_step * sum(n for _, n in kept) / sum(t for t, _ in kept)
+        for rank, (_, points) in self.ranks.items():
+            window = points[min(warmup, len(points) - 2) :] if rank else []
+            if len(window) >= 2 and window[-1][0] > window[0][0]:
+                rate += (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
+        return rate if rate > 0 else None
 
     def samples_to(self, target: float) -> float | None:
         c = self.curve(self.metric)
@@ -102,12 +135,16 @@ class Measured:
             return None
         step_time = {r["step"]: r["time"] for r in self.steps}
         at = step_time.get(hit["step"], hit["time"])
+        wall = hit["time"] + self.lead_s
+        rate = self.training_rate()
+        if rate:  # asynchronous: the samples that reached it at the ranks' training pace
+            return self.global_samples(at) / rate, wall
         pauses = sum(
             e["time"] - step_time[e["step"]]
             for e in self.evals
             if e["step"] < hit["step"] and e["step"] in step_time
         )
-        return at - pauses + self.lead_s, hit["time"] + self.lead_s
+        return at - pauses + self.lead_s, wall
 
     def staleness(self) -> float | None:
         values = [r["staleness"] for r in self.steps if isinstance(r.get("staleness"), int | float)]

@@ -21,7 +21,7 @@
 
 The target is the user's metric (``target_metric``, ``test_<name>`` in the evaluations; accuracy by
 default). Asynchronous candidates count every rank's samples on the aligned clocks (``runs.read_ranks``):
-their ranks do not keep rank 0's pace.
+their ranks do not keep rank 0's pace, nor pause while it evaluates (``Measured.training_rate``).
 """
 
 from __future__ import annotations
