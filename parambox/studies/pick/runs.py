@@ -99,7 +99,7 @@ class Measured:
         Rank 0's over its steps less those that follow an evaluation (it paused for it), every other
         rank's over its steps past ``warmup``: the others do not evaluate and train on while rank 0
         does, so a rate over rank 0's clock, pauses in, would count samples a run without
-        evaluations does not get. None without every rank's steps."""
+        evaluations does not get. None for a run without every rank's records (a synchronous one)."""
         warmup = self.warmup if warmup is None else warmup
         if not self.ranks or 0 not in self.ranks:
             return None
@@ -116,8 +116,8 @@ class Measured:
         per_step = points0[-1][1] / len(points0)  # rank 0's samples a step
         rate = per_step * sum(n for _, n in kept) / sum(t for t, _ in kept)
         for rank, (_, points) in self.ranks.items():
-            window = points[min(warmup, len(points) - 2) :] if rank else []
-            if len(window) >= 2 and window[-1][0] > window[0][0]:
+            window = points[min(warmup, len(points) - 2) :]
+            if rank != 0 and len(window) >= 2 and window[-1][0] > window[0][0]:
                 rate += (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
         return rate if rate > 0 else None
 
