@@ -113,7 +113,7 @@ def run_pick(s: PickSettings, say: Say = print) -> dict[str, Any]:
                 excluded.append({**_describe(cand), "reason": f"cannot run here: {measured.error}"})
                 continue
             ratio = pm.convergence_ratio(ref_curve, measured.curve("test_loss"))
-        cost = measured.cost(warmup=max(2, len(measured.steps) // 10))
+        cost = measured.cost()  # its warmup steps left out
         if cost is None:
             excluded.append({**_describe(cand), "reason": "too few steps in its probe to time one"})
             continue
