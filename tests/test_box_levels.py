@@ -57,27 +57,53 @@ def worker() -> None:
     print(json.dumps({"rank": rank, **errors}), flush=True)
 
 
-@pytest.mark.parametrize(
-    "numel,ranks,shards", [(10_001, 2, 2), (7, 3, 3), (1_000_003, 4, 4), (5, 8, 8), (300_001, 4, 2)]
-)
-def test_every_area_is_dealt_over_every_shard(numel, ranks, shards):
-    """Each rank sends and receives the same bytes (both directions of a link at once): the blocks of
-    every area go round the shards, each inside its owner's shard, they cover the vector, no two
-    overlap in the box, and the shards' shares differ by one block at most."""
+def _dealt(numel, ranks, shards, bounds=None):
     from types import SimpleNamespace
 
     from parambox.box.layout import shard_range
-    from parambox.box.levels import AREAS, _area_pieces, _block, _padded
+    from parambox.box.levels import _area_pieces, _blocks, _padded
 
-    total, block = _padded(numel, ranks), _block(numel, ranks)
+    total = _padded(numel, ranks)
     box = SimpleNamespace(
         shards=[shard_range(total, k, shards) for k in range(shards)], box_ranks=list(range(shards))
     )
-    pieces = _area_pieces(box, numel, block)
+    blocks = _blocks(numel, ranks, bounds)
+    return box, blocks, _area_pieces(box, blocks)
+
+
+@pytest.mark.parametrize(
+    "numel,ranks,shards,bounds",
+    [
+        (10_001, 2, 2, None),
+        (7, 3, 3, None),
+        (1_000_003, 4, 4, None),
+        (5, 8, 8, None),
+        (300_001, 4, 2, None),
+        # the bench CNN's parameters and box-sync's flags; big and small parts in turn
+        (1_070_802, 2, 2, [0, 864, 896, 19328, 19392, 1067968, 1068224, 1070784, 1070794, 1070802]),
+        (1_000_000, 2, 2, [0, 200_000, 200_010, 400_000, 400_010, 600_000, 600_010, 1_000_000]),
+        (10_000, 3, 3, [0, 1, 2, 3, 9_000, 10_000]),
+    ],
+)
+def test_every_area_is_dealt_over_every_shard(numel, ranks, shards, bounds):
+    """Each rank sends and receives the same bytes (both directions of a link at once): the blocks of
+    every area go round the shards, each inside its owner's shard, they cover the vector, no two
+    overlap in the box, and the shards' shares differ by one block at most."""
+    from parambox.box.levels import AREAS, _block
+
+    box, blocks, pieces = _dealt(numel, ranks, shards, bounds)
+    block = _block(numel, ranks)
+    assert [lo for lo, _ in blocks] == [0, *(hi for _, hi in blocks[:-1])] and blocks[-1][1] == numel
+    assert all(0 < hi - lo <= block for lo, hi in blocks)
+    if bounds is None:
+        assert blocks == [(lo, min(numel, lo + block)) for lo in range(0, numel, block)]
     used = set()
     for area in pieces:
-        assert [p[:2] for p in area] == [(lo, min(numel, lo + block)) for lo in range(0, numel, block)]
-        assert [p[3] for p in area] == [j % shards for j in range(len(area))]
+        assert [p[:2] for p in area] == blocks
+        if len({hi - lo for lo, hi in blocks}) == 1 or bounds is None:
+            assert [p[3] for p in area][: shards * (len(area) // shards)] == [
+                j % shards for j in range(shards * (len(area) // shards))
+            ]
         share = [sum(hi - lo for lo, hi, _, k in area if k == owner) for owner in range(shards)]
         assert max(share) - min(share) <= block
         for lo, hi, at, owner in area:
@@ -87,6 +113,22 @@ def test_every_area_is_dealt_over_every_shard(numel, ranks, shards):
             assert not used.intersection(span)
             used.update(span)
     assert len(used) == AREAS * numel
+
+
+def test_blocks_keep_what_backward_finishes_last_apart():
+    """With the parameters' bounds, a part of at least a block starts a block of its own, so the bench
+    CNN's convolutions (finished last by backward) are one 77 KB block, not the head of a 512 KiB one
+    that holds the fully connected layer's start (finished first); small neighbours share a block."""
+    from parambox.box.levels import _blocks
+
+    cnn = [0, 864, 896, 19328, 19392, 1067968, 1068224, 1070784, 1070794, 1070802]
+    blocks = _blocks(1_070_802, 2, cnn)
+    assert blocks[0] == (0, 19392) and blocks[1] == (19392, 19392 + 131072)
+    assert blocks[-1] == (1067968, 1070802)  # the last layer's small parameters and the flags
+    assert len(blocks) == 10
+    assert _blocks(10, 2, [0, 10]) == [(0, 5), (5, 10)]
+    with pytest.raises(ValueError, match="bounds"):
+        _blocks(10, 2, [0, 5, 4, 10])
 
 
 @pytest.mark.timeout(150)

@@ -74,8 +74,15 @@ class BoxSync(Strategy):
         self.summing = not (ctx.box.has_local_view and (options.zero_copy or self.elastic is not None))
         name, fingerprint = "box-sync-grads", self.layout.fingerprint()
         if self.summing:  # one level, or two across nodes (box/levels.py)
+            offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
             self.box = BoxMean(
-                ctx.box, self.world, self.slot, name, layout_hash=fingerprint, timeout=ctx.timeout_s
+                ctx.box,
+                self.world,
+                self.slot,
+                name,
+                layout_hash=fingerprint,
+                timeout=ctx.timeout_s,
+                bounds=[*offsets, self.slot],  # the flags after the gradients
             )
         else:
             self.box = open_box(
