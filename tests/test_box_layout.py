@@ -80,3 +80,22 @@ def test_shard_range_rejects_bad_shards() -> None:
         shard_range(10, 3, 3)
     with pytest.raises(ValueError):
         shard_range(10, 0, 0)
+
+
+def test_wait_all_polls_every_handle_until_each_is_done_and_names_what_it_waited_for():
+    from parambox.box.base import Handle, wait_all
+    from parambox.errors import CommTimeout
+
+    class Later(Handle):
+        def __init__(self, after: int):
+            self.after, self.tests = after, 0
+
+        def test(self) -> bool:
+            self.tests += 1
+            return self.tests > self.after
+
+    handles = [Later(0), Later(3), Later(1)]
+    wait_all(handles, 5.0, "sums")
+    assert [h.tests for h in handles] == [1, 4, 2]  # a done handle is not asked again
+    with pytest.raises(CommTimeout, match="sums: 1 transfer"):
+        wait_all([Later(0), Later(10**9)], 0.05, "sums")

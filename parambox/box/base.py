@@ -6,7 +6,7 @@ import os
 import re
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -118,10 +118,27 @@ def default_num_counters(world_size: int) -> int:
 
 
 class Handle:
-    """What ``pull_async``/``push_async`` return; ``wait()`` blocks until the transfer is complete."""
+    """What ``pull_async``/``push_async`` return; ``wait()`` blocks until the transfer is complete,
+    ``test()`` says whether it is (completing it where it can without waiting)."""
 
     def wait(self) -> None:
         return None
+
+    def test(self) -> bool:
+        self.wait()
+        return True
+
+
+def wait_all(handles: Sequence[Handle], timeout: float, what: str) -> None:
+    """``wait()`` on every handle, polling them together: one spin and one ladder of naps for all
+    (box-sync's step waits on ten gated pulls; one by one each began its own)."""
+    pending = list(handles)
+
+    def done() -> bool:
+        pending[:] = [h for h in pending if not h.test()]
+        return not pending
+
+    wait_until(done, timeout, lambda: f"{what}: {len(pending)} transfer(s) not done within {timeout:.0f} s")
 
 
 DONE = Handle()  # backends that finish the transfer inside the call return this

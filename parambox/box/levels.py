@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from parambox.box.base import BoxConfig, ParameterBox, open_box
+from parambox.box.base import BoxConfig, ParameterBox, open_box, wait_all
 from parambox.box.node_cache import applies
 from parambox.runtime.world import World
 
@@ -274,8 +274,7 @@ class BoxMean:
                 self.cross.barrier()
             self.pulls = [self.cross.pull_async(out[lo:hi], at) for lo, hi, at, _ in pieces]
         with self._phase("pull"):
-            for h in self.pulls:
-                h.wait()
+            wait_all(self.pulls, self.cross.timeout, f"box {self.cross.name!r}: the step's sums")
         for h in early + rest if self.gated else ():
             h.wait()  # (acknowledged long since: every push had landed for the sums to come back)
         self.rounds[step % AREAS] += 1

@@ -134,6 +134,12 @@ class _Requests(Handle):
             wait_until(lambda: MPI.Request.Testall(self.reqs), self.timeout, lambda: msg)
         self.reqs, self.keep = [], []
 
+    def test(self) -> bool:
+        if self.reqs and not MPI.Request.Testall(self.reqs):
+            return False
+        self.reqs, self.keep = [], []
+        return True
+
 
 class _RemoteCount(Count):
     """A counter request to the counters' rank: the old value arrives in the reply."""
@@ -172,8 +178,18 @@ class _LocalGated(Handle):
             box.timeout,
             lambda: f"box {box.name!r} gated pull: the pushes did not all land within {box.timeout:.0f} s",
         )
-        np.copyto(self.out, box.shard[self.at : self.at + len(self.out)])
-        self.out = None
+        self._copy()
+
+    def test(self) -> bool:
+        if self.out is not None and not self.box.landed(self.key, self.target):
+            return False
+        self._copy()
+        return True
+
+    def _copy(self) -> None:
+        if self.out is not None:
+            np.copyto(self.out, self.box.shard[self.at : self.at + len(self.out)])
+            self.out = None
 
 
 class _Job:
