@@ -99,3 +99,52 @@ def test_wait_all_polls_every_handle_until_each_is_done_and_names_what_it_waited
     assert [h.tests for h in handles] == [1, 4, 2]  # a done handle is not asked again
     with pytest.raises(CommTimeout, match="sums: 1 transfer"):
         wait_all([Later(0), Later(10**9)], 0.05, "sums")
+
+
+def test_watches_test_a_wait_in_the_polling_thread_while_its_waiter_sleeps():
+    """The memory server's loop tests this rank's own waits (``Watches``): the waiter sleeps on an
+    event, a failure raised by the test reaches the waiter, a wait past its deadline is a
+    ``CommTimeout``, and once the loop stops every wait goes back to its waiter (``False``: poll)."""
+    import threading
+
+    from parambox.box.base import Watches
+    from parambox.errors import CommTimeout
+
+    watches, stop = Watches(), threading.Event()
+    tested_in: set[str] = set()
+
+    def loop() -> None:
+        while not stop.is_set():
+            watches.test()
+            watches.nap(0.001)
+        watches.close()
+
+    poller = threading.Thread(target=loop, name="poller")
+    poller.start()
+    calls = []
+
+    def done() -> bool:
+        tested_in.add(threading.current_thread().name)
+        calls.append(1)
+        return len(calls) >= 3
+
+    assert watches.wait_for(done, 5.0, lambda: "never") is True
+    assert tested_in == {"poller"} and len(calls) == 3
+
+    def failed() -> bool:
+        raise RuntimeError("peer 1 failed")
+
+    with pytest.raises(RuntimeError, match="peer 1 failed"):
+        watches.wait_for(failed, 5.0, lambda: "never")
+    with pytest.raises(CommTimeout, match="sums"):
+        watches.wait_for(lambda: False, 0.05, lambda: "sums")
+    held = []
+    waiter = threading.Thread(target=lambda: held.append(watches.wait_for(lambda: False, 5.0, str)))
+    waiter.start()
+    while not watches.pending:
+        threading.Event().wait(0.001)
+    stop.set()
+    poller.join(5)
+    waiter.join(5)
+    assert held == [False] and not watches.pending
+    assert watches.wait_for(lambda: True, 1.0, str) is False
