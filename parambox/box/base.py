@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -120,10 +119,7 @@ def default_num_counters(world_size: int) -> int:
 
 class Handle:
     """What ``pull_async``/``push_async`` return; ``wait()`` blocks until the transfer is complete,
-    ``test()`` says whether it is (completing it where it can without waiting). ``watcher``: a thread
-    that polls anyway (the rma box's memory server) and can test the handle while its waiter sleeps."""
-
-    watcher: Watcher | None = None
+    ``test()`` says whether it is (completing it where it can without waiting)."""
 
     def wait(self) -> None:
         return None
@@ -133,108 +129,16 @@ class Handle:
         return True
 
 
-class Watcher(Protocol):
-    def wait_for(self, done: Callable[[], bool], timeout: float, what: Callable[[], str]) -> bool:
-        """Test ``done()`` in the watcher's thread until true, the waiter asleep meanwhile; False if
-        the watcher cannot (it stopped): the waiter polls itself."""
-        ...
-
-
-class Watches:
-    """Waits that a polling thread tests for their sleeping waiters (a ``Watcher``'s machinery).
-
-    The polling thread calls ``test()`` each round and naps with ``nap(s)``, which a new wait cuts
-    short; ``close()`` when it stops hands every wait back to its waiter.
-
-    >>> w = Watches()
-    >>> w.close()
-    >>> w.wait_for(lambda: True, 1.0, lambda: "never")  # stopped: the caller polls itself
-    False
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._bell = threading.Lock()
-        self._bell.acquire()
-        self._open = True
-        self.pending: list[_Watch] = []
-
-    def wait_for(self, done: Callable[[], bool], timeout: float, what: Callable[[], str]) -> bool:
-        w = _Watch(done)
-        with self._lock:
-            if not self._open:
-                return False
-            self.pending.append(w)
-        try:
-            self._bell.release()
-        except RuntimeError:
-            pass  # rung already
-        if not w.event.wait(timeout):
-            w.abandoned = True
-            raise CommTimeout(what())
-        if w.given_back:
-            return False
-        if w.error is not None:
-            raise w.error
-        return True
-
-    def nap(self, seconds: float) -> bool:
-        """Sleep up to ``seconds``; True if a new wait came meanwhile."""
-        return self._bell.acquire(timeout=seconds)
-
-    def test(self) -> bool:
-        """Test every wait once (in the polling thread); True if one ended."""
-        if not self.pending:
-            return False
-        with self._lock:
-            pending = list(self.pending)
-        ended = []
-        for w in pending:
-            if not w.abandoned:
-                try:
-                    if not w.done():
-                        continue
-                except Exception as e:  # a peer failed, say: its waiter raises it
-                    w.error = e
-            ended.append(w)
-            w.event.set()
-        if ended:
-            with self._lock:
-                self.pending = [w for w in self.pending if w not in ended]
-        return bool(ended)
-
-    def close(self) -> None:
-        with self._lock:
-            self._open, pending, self.pending = False, self.pending, []
-        for w in pending:
-            w.given_back = True
-            w.event.set()
-
-
-class _Watch:
-    def __init__(self, done: Callable[[], bool]):
-        self.done, self.event = done, threading.Event()
-        self.error: Exception | None = None
-        self.abandoned = self.given_back = False
-
-
 def wait_all(handles: Sequence[Handle], timeout: float, what: str) -> None:
     """``wait()`` on every handle, polling them together: one spin and one ladder of naps for all
-    (box-sync's step waits on ten gated pulls; one by one each began its own). Where one watcher
-    serves them all, it polls and this thread sleeps until it is told (no CPU spent waiting)."""
+    (box-sync's step waits on ten gated pulls; one by one each began its own)."""
     pending = list(handles)
 
     def done() -> bool:
         pending[:] = [h for h in pending if not h.test()]
         return not pending
 
-    def message() -> str:
-        return f"{what}: {len(pending)} transfer(s) not done within {timeout:.0f} s"
-
-    watchers = {id(h.watcher): h.watcher for h in pending}
-    watcher = next(iter(watchers.values())) if len(watchers) == 1 else None
-    if watcher is None or not watcher.wait_for(done, timeout, message):
-        wait_until(done, timeout, message)
+    wait_until(done, timeout, lambda: f"{what}: {len(pending)} transfer(s) not done within {timeout:.0f} s")
 
 
 DONE = Handle()  # backends that finish the transfer inside the call return this

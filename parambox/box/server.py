@@ -31,11 +31,6 @@ with a back-off when nothing moves, so it costs a training rank little CPU); a r
 (``ERR_PROC_FAILED`` under ``mpiexec --with-ft ulfm``) or stalls past the box's timeout is dropped,
 and the serving goes on for the others. ``close`` stops the thread after the closing barrier.
 
-The rank's own waits (a push's ack, a pull, a gated pull, a counter) are tested in the same loop,
-their thread asleep on an event meanwhile (``Watches``): the loop polls anyway, and a training
-thread that polled its own waits spent its CPU on naps and on Open MPI's receives (box-sync's step
-over TCP on loopback: 6.6 -> 4.4 ms, its main thread's CPU in the exchange 3.2 -> 1.8 ms).
-
 The outer step of asynchronous DiLoCo (``outer_step_async``: Delayed Nesterov, Liu et al. 2024, Alg. 3)
 runs here too. Each element of a shard has a *companion* pair (momentum ``m``, block accumulator ``a``)
 kept beside it by its server (allocated on first use); an ``OUTER`` request carries the arrival's
@@ -68,11 +63,10 @@ from parambox.box.base import (
     Count,
     Handle,
     ParameterBox,
-    Watches,
     _host_flat,
     _is_host_flat,
     _StagedPull,
-    wait_all,
+    wait_until,
 )
 from parambox.box.layout import shard_range
 from parambox.box.rma import MPI, pbmpi, wait_request
@@ -131,12 +125,13 @@ def _cancel(reqs: list) -> None:
 class _Requests(Handle):
     """Requests of one transfer; ``wait`` until all complete (``CommTimeout`` after the deadline)."""
 
-    def __init__(self, reqs: list, keep: list, timeout: float, what: str, watcher: _Server | None = None):
-        self.reqs, self.keep, self.timeout, self.what, self.watcher = reqs, keep, timeout, what, watcher
+    def __init__(self, reqs: list, keep: list, timeout: float, what: str):
+        self.reqs, self.keep, self.timeout, self.what = reqs, keep, timeout, what
 
     def wait(self) -> None:
         if self.reqs:
-            wait_all([self], self.timeout, self.what)
+            msg = f"{self.what}: no answer within {self.timeout:.0f} s"
+            wait_until(lambda: MPI.Request.Testall(self.reqs), self.timeout, lambda: msg)
         self.reqs, self.keep = [], []
 
     def test(self) -> bool:
@@ -158,7 +153,7 @@ class _RemoteCount(Count):
             box.data.Isend(header, box.counter_rank, REQUEST_TAG),
         ]
         self.requests: _Requests | None = _Requests(
-            reqs, [header], box.timeout, f"box {box.name!r} counter {i}", box.server
+            reqs, [header], box.timeout, f"box {box.name!r} counter {i}"
         )
 
     def wait(self) -> int:
@@ -173,11 +168,17 @@ class _LocalGated(Handle):
 
     def __init__(self, box: ServerBox, out: np.ndarray, at: int, key: int, target: int):
         self.box, self.out, self.at, self.key, self.target = box, out, at, key, target
-        self.watcher = box.server
 
     def wait(self) -> None:
-        if self.out is not None:
-            wait_all([self], self.box.timeout, f"box {self.box.name!r} gated pull: its pushes")
+        if self.out is None:
+            return
+        box = self.box
+        wait_until(
+            lambda: box.landed(self.key, self.target),
+            box.timeout,
+            lambda: f"box {box.name!r} gated pull: the pushes did not all land within {box.timeout:.0f} s",
+        )
+        self._copy()
 
     def test(self) -> bool:
         if self.out is not None and not self.box.landed(self.key, self.target):
@@ -212,14 +213,6 @@ class _Server(threading.Thread):
         self.jobs: list[_Job] = []
         self.parked: list[_Job] = []  # PULL_WHEN requests whose pushes have not all landed
         self.dropped = 0
-        self.watches = Watches()  # this rank's own waits, tested here while their threads sleep
-
-    def wait_for(self, done, timeout: float, what) -> bool:
-        """``Watcher``: a wait of this rank's tested in this loop, its thread asleep (at 0.1 Gbit/s
-        box-sync's naps cost the training thread 25 ms of CPU a step); False once the loop stopped."""
-        if threading.current_thread() is self:
-            return False
-        return self.watches.wait_for(done, timeout, what)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._halt.set()
@@ -230,8 +223,6 @@ class _Server(threading.Thread):
             self._serve()
         except Exception as e:  # the clients time out naming the box; say why here
             warnings.warn(f"box {self.box.name!r}: its server stopped: {type(e).__name__}: {e}", stacklevel=1)
-        finally:
-            self.watches.close()  # their waiters poll for themselves
 
     def _serve(self) -> None:
         header = np.empty(_HEADER, dtype=np.int64)
@@ -253,7 +244,6 @@ class _Server(threading.Thread):
                 req = self.comm.Irecv(header, MPI.ANY_SOURCE, REQUEST_TAG)
                 busy = True
             busy = self._unpark() or self._progress() or busy
-            busy = self.watches.test() or busy
             # Yield for a moment after anything moved, then nap, each nap twice the last: a timed
             # sleep costs CPU (17-32 us on the VMs here), and this thread shares a core with training
             # (spinning on sleep(0) after each activity cost a training process 10-13 ms of a 90 ms step).
@@ -263,10 +253,8 @@ class _Server(threading.Thread):
             if now < spin_until:
                 os.sched_yield()
                 continue
-            if self.watches.nap(nap):  # woken: a wait to watch
-                spin_until, nap = time.perf_counter() + SPIN_S, FIRST_NAP_S
-                continue
-            nap = min(2 * nap, _NAP_S if self.jobs or self.parked or self.watches.pending else _IDLE_NAP_S)
+            time.sleep(nap)
+            nap = min(2 * nap, _NAP_S if self.jobs or self.parked else _IDLE_NAP_S)
         _cancel([req])
         for job in self.jobs:
             _cancel([r for r, _, _ in job.recvs[job.next :]])
@@ -534,7 +522,7 @@ class ServerBox(ParameterBox):
             reqs.append(self.data.Isend(header, rank, REQUEST_TAG))
             if op not in (PULL, COMPANION_PULL):
                 reqs += [self.data.Isend(part[a:b], rank, _payload(tag)) for a, b in _chunks(0, hi - lo)]
-        return _Requests(reqs, [*keep, buf, out], self.timeout, f"box {self.name!r}", self.server)
+        return _Requests(reqs, [*keep, buf, out], self.timeout, f"box {self.name!r}")
 
     gated = True  # push_keyed_async / pull_when_async
 
@@ -558,7 +546,7 @@ class ServerBox(ParameterBox):
         back = out.numpy()
         reqs = [self.data.Irecv(back[a:b], rank, _reply(tag)) for a, b in _chunks(0, hi - lo)]
         reqs.append(self.data.Isend(header, rank, REQUEST_TAG))
-        return _Requests(reqs, [header, back], self.timeout, f"box {self.name!r} gated pull", self.server)
+        return _Requests(reqs, [header, back], self.timeout, f"box {self.name!r} gated pull")
 
     def _pull_into(self, out: torch.Tensor, start: int) -> Handle:
         return self._transfer(PULL, out.numpy(), start)
