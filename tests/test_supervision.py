@@ -116,6 +116,44 @@ def test_a_synchronous_rank_stopped_long_before_rank_0_waits_for_the_step_rank_0
     assert (out / "checkpoints" / f"rank1-step{last['step']}.pt").exists()  # both left at one step
 
 
+def test_a_stopped_rank_whose_board_is_gone_leaves_at_this_step():
+    """Rank 0 hosts the board: once it has left at the step it named (the step before is collective,
+    so the others are at that step too) a rank that looks then finds no board, and leaves there,
+    saving its state, instead of failing (CI, under load: rank 0 saved and exited first)."""
+    from types import SimpleNamespace
+
+    from parambox.training.loop import STOP_KEY, _stops_here
+
+    class Board:
+        def __init__(self, gone: bool):
+            self.gone, self.keys = gone, {}
+
+        def check(self, keys):
+            if self.gone:
+                raise RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed.")
+            return all(k in self.keys for k in keys)
+
+        def get(self, key):
+            return self.keys[key]
+
+        def set(self, key, value):
+            self.keys[key] = value
+
+    def run(rank: int, store: Board):
+        return SimpleNamespace(
+            board=SimpleNamespace(store=store),
+            strategy=SimpleNamespace(tolerates_worker_loss=False),
+            world=SimpleNamespace(rank=rank),
+        )
+
+    live = Board(gone=False)
+    assert _stops_here(run(0, live), 7) is False and live.keys == {STOP_KEY: "8"}  # rank 0 names 8
+    assert _stops_here(run(1, live), 7) is False and _stops_here(run(1, live), 8) is True
+    assert _stops_here(run(1, Board(gone=True)), 8) is True
+    with pytest.raises(RuntimeError):  # rank 0 hosts the board: its own failure is not a stop
+        _stops_here(run(0, Board(gone=True)), 8)
+
+
 def test_an_earlier_lifes_error_file_is_removed_when_a_rank_starts(tmp_path):
     from parambox.run.plan import build
     from parambox.run.worker import train_rank

@@ -136,7 +136,13 @@ def _stops_here(run: Run, step: int) -> bool:
     if run.world.rank == 0 and not store.check([STOP_KEY]):
         store.set(STOP_KEY, str(step + 1))  # every rank reaches it: the step between is collective
         return False
-    return store.check([STOP_KEY]) and step >= int(store.get(STOP_KEY))
+    try:
+        return store.check([STOP_KEY]) and step >= int(store.get(STOP_KEY))
+    except RuntimeError:  # torch's DistNetworkError: the board's host, rank 0, is gone
+        # Rank 0 leaves at the step it named, once the step before it (collective, so this rank's
+        # too) is done, and takes the board with it: this is that step (or rank 0 died). Under load
+        # rank 0 had saved and exited before this rank looked, which then wrote no checkpoint.
+        return run.world.rank != 0
 
 
 def world_record(world: World) -> dict[str, Any]:
