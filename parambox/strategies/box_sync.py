@@ -25,8 +25,6 @@ Buffers (batch-norm statistics) are rank 0's, broadcast at the end of the exchan
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from pydantic import Field
 
@@ -74,7 +72,6 @@ class BoxSync(Strategy):
         self.summing = not (ctx.box.has_local_view and (options.zero_copy or self.elastic is not None))
         name, fingerprint = "box-sync-grads", self.layout.fingerprint()
         if self.summing:  # one level, or two across nodes (box/levels.py)
-            offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
             self.box = BoxMean(
                 ctx.box,
                 self.world,
@@ -82,7 +79,7 @@ class BoxSync(Strategy):
                 name,
                 layout_hash=fingerprint,
                 timeout=ctx.timeout_s,
-                bounds=[*offsets, self.slot],  # the flags after the gradients
+                bounds=[*self.layout.offsets, numel, self.slot],  # the flags after the gradients
             )
         else:
             self.box = open_box(
@@ -113,7 +110,7 @@ class BoxSync(Strategy):
         )
         self.bucket = max(1, int(options.bucket_mb * (1 << 20) / 4)) if options.bucket_mb > 0 else 0
         early = early and self.bucket > 0 and self.staged is None
-        self.finishing = FinishedTail([0, *itertools.accumulate(p.numel() for p in self.params)], self.bucket)
+        self.finishing = FinishedTail([*self.layout.offsets, numel], self.bucket)
         self.grads = GradViews(  # hooks note who got a gradient
             self.params, self.views_of[0], track=True, on_ready=self._ready if early else None
         )
