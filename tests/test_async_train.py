@@ -197,18 +197,42 @@ torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
 
 def dynsgd(mode: str):
     def make(ctx):
-        return DynSGD(ctx, DynSGDOptions(termination=mode))
+        return counting_reads(DynSGD(ctx, DynSGDOptions(termination=mode)))
 
     return make
+
+
+def counting_reads(strategy):
+    """Count the box reads ``should_stop`` makes itself (``probe["reads"]``)."""
+    strategy.probe = {"reads": 0}
+    box, read, stop = strategy.box, strategy.box.read_counter, strategy.should_stop
+    inside = [False]
+
+    def read_counter(i):
+        strategy.probe["reads"] += inside[0]
+        return read(i)
+
+    def should_stop(step):
+        inside[0] = True
+        try:
+            return stop(step)
+        finally:
+            inside[0] = False
+
+    box.read_counter, strategy.should_stop = read_counter, should_stop
+    return strategy
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["all", "fastest", "average"])
 def test_termination_alignment(mode):
-    """Rank 1 sleeps 20 ms a step: the run stops when every / the fastest / the average worker reaches 40."""
+    """Rank 1 sleeps 20 ms a step: the run stops when every / the fastest / the average worker reaches 40.
+    The run's counts come back with each step's own adds: no worker reads the box for them but before
+    its first step's adds are back (across nodes each read was a trip over the link every step)."""
     res = run_forked(dynsgd(mode), slow={1: 0.02})
     fast, slow = res[0]["worker_steps"]
     assert (fast, slow) == (res[0]["steps"], res[1]["steps"])
+    assert max(res[r]["probe"]["reads"] for r in (0, 1)) <= 2
     if mode == "all":
         assert (fast, slow) == (40, 40)
     elif mode == "fastest":

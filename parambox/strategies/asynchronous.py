@@ -163,6 +163,10 @@ class AsyncStrategy(Strategy):
         # travel while the next step computes (across nodes each is a trip over the link).
         self._steps_done = 0
         self._counting: list[Count] = []
+        # What the last settled adds told of the run (termination alignment reads it, no trip of its
+        # own): the run's total after that step's add, this worker's steps at it, and whether any
+        # worker had reached its steps. None until a step's adds have settled.
+        self._seen: tuple[int, int, bool] | None = None
         if not self.serves:
             self._join()
 
@@ -258,6 +262,8 @@ class AsyncStrategy(Strategy):
             self._steps_done += 1
             add = self.box.add_counter_async
             self._counting = [add(m.steps(rank), 1), add(m.total, 1), add(m.samples, samples)]
+            if self.options.termination == "fastest":
+                self._counting.append(add(m.reached, 0))  # a read that travels with the adds
             if self._steps_done >= self.ctx.steps and not self._reached:
                 self._reached = True
                 self.box.add_counter(m.reached, 1)
@@ -267,8 +273,10 @@ class AsyncStrategy(Strategy):
         return StepResult(loss_value(loss), samples, self.timers.pop(), extra)
 
     def _settle_counts(self) -> None:
-        for count in self._counting:
-            count.wait()
+        values = [count.wait() for count in self._counting]
+        if values:
+            reached = len(values) > 3 and values[3] > 0
+            self._seen = (values[1] + 1, self._steps_done, reached)
         self._counting = []
 
     def flush(self) -> None:
@@ -281,9 +289,20 @@ class AsyncStrategy(Strategy):
         target, mode = self.ctx.steps, self.options.termination
         if mode == "all" or self.num_workers == 1:
             return step >= target
+        if mode == "fastest" and step >= target:
+            return True
+        if self._seen is None:  # no step's counts back yet: ask the box
+            m = self.counters
+            if mode == "fastest":
+                return self.box.read_counter(m.reached) > 0
+            return self.box.read_counter(m.total) >= target * self.num_workers
+        # The counts as the last settled adds saw them (a step or two late, as heartbeats are; across
+        # nodes a read of its own was a round trip over the link every step), with this worker's own
+        # steps since.
+        total, mine, reached = self._seen
         if mode == "fastest":
-            return step >= target or self.box.read_counter(self.counters.reached) > 0
-        return self.box.read_counter(self.counters.total) >= target * self.num_workers
+            return reached
+        return total + self._steps_done - mine >= target * self.num_workers
 
     def finish(self) -> None:
         """Push what is left, say DONE; rank 0 waits for the others (or finds them lost) and takes the
