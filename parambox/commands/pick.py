@@ -5,7 +5,7 @@ A reference run (allreduce) trains until its test accuracy reaches the target; e
 of the registry that accepts N workers is probed for a few dozen steps (its presets' options). Each
 prediction is samples to target / samples per second: the samples from how fast the probe's test loss
 fell against the reference's (convergence per sample, with a band), the rate from the probe's time
-per step (compute and communication). The top --confirm K predictions (default 3) are then trained
+per step (compute and communication). The top --confirm K predictions (default 5) are then trained
 to the target and put first in the order they reached it. --validate trains every ranked candidate
 to the target (--validate K: the top K and K others at random) and scores the predictions: Kendall's
 tau between predicted and measured order, the top pick's hit, the median prediction error per
@@ -31,7 +31,7 @@ RUN_FLAGS = ("model", "data", "loss", "metrics", "collate", "data_path", "batch_
 RUN_FLAGS += ("momentum", "steps", "seed", "threads", "box")
 QUICK = {"probe_fraction": 1.0, "eval_every": 2, "confirm": 2}
 BARE = "bare"  # --validate with no value: all (under --quick, the top pick and one other)
-DEFAULTS = {"probe_fraction": 1.0, "eval_every": 4, "confirm": 3}
+DEFAULTS = {"probe_fraction": 1.0, "eval_every": 4, "confirm": 5}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -54,7 +54,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         type=int,
         metavar="K",
         help="train the top K predictions to the target and rank them by their measured time first "
-        "(default 3; 0: the prediction alone)",
+        "(default 5; 0: the prediction alone)",
     )
     a("--seeds", type=int, default=1, help="repeat probes and validations with N seeds (default 1)")
     a(

@@ -8,11 +8,13 @@
    before they fall need that much; one that falls early stops early.
 3. :mod:`parambox.studies.pick.model` turns each probe into a predicted time to the target (with a
    band), and the candidates are ranked, each with the reason for its rank.
-3a. ``confirm`` K (default 3): the top K predictions are trained to the target and put first in the
+3a. ``confirm`` K (default 5): the top K predictions are trained to the target and put first in the
    order they reached it; the rest keep their predicted order. A probe's convergence ratio is read
    over the first part of the way and is often optimistic (local SGD's and Adagrad's early pace), so
    a race among the few the model puts ahead costs K runs and catches a top pick that only looked
-   fast. ``predicted_rank`` keeps the model's own order, and validation scores both.
+   fast. Five, not three: with the predictions 15-25 % off, no setup within 1.2x of the fastest was
+   predicted in the top three in 2 of 18 seed-runs of 28-29 Nov (4th, 5th; README).
+   ``predicted_rank`` keeps the model's own order, and validation scores both.
 4. ``validate``: every candidate ranked (``num_validated`` None), or the top K and K others drawn at
    random, and the reference are trained to the target; their measured times against the predicted
    ones give the scores of :mod:`~parambox.studies.pick.scores` (Kendall's tau, the top pick's hit,
@@ -72,7 +74,7 @@ class PickSettings:
     run_timeout_s: float = 900.0
     probe_timeout_s: float = 180.0  # a probe is a few dozen steps: one that hangs is given up soon
     fixed: set[str] = field(default_factory=set)  # run fields the user set: no preset overrides them
-    confirm: int = 3  # the top K predictions trained to the target, first in their measured order (0: off)
+    confirm: int = 5  # the top K predictions trained to the target, first in their measured order (0: off)
 
     @property
     def probe_workers(self) -> int:
