@@ -273,10 +273,10 @@ class AsyncStrategy(Strategy):
         return StepResult(loss_value(loss), samples, self.timers.pop(), extra)
 
     def _settle_counts(self) -> None:
-        values = [count.wait() for count in self._counting]
+        values = [count.wait() for count in self._counting]  # in step_result's order
         if values:
-            reached = len(values) > 3 and values[3] > 0
-            self._seen = (values[1] + 1, self._steps_done, reached)
+            _, total_before, _, *reached = values  # reached: fastest's read, where it was made
+            self._seen = (total_before + 1, self._steps_done, bool(reached) and reached[0] > 0)
         self._counting = []
 
     def flush(self) -> None:
