@@ -3,8 +3,14 @@ the loader, test-set metrics, and each bad input answered by a UserError naming 
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +19,7 @@ from torch.utils.data import TensorDataset, default_collate
 
 import parambox
 from parambox.data.base import GlobalBatchSampler
-from parambox.workload import refs
+from parambox.workload import loader, refs
 from parambox.workload.evaluate import evaluate
 from parambox.workload.loader import LoaderSource
 from parambox.workload.losses import default_loss
@@ -168,6 +174,108 @@ def test_loader_follows_the_global_batch_sampler(num_workers):
     for t, y in enumerate(got):
         assert torch.equal(y, sampler.indices(t))
     assert torch.equal(resumed, sampler.indices(7))
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(
+        str(p.relative_to(root)).split("/")[0] + ("/" if p.is_dir() else "") for p in root.iterdir()
+    )
+
+
+@pytest.fixture
+def short_tmp():
+    """A temporary directory with a short path (pytest's are too long to hold a Unix socket's)."""
+    path = Path(tempfile.mkdtemp(prefix="pbt-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_loaders_make_their_temporary_files_in_a_scratch_folder_removed_at_the_end(short_tmp, monkeypatch):
+    """The loader processes' pymp-* folder (multiprocessing's, for handing over the batches' shared
+    memory) lands inside the rank's scratch folder, which goes when the run's loaders are stopped."""
+    tmp_path = short_tmp
+    loader.remove_scratch()  # one made by an earlier test in this process, elsewhere
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ds = TensorDataset(torch.arange(40).float()[:, None], torch.arange(40))
+    src = LoaderSource(ds, GlobalBatchSampler(40, 4, 0, 1, seed=0), default_collate, "ds", 2)
+    try:
+        for t in range(4):
+            src.batch(t)
+        (scratch,) = tmp_path.iterdir()  # nothing else in the temporary directory
+        assert scratch.name.startswith(loader.SCRATCH_PREFIX)
+        assert any(p.name.startswith("pymp-") for p in scratch.iterdir())
+    finally:
+        src.close()
+        loader.remove_scratch()
+    assert list(tmp_path.iterdir()) == []
+
+
+_KILLED_MAKER = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    from torch.utils.data import TensorDataset, default_collate
+    from parambox.data.base import GlobalBatchSampler
+    from parambox.workload.loader import LoaderSource
+    ds = TensorDataset(torch.arange(40).float()[:, None], torch.arange(40))
+    src = LoaderSource(ds, GlobalBatchSampler(40, 4, 0, 1, seed=0), default_collate, "ds", 2)
+    for t in range(4):
+        src.batch(t)
+    print(os.listdir(os.environ["TMPDIR"]), flush=True)
+    os.killpg(0, signal.SIGKILL) if sys.argv[1] == "group" else os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def _kill_a_maker(tmp_path: Path, who: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_MAKER, who],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        start_new_session=True,  # its own process group: "group" kills it and its loaders
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -9 and loader.SCRATCH_PREFIX in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_ranks_loaders_remove_its_scratch_folder_when_they_end(short_tmp):
+    """The rank is SIGKILLed (no exit handlers), its loaders live on: they notice (every 5 s) and
+    end, and the last of them removes the folder."""
+    tmp_path = short_tmp
+    _kill_a_maker(tmp_path, "self")
+    deadline = time.monotonic() + 30
+    while list(tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_scratch_folder_whose_rank_and_loaders_were_killed_is_swept_by_the_next(short_tmp, monkeypatch):
+    """All of them SIGKILLed: the folder stays, its lock free, until the next parambox process on the
+    machine makes or removes a scratch folder; a live process's folder is left alone."""
+    tmp_path = short_tmp
+    _kill_a_maker(tmp_path, "group")
+    (left,) = tmp_path.iterdir()
+    assert left.name.startswith(loader.SCRATCH_PREFIX)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(loader, "SCRATCH_GRACE_S", 0.0)
+    loader.remove_scratch()
+    try:
+        mine = loader.scratch_dir()  # sweeps first, then makes (and locks) this process's own
+        assert _tree(tmp_path) == [Path(mine).name + "/"]
+        loader.sweep_scratch()  # held: stays
+        assert Path(mine).is_dir()
+    finally:
+        loader.remove_scratch()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_scratch_folder_where_the_temporary_directory_is_too_long_for_one(monkeypatch):
+    long = "/tmp/" + "d" * (loader._LONGEST_SCRATCH - 8)
+    monkeypatch.setattr(tempfile, "tempdir", long)  # never made: nothing is created there
+    loader.remove_scratch()
+    assert loader.scratch_dir() is None
 
 
 # -- metrics --------------------------------------------------------------------------------------

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -128,12 +130,22 @@ def test_under_mpiexec_with_ft_ulfm_a_killed_rank_is_survived_in_place(tmp_path,
         pytest.skip("no mpiexec found")
     out = tmp_path / strategy
     prefix = [find_mpiexec(), "--with-ft", "ulfm", "-n", "3", "--oversubscribe"]
-    proc = run_cli(
-        "train", "--strategy", strategy, *ARGS, "--timeout", "30", "--out", str(out),
-        prefix=prefix, env={**MPI_ENV, "PARAMBOX_FAULT": f"{KILLED}:{AT}:kill"}, timeout=150,
-    )  # fmt: skip
-    assert summary(out)["launcher"] == "mpi", proc.stderr[-2000:]
-    _check_closed_form(out)
+    # The job's temporary directory of its own (short: Open MPI's sockets live there): what the
+    # ranks, their loaders and Open MPI make in it must be gone at the end, the killed rank's too.
+    scratch = Path(tempfile.mkdtemp(prefix="pbt-", dir="/tmp"))
+    try:
+        env = {**MPI_ENV, "PARAMBOX_FAULT": f"{KILLED}:{AT}:kill", "TMPDIR": str(scratch)}
+        proc = run_cli(
+            "train", "--strategy", strategy, *ARGS, "--timeout", "30", "--out", str(out),
+            prefix=prefix, env=env, timeout=150,
+        )  # fmt: skip
+        assert summary(out)["launcher"] == "mpi", proc.stderr[-2000:]
+        _check_closed_form(out)
+        # torch's compile cache (torchinductor_<user>) stays by design, as it does in /tmp
+        left = [str(p.relative_to(scratch)) for p in scratch.rglob("*") if "torchinductor_" not in str(p)]
+        assert left == [], left
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 @pytest.mark.timeout(170)

@@ -29,6 +29,7 @@ from parambox.training.metrics import MetricsLogger
 from parambox.training.progress import Progress
 from parambox.workload import Workload, build_workload, check_batch_fits
 from parambox.workload.evaluate import evaluate as evaluate_model
+from parambox.workload.loader import remove_scratch
 
 
 @dataclass
@@ -60,6 +61,7 @@ def train(
                 return _loop(run, resume, stop)
         finally:
             run.batches.close()  # a user's data: stop the background loaders
+            remove_scratch()  # and remove the folder of their temporary files
             run.strategy.close()
             run.board.close()  # drop the board's store before the process group goes
     finally:

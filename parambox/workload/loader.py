@@ -11,11 +11,17 @@ DataLoader worker's traceback.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import fcntl
 import multiprocessing
+import multiprocessing.util
 import os
+import shutil
 import socket
 import stat
+import tempfile
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,6 +34,10 @@ from parambox.errors import UserError
 
 Collate = Callable[[list[Any]], Any]
 PREFETCH_BATCHES = 4  # per background worker: enough to ride out a slow item or two
+SCRATCH_PREFIX = "parambox-loaders-"
+# A loader's listening socket is <scratch>/pymp-XXXXXXXX/listener-XXXXXXXX: at most 107 bytes.
+_LONGEST_SCRATCH = 107 - len("/pymp-12345678/listener-12345678")
+SCRATCH_GRACE_S = 10.0  # a folder younger than this may be one whose maker has not locked it yet
 
 
 class _Steps:
@@ -79,6 +89,7 @@ class LoaderSource:
         """Start the background workers on ``step + 1`` onwards, and load ``step`` here meanwhile."""
         self.close()
         if self.num_workers > 0:
+            scratch_dir()
             self._it = iter(
                 DataLoader(
                     self.dataset,
@@ -88,7 +99,7 @@ class LoaderSource:
                     prefetch_factor=PREFETCH_BATCHES,
                     pin_memory=self.pin_memory,
                     multiprocessing_context=_fork_context(),
-                    worker_init_fn=_drop_network_sockets,
+                    worker_init_fn=_init_loader_process,
                 )
             )
         else:
@@ -112,8 +123,21 @@ class LoaderSource:
             shutdown()
 
 
-def _drop_network_sockets(_worker_id: int) -> None:
-    """In a loader process: close the TCP sockets it inherited from its worker (the process group's
+def _init_loader_process(_worker_id: int) -> None:
+    """In a loader process, first thing: its connections dropped, its temporary files in its
+    maker's scratch folder."""
+    _drop_network_sockets()
+    if _scratch is not None:
+        path, fd, _ = _scratch
+        # multiprocessing's pymp-* folder (the Unix socket that hands the batches' shared-memory
+        # descriptors over) is made on first use, after this: inside the scratch folder.
+        tempfile.tempdir = path
+        # The last of the rank and its loaders to end removes the folder (a rank killed mid-run).
+        multiprocessing.util.Finalize(None, _leave_scratch, args=(path, fd), exitpriority=-200)
+
+
+def _drop_network_sockets() -> None:
+    """Close the TCP sockets a loader process inherited from its worker (the process group's
     connections, the store's). A copy left open here keeps a connection up after the worker closed
     it, so a peer blocked on it waits for ``--timeout`` instead of failing at once (a run surviving
     in place regrouped 20 s late when a worker with loaders closed its group). Pipes and Unix
@@ -157,6 +181,7 @@ def test_batches(
         for start in range(0, n, batch_size):
             yield load_items(dataset, list(range(start, min(n, start + batch_size))), collate, name)
         return
+    scratch_dir()
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
@@ -164,7 +189,7 @@ def test_batches(
         collate_fn=collate,
         num_workers=num_workers,
         multiprocessing_context=_fork_context(),
-        worker_init_fn=_drop_network_sockets,
+        worker_init_fn=_init_loader_process,
     )
     it = iter(loader)
     try:
@@ -180,6 +205,75 @@ def test_batches(
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
+
+
+# This process's loader scratch folder: (path, the descriptor that holds its lock, the maker's pid).
+_scratch: tuple[str, int, int] | None = None
+
+
+def scratch_dir() -> str | None:
+    """The folder this process's data-loader processes make their temporary files in, made on first
+    use: multiprocessing's pymp-* folders, which a loader killed before its exit handlers (a rank
+    killed with its loaders, under ``mpiexec`` or ``srun``) used to leave in /tmp. None where the
+    temporary directory's path is too long to nest one more folder in it (a Unix socket's path
+    holds 107 bytes): the loaders then make theirs where they always did.
+
+    The folder is locked (``flock``) while its maker or any of its loaders lives. ``remove_scratch``
+    removes it when the run's loaders are stopped; the last of the maker and its loaders to end
+    removes it otherwise; and one whose lock is free (all of them killed) is removed by the next
+    parambox process on that machine that makes or removes a scratch folder."""
+    global _scratch
+    if _scratch is None or _scratch[2] != os.getpid():  # a forked child makes its own
+        _scratch = None
+        if len(tempfile.gettempdir()) + len(f"/{SCRATCH_PREFIX}12345678") > _LONGEST_SCRATCH:
+            return None
+        sweep_scratch()
+        path = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
+        fd = os.open(path, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _scratch = (path, fd, os.getpid())
+        atexit.register(remove_scratch)  # a normal exit; a rank's os._exit removes it before
+    return _scratch[0]
+
+
+def remove_scratch() -> None:
+    """Remove this process's scratch folder (its loaders stopped), and any abandoned one."""
+    global _scratch
+    mine, _scratch = _scratch, None
+    if mine is not None and mine[2] == os.getpid():
+        path, fd, _ = mine
+        shutil.rmtree(path, ignore_errors=True)
+        os.close(fd)
+    sweep_scratch()
+
+
+def sweep_scratch() -> None:
+    """Remove the scratch folders in the temporary directory whose lock nobody holds."""
+    root = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            if name.startswith(SCRATCH_PREFIX):
+                path = os.path.join(root, name)
+                with contextlib.suppress(OSError):
+                    if time.time() - os.stat(path).st_mtime > SCRATCH_GRACE_S:
+                        _remove_if_unlocked(path)
+
+
+def _leave_scratch(path: str, fd: int) -> None:
+    """A loader's exit: drop its copy of the lock, and remove the folder if nobody else holds it."""
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    _remove_if_unlocked(path)
+
+
+def _remove_if_unlocked(path: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # OSError: someone holds it
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 def _count(start: int) -> Iterator[int]:
