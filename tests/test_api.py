@@ -171,6 +171,7 @@ def test_loader_follows_the_global_batch_sampler(num_workers):
         resumed = src.batch(7)[1]  # a jump (resume): restarts at step 7
     finally:
         src.close()
+        loader.remove_scratch()
     for t, y in enumerate(got):
         assert torch.equal(y, sampler.indices(t))
     assert torch.equal(resumed, sampler.indices(7))
