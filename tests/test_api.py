@@ -213,7 +213,7 @@ def test_loaders_make_their_temporary_files_in_a_scratch_folder_removed_at_the_e
 
 _KILLED_MAKER = textwrap.dedent(
     """
-    import os, signal, sys, torch
+    import os, signal, sys, time, torch
     from torch.utils.data import TensorDataset, default_collate
     from parambox.data.base import GlobalBatchSampler
     from parambox.workload.loader import LoaderSource
@@ -222,6 +222,8 @@ _KILLED_MAKER = textwrap.dedent(
     for t in range(4):
         src.batch(t)
     print(os.listdir(os.environ["TMPDIR"]), flush=True)
+    time.sleep(1.0)  # the loaders' prefetch full: none is inside torch's shared-memory allocation,
+    # where a SIGKILL leaves its /dev/shm/torch_* file (the microseconds between creating and unlinking it)
     os.killpg(0, signal.SIGKILL) if sys.argv[1] == "group" else os.kill(os.getpid(), signal.SIGKILL)
     """
 )
