@@ -209,6 +209,7 @@ def test_batches(
 
 # This process's loader scratch folder: (path, the descriptor that holds its lock, the maker's pid).
 _scratch: tuple[str, int, int] | None = None
+_scratch_at_exit = [0]  # the pid that registered remove_scratch at exit
 
 
 def scratch_dir() -> str | None:
@@ -231,8 +232,10 @@ def scratch_dir() -> str | None:
         path = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
         fd = os.open(path, os.O_RDONLY)
         fcntl.flock(fd, fcntl.LOCK_EX)
+        if _scratch_at_exit[0] != os.getpid():  # once a process: a normal exit (a rank's os._exit
+            _scratch_at_exit[0] = os.getpid()  # comes after train() removed it)
+            atexit.register(remove_scratch)
         _scratch = (path, fd, os.getpid())
-        atexit.register(remove_scratch)  # a normal exit; a rank's os._exit removes it before
     return _scratch[0]
 
 
