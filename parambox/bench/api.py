@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from parambox.bench.rounds import paired_ratio
+from parambox.runtime.heap import keep_freed_memory
 
 BATCH = 64
 NUM_ITEMS = 2048
@@ -106,6 +107,7 @@ def train_step_s(dataset: Dataset, steps: int, warmup: int, loader_workers: int,
 
 def run_bench_api(rounds: int = 5, steps: int = 20, warmup: int = 5, sleep_ms: float = 0.5) -> dict[str, Any]:
     torch.set_num_threads(1)
+    keep_freed_memory()
     data = _tensors()
     slow = SleepyDataset(data, sleep_ms / 1000)
     times: dict[str, list[float]] = {k: [] for k in ("plain", "train", "fast", "slow", "slow_serial")}

@@ -47,6 +47,7 @@ from parambox.bench.workers import BATCH, close_setups, exit_worker, random_batc
 from parambox.numerics import is_finite
 from parambox.runtime import spawn
 from parambox.runtime.dist import destroy_distributed
+from parambox.runtime.heap import keep_freed_memory
 from parambox.runtime.spawn import find_mpiexec
 
 LR, MOMENTUM = 0.01, 0.9
@@ -134,6 +135,7 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
     from parambox.runtime.world import World
 
     torch.set_num_threads(1)
+    keep_freed_memory()
     world = World.from_env()
     dist.init_process_group("gloo", rank=world.rank, world_size=world.world_size)
     try:
@@ -216,6 +218,7 @@ def rma_worker(memory_ranks: int, steps: int, warmup: int, out: Path) -> None:
     from parambox.workload.losses import default_loss
 
     torch.set_num_threads(1)
+    keep_freed_memory()
     world = World.from_env()
     box = BoxConfig(backend="rma", memory_ranks=memory_ranks)
     ctx = Context(world, _build(), _make_optimizer, default_loss, warmup + steps, 300.0, box=box)

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from parambox.bench.workers import exit_worker, spawn_workers
+from parambox.runtime.heap import keep_freed_memory
 
 MIB = 1 << 20
 FORMS = {"server": True, "windows": False}
@@ -126,6 +127,7 @@ def worker(size_mb: int, repeats: int, out: Path) -> None:
     from parambox.runtime.world import World
 
     torch.set_num_threads(1)
+    keep_freed_memory()
     world = World.from_env()
     init_distributed(world, 300.0)
     try:

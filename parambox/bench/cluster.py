@@ -38,6 +38,7 @@ import torch.distributed as dist
 from parambox.bench.rounds import paired_ratio
 from parambox.bench.sync import ddp_stepper, plain_stepper
 from parambox.bench.workers import BATCH, close_setups, exit_worker, run_setups, spawn_workers
+from parambox.runtime.heap import keep_freed_memory
 
 LR, MOMENTUM = 0.01, 0.9
 StepperFactory = Callable[[Any, int], tuple[Callable, Callable]]  # (world, total steps) -> (step, close)
@@ -182,6 +183,7 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
     from parambox.runtime.world import World
 
     torch.set_num_threads(1)
+    keep_freed_memory()
     world = World.from_env()
     init_distributed(world, 300.0)  # gloo; the rendezvous over MPI when mpiexec started us
     try:

@@ -22,6 +22,7 @@ from parambox.bench.rounds import paired_ratio
 from parambox.bench.sync import _build, ddp_stepper, plain_stepper
 from parambox.bench.workers import BATCH, close_setups, exit_worker, run_setups, spawn_workers
 from parambox.runtime.dist import destroy_distributed
+from parambox.runtime.heap import keep_freed_memory
 
 SETUPS = {"ddp": ddp_stepper, "ceiling": plain_stepper}
 
@@ -47,6 +48,7 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
     from parambox.runtime.world import World
 
     torch.set_num_threads(1)
+    keep_freed_memory()
     world = World.from_env()
     dist.init_process_group("gloo", rank=world.rank, world_size=world.world_size)
     try:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from parambox.bench.rounds import paired_ratio
 from parambox.bench.workers import BATCH, close_setups, exit_worker, run_setups, spawn_workers
 from parambox.runtime.dist import destroy_distributed
+from parambox.runtime.heap import keep_freed_memory
 
 SETUPS = ["ddp", "ceiling", "post-local-sgd", "torchft-diloco"]  # the steppers that are not parambox's
 PERIOD = 4  # weight-avg's period, PostLocalSGD's, and diloco's inner steps (with torchft's sync_every)
@@ -105,6 +106,7 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
     from parambox.runtime.world import World
 
     torch.set_num_threads(1)
+    keep_freed_memory()
     world = World.from_env()
     dist.init_process_group("gloo", rank=world.rank, world_size=world.world_size)
     try:

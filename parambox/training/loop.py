@@ -20,6 +20,7 @@ from parambox.errors import warn
 from parambox.numerics import is_finite
 from parambox.runtime import dist as pbdist
 from parambox.runtime.control import SPARE_ENV, current_life
+from parambox.runtime.heap import keep_freed_memory
 from parambox.runtime.world import World
 from parambox.strategies import Context, Strategy, build_strategy, strategy_class
 from parambox.strategies.base import map_tensors
@@ -161,6 +162,7 @@ def setup(cfg: RunConfig, world: World, run_dir: Path, callables: dict[str, Call
     torch.set_num_threads(
         cfg.threads or int(os.environ.get("PARAMBOX_THREADS", "0")) or torch.get_num_threads()
     )
+    keep_freed_memory()
     if strategy_class(cfg.strategy, cfg.strategy_options()).needs_process_group or (
         cfg.box.needs_process_group(world)
     ):
