@@ -12,7 +12,7 @@ import importlib
 import os
 import sys
 
-from parambox.errors import UserError, validation_message
+from parambox.errors import UserError, terminate_as_interrupt, validation_message
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("parambox.commands.train", "train a model with any strategy"),
@@ -66,17 +66,18 @@ def main(argv: list[str] | None = None) -> int:
 
         zygote.prestart()  # its torch import runs beside ours
     args = parse(argv)
-    try:
-        return int(importlib.import_module(args._module).run(args) or 0)
-    except UserError as e:
-        return _fail(str(e))
-    except KeyboardInterrupt:
-        print("parambox: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:
-        if type(e).__name__ == "ValidationError":  # pydantic, without importing it here
-            return _fail(validation_message(e))
-        raise
+    with terminate_as_interrupt():  # ``kill`` unwinds as Ctrl-C does: nothing is left behind
+        try:
+            return int(importlib.import_module(args._module).run(args) or 0)
+        except UserError as e:
+            return _fail(str(e))
+        except KeyboardInterrupt:
+            print("parambox: interrupted", file=sys.stderr)
+            return 130
+        except Exception as e:
+            if type(e).__name__ == "ValidationError":  # pydantic, without importing it here
+                return _fail(validation_message(e))
+            raise
 
 
 def _spawns_local_workers(argv: list[str]) -> bool:

@@ -1,9 +1,13 @@
 """How parambox tells a user about problems: errors they caused (the CLI prints them as one line and
-exits with code 2), timeouts that name the peer or phase, and one-line warnings."""
+exits with code 2), timeouts that name the peer or phase, one-line warnings, and SIGTERM as an
+interrupt."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+from collections.abc import Iterator
 
 
 class UserError(ValueError):
@@ -26,6 +30,26 @@ class CommTimeout(RuntimeError):
 def warn(text: str) -> None:
     """A problem the run carries on with: one line on stderr, ``parambox: warning: ...``."""
     print(f"parambox: warning: {text}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (``kill``, a batch system's time limit) raises ``KeyboardInterrupt``, so the code inside
+    unwinds as after Ctrl-C: workers stopped (a training run checkpoints), temporary folders and
+    emulated nodes removed. Only in the main thread (elsewhere signals are left to the caller)."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def validation_message(e, fields: list[str] | None = None, prefix: str = "") -> str:

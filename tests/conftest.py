@@ -11,6 +11,7 @@ import fcntl
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -249,3 +250,11 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture
+def short_tmp():
+    """A temporary directory with a short path (pytest's are too long to hold a Unix socket's)."""
+    path = Path(tempfile.mkdtemp(prefix="pbt-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -4,7 +4,6 @@ the loader, test-set metrics, and each bad input answered by a UserError naming 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -181,14 +180,6 @@ def _tree(root: Path) -> list[str]:
     return sorted(
         str(p.relative_to(root)).split("/")[0] + ("/" if p.is_dir() else "") for p in root.iterdir()
     )
-
-
-@pytest.fixture
-def short_tmp():
-    """A temporary directory with a short path (pytest's are too long to hold a Unix socket's)."""
-    path = Path(tempfile.mkdtemp(prefix="pbt-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_loaders_make_their_temporary_files_in_a_scratch_folder_removed_at_the_end(short_tmp, monkeypatch):

@@ -45,7 +45,10 @@ def test_failed_worker_stops_the_others_and_is_named(tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_sigint_stops_every_worker(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupt_stops_every_worker_after_its_checkpoint(tmp_path, short_tmp, sig):
+    """Ctrl-C, or ``kill`` (a batch system's time limit): the workers checkpoint, stop, and the run's
+    temporary folder goes with them."""
     out = tmp_path / "r"
     p = subprocess.Popen(
         [sys.executable, "-m", "parambox", *LONG, "--out", str(out)],
@@ -53,7 +56,7 @@ def test_sigint_stops_every_worker(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=dict(os.environ),
+        env=dict(os.environ, TMPDIR=str(short_tmp)),
     )
     deadline = time.monotonic() + 60
     while not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").stat().st_size == 0:
@@ -61,11 +64,14 @@ def test_sigint_stops_every_worker(tmp_path):
         time.sleep(0.2)
     workers = _descendants(p.pid)
     assert len(workers) >= 2
-    p.send_signal(signal.SIGINT)
+    assert list(short_tmp.glob("parambox-*"))  # the run's temporary folder
+    p.send_signal(sig)
     _, err = p.communicate(timeout=30)
     assert p.returncode == 130 and "interrupted" in err
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
+    assert (out / "checkpoints" / "last.pt").exists()
+    assert [p.name for p in short_tmp.iterdir() if not p.name.startswith("torchinductor_")] == []
 
 
 def test_python_dash_m_and_help():

@@ -103,13 +103,17 @@ class Supervisor:
         self._life_started = time.monotonic()  # the whole group's current life
 
     def run(self) -> LaunchResult:
-        old = signal.signal(signal.SIGINT, lambda *_: self._interrupted.append(1))
+        """Poll until the run is over. Ctrl-C or a SIGTERM (``kill``, a batch system's time limit) ends it
+        as an interrupt: the caller stops the workers, which checkpoint at their next step."""
+        interrupt = (signal.SIGINT, signal.SIGTERM)
+        old = {sig: signal.signal(sig, lambda *_: self._interrupted.append(1)) for sig in interrupt}
         try:
             while not self._poll():
                 time.sleep(POLL_S)
             return self.result
         finally:
-            signal.signal(signal.SIGINT, old)
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
 
     # -- one look at the workers ------------------------------------------------------------------------
     def _poll(self) -> bool:

@@ -9,20 +9,17 @@ loss-vs-time curve of a sweep comes from one uninterrupted process.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from parambox.config import RunConfig, build_config
-from parambox.errors import UserError
+from parambox.errors import UserError, terminate_as_interrupt
 from parambox.runtime import spawn, zygote
 
 # Fields a sweep sets on every run; a finished run directory must agree on them to be reused.
@@ -103,7 +100,7 @@ def ensure_runs(
     if echo and len(todo) < len(planned):
         print(f"resuming: {len(planned) - len(todo)} finished run(s) reused, {len(todo)} to run")
     outcomes = []
-    with _terminate_as_interrupt():
+    with terminate_as_interrupt():
         for p in planned:
             outcomes.append(_ensure_one(p, runs_dir, todo, timeout_s, echo))
     return outcomes
@@ -121,24 +118,6 @@ def _ensure_one(
     if echo and outcome.error:
         print(f"  failed: {outcome.error}", flush=True)
     return outcome
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM (a batch system's time limit, ``kill``) stops the running training too, as Ctrl-C does."""
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def launch_run(p: PlannedRun, run_dir: Path, timeout_s: float) -> Outcome:

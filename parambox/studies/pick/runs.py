@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parambox.errors import terminate_as_interrupt
 from parambox.runtime import spawn, zygote
 from parambox.studies.pick.model import Curve, Prediction, StepCost, samples_to_accuracy, step_cost
-from parambox.studies.runs import _last_error, _terminate_as_interrupt, clock_lead, train_args
+from parambox.studies.runs import _last_error, clock_lead, train_args
 
 POLL_S = 0.1
 
@@ -241,7 +242,7 @@ def _run(config: dict[str, Any], run_dir: Path, timeout_s: float, done: Callable
     cmd = [sys.executable, "-m", "parambox", *train_args(config, run_dir)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **zygote.shared_env())  # workers forked warm
     out = Measured(run_dir)
-    with _terminate_as_interrupt(), open(run_dir / "train.log", "w") as log:
+    with terminate_as_interrupt(), open(run_dir / "train.log", "w") as log:
         # A session of its own: stopping it stops the run's workers (and its cluster) too.
         proc = spawn.start(cmd, env, stdout=log, stderr=subprocess.STDOUT)
         try:
