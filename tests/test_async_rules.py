@@ -5,6 +5,7 @@ The two workers are two clients of one real ``shm`` box in this process, interle
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 import uuid
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from parambox.box import open_box
+from parambox.box.base import Count
 from parambox.runtime.world import World
-from parambox.strategies.asynchronous import CenterClient, CounterMap
+from parambox.strategies.asynchronous import COUNTS_IN_FLIGHT, AsyncStrategy, CenterClient, CounterMap
 from parambox.strategies.downpour import AdagradRates, DownpourWorker
 from parambox.strategies.easgd import NesterovStep, sync_elastic_
 
@@ -194,3 +196,46 @@ def test_counter_map_is_disjoint():
     idx += [f(r) for f in (m.steps, m.status, m.ident) for r in range(3)]
     idx += [m.extra(k) for k in range(2)]
     assert sorted(idx) == list(range(m.num_counters))
+
+
+class _Returning(Count):
+    """A counter add whose answer is back once ``back`` is set; ``wait`` records that it blocked."""
+
+    def __init__(self, value: int):
+        super().__init__(value)
+        self.back, self.waited = False, False
+
+    def test(self) -> bool:
+        return self.back
+
+    def wait(self) -> int:
+        self.waited = self.waited or not self.back
+        return self.value
+
+
+def test_a_steps_counts_are_waited_for_only_beyond_the_steps_in_flight():
+    """Counts queued behind an exchange do not hold up the next step: a step's adds are taken in once
+    back, and waited for only when COUNTS_IN_FLIGHT steps' are under way; the view of the run's total
+    is the newest settled step's."""
+    strategy = object.__new__(AsyncStrategy)
+    strategy._counting, strategy._seen = collections.deque(), None
+    adds = []
+    for step in range(1, COUNTS_IN_FLIGHT + 3):
+        strategy._settle_counts(in_flight=COUNTS_IN_FLIGHT - 1)
+        step_adds = [_Returning(step - 1), _Returning(10 * step), _Returning(0)]  # steps, total, samples
+        adds.append(step_adds)
+        strategy._counting.append((step, step_adds))
+        if step == 3:
+            for count in adds[0]:  # the first step's answers come back while step 3 computes
+                count.back = True
+    strategy._settle_counts(in_flight=COUNTS_IN_FLIGHT - 1)
+    blocked = [i + 1 for i, step_adds in enumerate(adds) if any(c.waited for c in step_adds)]
+    assert blocked == [2, 3]  # step 1 came back; steps 2 and 3 were waited for, to keep 8 in flight
+    assert len(strategy._counting) == COUNTS_IN_FLIGHT - 1
+    assert strategy._seen == (10 * 3 + 1, 3, False)  # the run's total after step 3's add, at step 3
+    strategy._settle_counts()  # finish: every step's counts
+    assert not strategy._counting and strategy._seen == (
+        10 * (COUNTS_IN_FLIGHT + 2) + 1,
+        COUNTS_IN_FLIGHT + 2,
+        False,
+    )

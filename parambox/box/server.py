@@ -160,6 +160,12 @@ class _RemoteCount(Count):
             self.requests, self.value = None, int(self.old[0])
         return self.value
 
+    def test(self) -> bool:
+        if self.requests is not None and not self.requests.test():
+            return False
+        self.wait()
+        return True
+
 
 class _LocalGated(Handle):
     """A gated pull from this rank's own shard: ``wait`` until the pushes have landed, then copy."""
