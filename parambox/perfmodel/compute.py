@@ -19,6 +19,7 @@ from torch import nn
 
 from parambox.errors import UserError
 from parambox.numerics import is_finite
+from parambox.runtime.heap import keep_freed_memory
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ def measure_profile(
     ``parambox predict`` measures in a fresh process instead (``measure.measure_compute``)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    keep_freed_memory()  # as a training rank runs
     try:
         table = time_batches(build(), input_shape, num_classes, batch_sizes, repeats)
     finally:
