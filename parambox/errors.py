@@ -32,24 +32,30 @@ def warn(text: str) -> None:
     print(f"parambox: warning: {text}", file=sys.stderr, flush=True)
 
 
+# Signals that end a command as Ctrl-C does: ``kill`` or a batch system's time limit, a closed terminal
+TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+
+
 @contextlib.contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM (``kill``, a batch system's time limit) raises ``KeyboardInterrupt``, so the code inside
-    unwinds as after Ctrl-C: workers stopped (a training run checkpoints), temporary folders and
-    emulated nodes removed. Only in the main thread (elsewhere signals are left to the caller)."""
+    """SIGTERM (``kill``, a batch system's time limit) or SIGHUP (the terminal closed) raises
+    ``KeyboardInterrupt``, so the code inside unwinds as after Ctrl-C: workers stopped (a training run
+    checkpoints), temporary folders and emulated nodes removed. Only in the main thread (elsewhere
+    signals are left to the caller)."""
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
     try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
+        previous = {sig: signal.signal(sig, interrupt) for sig in TERMINATING}
     except ValueError:  # not the main thread
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def validation_message(e, fields: list[str] | None = None, prefix: str = "") -> str:

@@ -45,10 +45,12 @@ def test_failed_worker_stops_the_others_and_is_named(tmp_path):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"]
+)
 def test_an_interrupt_stops_every_worker_after_its_checkpoint(tmp_path, short_tmp, sig):
-    """Ctrl-C, or ``kill`` (a batch system's time limit): the workers checkpoint, stop, and the run's
-    temporary folder goes with them."""
+    """Ctrl-C, ``kill`` (a batch system's time limit) or a closed terminal: the workers checkpoint,
+    stop, and the run's temporary folder goes with them."""
     out = tmp_path / "r"
     p = subprocess.Popen(
         [sys.executable, "-m", "parambox", *LONG, "--out", str(out)],

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parambox.errors import TERMINATING
 from parambox.runtime.control import DEAD, EXITED, WorkerBoard
 
 # Asynchronous runs: rank 0 exits only once every other worker is done or found lost, so a worker
@@ -103,9 +104,10 @@ class Supervisor:
         self._life_started = time.monotonic()  # the whole group's current life
 
     def run(self) -> LaunchResult:
-        """Poll until the run is over. Ctrl-C or a SIGTERM (``kill``, a batch system's time limit) ends it
-        as an interrupt: the caller stops the workers, which checkpoint at their next step."""
-        interrupt = (signal.SIGINT, signal.SIGTERM)
+        """Poll until the run is over. Ctrl-C, SIGTERM (``kill``, a batch system's time limit) or SIGHUP
+        (the terminal closed) ends it as an interrupt: the caller stops the workers, which checkpoint
+        at their next step."""
+        interrupt = (signal.SIGINT, *TERMINATING)
         old = {sig: signal.signal(sig, lambda *_: self._interrupted.append(1)) for sig in interrupt}
         try:
             while not self._poll():
