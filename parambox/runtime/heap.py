@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
 
 ENV = "PARAMBOX_KEEP_FREED_MEMORY"
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
@@ -30,7 +29,7 @@ TRIM_THRESHOLD = 1 << 30
 
 def keep_freed_memory() -> bool:
     """Keep freed blocks in this process's heap for reuse; True where glibc took both settings."""
-    if os.environ.get(ENV, "1") == "0" or platform.libc_ver()[0] != "glibc":
+    if os.environ.get(ENV, "1") == "0" or not _running_glibc():
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
@@ -40,3 +39,11 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
         mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     )
+
+
+def _running_glibc() -> bool:
+    """The C library this process runs on is glibc (asked of it, not read from the executable)."""
+    try:
+        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    except (ValueError, OSError, AttributeError):  # no such name here (musl, macOS)
+        return False
