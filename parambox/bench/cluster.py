@@ -134,6 +134,14 @@ SETUPS: dict[str, Setup] = {
         inner_steps=16,
         compression="int8",
     ),
+    "diloco-int8-overlap": strategy_setup(
+        "diloco",
+        what="parambox diloco, int8 outer gradients, each round's exchange behind the next round "
+        "(Streaming DiLoCo's overlap and quantization, inner_steps 16)",
+        inner_steps=16,
+        compression="int8",
+        overlap=True,
+    ),
     "diloco-async": strategy_setup(
         "diloco",
         box="rma",
