@@ -18,6 +18,7 @@ from torch.utils.data import TensorDataset, default_collate
 
 import parambox
 from parambox.data.base import GlobalBatchSampler
+from parambox.runtime import scratch
 from parambox.workload import loader, refs
 from parambox.workload.evaluate import evaluate
 from parambox.workload.loader import LoaderSource
@@ -193,9 +194,9 @@ def test_loaders_make_their_temporary_files_in_a_scratch_folder_removed_at_the_e
     try:
         for t in range(4):
             src.batch(t)
-        (scratch,) = tmp_path.iterdir()  # nothing else in the temporary directory
-        assert scratch.name.startswith(loader.SCRATCH_PREFIX)
-        assert any(p.name.startswith("pymp-") for p in scratch.iterdir())
+        (folder,) = tmp_path.iterdir()  # nothing else in the temporary directory
+        assert folder.name.startswith(loader.SCRATCH_PREFIX)
+        assert any(p.name.startswith("pymp-") for p in folder.iterdir())
     finally:
         src.close()
         loader.remove_scratch()
@@ -253,12 +254,11 @@ def test_a_scratch_folder_whose_rank_and_loaders_were_killed_is_swept_by_the_nex
     (left,) = tmp_path.iterdir()
     assert left.name.startswith(loader.SCRATCH_PREFIX)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(loader, "SCRATCH_GRACE_S", 0.0)
     loader.remove_scratch()
     try:
         mine = loader.scratch_dir()  # sweeps first, then makes (and locks) this process's own
         assert _tree(tmp_path) == [Path(mine).name + "/"]
-        loader.sweep_scratch()  # held: stays
+        scratch.sweep(loader.SCRATCH_PREFIX)  # held: stays
         assert Path(mine).is_dir()
     finally:
         loader.remove_scratch()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from parambox.bench.rounds import paired_ratio
+from parambox.runtime import scratch
 from parambox.runtime.heap import keep_freed_memory
 
 BATCH = 64
@@ -111,7 +111,7 @@ def run_bench_api(rounds: int = 5, steps: int = 20, warmup: int = 5, sleep_ms: f
     data = _tensors()
     slow = SleepyDataset(data, sleep_ms / 1000)
     times: dict[str, list[float]] = {k: [] for k in ("plain", "train", "fast", "slow", "slow_serial")}
-    with tempfile.TemporaryDirectory(prefix="pb_bench_api_") as tmp:
+    with scratch.folder(scratch.BENCH) as tmp:
         runs = iter(range(10**6))
 
         def out() -> Path:

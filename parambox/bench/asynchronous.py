@@ -35,7 +35,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -45,7 +44,7 @@ import torch.nn.functional as F
 from parambox.bench.rounds import paired_ratio
 from parambox.bench.workers import BATCH, close_setups, exit_worker, random_batches, run_setups, spawn_workers
 from parambox.numerics import is_finite
-from parambox.runtime import spawn
+from parambox.runtime import scratch, spawn
 from parambox.runtime.dist import destroy_distributed
 from parambox.runtime.heap import keep_freed_memory
 from parambox.runtime.spawn import find_mpiexec
@@ -192,7 +191,7 @@ def rma_rounds(rounds: int, steps: int, warmup: int) -> dict[str, list[float]]:
 
 
 def _rma_job(memory_ranks: int, steps: int, warmup: int) -> float:
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch.folder(scratch.BENCH) as tmp:
         cmd = [sys.executable, "-m", "parambox.bench.asynchronous", "--rma-worker"]
         cmd += [str(memory_ranks), str(steps), str(warmup), tmp]
         env = dict(os.environ, OMP_NUM_THREADS="1", PARAMBOX_SHM_PREFIX=spawn.new_prefix())

@@ -41,7 +41,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +48,7 @@ from typing import Any
 
 import psutil
 
-from parambox.runtime import spawn, zygote
+from parambox.runtime import scratch, spawn, zygote
 
 WORKERS = 3
 
@@ -135,7 +134,7 @@ def run_bench_chaos(
         from parambox.data.mnist import fetch_mnist
 
         fetch_mnist()  # once, before any timed run (from the local cache where it is there)
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch.folder(scratch.BENCH) as tmp:
         for name in setups:
             setup = SETUPS[name]
             plan["steps"] = steps or max(1, (setup.quick_steps if quick else setup.steps) // rounds)

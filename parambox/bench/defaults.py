@@ -15,13 +15,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from parambox.errors import UserError
-from parambox.runtime import spawn
+from parambox.runtime import scratch, spawn
 
 TARGET = 0.95
 QUICK = {"strategies": ["diloco"], "seeds": [0]}  # the one that must bring its own optimizer
@@ -39,7 +38,7 @@ def run_bench_defaults(
     if unknown:
         raise UserError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(sorted(STRATEGIES))}")
     out: dict[str, Any] = {"target": TARGET, "seeds": seeds, "strategies": {}}
-    with tempfile.TemporaryDirectory(prefix="parambox-defaults-") as tmp:
+    with scratch.folder(scratch.BENCH) as tmp:
         for name in strategies:
             runs = {seed: _train(name, seed, Path(tmp) / f"{name}-{seed}") for seed in seeds}
             out["strategies"][name] = _summarise(runs)

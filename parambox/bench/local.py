@@ -28,12 +28,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from parambox.errors import UserError
-from parambox.runtime import spawn
+from parambox.runtime import scratch, spawn
 
 GLOBAL_BATCH = 128
 DEFAULT_STEPS = 100  # 12,800 samples: about 10 s for the baseline here
@@ -150,7 +149,7 @@ def run_bench_local(
     names = [n for n in requested if n not in skipped]
     times: dict[str, list[float]] = {n: [] for n in names}
     results: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="parambox-bench-local-") as tmp:
+    with scratch.folder(scratch.BENCH) as tmp:
         for r in range(rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 res = run_setup(name, table[name], model, data, steps, Path(tmp), timeout_s)

@@ -28,12 +28,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from parambox.bench.workers import warm
-from parambox.runtime import spawn, zygote
+from parambox.runtime import scratch, spawn, zygote
 
 # The quick form's worker is 10x slower, not 5x: on a loaded 2-core machine the fast worker's
 # portions slow down too, and at 5x the gap can close enough that no backup wins.
@@ -49,7 +48,7 @@ def run_bench_sandblaster(
     plan = dict(QUICK if quick else FULL)
     plan.update({k: v for k, v in (("rounds", rounds), ("steps", steps)) if v is not None})
     per_round: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="parambox-sandblaster-") as tmp:
+    with scratch.folder(scratch.BENCH) as tmp:
         for i in range(plan["rounds"]):
             runs = {b: _run(plan, backup=b, out=Path(tmp) / f"r{i}-{b}") for b in (True, False)}
             with_b, without = runs[True], runs[False]

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parambox.runtime import spawn
+from parambox.runtime import scratch, spawn
 from parambox.runtime.mpi import exit_now
 
 if TYPE_CHECKING:
@@ -108,7 +107,7 @@ def spawn_workers(
     are removed at the end, whatever happens. ``cluster``: on the nodes of a running emulated
     cluster, consecutive ranks per node; ``mpi``: under mpiexec (inside the cluster if there is one)."""
     prefix = spawn.new_prefix()
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch.folder(scratch.BENCH) as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", module, "--worker", *args, str(out)]
         env = spawn.loopback_env(threads=1, prefix=prefix)

@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,9 +66,8 @@ def launch_local(
     # The ranks' temporary files in a directory of the run's, removed once they are stopped (by a
     # reaper if this process is SIGKILLed): a rank killed mid-run leaves what it and its data loaders
     # made there (multiprocessing's pymp-* folders).
-    env["TMPDIR"] = scratch = tempfile.mkdtemp(prefix=f"parambox-{prefix}-")
     with contextlib.ExitStack() as stack:  # the cluster closes after the workers are stopped
-        stack.enter_context(spawn.segments_guarded(prefix, scratch=scratch))
+        env["TMPDIR"] = stack.enter_context(spawn.segments_guarded(prefix, tmpdir=True))
         net = stack.enter_context(cluster.build(num_workers)) if cluster is not None else None
         if use_mpi:
             mpi_command = net.mpi_launch if net is not None else None

@@ -28,7 +28,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -38,7 +37,7 @@ from typing import Any
 import psutil
 
 from parambox.errors import UserError, warn
-from parambox.runtime import zygote
+from parambox.runtime import scratch, zygote
 from parambox.runtime.world import LOCAL_LAUNCHER_ENV
 
 STOP_GRACE_S = 3.0
@@ -238,14 +237,14 @@ def start_mpi(
         warn(f"{mpiexec} is not Open MPI 5's: no ULFM (--with-ft ulfm), so a rank that dies ends the job")
     binding = [] if bind or not open_mpi else ["--bind-to", "none"]
     ft = ["--with-ft", "ulfm"] if fault_tolerant and ulfm else []
-    private = tempfile.mkdtemp(prefix=MPI_DIR_PREFIX, dir=SHM_ROOT if os.path.isdir(SHM_ROOT) else None)
+    private, lock = scratch.make(MPI_DIR_PREFIX, SHM_ROOT if os.path.isdir(SHM_ROOT) else None)
     env.update(dict.fromkeys(MPI_FILE_PARAMS, private))
     if mpi_command is not None:  # mpiexec reads options up to the program: --with-ft may come last
         argv, env = mpi_command(mpiexec, world_size, [*ft, *cmd], env)
     else:
         over = ["--oversubscribe"] if open_mpi else []  # MPICH's hydra runs any number of ranks
         argv = [mpiexec, *ft, "-n", str(world_size), *over, *binding, *cmd]
-    guard, reaper = _start_reaper(private)
+    guard, reaper = _start_reaper(private, lock=lock)
     try:
         proc = start(argv, env, **popen)
     except BaseException:
@@ -263,6 +262,7 @@ def start_mpi(
 # then dies, but its ranks would run on as orphans holding 16 MiB segments each).
 SHM_ROOT = "/dev/shm"
 MPI_DIR_PREFIX = "pb_mpi."
+RUN_DIR_PREFIX = "parambox-run-"  # a launcher's ranks' TMPDIR
 MPI_FILE_PARAMS = (
     "OMPI_MCA_btl_sm_backing_directory",
     "OMPI_MCA_osc_sm_backing_directory",
@@ -316,10 +316,14 @@ for _ in range(20 if segments else 0):
 """
 
 
-def _start_reaper(private: str = "", segments: str = "") -> tuple[int, subprocess.Popen]:
+def _start_reaper(
+    private: str = "", segments: str = "", lock: int | None = None
+) -> tuple[int, subprocess.Popen]:
     """The reaper (its own session; it must outlive this process) and the write end of its pipe.
     Once the pipe closes without a "done" it removes ``private`` (a directory) and the files whose
-    path starts with ``segments``."""
+    path starts with ``segments``. ``lock``: the descriptor holding ``private``'s lock
+    (``runtime/scratch.py``), handed to the reaper and closed here: the folder stays locked while the
+    reaper lives, and is swept by a later run if the reaper is killed too."""
     r, w = os.pipe()
     try:
         reaper = subprocess.Popen(
@@ -329,26 +333,30 @@ def _start_reaper(private: str = "", segments: str = "") -> tuple[int, subproces
             stderr=subprocess.DEVNULL,
             start_new_session=True,
             close_fds=True,
+            pass_fds=() if lock is None else (lock,),
         )
     finally:
         os.close(r)
+        if lock is not None:
+            os.close(lock)
     os.set_inheritable(w, False)
     return w, reaper
 
 
 @contextlib.contextmanager
-def segments_guarded(prefix: str, root: str = SHM_ROOT, scratch: str = ""):
-    """The run's shared-memory segments (``<root>/<prefix>*``) and its ``scratch`` directory (the
-    ranks' TMPDIR) are removed when the block ends, and by a reaper if this process is SIGKILLed
-    before: the creator of a box holds its name until every local process has mapped it, and dies
-    with the launcher."""
-    guard, reaper = _start_reaper(private=scratch, segments=os.path.join(root, prefix))
+def segments_guarded(prefix: str, root: str = SHM_ROOT, tmpdir: bool = False):
+    """The run's shared-memory segments (``<root>/<prefix>*``) are removed when the block ends, and by
+    a reaper if this process is SIGKILLed before: the creator of a box holds its name until every
+    local process has mapped it, and dies with the launcher. ``tmpdir``: the block gets a folder for
+    the ranks' TMPDIR (``RUN_DIR_PREFIX``, locked: ``runtime/scratch.py``), removed the same ways."""
+    private, lock = scratch.make(RUN_DIR_PREFIX) if tmpdir else ("", None)
+    guard, reaper = _start_reaper(private, os.path.join(root, prefix), lock)
     try:
-        yield
+        yield private
     finally:
         remove_segments(prefix, root)
-        if scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
+        if private:
+            shutil.rmtree(private, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.write(guard, b"done")
         os.close(guard)

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import multiprocessing
 import multiprocessing.util
 import os
-import shutil
 import socket
 import stat
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,13 +28,13 @@ from torch.utils.data import Dataset as TorchDataset
 
 from parambox.data.base import GlobalBatchSampler
 from parambox.errors import UserError
+from parambox.runtime import scratch
 
 Collate = Callable[[list[Any]], Any]
 PREFETCH_BATCHES = 4  # per background worker: enough to ride out a slow item or two
 SCRATCH_PREFIX = "parambox-loaders-"
 # A loader's listening socket is <scratch>/pymp-XXXXXXXX/listener-XXXXXXXX: at most 107 bytes.
 _LONGEST_SCRATCH = 107 - len("/pymp-12345678/listener-12345678")
-SCRATCH_GRACE_S = 10.0  # a folder younger than this may be one whose maker has not locked it yet
 
 
 class _Steps:
@@ -228,10 +225,7 @@ def scratch_dir() -> str | None:
         _scratch = None
         if len(tempfile.gettempdir()) + len(f"/{SCRATCH_PREFIX}12345678") > _LONGEST_SCRATCH:
             return None
-        sweep_scratch()
-        path = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
-        fd = os.open(path, os.O_RDONLY)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        path, fd = scratch.make(SCRATCH_PREFIX)
         if _scratch_at_exit[0] != os.getpid():  # once a process: a normal exit (a rank's os._exit
             _scratch_at_exit[0] = os.getpid()  # comes after train() removed it)
             atexit.register(remove_scratch)
@@ -244,39 +238,15 @@ def remove_scratch() -> None:
     global _scratch
     mine, _scratch = _scratch, None
     if mine is not None and mine[2] == os.getpid():
-        path, fd, _ = mine
-        shutil.rmtree(path, ignore_errors=True)
-        os.close(fd)
-    sweep_scratch()
-
-
-def sweep_scratch() -> None:
-    """Remove the scratch folders in the temporary directory whose lock nobody holds."""
-    root = tempfile.gettempdir()
-    with contextlib.suppress(OSError):
-        for name in os.listdir(root):
-            if name.startswith(SCRATCH_PREFIX):
-                path = os.path.join(root, name)
-                with contextlib.suppress(OSError):
-                    if time.time() - os.stat(path).st_mtime > SCRATCH_GRACE_S:
-                        _remove_if_unlocked(path)
+        scratch.remove(*mine[:2])
+    scratch.sweep(SCRATCH_PREFIX)
 
 
 def _leave_scratch(path: str, fd: int) -> None:
     """A loader's exit: drop its copy of the lock, and remove the folder if nobody else holds it."""
     with contextlib.suppress(OSError):
         os.close(fd)
-    _remove_if_unlocked(path)
-
-
-def _remove_if_unlocked(path: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # OSError: someone holds it
-            shutil.rmtree(path, ignore_errors=True)
-        finally:
-            os.close(fd)
+    scratch.remove_if_unlocked(path)
 
 
 def _count(start: int) -> Iterator[int]:
