@@ -34,7 +34,10 @@ def make(prefix: str, root: str | None = None) -> tuple[str, int]:
     sweep(prefix, root)
     path = tempfile.mkdtemp(prefix=prefix, dir=root)
     fd = os.open(path, os.O_RDONLY)
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:  # a file system without locks: no marker, so never swept (its maker removes it)
+        return path, fd
     with open(os.path.join(path, MARKER), "w"):
         pass
     return path, fd
