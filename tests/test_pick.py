@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -12,7 +13,7 @@ from parambox.studies.pick import model as pm
 from parambox.studies.pick import scores
 from parambox.studies.pick.candidates import Candidate, registry_candidates
 from parambox.studies.pick.runs import Measured, step_cap
-from parambox.studies.pick.study import _confident, merge_seeds
+from parambox.studies.pick.study import PickSettings, _confident, merge_seeds
 from parambox.studies.pick.validation import choose, summarize_validation
 from tests.conftest import run_cli
 from tests.test_cluster import live_namespaces, needs_root, root_state
@@ -497,3 +498,22 @@ def test_pick_quick_on_the_emulated_cluster_leaves_nothing(tmp_path):
     world = json.loads((out / "reference" / "metrics.jsonl").read_text().splitlines()[0])
     assert world["num_nodes"] == 2
     assert root_state() == before and live_namespaces() <= namespaces
+
+
+def test_the_cli_leaves_unset_sizes_to_pick_settings_and_quick_and_flags_override():
+    from parambox.commands import pick as pick_command
+
+    def settings(*argv: str) -> PickSettings:
+        parser = argparse.ArgumentParser()
+        pick_command.configure(parser)
+        args = parser.parse_args(["--workers", "2", "--target-accuracy", "0.9", *argv])
+        return pick_command.settings_from_args(args)
+
+    plain, quick = settings(), settings("--quick")
+    assert (plain.confirm, plain.eval_every) == (PickSettings.confirm, PickSettings.eval_every)
+    assert (quick.confirm, quick.eval_every) == (
+        pick_command.QUICK["confirm"],
+        pick_command.QUICK["eval_every"],
+    )
+    mine = settings("--quick", "--confirm", "0", "--eval-every", "3")
+    assert (mine.confirm, mine.eval_every) == (0, 3)

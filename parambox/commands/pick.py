@@ -29,9 +29,8 @@ from parambox.errors import UserError
 
 RUN_FLAGS = ("model", "data", "loss", "metrics", "collate", "data_path", "batch_size", "lr", "optimizer")
 RUN_FLAGS += ("momentum", "steps", "seed", "threads", "box")
-QUICK = {"probe_fraction": 1.0, "eval_every": 2, "confirm": 2}
+QUICK = {"probe_fraction": 1.0, "eval_every": 2, "confirm": 2}  # the rest: PickSettings' defaults
 BARE = "bare"  # --validate with no value: all (under --quick, the top pick and one other)
-DEFAULTS = {"probe_fraction": 1.0, "eval_every": 4, "confirm": 5}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -116,10 +115,11 @@ def settings_from_args(args: argparse.Namespace):
     }
     base = merge(merge(preset(args.preset), flags), overrides)
     base = build_config(base).model_dump(exclude_defaults=False)  # flags' types and ranges, once
-    defaults = QUICK if args.quick else DEFAULTS
-    sizes = {k: v if v is not None else defaults[k] for k, v in sizes.items()}
-    sizes["confirm"] = defaults["confirm"] if args.confirm is None else args.confirm
-    if args.probe_steps is not None and sizes["eval_every"] > args.probe_steps // 2:
+    sizes["confirm"] = args.confirm
+    given = {k: v for k, v in sizes.items() if v is not None}
+    sizes = {**(QUICK if args.quick else {}), **given}  # unset: PickSettings' defaults
+    eval_every = sizes.get("eval_every", PickSettings.eval_every)
+    if args.probe_steps is not None and eval_every > args.probe_steps // 2:
         raise UserError("--eval-every must leave at least two evaluations in a probe (<= --probe-steps / 2)")
     only = [x.strip() for x in args.strategies.split(",") if x.strip()] if args.strategies else None
     if only:
