@@ -113,6 +113,21 @@ def test_hybrid_over_mpi_groups_the_ranks_of_each_node(tmp_path):
 
 
 @needs_root
+def test_mpi_windows_across_nodes_train(tmp_path):
+    """``box.server=false``: MPI's windows across the nodes, served by Open MPI's TCP progress thread,
+    which only such a run gets (the memory server progresses its own messages)."""
+    pytest.importorskip("mpi4py")
+    out = tmp_path / "run"
+    run_cli(
+        "train", "--strategy", "easgd", "--box", "rma", "--set", "box.server=false", "--workers", "2",
+        "--emulate-nodes", "2", "--link-gbps", "1", "--steps", "40", "--eval-every", "0", "--no-progress",
+        "--out", str(out), env=MPI_ENV,
+    )  # fmt: skip
+    s = summary(out)
+    assert (s["launcher"], s["num_nodes"], s["worker_steps"]) == ("mpi", 2, [40, 40])
+
+
+@needs_root
 def test_a_shm_box_across_nodes_is_one_line_naming_rma(tmp_path):
     proc = run_cli(
         "train", "--strategy", "easgd", "--workers", "2", "--emulate-nodes", "2", "--steps", "5",

@@ -307,3 +307,23 @@ def test_mnist_is_fetched_before_an_emulated_cluster_starts(monkeypatch, data, c
     cfg = build({"strategy": "allreduce", "data": data, **({"cluster": {"nodes": 2}} if cluster else {})})
     execute._launch_local(Plan(cfg, strategy_class("allreduce"), World(), CLI, False), Path("/nonexistent"))
     assert calls == ["fetch"] * fetched + ["launch"]
+
+
+@pytest.mark.parametrize(
+    "box, windows",
+    [({"backend": "rma", "server": False}, True), ({"backend": "rma"}, False), ({"backend": "shm"}, False)],
+)
+def test_only_a_run_with_mpi_windows_across_nodes_gets_open_mpis_progress_thread(monkeypatch, box, windows):
+    """The memory server (the rma box's default across nodes) progresses its own messages; MPI's
+    windows across nodes (``box.server=false``) need Open MPI's TCP progress thread to be served."""
+    import parambox.runtime.launcher as launcher
+    from parambox.run import execute
+    from parambox.run.plan import CLI, Plan, build
+    from parambox.runtime.world import World
+    from parambox.strategies import strategy_class
+
+    seen = {}
+    monkeypatch.setattr(launcher, "launch_local", lambda *a, **k: seen.update(k))
+    cfg = build({"strategy": "easgd", "box": box, "cluster": {"nodes": 2}})
+    execute._launch_local(Plan(cfg, strategy_class("easgd"), World(), CLI, False), Path("/nonexistent"))
+    assert seen["mpi_windows"] is windows

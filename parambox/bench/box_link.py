@@ -168,7 +168,7 @@ def run_bench_box_link(
 ) -> dict:
     """One emulated cluster at ``gbps``; returns the JSON object."""
     from parambox.errors import UserError
-    from parambox.runtime.cluster import EmulatedCluster, check_environment
+    from parambox.runtime.cluster import WINDOWS_MCA, EmulatedCluster, check_environment
 
     if nodes != 2:
         raise UserError("bench box --emulate-nodes: 2 nodes (a pusher and the memory node)")
@@ -180,7 +180,7 @@ def run_bench_box_link(
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
     with EmulatedCluster(nodes, gbps) as cluster:
-        ops = spawn_workers(__name__, [str(size_mb), str(repeats)], 2, cluster, mpi=True)
+        ops = spawn_workers(__name__, [str(size_mb), str(repeats)], 2, cluster, mpi=True, mca=WINDOWS_MCA)
     result = {
         "nodes": nodes,
         "link_gbps": gbps,

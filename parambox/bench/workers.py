@@ -4,6 +4,7 @@ their figures back as JSON in a file: no pickle crosses the processes."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -100,12 +101,18 @@ def wait_all(procs: list, grace_s: float = 30.0, deadline_s: float | None = None
 
 
 def spawn_workers(
-    module: str, args: list[str], workers: int = 2, cluster: EmulatedCluster | None = None, mpi: bool = False
+    module: str,
+    args: list[str],
+    workers: int = 2,
+    cluster: EmulatedCluster | None = None,
+    mpi: bool = False,
+    mca: dict[str, str] | None = None,
 ) -> Any:
     """Run ``python -m module --worker ARGS... OUT`` as ``workers`` ranks with 1 thread each and
     return what rank 0 wrote to OUT. Shared-memory segments get an unguessable per-run prefix and
     are removed at the end, whatever happens. ``cluster``: on the nodes of a running emulated
-    cluster, consecutive ranks per node; ``mpi``: under mpiexec (inside the cluster if there is one)."""
+    cluster, consecutive ranks per node; ``mpi``: under mpiexec (inside the cluster if there is one),
+    with Open MPI's ``mca`` parameters there."""
     prefix = spawn.new_prefix()
     with scratch.folder(scratch.BENCH) as tmp:
         out = Path(tmp) / "result.json"
@@ -115,7 +122,8 @@ def spawn_workers(
         if deadline:
             env["PYTHONFAULTHANDLER"] = "1"
         if mpi:
-            procs = [spawn.start_mpi(cmd, workers, env, mpi_command=cluster and cluster.mpi_launch)]
+            launch = functools.partial(cluster.mpi_launch, mca=mca) if cluster else None
+            procs = [spawn.start_mpi(cmd, workers, env, mpi_command=launch)]
         else:
             procs = spawn.start_ranks(
                 cmd, workers, env, placement=cluster and cluster.placement(workers), warm=warm()

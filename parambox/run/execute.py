@@ -136,6 +136,7 @@ def _launch_local(plan: Plan, run_dir: Path):
         checkpoint=run_dir / "checkpoints" / "last.pt",
         stall_timeout_s=cfg.timeout,
         shrink=shrink,
+        mpi_windows=use_mpi and cfg.box.backend == "rma" and cfg.box.server is False,
     )
 
 

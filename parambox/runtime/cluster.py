@@ -131,11 +131,17 @@ MPI_MCA = {
     # A 25 MB Accumulate across nodes at 1 Gbit/s: 1.2-1.9 s with the default 32 KiB buffers,
     # 0.48-0.53 s with 4 MiB (get + put at link speed is 0.42 s) ...
     "osc_rdma_buffer_size": str(4 << 20),
-    # ... and without a progress thread it waits until the target rank next calls MPI (3.5 s while
-    # the target computed for 3 s); with it, 0.47 s whatever the target does (passive target). It
-    # costs MPI collectives ~25 % (a 25 MB Allreduce: 0.41-0.44 s with it, 0.31-0.36 s without).
-    "btl_tcp_progress_thread": "1",
+    # Open MPI's default, as on a cluster: no TCP progress thread. The memory server (the rma box
+    # across nodes) progresses its own messages, and the thread cost box-sync ~5 ms of CPU a step of
+    # ~65 (bench cluster at 1 Gbit/s, 7 pairs of runs, 29 Nov). MPI's windows across nodes need it:
+    # see WINDOWS_MCA.
+    "btl_tcp_progress_thread": "0",
 }
+# For a job that puts MPI windows across the nodes (``box.server=false``): without the progress thread a
+# passive-target Accumulate waits until the target rank next calls MPI (3.5 s while the target computed
+# for 3 s); with it, 0.47 s whatever the target does. It costs MPI collectives ~25 % (a 25 MB
+# Allreduce: 0.41-0.44 s with it, 0.31-0.36 s without).
+WINDOWS_MCA = {"btl_tcp_progress_thread": "1"}
 ENV_NUM_NODES = "PARAMBOX_NUM_NODES"
 AGENT = os.path.abspath(cluster_agent.__file__)
 
@@ -590,10 +596,16 @@ class EmulatedCluster:
         return out
 
     def mpi_launch(
-        self, mpiexec: str, num_ranks: int, argv: list[str], env: dict[str, str]
+        self,
+        mpiexec: str,
+        num_ranks: int,
+        argv: list[str],
+        env: dict[str, str],
+        mca: dict[str, str] | None = None,
     ) -> tuple[list[str], dict[str, str]]:
-        """The hook ``spawn.start_mpi(..., mpi_command=cluster.mpi_launch)`` takes: (argv, env)."""
-        return self.mpi_command(num_ranks, argv, mpiexec=mpiexec), self.mpi_env(env)
+        """The hook ``spawn.start_mpi(..., mpi_command=cluster.mpi_launch)`` takes: (argv, env); bind
+        ``mca`` (``WINDOWS_MCA``) with ``functools.partial``."""
+        return self.mpi_command(num_ranks, argv, mpiexec=mpiexec, mca=mca), self.mpi_env(env)
 
     # ----- inspection -------------------------------------------------------------------------
     def namespace_ids(self) -> list[str]:

@@ -12,6 +12,7 @@ from it which peers are dead through the board of ``runtime/control.py``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parambox.runtime import elastic, spawn
-from parambox.runtime.cluster import ClusterConfig
+from parambox.runtime.cluster import WINDOWS_MCA, ClusterConfig
 from parambox.runtime.control import LIFE_ENV, REJOIN_ENV, RUNNING, SPARE_FLAG, WorkerBoard
 from parambox.runtime.supervisor import LaunchResult, Starters, Supervisor, worker_error
 
@@ -48,6 +49,7 @@ def launch_local(
     checkpoint: Path | None = None,
     stall_timeout_s: float = 0.0,
     shrink: bool = False,
+    mpi_windows: bool = False,
 ) -> LaunchResult:
     """Run ``python -m <module> <argv>`` as ``num_workers`` ranks and supervise them.
 
@@ -56,7 +58,9 @@ def launch_local(
     where there is one) or restarts of the whole group (synchronous), with ``resume_argv`` once
     ``checkpoint`` exists. Not under MPI (one job). ``stall_timeout_s``: how long rank 0 may write
     nothing to ``metrics.jsonl`` (beside ``log_dir``) once it is the last rank running. ``shrink``: a
-    synchronous run whose survivors go on in place (``runtime/elastic.py``) over a store hosted here."""
+    synchronous run whose survivors go on in place (``runtime/elastic.py``) over a store hosted here.
+    ``mpi_windows``: the job puts MPI windows across the emulated nodes (``box.server=false``), which
+    Open MPI's TCP progress thread must serve (``cluster.WINDOWS_MCA``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     prefix = spawn.new_prefix()
     n_threads = threads_per_worker(num_workers, threads)
@@ -70,7 +74,8 @@ def launch_local(
         env["TMPDIR"] = stack.enter_context(spawn.segments_guarded(prefix, tmpdir=True))
         net = stack.enter_context(cluster.build(num_workers)) if cluster is not None else None
         if use_mpi:
-            mpi_command = net.mpi_launch if net is not None else None
+            mca = WINDOWS_MCA if mpi_windows else None
+            mpi_command = functools.partial(net.mpi_launch, mca=mca) if net is not None else None
             return _launch_mpi(cmd, num_workers, env, log_dir, tolerate_loss, mpi_command)
         resume_cmd = [sys.executable, "-m", module, *(resume_argv or argv)]
         restart = (max_restarts, resume_cmd, checkpoint, warm_spare)
