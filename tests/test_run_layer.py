@@ -103,7 +103,8 @@ def test_result_model_on_every_rank_under_torchrun(tmp_path):
             m.load_state_dict(checkpoint.load(r.run_dir / "checkpoints" / "last.pt")["model"])
             x = torch.randn(3, 4)
             same = torch.equal(r.model(x), m.eval()(x))
-            print("rank-ok", r["steps"], same, flush=True)
+            sys.stdout.write(f"rank-ok {{r['steps']}} {{same}}\\n")  # one write: a whole line (print
+            sys.stdout.flush()  # writes its pieces one by one unbuffered, and two ranks' lines mixed)
     """)
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -120,8 +121,7 @@ def test_result_model_on_every_rank_under_torchrun(tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    # the two ranks print at once: their lines may interleave
-    assert proc.stdout.count("rank-ok") == 2 and proc.stdout.count("10 True") == 2, proc.stdout
+    assert sorted(proc.stdout.splitlines()) == ["rank-ok 10 True"] * 2, proc.stdout
 
 
 @pytest.mark.slow
