@@ -25,6 +25,7 @@ from parambox.runtime.spawn import find_mpiexec
 from parambox.runtime.world import World
 from parambox.strategies import build_strategy
 from parambox.strategies.base import Context
+from parambox.strategies.diloco import AsyncDiloco, DilocoOptions
 from parambox.strategies.downpour import Downpour, DownpourOptions
 from parambox.strategies.dynsgd import DynSGD, DynSGDOptions
 from parambox.strategies.easgd import EasgdOptions
@@ -295,6 +296,39 @@ def test_downpour_warmup_longer_than_lost_after_s():
     """Rank 0's warm-up (30 steps x 50 ms) outlasts lost_after_s (1 s): rank 1 waits while rank 0 moves."""
     res = run_forked(long_warmup, slow={0: 0.05})
     assert res[1]["probe"] >= 30 and res[0]["worker_steps"] == [40, 40] and res[0]["lost_workers"] == []
+
+
+class ProbedDiloco(AsyncDiloco):
+    """Records the H (DyLU's pick) of each round after the first; rank 0 stops for 0.5 s once, as an
+    evaluation would."""
+
+    def step(self, batch, step):
+        if self.world.rank == 0 and step == 12:
+            time.sleep(0.5)
+        result = super().step(batch, step)
+        self.probe = getattr(self, "probe", None) or []
+        if self.round_steps == 0:  # a round just ended: the next one's H
+            self.probe.append(self.round_target)
+        return result
+
+
+def dylu(ctx):
+    return ProbedDiloco(ctx, DilocoOptions(asynchronous=True, inner_steps=8))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("slower", [1.0, 3.0])
+def test_dylu_reads_a_workers_speed_from_its_steps_not_its_pauses(slower):
+    """Asynchronous DiLoCo's H per worker (DyLU): equal workers keep H = 8 although rank 0 pauses 0.5 s
+    once (read as the round's mean, the pause made rank 0's next H 1); a worker 3x slower runs about
+    8 / 3 (rounded: 3) while the other is active."""
+    res = run_forked(dylu, slow={0: 0.01, 1: 0.01 * slower})
+    fast, slow = res[0]["probe"], res[1]["probe"]
+    assert min(fast) >= 7, fast  # H, or one step off where the timing wobbles past SAME_SPEED
+    if slower == 1.0:
+        assert min(slow) >= 7, slow
+    else:  # its first 5 rounds (~15 steps) end before rank 0 is done; then it is the only one: H
+        assert all(2 <= h <= 4 for h in slow[:5]), slow
 
 
 @pytest.mark.slow

@@ -228,6 +228,10 @@ def test_dylu_local_steps_follow_the_speed():
     assert local_steps(0.01, [0.02, 0.03], 20) == 20  # the fastest does H
     assert local_steps(1.0, [0.001], 20) == 1  # never fewer than one
     assert local_steps(0.01, [0.0], 20) == 20  # a worker without a measured speed yet is ignored
+    # two equal workers, one measured a little slower: both run H (the floor gave the slower H - 1,
+    # one exchange more every H rounds); further off, the nearest whole step (14.8: 15, not 14)
+    assert local_steps(0.0104, [0.01], 16) == 16 and local_steps(0.01, [0.0104], 16) == 16
+    assert local_steps(0.0135, [0.01], 20) == 15
 
 
 def test_options_are_checked():

@@ -217,10 +217,22 @@ class TicketLock:
 
 
 def local_steps(own_s: float, others_s: list[float], inner_steps: int) -> int:
-    """DyLU (Liu et al. 2024, Eq. 6): ``floor(v_w / max v * H)``, at least 1, from seconds per step.
+    """DyLU (Liu et al. 2024, Eq. 6): ``v_w / max v * H`` steps, at least 1, from seconds per step.
+
+    Eq. 6 takes the floor; here it is rounded to the nearest and held at ``H`` while this worker is
+    within ``SAME_SPEED`` of the fastest. Speeds are measured, so of two equal workers one is always a
+    little slower: under the floor it ran ``H - 1``-step rounds, and exchanged more often than the rule
+    needs.
 
     >>> local_steps(0.02, [0.01], 20), local_steps(0.01, [0.02], 20), local_steps(0.5, [0.01], 20)
     (10, 20, 1)
+    >>> local_steps(0.0103, [0.01], 16), local_steps(0.014, [0.01], 16)  # 3 % slower: H; 29 %: 11.4
+    (16, 11)
     """
     fastest = min([own_s, *[s for s in others_s if s > 0]])
-    return max(1, int(fastest / own_s * inner_steps + 1e-9)) if own_s > 0 else inner_steps
+    if own_s <= 0 or fastest / own_s >= 1 - SAME_SPEED:
+        return inner_steps
+    return max(1, round(fastest / own_s * inner_steps))
+
+
+SAME_SPEED = 0.05  # DyLU holds H for a worker this close to the fastest (a fraction of its speed)
