@@ -302,11 +302,14 @@ class ProbedDiloco(AsyncDiloco):
     """Records the H (DyLU's pick) of each round after the first; rank 0 stops for 0.5 s once, as an
     evaluation would."""
 
+    def __init__(self, ctx, options):
+        super().__init__(ctx, options)
+        self.probe = []
+
     def step(self, batch, step):
         if self.world.rank == 0 and step == 12:
             time.sleep(0.5)
         result = super().step(batch, step)
-        self.probe = getattr(self, "probe", None) or []
         if self.round_steps == 0:  # a round just ended: the next one's H
             self.probe.append(self.round_target)
         return result
