@@ -256,6 +256,43 @@ def test_confirm_races_the_top_k_and_ranks_them_first_by_their_runs(monkeypatch,
     assert [entries[i][0].strategy for i in order] == ["allreduce", "downpour", "weight-avg", "easgd"]
 
 
+def test_validation_measures_each_setup_as_the_median_of_its_runs(monkeypatch, tmp_path):
+    """Three runs each; the reference's run to the target is its first. downpour's runs: 1, 5 and
+    unreached (slowest) -> 5; allreduce: 3 (its run), 2, 4 -> 3; easgd: 2, unreached, unreached -> None.
+    So downpour is 5/3 of allreduce and the top pick (downpour, predicted first) 5/3 of the best."""
+    from parambox.studies.pick import study
+    from parambox.studies.pick.validation import validate
+
+    cost = pm.StepCost(0.01, 0.0, 64.0)
+    predicted = {"downpour": 1.0, "allreduce": 3.0, "easgd": 4.0}
+    entries = [
+        (Candidate(n), Measured(run_dir=tmp_path / n), pm.predict(6400 * t, pm.Ratio(1, 1, 1, [1.0]), cost))
+        for n, t in predicted.items()
+    ]
+    times = {"downpour": [1.0, 5.0, None], "allreduce": [2.0, 4.0], "easgd": [2.0, None, None]}
+    dirs = []
+
+    def run_to_target(cfg, out, target, timeout, metric, asynchronous=False):
+        dirs.append(out.relative_to(tmp_path).as_posix())
+        return Measured(run_dir=out, reached_s=times[cfg["strategy"]].pop(0))
+
+    monkeypatch.setattr(study.runs, "run_to_target", run_to_target)
+    base = {"strategy": "allreduce", "lr": 0.03, "options": {}, "box": {"backend": "shm"}, "steps": 100}
+    s = study.PickSettings(workers=2, target=0.9, base=base, out=tmp_path, validate=True)
+    ranking = study._rank(entries, [0, 1, 2])
+    ref = Measured(run_dir=tmp_path / "reference", reached_s=3.0)
+    v = validate(s, base, ranking, entries, ref, Candidate("allreduce"), lambda _: None)
+    assert v["measured_s"] == {"downpour": 5.0, "allreduce": 3.0, "easgd": None}
+    assert v["validate_runs"] == 3 and not any(times.values())  # every run made, no more
+    assert dirs[:3] == ["validation/downpour", "validation/downpour.run2", "validation/downpour.run3"]
+    assert v["top_pick_vs_best_measured"] == pytest.approx(5 / 3) and v["best_measured"] == "allreduce"
+    rows = {r["setup"]: r for r in v["runs"]}
+    assert rows["allreduce"]["measured_runs_s"] == [3.0, 2.0, 4.0]
+    assert rows["allreduce"]["run_dirs"][0].endswith("reference")
+    # spreads: downpour (5 - 1) / 3, allreduce (4 - 2) / 3 (median 1.0); easgd one run that reached: none
+    assert rows["easgd"]["spread"] is None and v["measurement_spread"] == pytest.approx(1.0)
+
+
 def test_seeds_merge_confirmed_setups_first_and_score_the_models_own_first_too():
     def row(setup, predicted, confirmed=None):
         return {"setup": setup, "family": "synchronous", "predicted_s": predicted,
@@ -429,6 +466,7 @@ def test_candidate_settings_come_from_presets_of_the_same_workload_and_the_user_
             ["--workers", "2", "--target-accuracy", "0.9", "--probe-steps", "4", "--eval-every", "3"],
             "--eval-every",
         ),
+        (["--workers", "2", "--target-accuracy", "0.9", "--validate-runs", "0"], "--validate-runs"),
     ],
 )
 def test_pick_user_errors_are_one_line(tmp_path, capsys, args, message):
@@ -517,3 +555,5 @@ def test_the_cli_leaves_unset_sizes_to_pick_settings_and_quick_and_flags_overrid
     )
     mine = settings("--quick", "--confirm", "0", "--eval-every", "3")
     assert (mine.confirm, mine.eval_every) == (0, 3)
+    assert (plain.validate_runs, quick.validate_runs) == (PickSettings.validate_runs, 1)
+    assert settings("--quick", "--validate-runs", "2").validate_runs == 2

@@ -9,7 +9,8 @@ per step (compute and communication). The top --confirm K predictions (default 5
 to the target and put first in the order they reached it. --validate trains every ranked candidate
 to the target (--validate K: the top K and K others at random) and scores the predictions: Kendall's
 tau between predicted and measured order, the top pick's hit, the median prediction error per
-strategy and family. --seeds N repeats it all with N seeds. The runs live in --out (reference/,
+strategy and family; each validated setup runs --validate-runs R times (default 3), its median the
+measurement. --seeds N repeats it all with N seeds. The runs live in --out (reference/,
 probes/, confirm/, validation/; seed-K/ each with several seeds) beside pick.json.
 
     parambox pick --workers 2 --target-accuracy 0.95 --validate all --seeds 3 --json
@@ -29,7 +30,12 @@ from parambox.errors import UserError
 
 RUN_FLAGS = ("model", "data", "loss", "metrics", "collate", "data_path", "batch_size", "lr", "optimizer")
 RUN_FLAGS += ("momentum", "steps", "seed", "threads", "box")
-QUICK = {"probe_fraction": 1.0, "eval_every": 2, "confirm": 2}  # the rest: PickSettings' defaults
+QUICK = {
+    "probe_fraction": 1.0,
+    "eval_every": 2,
+    "confirm": 2,
+    "validate_runs": 1,
+}  # the rest: PickSettings' defaults
 BARE = "bare"  # --validate with no value: all (under --quick, the top pick and one other)
 
 
@@ -55,6 +61,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="train the top K predictions to the target and rank them by their measured time first "
         "(default 5; 0: the prediction alone)",
     )
+    a(
+        "--validate-runs",
+        type=int,
+        metavar="R",
+        help="runs to the target per validated setup; its measured time is their median (default 3; "
+        "--quick: 1)",
+    )
     a("--seeds", type=int, default=1, help="repeat probes and validations with N seeds (default 1)")
     a(
         "--target-metric",
@@ -66,7 +79,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     a(
         "--quick",
         action="store_true",
-        help="for tests: evaluations every 2 steps; a bare --validate validates the top pick and one other",
+        help="for tests: evaluations every 2 steps, one run per validated setup; a bare --validate "
+        "validates the top pick and one other",
     )
     a("--probe-steps", type=int, help="steps of each probe (default: the reference's to the target)")
     a("--probe-fraction", type=float, help="a probe's steps as a fraction of the reference's (default 1)")
@@ -115,7 +129,9 @@ def settings_from_args(args: argparse.Namespace):
     }
     base = merge(merge(preset(args.preset), flags), overrides)
     base = build_config(base).model_dump(exclude_defaults=False)  # flags' types and ranges, once
-    sizes["confirm"] = args.confirm
+    if args.validate_runs is not None and args.validate_runs < 1:
+        raise UserError(f"--validate-runs must be >= 1, got {args.validate_runs}")
+    sizes["confirm"], sizes["validate_runs"] = args.confirm, args.validate_runs
     given = {k: v for k, v in sizes.items() if v is not None}
     sizes = {**(QUICK if args.quick else {}), **given}  # unset: PickSettings' defaults
     eval_every = sizes.get("eval_every", PickSettings.eval_every)
@@ -236,5 +252,10 @@ def print_result(result: dict) -> None:
         ):
             if key in v:
                 print(f"{key}: {'-' if v[key] is None else format(v[key], '.2f')}")
+        if v.get("measurement_spread") is not None:
+            print(
+                f"measured: each the median of {v['validate_runs']} runs, which spread by "
+                f"{v['measurement_spread']:.0%} of it (median over setups)"
+            )
         for family, err in v.get("prediction_error_by_family", {}).items():
             print(f"median prediction error, {family}: {'-' if err is None else format(err, '.0%')}")

@@ -16,7 +16,8 @@
    predicted in the top three in 2 of 18 seed-runs of 28-29 Nov (4th, 5th; README).
    ``predicted_rank`` keeps the model's own order, and validation scores both.
 4. ``validate``: every candidate ranked (``num_validated`` None), or the top K and K others drawn at
-   random, and the reference are trained to the target; their measured times against the predicted
+   random, and the reference are trained to the target, ``validate_runs`` times each (the median is
+   the measurement); their measured times against the predicted
    ones give the scores of :mod:`~parambox.studies.pick.scores` (Kendall's tau, the top pick's hit,
    the prediction error per setup and family). ``seeds`` repeats probes and validations with seeds
    ``seed, seed + 1, ...`` (``run_pick_seeds``).
@@ -69,6 +70,7 @@ class PickSettings:
     strategies: list[str] | None = None
     validate: bool = False
     num_validated: int | None = None  # None: every candidate ranked; K: the top K and K others at random
+    validate_runs: int = 3  # runs to the target per validated setup; its measured time is their median
     seeds: int = 1
     target_metric: str = "accuracy"  # the evaluations' test_<target_metric> reaches ``target``
     run_timeout_s: float = 900.0
@@ -289,22 +291,25 @@ def train_to_target(
     s: PickSettings,
     base: dict[str, Any],
     cand: Candidate,
-    p: pm.Prediction,
+    p: pm.Prediction | None,
     folder: str,
     k: int,
     of: int,
     say: Say,
+    run: int = 1,
 ) -> runs.Measured:
     """``cand`` trained to the target in ``s.out/folder`` (a race's or a validation's run, the
-    ``k``-th of ``of``), with room for twice its prediction's upper end."""
+    ``k``-th of ``of``; its ``run``-th there), with room for twice its prediction's upper end."""
     from parambox.config import merge
 
-    steps = runs.step_cap(base["steps"], p)
+    steps = base["steps"] if p is None else runs.step_cap(base["steps"], p)
     verb = "validate" if folder == "validation" else folder
-    say(f"{verb} [{k}/{of}] {cand.label} to {s.target_metric} {s.target:g} (at most {steps} steps)")
+    again = f" (run {run})" if run > 1 else ""
+    say(f"{verb} [{k}/{of}] {cand.label}{again} to {s.target_metric} {s.target:g} (at most {steps} steps)")
     cfg = merge(cand.config(base), {"steps": steps})
+    name = cand.slug if run == 1 else f"{cand.slug}.run{run}"
     return runs.run_to_target(
-        cfg, s.out / folder / cand.slug, s.target, s.run_timeout_s, s.metric, _is_async(cand)
+        cfg, s.out / folder / name, s.target, s.run_timeout_s, s.metric, _is_async(cand)
     )
 
 
@@ -450,7 +455,11 @@ def merge_seeds(results: list[dict[str, Any]]) -> dict[str, Any]:
         from parambox.studies.pick.validation import TARGETS
 
         families = {row["setup"]: row["family"] for row in ranking}
-        out["validation"] = scores.summarize_seeds([r["validation"] for r in results], families) | {
-            "targets": TARGETS
+        seeds = [r["validation"] for r in results]
+        spreads = [v["measurement_spread"] for v in seeds if v.get("measurement_spread") is not None]
+        out["validation"] = scores.summarize_seeds(seeds, families) | {
+            "validate_runs": seeds[0].get("validate_runs", 1),
+            "measurement_spread": statistics.median(spreads) if spreads else None,
+            "targets": TARGETS,
         }
     return out
