@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -206,6 +207,17 @@ def run_probe(
     if aligned:
         out.ranks = read_ranks(run_dir)
     return out
+
+
+def median_time(times: list[float | None]) -> float | None:
+    """The median of runs' times to the target, a run that did not reach it counted as slowest (None
+    where that is the median).
+
+    >>> median_time([0.3, None, 0.2]), median_time([None, 0.3, None]), median_time([0.2, 0.6])
+    (0.3, None, 0.4)
+    """
+    m = statistics.median([math.inf if t is None else t for t in times])
+    return None if math.isinf(m) else m
 
 
 def step_cap(base_steps: int, p: Prediction) -> int:

@@ -13,7 +13,11 @@
    over the first part of the way and is often optimistic (local SGD's and Adagrad's early pace), so
    a race among the few the model puts ahead costs K runs and catches a top pick that only looked
    fast. Five, not three: with the predictions 15-25 % off, no setup within 1.2x of the fastest was
-   predicted in the top three in 2 of 18 seed-runs of 28-29 Nov (4th, 5th; README).
+   predicted in the top three in 2 of 18 seed-runs of 28-29 Nov (4th, 5th; README). The leader
+   then runs again (one run's time to the target spreads by 10-40 %: the race's fastest single run
+   is often a lucky draw), a new leader too, and the race goes on past K while a candidate not yet
+   raced is predicted faster than the leader's mean: the model's order is not trusted past the
+   leader's measured time, and a prediction under it could still win.
    ``predicted_rank`` keeps the model's own order, and validation scores both.
 4. ``validate``: every candidate ranked (``num_validated`` None), or the top K and K others drawn at
    random, and the reference are trained to the target, ``validate_runs`` times each (the median is
@@ -272,19 +276,43 @@ def _confirm(
     ref: runs.Measured,
     reference: Candidate,
     say: Say,
-) -> tuple[list[int], dict[int, runs.Measured]]:
-    """Train the top ``s.confirm`` predictions to the target (the reference's run is its own). The
-    new order (those that reached the target, fastest first; then those that did not; then the rest
-    as predicted) and the runs by entry index."""
-    raced = [i for i in order if entries[i][2].seconds is not None][: s.confirm]
-    runs_by_index: dict[int, runs.Measured] = {}
-    for k, i in enumerate(raced, 1):
+) -> tuple[list[int], dict[int, list[runs.Measured]]]:
+    """The race: the top ``s.confirm`` predictions trained to the target (the reference's run is its
+    own); then, until the leader (the least median time of its runs) has run twice and no candidate
+    not yet raced is predicted faster than it, the leader runs again or that candidate runs. The new
+    order (those that reached the target, fastest first; then those that did not; then the rest as
+    predicted) and the runs by entry index."""
+    timed = [i for i in order if entries[i][2].seconds is not None]
+    got: dict[int, list[runs.Measured]] = {}
+
+    def race(i: int) -> None:
         cand, _, p = entries[i]
-        is_ref = cand == reference
-        runs_by_index[i] = ref if is_ref else train_to_target(s, base, cand, p, "confirm", k, len(raced), say)
-    measured = {i: m.reached_s for i, m in runs_by_index.items()}
-    first = sorted(raced, key=lambda i: (measured[i] is None, measured[i] or 0.0, raced.index(i)))
-    return first + [i for i in order if i not in runs_by_index], runs_by_index
+        mine = got.setdefault(i, [])
+        if cand == reference and not mine:
+            mine.append(ref)
+            return
+        mine.append(train_to_target(s, base, cand, p, "confirm", len(got), len(timed), say, len(mine) + 1))
+
+    def time_of(i: int) -> float | None:
+        return runs.median_time([m.reached_s for m in got[i]])
+
+    for i in timed[: s.confirm]:
+        race(i)
+    while True:
+        reached = [i for i in got if time_of(i) is not None]
+        if not reached:
+            break
+        leader = min(reached, key=lambda i: (time_of(i), timed.index(i)))
+        if len(got[leader]) < 2:
+            race(leader)
+            continue
+        faster = [i for i in timed if i not in got and entries[i][2].seconds < time_of(leader)]
+        if not faster:
+            break
+        race(faster[0])
+    raced = [i for i in timed if i in got]
+    first = sorted(raced, key=lambda i: (time_of(i) is None, time_of(i) or 0.0, raced.index(i)))
+    return first + [i for i in order if i not in got], got
 
 
 def train_to_target(
@@ -316,10 +344,10 @@ def train_to_target(
 def _rank(
     entries: list[tuple[Candidate, runs.Measured, pm.Prediction]],
     order: list[int],
-    confirmed: dict[int, runs.Measured] | None = None,
+    confirmed: dict[int, list[runs.Measured]] | None = None,
 ) -> list[dict[str, Any]]:
-    """The rows in ``order``, each with its reason against the first; ``confirmed``: the runs to the
-    target of the raced candidates (by entry index)."""
+    """The rows in ``order``, each with its reason against the first; ``confirmed``: the race's runs
+    to the target of the raced candidates (by entry index; its time, their median)."""
     confirmed = confirmed or {}
     predicted_rank = {i: k for k, i in enumerate(pm.rank_order([p for _, _, p in entries]), 1)}
     _, _, top = entries[order[0]]
@@ -329,21 +357,24 @@ def _rank(
         first = rank == 1
         stale = measured.staleness()
         why = pm.reason(p, None if first else top, "the top pick", stale)
-        run = confirmed.get(i)
-        if run is not None:
+        raced = confirmed.get(i)
+        confirmed_s = None if raced is None else runs.median_time([m.reached_s for m in raced])
+        if raced is not None:
             got = (
                 "did not reach the target"
-                if run.reached_s is None
-                else f"reached the target in {run.reached_s:.2f} s"
+                if confirmed_s is None
+                else f"reached the target in {confirmed_s:.2f} s"
             )
-            why += f"; confirmed: {got} (predicted #{predicted_rank[i]})"
+            again = f", median of {len(raced)} runs" if len(raced) > 1 else ""
+            why += f"; confirmed: {got}{again} (predicted #{predicted_rank[i]})"
         r = p.ratio
         out.append(
             {
                 **_describe(cand),
                 "rank": rank,
                 "predicted_rank": predicted_rank[i],
-                "confirmed_s": None if run is None else run.reached_s,
+                "confirmed_s": confirmed_s,
+                "confirmed_runs_s": None if raced is None else [m.reached_s for m in raced],
                 "predicted_s": p.seconds,
                 "predicted_low_s": p.low_s,
                 "predicted_high_s": p.high_s,
@@ -362,7 +393,7 @@ def _rank(
                 "staleness": stale,
                 "probe_samples": (measured.curve("test_loss").samples or [None])[-1],
                 "run_dir": str(measured.run_dir),
-                "confirm_run_dir": None if run is None else str(run.run_dir),
+                "confirm_run_dir": None if raced is None else str(raced[0].run_dir),
             }
         )
     return out

@@ -20,7 +20,6 @@ with ``run_pick_seeds``.
 
 from __future__ import annotations
 
-import math
 import random
 import statistics
 from collections.abc import Callable
@@ -79,7 +78,7 @@ def validate(
         got = [ref] if label == ref_label else []  # the reference's run to the target is its first
         while len(got) < s.validate_runs:
             got.append(train_to_target(s, base, cand, p, "validation", i, len(chosen), say, len(got) + 1))
-        measured[label] = median_time([m.reached_s for m in got])
+        measured[label] = runs.median_time([m.reached_s for m in got])
         details.append(_validated(label, p, got))
     top = timed[0] if timed else None  # None: no candidate had a prediction
     predicted = {label: by_label[label][1].seconds if label in by_label else None for label in measured}
@@ -104,17 +103,6 @@ def validate(
     )
 
 
-def median_time(times: list[float | None]) -> float | None:
-    """The median of runs' times to the target, a run that did not reach it counted as slowest (None
-    where that is the median).
-
-    >>> median_time([0.3, None, 0.2]), median_time([None, 0.3, None]), median_time([0.2, 0.6])
-    (0.3, None, 0.4)
-    """
-    m = statistics.median([math.inf if t is None else t for t in times])
-    return None if math.isinf(m) else m
-
-
 def spread(times: list[float | None]) -> float | None:
     """(slowest - fastest) / median of one setup's runs that reached the target (None: under two).
 
@@ -127,13 +115,13 @@ def spread(times: list[float | None]) -> float | None:
 
 def _validated(label: str, p: pm.Prediction | None, got: list[runs.Measured]) -> dict[str, Any]:
     times = [m.reached_s for m in got]
-    t = median_time(times)
+    t = runs.median_time(times)
     return {
         "setup": label,
         "measured_s": t,
         "measured_runs_s": times,
         "spread": spread(times),
-        "measured_with_evaluations_s": median_time([m.reached_wall_s for m in got]),
+        "measured_with_evaluations_s": runs.median_time([m.reached_wall_s for m in got]),
         "predicted_s": None if p is None else p.seconds,
         "measured_over_predicted": None if p is None or not p.seconds or t is None else t / p.seconds,
         "steps": [m.steps[-1]["step"] if m.steps else 0 for m in got],
