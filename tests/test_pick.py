@@ -44,11 +44,17 @@ def test_convergence_ratio_is_reference_samples_over_probe_samples_at_the_same_l
     assert pm.progress_level(REF, 0.2) == pytest.approx(1.7)
     r = pm.convergence_ratio(REF, pm.Curve([25.0, 50.0, 100.0, 200.0], [1.9, 1.6, 1.2, 0.8]))
     assert r.points == pytest.approx([3.0, 2.0, 1.5])  # not the first: 1.9 is on the plateau
-    assert (r.estimate, r.low, r.high) == pytest.approx((2.0, 1.5, 3.0))
-    # The estimate is the median of the last three: a ratio that drifts counts where it ended up.
-    drifting = pm.convergence_ratio(REF, pm.Curve([40.0, 50.0, 100.0, 200.0], [1.6, 1.2, 0.8, 0.6]))
-    assert drifting.points == pytest.approx([3.75, 4.0, 3.0, 2.0]) and drifting.estimate == pytest.approx(3.0)
+    # It fell to half its first value (under DRIFT_FLOOR): the median of the last three (2.0) times
+    # the square root of that fall, the band's low end the median times all of it.
+    assert (r.estimate, r.low, r.high) == pytest.approx((2.0 * 0.5**0.5, 1.0, 3.0))
     assert not r.censored
+    # A ratio that holds, or falls no further than DRIFT_FLOOR of its first: the median of the last
+    # three (the most progress), the smallest and largest point the band.
+    steady = pm.convergence_ratio(REF, pm.Curve([100.0, 150.0, 200.0], [1.2, 0.8, 0.6]))
+    assert steady.points == pytest.approx([2.0, 2.0, 2.0]) and steady.estimate == pytest.approx(2.0)
+    held = pm.convergence_ratio(REF, pm.Curve([75.0, 100.0, 160.0, 250.0], [1.6, 1.2, 0.8, 0.6]))
+    assert held.points == pytest.approx([2.0, 2.0, 1.875, 1.6]) and pm.DRIFT_FLOOR == 0.8
+    assert (held.estimate, held.low, held.high) == pytest.approx((1.875, 1.6, 2.0))
 
 
 def test_convergence_ratio_of_the_reference_against_itself_is_one():

@@ -17,7 +17,9 @@ time to target = samples to target / samples per second
   running minima, linearly interpolated between evaluations), at every evaluation of the probe past
   ``MIN_PROGRESS`` (20 %) of that way (before it, on a plateau, a loss says little about samples);
   the median of the last three (the most progress) is the estimate, the smallest and largest of all
-  give the band. The candidate needs S_ref / e
+  give the band. A ratio that fell over the probe to under ``DRIFT_FLOOR`` of its first value is
+  taken to fall half as far again on the rest of the way (its estimate times the square root of
+  that drift; the band's low end, all of it again). The candidate needs S_ref / e
   samples: the model assumes the ratio measured on the way holds to the target. That is its main
   uncertainty, and the output says so: the band, the samples the probe covered, and whether the top
   pick's band overlaps the runner-up's.
@@ -37,6 +39,12 @@ from dataclasses import dataclass, field
 
 from parambox.perfmodel.topology import Network, comm_time_s
 
+# A probe whose convergence ratio fell below this fraction of its first value had not found its pace:
+# its estimate is lowered by half that fall again (the square root of its drift), its band's low end
+# by all of it (26 Nov - 29 Nov, 15 three-seed pick runs replayed: such setups, downpour with Adagrad
+# and the two DiLoCos most often, measured 1.2-2.7x their median-of-the-last-points predictions; with
+# the half fall, tau at 1 Gbit/s rose in 5 of 5 runs, 0.50-0.60 to 0.63-0.77).
+DRIFT_FLOOR = 0.8
 # A probe's evaluations count once its loss has come this far of the way the reference went to the
 # target; probes stop (``STOP_PROGRESS``) once it has come that far, or after a fraction of the
 # reference's steps to the target.
@@ -124,7 +132,13 @@ def convergence_ratio(reference: Curve, probe: Curve, min_progress: float = MIN_
         return None
     # The ratio drifts on the way (Adagrad is quick early and slows down): the points with the most
     # progress speak for the rest of the way; all of them give the band.
-    return Ratio(statistics.median(points[-LAST_POINTS:]), min(points), max(points), points, censored)
+    estimate, low = statistics.median(points[-LAST_POINTS:]), min(points)
+    drift = points[-1] / points[0]
+    if (
+        drift < DRIFT_FLOOR
+    ):  # still falling: half its fall again on the rest of the way, the band to all of it
+        estimate, low = estimate * math.sqrt(drift), min(low, estimate * drift)
+    return Ratio(estimate, low, max(points), points, censored)
 
 
 @dataclass

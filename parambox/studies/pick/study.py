@@ -51,9 +51,10 @@ REFERENCE = "allreduce"  # the issue's baseline: validation always measures it
 # A top pick whose convergence ratio fell below this fraction of its first value over its probe is
 # not confident (27 Nov, 6 seed-runs replayed: such top picks measured 1.0-1.63x the best; the one
 # whose ratio held, 1.02x; every candidate whose ratio fell under 0.7 measured 1.0-3.65x the best).
-DRIFT_FLOOR = 0.8
+DRIFT_FLOOR = pm.DRIFT_FLOOR
 ASSUMPTIONS = [
-    "convergence per sample relative to the reference, measured over the probe, holds to the target",
+    "convergence per sample relative to the reference, measured over the probe, holds to the target; "
+    "one that fell under 0.8 of its first value over the probe falls half as far again",
     "time per step is the probe's mean (evaluations and the first steps left out)",
     "more workers than probed: communication scaled by the topology's bandwidth term, samples per step "
     "by N/n, compute per step unchanged, convergence per sample as probed",
