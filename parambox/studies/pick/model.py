@@ -41,9 +41,9 @@ from parambox.perfmodel.topology import Network, comm_time_s
 
 # A probe whose convergence ratio fell below this fraction of its first value had not found its pace:
 # its estimate is lowered by half that fall again (the square root of its drift), its band's low end
-# by all of it (26 Nov - 29 Nov, 15 three-seed pick runs replayed: such setups, downpour with Adagrad
-# and the two DiLoCos most often, measured 1.2-2.7x their median-of-the-last-points predictions; with
-# the half fall, tau at 1 Gbit/s rose in 5 of 5 runs, 0.50-0.60 to 0.63-0.77).
+# by all of it (28-29 Nov, 17 three-seed pick runs replayed: such setups, downpour with Adagrad and
+# the two DiLoCos most often, measured up to 2.7x their median-of-the-last-points predictions; with
+# the half fall, tau rose in 5 of 5 runs at 1 Gbit/s, 0.50-0.60 to 0.63-0.77, and 5 of 5 at 0.1).
 DRIFT_FLOOR = 0.8
 # A probe's evaluations count once its loss has come this far of the way the reference went to the
 # target; probes stop (``STOP_PROGRESS``) once it has come that far, or after a fraction of the
