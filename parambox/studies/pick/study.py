@@ -292,7 +292,8 @@ def _confirm(
         if cand == reference and not mine:
             mine.append(ref)
             return
-        mine.append(train_to_target(s, base, cand, p, "confirm", len(got), len(timed), say, len(mine) + 1))
+        k = list(got).index(i) + 1  # its place in the race, a second run too
+        mine.append(train_to_target(s, base, cand, p, "confirm", k, len(timed), say, len(mine) + 1))
 
     def time_of(i: int) -> float | None:
         return runs.median_time([m.reached_s for m in got[i]])
