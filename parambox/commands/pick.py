@@ -30,12 +30,8 @@ from parambox.errors import UserError
 
 RUN_FLAGS = ("model", "data", "loss", "metrics", "collate", "data_path", "batch_size", "lr", "optimizer")
 RUN_FLAGS += ("momentum", "steps", "seed", "threads", "box")
-QUICK = {
-    "probe_fraction": 1.0,
-    "eval_every": 2,
-    "confirm": 2,
-    "validate_runs": 1,
-}  # the rest: PickSettings' defaults
+# --quick's sizes; the rest are PickSettings' defaults.
+QUICK = {"probe_fraction": 1.0, "eval_every": 2, "confirm": 2, "validate_runs": 1}
 BARE = "bare"  # --validate with no value: all (under --quick, the top pick and one other)
 
 

@@ -134,9 +134,8 @@ def convergence_ratio(reference: Curve, probe: Curve, min_progress: float = MIN_
     # progress speak for the rest of the way; all of them give the band.
     estimate, low = statistics.median(points[-LAST_POINTS:]), min(points)
     drift = points[-1] / points[0]
-    if (
-        drift < DRIFT_FLOOR
-    ):  # still falling: half its fall again on the rest of the way, the band to all of it
+    # Still falling: half its fall again on the rest of the way, the band's low end all of it.
+    if drift < DRIFT_FLOOR:
         estimate, low = estimate * math.sqrt(drift), min(low, estimate * drift)
     return Ratio(estimate, low, max(points), points, censored)
 
