@@ -57,6 +57,20 @@ def test_convergence_ratio_is_reference_samples_over_probe_samples_at_the_same_l
     assert (held.estimate, held.low, held.high) == pytest.approx((1.875, 1.6, 2.0))
 
 
+def test_a_ratio_that_fell_on_plateaus_is_not_taken_to_fall_further():
+    # Three of four evaluations at the same best loss (1.2): the ratio fell from 2 to 1 because the
+    # probe spent samples without progress, which its last points count already. Only 2 of 4 made a
+    # new low (under STEADY_SHARE), so the estimate is the median of the last three, not lowered.
+    flat = pm.convergence_ratio(REF, pm.Curve([100.0, 150.0, 200.0, 300.0], [1.2, 1.2, 1.2, 0.8]))
+    assert flat.points == pytest.approx([2.0, 200 / 150, 1.0, 1.0]) and flat.drift == pytest.approx(0.5)
+    assert flat.steady == pytest.approx(0.5) and pm.STEADY_SHARE == 0.6
+    assert (flat.estimate, flat.low, flat.high) == pytest.approx((1.0, 1.0, 2.0))
+    # The same fall with a new low at every evaluation is extrapolated (half of it again).
+    falling = pm.convergence_ratio(REF, pm.Curve([100.0, 150.0, 240.0, 300.0], [1.2, 1.0, 0.8, 0.6]))
+    assert falling.steady == 1.0 and falling.drift == pytest.approx(400 / 300 / 2)
+    assert falling.estimate == pytest.approx(400 / 300 * (400 / 300 / 2) ** 0.5)  # median 400/300
+
+
 def test_convergence_ratio_of_the_reference_against_itself_is_one():
     r = pm.convergence_ratio(REF, pm.Curve(REF.samples[:3], REF.values[:3]))
     assert r.points == pytest.approx([1.0, 1.0])

@@ -17,9 +17,11 @@ time to target = samples to target / samples per second
   running minima, linearly interpolated between evaluations), at every evaluation of the probe past
   ``MIN_PROGRESS`` (20 %) of that way (before it, on a plateau, a loss says little about samples);
   the median of the last three (the most progress) is the estimate, the smallest and largest of all
-  give the band. A ratio that fell over the probe to under ``DRIFT_FLOOR`` of its first value is
-  taken to fall half as far again on the rest of the way (its estimate times the square root of
-  that drift; the band's low end, all of it again). The candidate needs S_ref / e
+  give the band. A ratio that fell over the probe to under ``DRIFT_FLOOR`` of its first value while
+  its loss made a new low at most evaluations (``STEADY_SHARE``) is taken to fall half as far again
+  on the rest of the way (its estimate times the square root of that drift; the band's low end, all
+  of it again); one that fell on plateaus is not (their samples are in it already). The candidate
+  needs S_ref / e
   samples: the model assumes the ratio measured on the way holds to the target. That is its main
   uncertainty, and the output says so: the band, the samples the probe covered, and whether the top
   pick's band overlaps the runner-up's.
@@ -45,6 +47,14 @@ from parambox.perfmodel.topology import Network, comm_time_s
 # the two DiLoCos most often, measured up to 2.7x their median-of-the-last-points predictions; with
 # the half fall, tau rose in 5 of 5 runs at 1 Gbit/s, 0.50-0.60 to 0.63-0.77, and 5 of 5 at 0.1).
 DRIFT_FLOOR = 0.8
+# ... unless its loss made a new low at under this share of the probe's evaluations: then the ratio
+# fell on plateaus, whose samples its last points count already, and extrapolating the fall counts
+# them twice. Replayed on 29 Nov over 15 three-seed pick runs' probes against the samples their runs
+# to the target took: median error, Dogwild 0.19 and 0.76 with the rule on every fall, 0.12 and 0.26
+# with this share; Downpour 0.24 and 0.26 to 0.15 and 0.14; the asynchronous family 0.157 and 0.149
+# to 0.144 and 0.122; the asynchronous DiLoCo worse (0.12 to 0.21 over the first 12); Adagrad's
+# probes (0.67-1.0 of their points new lows) keep the rule.
+STEADY_SHARE = 0.6
 # A probe's evaluations count once its loss has come this far of the way the reference went to the
 # target; probes stop (``STOP_PROGRESS``) once it has come that far, or after a fraction of the
 # reference's steps to the target.
@@ -99,6 +109,12 @@ class Ratio:
     high: float
     points: list[float] = field(default_factory=list)
     censored: bool = False
+    steady: float = 1.0  # the share of the points at which the probe's loss made a new low
+
+    @property
+    def drift(self) -> float:
+        """The last point over the first: how far the ratio fell (or rose) over the probe."""
+        return self.points[-1] / self.points[0] if self.points else 1.0
 
 
 def progress_level(reference: Curve, fraction: float) -> float:
@@ -120,10 +136,11 @@ def convergence_ratio(reference: Curve, probe: Curve, min_progress: float = MIN_
         return None
     env = running_min(probe.values)
     level = progress_level(reference, min_progress)
-    points, censored = [], False
-    for s, loss in zip(probe.samples, env):
+    points, censored, new_lows = [], False, 0
+    for i, (s, loss) in enumerate(zip(probe.samples, env)):
         if not math.isfinite(loss) or s <= 0 or loss > level:
             continue
+        new_lows += i == 0 or loss < env[i - 1]
         s_ref = samples_to_reach(reference, loss)
         if s_ref is None:  # better than the reference ever got: at least its whole run
             s_ref, censored = float(reference.samples[-1]), True
@@ -132,12 +149,14 @@ def convergence_ratio(reference: Curve, probe: Curve, min_progress: float = MIN_
         return None
     # The ratio drifts on the way (Adagrad is quick early and slows down): the points with the most
     # progress speak for the rest of the way; all of them give the band.
-    estimate, low = statistics.median(points[-LAST_POINTS:]), min(points)
-    drift = points[-1] / points[0]
-    # Still falling: half its fall again on the rest of the way, the band's low end all of it.
-    if drift < DRIFT_FLOOR:
-        estimate, low = estimate * math.sqrt(drift), min(low, estimate * drift)
-    return Ratio(estimate, low, max(points), points, censored)
+    ratio = Ratio(statistics.median(points[-LAST_POINTS:]), min(points), max(points), points, censored)
+    ratio.steady = new_lows / len(points)
+    # Still falling as it learns: half its fall again on the rest of the way, the band's low end all
+    # of it. A fall on plateaus is in its last points already.
+    if ratio.drift < DRIFT_FLOOR and ratio.steady >= STEADY_SHARE:
+        estimate = ratio.estimate
+        ratio.estimate, ratio.low = estimate * math.sqrt(ratio.drift), min(ratio.low, estimate * ratio.drift)
+    return ratio
 
 
 @dataclass
