@@ -304,6 +304,39 @@ def test_confirm_races_the_top_k_and_ranks_them_first_by_their_runs(monkeypatch,
     assert [len(runs_by_index[i]) for i in order[:3]] == [2, 1, 1] and not measured["downpour"]
 
 
+def test_a_raced_candidate_close_to_the_leader_runs_again(monkeypatch, tmp_path):
+    """downpour's one race run (2.86 s) is within CLOSE_RACE of hogwild's two (2.85 and 2.65, median
+    2.75): a draw, so downpour runs again (2.1, median 2.48) and leads. allreduce's own run (3.0 s)
+    is not raced: it is predicted slower than the leader."""
+    from parambox.studies.pick import study
+
+    cost = pm.StepCost(0.01, 0.0, 64.0)
+    predicted = {"downpour": 1.0, "hogwild": 2.0, "allreduce": 3.0}
+    entries = [
+        (Candidate(n), Measured(run_dir=tmp_path / n), pm.predict(6400 * t, pm.Ratio(1, 1, 1, [1.0]), cost))
+        for n, t in predicted.items()
+    ]
+    measured = {"downpour": [2.86, 2.1], "hogwild": [2.85, 2.65]}
+    calls = []
+
+    def run_to_target(cfg, out, target, timeout, metric, asynchronous=False):
+        calls.append(out.name)
+        return Measured(run_dir=out, reached_s=measured[cfg["strategy"]].pop(0))
+
+    monkeypatch.setattr(study.runs, "run_to_target", run_to_target)
+    base = {"strategy": "allreduce", "lr": 0.03, "options": {}, "box": {"backend": "shm"}, "steps": 100}
+    s = study.PickSettings(workers=2, target=0.9, base=base, out=tmp_path, confirm=2)
+    ref = Measured(run_dir=tmp_path / "reference", reached_s=3.0)
+    order, got = study._confirm(s, base, entries, [0, 1, 2], ref, Candidate("allreduce"), lambda _: None)
+    assert calls == ["downpour", "hogwild", "hogwild.run2", "downpour.run2"]
+    assert study.CLOSE_RACE == 1.15 and [entries[i][0].strategy for i in order] == [
+        "downpour",
+        "hogwild",
+        "allreduce",
+    ]
+    assert [m.reached_s for m in got[0]] == [2.86, 2.1] and 2 not in got
+
+
 def test_validation_measures_each_setup_as_the_median_of_its_runs(monkeypatch, tmp_path):
     """Three runs each; the reference's run to the target is its first. downpour's runs: 1, 5 and
     unreached (slowest) -> 5; allreduce: 3 (its run), 2, 4 -> 3; easgd: 2, unreached, unreached -> None.
