@@ -49,11 +49,12 @@ from parambox.perfmodel.topology import Network, comm_time_s
 DRIFT_FLOOR = 0.8
 # ... unless its loss made a new low at under this share of the probe's evaluations: then the ratio
 # fell on plateaus, whose samples its last points count already, and extrapolating the fall counts
-# them twice. Replayed on 29 Nov over 15 three-seed pick runs' probes against the samples their runs
-# to the target took: median error, Dogwild 0.19 and 0.76 with the rule on every fall, 0.12 and 0.26
-# with this share; Downpour 0.24 and 0.26 to 0.15 and 0.14; the asynchronous family 0.157 and 0.149
-# to 0.144 and 0.122; the asynchronous DiLoCo worse (0.12 to 0.21 over the first 12); Adagrad's
-# probes (0.67-1.0 of their points new lows) keep the rule.
+# them twice. Replayed on 29 Nov over the probes of 15 seed-runs (five pick runs, 28-29 Nov) against
+# the samples their runs to the target took, median error with the rule on every fall and with this
+# share: Dogwild 0.19 and 0.76 to 0.12 and 0.26; Downpour 0.24 and 0.26 to 0.15 and 0.14; the
+# asynchronous family 0.157 and 0.149 to 0.144 and 0.122; the synchronous DiLoCo 0.27 and 0.56 to
+# 0.32 and 0.38, the asynchronous one 0.12 to 0.21 in the first four runs; Adagrad's probes (0.67-1.0
+# of their points new lows) keep the rule.
 STEADY_SHARE = 0.6
 # A probe's evaluations count once its loss has come this far of the way the reference went to the
 # target; probes stop (``STOP_PROGRESS``) once it has come that far, or after a fraction of the
