@@ -150,12 +150,11 @@ def convergence_ratio(reference: Curve, probe: Curve, min_progress: float = MIN_
         return None
     # The ratio drifts on the way (Adagrad is quick early and slows down): the points with the most
     # progress speak for the rest of the way; all of them give the band.
-    ratio = Ratio(statistics.median(points[-LAST_POINTS:]), min(points), max(points), points, censored)
-    ratio.steady = new_lows / len(points)
+    estimate, steady = statistics.median(points[-LAST_POINTS:]), new_lows / len(points)
+    ratio = Ratio(estimate, min(points), max(points), points, censored, steady)
     # Still falling as it learns: half its fall again on the rest of the way, the band's low end all
     # of it. A fall on plateaus is in its last points already.
     if ratio.drift < DRIFT_FLOOR and ratio.steady >= STEADY_SHARE:
-        estimate = ratio.estimate
         ratio.estimate, ratio.low = estimate * math.sqrt(ratio.drift), min(ratio.low, estimate * ratio.drift)
     return ratio
 

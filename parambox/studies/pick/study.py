@@ -59,8 +59,8 @@ DRIFT_FLOOR = pm.DRIFT_FLOOR
 CLOSE_RACE = 1.15
 ASSUMPTIONS = [
     "convergence per sample relative to the reference, measured over the probe, holds to the target; "
-    "one that fell under 0.8 of its first value over the probe, its loss at a new low at most of its "
-    "evaluations, falls half as far again",
+    f"one that fell under {pm.DRIFT_FLOOR:g} of its first value over the probe, its loss at a new low at "
+    f"{pm.STEADY_SHARE:.0%} or more of its evaluations, falls half as far again",
     "time per step is the probe's mean (evaluations and the first steps left out)",
     "more workers than probed: communication scaled by the topology's bandwidth term, samples per step "
     "by N/n, compute per step unchanged, convergence per sample as probed",
