@@ -3,9 +3,10 @@
 1. The *reference* (``allreduce``) trains until its test accuracy reaches the target: samples to the
    target S_ref and its test loss against samples (it is also ``allreduce``'s own probe).
 2. Every other candidate (:mod:`parambox.studies.pick.candidates`) gets a *probe* on the same launcher
-   and cluster, evaluated every few steps: until its test loss has come 70 % of the way the
-   reference's went, or for as many steps as the reference took. Learning curves that sit on a plateau
-   before they fall need that much; one that falls early stops early.
+   and cluster, evaluated every few steps: until its test loss has come all the way the reference's
+   went, or for as many steps as the reference took. Learning curves that sit on a plateau before
+   they fall, or stall after a fast start (DiLoCo), need that much; one that gets there early stops
+   early.
 3. :mod:`parambox.studies.pick.model` turns each probe into a predicted time to the target (with a
    band), and the candidates are ranked, each with the reason for its rank.
 3a. ``confirm`` K (default 5): the top K predictions are trained to the target and put first in the
