@@ -15,9 +15,9 @@
    a race among the few the model puts ahead costs K runs and catches a top pick that only looked
    fast. Five, not three: with the predictions 15-25 % off, no setup within 1.2x of the fastest was
    predicted in the top three in 2 of 18 seed-runs of 28-29 Nov (4th, 5th; docs/pick-validation.md).
-   The leader then runs again (one run's time to the target spreads by 10-40 %: the race's fastest single run
-   is often a lucky draw), a new leader too, and the race goes on past K while a candidate not yet
-   raced is predicted faster than the leader's time, allowing for the model's error as the race
+   The leader then runs again (one run's time to the target spreads by 10-40 %: the race's fastest
+   single run is often a lucky draw), a new leader too, and the race goes on past K while a
+   candidate not yet raced is predicted faster than the leader's time, allowing for the model's error as the race
    measured it (up to 2K entries): the model's order is not trusted past the leader's measured time
    and its own error, and a prediction within them could still win (29 Nov, loopback seed 12: hogwild,
    predicted 7th at 0.34 s, measured the best at 0.27 s, and the race's leader, eamsgd, 1.22x it;
