@@ -6,8 +6,14 @@ It wraps the user's model and torch optimizer (as horovod's ``DistributedOptimiz
 ``zero_grad()``, whichever comes first), ``end_step`` in ``step()``, and ``finish``, ``eval_model``
 and ``close`` in ``close()``. No strategy is named here.
 
+It is a drop-in for the torch optimizer it wraps (an ``torch.optim.Optimizer`` itself, so schedulers
+and ``torch.amp.GradScaler`` take it): ``param_groups``, ``state_dict()`` / ``load_state_dict()``
+with the strategy's own state, ``zero_grad``, ``no_sync()`` and ``backward_passes_per_step`` for
+gradient accumulation, ``clip_grad_norm_``. Nothing is left on the user's model: the step begins
+through a module-wide forward pre-hook (``register_module_forward_pre_hook``), not one on the model,
+so ``torch.save(model)`` pickles it during and after the run.
+
 Limits, by design:
-- One backward per ``step()`` (``allreduce`` starts communicating during backward and says so).
 - Strategies build their optimizers with ``ctx.make_optimizer(params)``: for the model's own
   parameters that is the user's optimizer itself (its param groups, state and any scheduler on it
   count). For another set (dogwild's master copy of the weights) it is a new optimizer of the same
@@ -21,9 +27,11 @@ Limits, by design:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -36,7 +44,7 @@ from parambox.errors import UserError, warn
 from parambox.runtime import dist as pbdist
 from parambox.runtime.world import World
 from parambox.strategies import Context, StepResult, Strategy, strategy_class
-from parambox.strategies.base import broadcast_tensors_
+from parambox.strategies.base import broadcast_tensors_, trainable
 
 NO_TARGET = 2**62  # steps=None: no step target, so no worker stops for the others before close()
 
@@ -52,7 +60,7 @@ class _ModelWorld(World):
         return self.model_device
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(torch.optim.Optimizer):
     """A strategy in your own loop: ``loss.backward(); opt.step(); opt.zero_grad()``, then ``opt.close()``.
 
     After ``close()`` the model holds the run's result on every rank (for the asynchronous strategies
@@ -69,7 +77,17 @@ class DistributedOptimizer:
     ...         opt.step()
     >>> (opt.rank, opt.world_size)
     (0, 1)
+
+    Gradient clipping between ``backward()`` and ``step()`` sees the averaged gradient under the
+    synchronous gradient-averaging rule (``allreduce``, as with DDP) and the local gradient under
+    the local-step rules (``easgd``, ``downpour``, ``diloco``'s inner steps, ...), as their papers
+    clip. ``ps-sync`` and ``box-sync`` average inside ``step()``: there it is the local gradient too. Accumulate with ``with opt.no_sync():`` around the micro-steps before the last (DDP's
+    name) or ``backward_passes_per_step=K`` (horovod's).
     """
+
+    # torch.amp.GradScaler hands the scale and the inf flag to step(): every rank of a synchronous
+    # rule then makes the same skip decision (an inf on one rank skips the step on all), as DDP's.
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -81,11 +99,17 @@ class DistributedOptimizer:
         box: str | dict[str, Any] | BoxConfig = "shm",
         timeout: float = 300.0,
         steps: int | None = None,
+        backward_passes_per_step: int = 1,
     ):
         cls, opts = _strategy(strategy, options)
         _check_pair(model, optimizer)
         if steps is not None and steps < 1:
             raise UserError(f"DistributedOptimizer: steps must be at least 1, got {steps}")
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise UserError(
+                f"DistributedOptimizer: backward_passes_per_step must be an int of at least 1, "
+                f"got {backward_passes_per_step!r}"
+            )
         self.model, self.optimizer = model, optimizer
         self.world = _world(model)
         self._own_group = self.world.world_size > 1 and not dist.is_initialized()
@@ -108,6 +132,7 @@ class DistributedOptimizer:
                 board=self.board,
             )
             self.strategy: Strategy = cls(ctx, opts)
+            self.strategy.backward_passes_per_step = backward_passes_per_step
         except BaseException:
             self._release()
             raise
@@ -118,7 +143,8 @@ class DistributedOptimizer:
         self._begun = False
         self._warned = False
         self._detached = False  # the parameters still live in the strategy's buffers
-        self._hook = model.register_forward_pre_hook(_begin_on_forward(self))
+        self._stepped = False  # a step ran in this process (load_state_dict must come before)
+        self._hook = _watch_forward(self)
         # Synchronous rules pair every rank's collectives step by step: a rank that stops early would
         # have its close() matched against another's gradient exchange (a silently wrong model). Each
         # step opens with a one-element allreduce of "still stepping" (close() sends 0), so uneven step
@@ -140,20 +166,89 @@ class DistributedOptimizer:
     def world_size(self) -> int:
         return self.world.world_size
 
+    # -- the torch optimizer it stands for ----------------------------------------------------------------
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The wrapped optimizer's: set ``lr`` here or with a scheduler, every step, on any strategy."""
         return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise UserError(
+            "DistributedOptimizer.add_param_group(): the strategy laid out its buffers for the parameters "
+            "it was given; give the optimizer every param group before wrapping it"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state, plus what the strategy needs to resume (EASGD's center,
+        DiLoCo's outer momentum, the step count) under ``"parambox"``. This rank's: save it with the
+        model's ``state_dict()``; load both on every rank before the first step to resume."""
+        own = self.strategy.optimizer is self.optimizer  # its state is the "optimizer" entry already
+        rule = {k: v for k, v in self.strategy.state_dict().items() if not (own and k == "optimizer")}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "parambox": {"strategy": self.name, "step": self.step_count, "rule": rule},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (every rank, before the first step), or a plain torch optimizer's
+        ``state_dict()`` (a checkpoint of a run without parambox: the optimizer's state alone)."""
+        if not isinstance(state_dict, dict):
+            raise UserError(
+                f"DistributedOptimizer.load_state_dict(): expected a dict, got {type(state_dict).__name__}"
+            )
+        if self._stepped or self._begun:
+            raise UserError(
+                "DistributedOptimizer.load_state_dict(): call it before the first forward pass or step"
+            )
+        ours = state_dict.get("parambox")
+        if ours is None:
+            self.optimizer.load_state_dict(state_dict)
+            return
+        if ours.get("strategy") != self.name:
+            raise UserError(
+                f"DistributedOptimizer.load_state_dict(): the state was saved by strategy "
+                f"{ours.get('strategy')!r}, this optimizer runs {self.name!r}"
+            )
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.strategy.load_state_dict(ours["rule"])
+        self.step_count = int(ours["step"])
 
     # -- the loop ----------------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients for the next backward, in place: they may be views into the strategy's
-        buffers (``set_to_none`` is accepted for torch's signature and ignored)."""
+        buffers, so they are zeroed whatever ``set_to_none`` says."""
         if not self._begun:
             self._begin()  # begin_step zeroes them, and does what the rule does before a forward pass
             return
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad.zero_()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate this rank's gradients without communicating (DDP's
+        ``no_sync``): put the micro-steps before a step's last inside it."""
+        if not self._begun:
+            self._begin()
+        with self.strategy.no_sync():
+            yield
+
+    def synchronize(self) -> None:
+        """Horovod's name: make ``.grad`` what the step will apply. Nothing to do: a synchronous
+        rule's gradients are averaged when ``backward()`` returns, a local rule applies its own."""
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the model's trainable parameters, in one call;
+        returns the total norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(trainable(self.model), max_norm, norm_type)
 
     def _begin(self) -> None:
         if self.closed:
@@ -195,7 +290,11 @@ class DistributedOptimizer:
                 "DistributedOptimizer.step(): no forward pass through the model and no zero_grad() "
                 "since the last step; call opt.zero_grad() before the forward pass"
             )
+        if self._skip_for_scaler():
+            self._begun = False  # the same step begins again with the next forward pass
+            return None
         self._begun = False
+        self._stepped = True
         if self.strategy.should_stop(self.step_count):
             if not self._warned:
                 self._warned = True
@@ -205,6 +304,26 @@ class DistributedOptimizer:
         self.last_result = self.strategy.end_step(detached, 0, self.step_count)
         self.step_count += 1
         return loss
+
+    def _skip_for_scaler(self) -> bool:
+        """Under ``GradScaler.step(opt)``: True where a gradient is not finite on this rank (or, in a
+        synchronous rule, on any rank): the step is skipped. Otherwise the gradients are unscaled
+        here if the user did not call ``scaler.unscale_(opt)``."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return False
+        flag = found_inf.detach().float().reshape(1).to(self.world.device)
+        if self._aligned:
+            with pbdist.collective("gradient scaler inf check", self.board):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if float(flag) > 0:
+            return True
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:
+            grads = [p.grad for p in trainable(self.model) if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, scale.double().reciprocal().float().to(grads[0].device))
+        return False
 
     def should_stop(self) -> bool:
         """True once this worker should leave the loop: ``steps`` done, termination alignment of the
@@ -278,15 +397,38 @@ class DistributedOptimizer:
         return f"DistributedOptimizer({self.name!r}, rank={self.rank}, world_size={self.world_size})"
 
 
-def _begin_on_forward(opt: DistributedOptimizer):
-    """The forward pre-hook: the step begins with the first forward pass that records a graph.
-    A plain function, so a ``copy.deepcopy`` of the model copies a reference, not the optimizer."""
+_WATCHED: dict[int, weakref.ReferenceType[DistributedOptimizer]] = {}  # id(model) -> its optimizer
+_GLOBAL_HOOK: Any = None
 
-    def hook(module: nn.Module, args: Any) -> None:
-        if module is opt.model and not opt._begun and torch.is_grad_enabled():
-            opt._begin()
 
-    return hook
+def _watch_forward(opt: DistributedOptimizer) -> _Unwatch:
+    """The step begins with the first forward pass of ``opt.model`` that records a graph. One hook for
+    every module of the process (``register_module_forward_pre_hook``), none on the user's model:
+    ``torch.save(model)`` and ``copy.deepcopy(model)`` see a plain module."""
+    global _GLOBAL_HOOK
+    if _GLOBAL_HOOK is None:
+        _GLOBAL_HOOK = torch.nn.modules.module.register_module_forward_pre_hook(_on_forward)
+    _WATCHED[id(opt.model)] = weakref.ref(opt)
+    return _Unwatch(id(opt.model))
+
+
+def _on_forward(module: nn.Module, args: Any) -> None:
+    ref = _WATCHED.get(id(module))
+    opt = ref() if ref is not None else None
+    if opt is not None and opt.model is module and not opt._begun and torch.is_grad_enabled():
+        opt._begin()
+
+
+class _Unwatch:
+    def __init__(self, key: int):
+        self.key = key
+
+    def remove(self) -> None:
+        global _GLOBAL_HOOK
+        _WATCHED.pop(self.key, None)
+        if not _WATCHED and _GLOBAL_HOOK is not None:
+            _GLOBAL_HOOK.remove()
+            _GLOBAL_HOOK = None
 
 
 def _strategy(name: str, options: dict[str, Any] | None) -> tuple[type[Strategy], Any]:
@@ -391,8 +533,11 @@ def same_kind(
     >>> [g["lr"] for g in same_kind(opt, list(a.parameters()), list(b.parameters())).param_groups]
     [0.5, 0.1]
     """
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    # Only what the constructor takes: AdamW's defaults hold decoupled_weight_decay, its __init__ does not.
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     if len(params) != len(own):
-        return type(optimizer)(params, **optimizer.defaults)
+        return type(optimizer)(params, **defaults)
     position = {id(p): i for i, p in enumerate(own)}
     groups = [
         {
@@ -401,4 +546,4 @@ def same_kind(
         }
         for g in optimizer.param_groups
     ]
-    return type(optimizer)(groups, **optimizer.defaults)
+    return type(optimizer)(groups, **defaults)

@@ -5,6 +5,14 @@ bucket's allreduce starts as soon as its last gradient has been accumulated, ove
 communication with the rest of backward. The parameters' ``.grad`` are views into the bucket
 buffers, so no gradient is copied before or after communication.
 
+As with DDP, the allreduces are waited for at the end of backward (an autograd callback): when
+``backward()`` returns, ``.grad`` holds the averaged gradient, so clipping, ``GradScaler.unscale_``
+and inf checks between backward and the optimizer step see what one process would. Gradient
+accumulation: backward passes inside ``no_sync()`` (or the first ``backward_passes_per_step - 1``
+of a step) accumulate locally and communicate nothing; the next backward averages the sum. A
+backward outside ``no_sync()`` after an averaged one averages again, which is the same sum
+(averaging is linear), as with DDP.
+
 Any module: frozen parameters are not in the buckets (never moved, not even by weight decay);
 tied weights appear once. Each bucket ends with one flag per parameter saying "this rank computed
 its gradient", summed by the same allreduce: a parameter no rank computed a gradient for in a step
@@ -16,12 +24,12 @@ forward pass, as DDP does.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from pydantic import Field
 
-from parambox.errors import UserError
 from parambox.runtime.elastic import PeerLost
 from parambox.strategies.base import (
     CAUGHT_UP,
@@ -54,7 +62,8 @@ class _Bucket:
             offset += p.numel()
         self.views = views
         self.grads: GradViews | None = None
-        self.ready = 0
+        self.ready = 0  # parameters whose gradient this backward pass has accumulated
+        self.this_pass = [False] * len(params)
         self.work: dist.Work | None = None
         self.local: torch.Tensor | None = None  # this rank's gradients, kept where a step may be repeated
 
@@ -90,48 +99,90 @@ class AllReduce(Strategy):
         for b in self.buckets:
             b.grads = GradViews(b.params, b.views, track=True, on_ready=self._ready_in(b))
         self.optimizer = ctx.make_optimizer(params)
+        self.backward_passes_per_step = 1  # horovod's name: the passes before the last accumulate locally
+        self._local_only = False  # inside no_sync()
+        self._reset_passes()
         if self.joining:
             self.share_state()  # a replacement: the survivors' weights and optimizer state
 
+    def _reset_passes(self) -> None:
+        self._passes = 0  # backward passes finished in this step
+        self._pass_syncs: bool | None = None  # whether the pass under way communicates (None: none under way)
+        self._synced = False  # a pass of this step averaged the gradients
+        self._lost: PeerLost | None = None  # a peer lost while a pass waited: end_step's exchange answers it
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate this rank's gradients and communicate nothing (DDP's name)."""
+        before, self._local_only = self._local_only, True
+        try:
+            yield
+        finally:
+            self._local_only = before
+
     def _ready_in(self, b: _Bucket):
         def on_ready(i: int, first: bool) -> None:
-            if not first:
-                if b.work is not None:
-                    raise UserError(
-                        "allreduce: a second backward before the optimizer step (gradient accumulation) "
-                        "is not supported; step after each backward"
-                    )
+            if self._pass_syncs is None:  # the pass's first gradient: decide, and wait at its end
+                self._pass_syncs = not self._local_only and self._passes + 1 >= self.backward_passes_per_step
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            if b.this_pass[i]:
                 return
+            b.this_pass[i] = True
             b.ready += 1
-            if b.ready == len(b.params):
-                b.flags.fill_(1.0)
-                if self.distributed:
-                    self._start(b)
+            if b.ready == len(b.params) and self._pass_syncs and self.distributed:
+                self._start(b)
 
         return on_ready
+
+    def _backward_done(self) -> None:
+        """The end of a backward pass (an autograd callback): a pass that communicates waits for its
+        allreduces, so that ``.grad`` is averaged when ``backward()`` returns."""
+        syncs, self._pass_syncs = self._pass_syncs, None
+        self._passes += 1
+        for b in self.buckets:
+            b.ready, b.this_pass = 0, [False] * len(b.params)
+        if not syncs:
+            return
+        if self.distributed:
+            try:
+                with self.timers.phase("allreduce_wait"):
+                    self._wait_all()
+            except PeerLost as e:  # answered by end_step's exchange: regroup and repeat
+                self._lost = e
+        self._synced = True
 
     def begin_step(self, step: int) -> None:
         for b in self.buckets:  # zero in place: .grad must stay views into the buckets
             b.buffer.zero_()
-            b.ready, b.work = 0, None
+            b.ready, b.work, b.this_pass = 0, None, [False] * len(b.params)
             b.grads.rebind_()
+        self._reset_passes()
         self.admit_replacements(step)
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
-        partial = [b for b in self.buckets if b.ready < len(b.params)]
-        for b in partial:  # parameters without a gradient on this rank: their flag stays 0
-            b.flags.copy_(torch.tensor(b.grads.used, dtype=b.flags.dtype))
+        partial = [b for b in self.buckets if not all(b.grads.used)]
         caught_up = False
         if self.distributed:
+            done = self._synced
             with self.timers.phase("allreduce_wait"):
-                caught_up = self.exchange(self._wait_all, step, again=self._reduce_again) is CAUGHT_UP
+                # Averaged at the end of backward (the usual case): only a peer lost meanwhile is left
+                # to answer; otherwise (every pass inside no_sync) the allreduce runs now.
+                fn = self._raise_lost if done else self._wait_all
+                caught_up = self.exchange(fn, step, again=self._reduce_again) is CAUGHT_UP
         if not caught_up:  # (caught up: the leader's weights and optimizer have this step's update)
             for b in partial:  # a rank whose every parameter got a gradient has no flag to read
-                b.grads.drop_unused_(b.flags.tolist())
+                b.grads.drop_unused_(b.flags.tolist() if self.distributed else b.grads.used)
             self.optimizer.step()
         return StepResult(loss_value(loss), samples, self.timers.pop())
 
+    def _raise_lost(self) -> None:
+        lost, self._lost = self._lost, None
+        if lost is not None:
+            raise lost
+
     def _start(self, b: _Bucket) -> None:
+        # "this rank computed the gradient", per parameter, over every pass of the step so far
+        b.flags.copy_(torch.tensor(b.grads.used, dtype=b.flags.dtype))
         if self.elastic is not None:  # the allreduce is in place: keep the input, to repeat it if a peer dies
             b.local = b.buffer.clone()
         b.work = dist.all_reduce(b.buffer, async_op=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -254,6 +254,12 @@ class Strategy:
         loss.backward()
         return self.end_step(loss.detach(), batch_size(batch), step)
 
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Backward passes inside accumulate this rank's gradients and communicate nothing; the step's
+        exchange sends the sum. Nothing to hold back here: only rules that communicate during backward
+        (allreduce) override it."""
+        return nullcontext()
+
     def before_backward(self, loss: torch.Tensor) -> None:
         """Between the forward and the backward pass of a step the strategy drives (``step``), with
         the step's loss; not called under ``DistributedOptimizer``, whose user runs backward."""
@@ -429,6 +435,18 @@ def batch_size(batch: Any) -> int:
 def trainable(model: nn.Module) -> list[nn.Parameter]:
     """The parameters an optimizer may move: ``requires_grad`` ones, each once (tied weights once)."""
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def averaged_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The float buffers a weight-averaging rule averages: those that hold finite values. A buffer of
+    ``-inf`` (a causal mask registered as a buffer) is a constant of the model, not state that
+    training moves: averaging it would make NaN of it and reject every exchange as non-finite.
+
+    >>> m = nn.BatchNorm1d(2); m.register_buffer("mask", torch.full((2,), float("-inf")))
+    >>> [b.shape for b in averaged_buffers(m)]
+    [torch.Size([2]), torch.Size([2])]
+    """
+    return [b for b in model.buffers() if b.is_floating_point() and bool(torch.isfinite(b).all())]
 
 
 def bind_flat_replica(

@@ -48,7 +48,15 @@ from parambox.box import Layout
 from parambox.errors import UserError, warn
 from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
-from parambox.strategies.base import Context, StepResult, Strategy, loss_value, period_end, trainable
+from parambox.strategies.base import (
+    Context,
+    StepResult,
+    Strategy,
+    averaged_buffers,
+    loss_value,
+    period_end,
+    trainable,
+)
 from parambox.strategies.center import DONE, LOST, NONFINITE
 from parambox.strategies.delayed_nesterov import DelayedNesterov, TicketLock, local_steps
 from parambox.strategies.exchange import (
@@ -107,7 +115,7 @@ class Diloco(Strategy):
     def __init__(self, ctx: Context, options: DilocoOptions):
         super().__init__(ctx, options)
         self.params = trainable(self.model)
-        self.buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+        self.buffers = averaged_buffers(self.model)
         self.optimizer = ctx.make_optimizer(self.params)
         self.numel = sum(p.numel() for p in self.params)
         # theta: the parameters, then the float buffers (averaged plainly, no outer step)
@@ -129,6 +137,7 @@ class Diloco(Strategy):
         self.averager = DeltaAverager(flat, self._outer_step_, exchange, options.overlap, self.world.rank)
         self.round_steps = 0
         self.nonfinite: set[int] = set()
+        self.rounds = self.rejected_rounds = 0  # outer steps, and those every worker's round was non-finite in
         if self.joining:  # a replacement: a survivor's theta, outer momentum and inner optimizer state
             self.share_state()
             exchange.compressor.forget_error_()  # the error it owes is its own: none yet
@@ -176,6 +185,8 @@ class Diloco(Strategy):
                 lambda: self.averager.round_end_(local, contribute, keep), step, self.averager.redo_
             )
         self.nonfinite.update(int(r) for r in (self.averager.contributors == 0).nonzero().flatten())
+        self.rounds += 1
+        self.rejected_rounds += int(not bool(self.averager.contributors.any()))
         with torch.no_grad():
             # copies (torch's vector_to_parameters would make the parameters views of theta)
             for t, value in zip(tensors, torch.split(x_next, [t.numel() for t in tensors])):
@@ -207,6 +218,12 @@ class Diloco(Strategy):
             self._load_theta()
         self.timers.pop()
         self.averager.exchange.pop_wait()
+        if self.rounds and self.rejected_rounds == self.rounds:
+            # A run that applied no outer step has trained nothing: it must not end as a success.
+            raise UserError(
+                f"diloco: every one of the {self.rounds} outer steps was rejected (every worker's round "
+                "was non-finite): the model did not train; lower lr or check the loss"
+            )
 
     def _load_theta(self) -> None:
         tensors = [*self.params, *self.buffers]

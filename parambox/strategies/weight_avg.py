@@ -19,7 +19,15 @@ import torch.distributed as dist
 from pydantic import Field
 from torch.nn.utils import parameters_to_vector
 
-from parambox.strategies.base import Context, StepResult, Strategy, loss_value, period_end, trainable
+from parambox.strategies.base import (
+    Context,
+    StepResult,
+    Strategy,
+    averaged_buffers,
+    loss_value,
+    period_end,
+    trainable,
+)
 from parambox.strategies.exchange import DeltaAverager, ExchangeOptions, SumExchange
 
 
@@ -36,7 +44,7 @@ class WeightAveraging(Strategy):
     def __init__(self, ctx: Context, options: WeightAvgOptions):
         super().__init__(ctx, options)
         self.params = trainable(self.model)
-        self.buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+        self.buffers = averaged_buffers(self.model)
         self.optimizer = ctx.make_optimizer(self.params)
         self.averager: DeltaAverager | None = None
         if self.joining:

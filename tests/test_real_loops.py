@@ -1,0 +1,206 @@
+"""The loops users already have, through ``DistributedOptimizer``: clipping between backward and step,
+``no_sync`` accumulation, AdamW with a schedule set through ``param_groups``, ``GradScaler``,
+``opt.state_dict()`` checkpoints resumed in a fresh process, ``torch.save(model)``, and a model with a
+``-inf`` mask buffer. Tier (a) in one process; tier (b) under torchrun with closed forms
+(``tests/realloop_worker.py``)."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import parambox
+from parambox.errors import UserError
+from tests.conftest import ROOT
+from tests.realloop_worker import build, reference
+
+# Deterministic rules: a resumed run is its uninterrupted run bit for bit; allreduce is one process.
+DETERMINISTIC = ("allreduce", "ps-sync", "box-sync", "weight-avg", "easgd+sync", "diloco")
+# The rest (asynchronous: their interleaving is the machine's) finish, agree after close, and train.
+ASYNCHRONOUS = ("downpour", "dynsgd", "hogwild", "dogwild", "easgd", "hybrid", "diloco+async")
+
+
+def torchrun(n: int, *args: str, timeout: float = 300) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    with tempfile.TemporaryDirectory(prefix="pb-torchrun-") as logs:
+        cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--log-dir", logs]
+        cmd += ["--nproc-per-node", str(n), "tests/realloop_worker.py", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-4000:]}"
+
+
+def diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def finals(out: Path, name: str, n: int = 2) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(out / f"{name}-rank{r}.pt", weights_only=True) for r in range(n)]
+
+
+# -- tier (b): under torchrun ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_user_loop_on_every_strategy_resumes_where_it_stopped(tmp_path):
+    """Must show (issue 48): K = 2 micro-steps with no_sync, clip_grad_norm_ between backward and step,
+    AdamW with warmup + cosine through param_groups, on 2 ranks. allreduce equals one process on the
+    global batch; a run stopped at step 5 (opt.state_dict() + model.state_dict()) and resumed in a fresh
+    torchrun job ends bit for bit where the uninterrupted run ends, for every deterministic rule; the
+    asynchronous ones finish with every rank holding the same trained model."""
+    full, half = tmp_path / "full", tmp_path / "resumed"
+    full.mkdir(), half.mkdir()
+    deterministic = ",".join(DETERMINISTIC)
+    torchrun(2, f"{deterministic},{','.join(ASYNCHRONOUS)}", str(full), "2", "0", "10")
+    torchrun(2, deterministic, str(half), "2", "0", "5")
+    torchrun(2, deterministic, str(half), "2", "5", "10")
+    one_process = reference(2, 2)
+    for state in finals(full, "allreduce"):
+        assert diff(state, one_process) <= 1e-5
+    for name in DETERMINISTIC:
+        a, b = finals(full, name), finals(half, name)
+        assert diff(a[0], a[1]) == 0.0, name
+        assert diff(a[0], b[0]) <= 1e-6 and diff(a[1], b[1]) <= 1e-6, name
+    init = build()[0].state_dict()
+    for name in ASYNCHRONOUS:
+        a = finals(full, name)
+        assert diff(a[0], a[1]) == 0.0, name
+        assert all(torch.isfinite(v).all() for v in a[0].values()), name
+        assert diff(a[0], init) > 1e-3, name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_allreduce_on_three_ranks_with_four_micro_steps_equals_one_process(tmp_path):
+    torchrun(3, "allreduce", str(tmp_path), "4", "0", "10")
+    one_process = reference(4, 3)
+    for state in finals(tmp_path, "allreduce", 3):
+        assert diff(state, one_process) <= 1e-5
+
+
+# -- tier (a): one process ------------------------------------------------------------------------------
+
+
+def _scaled_run(wrap: bool, strategy: str = "allreduce") -> tuple[dict[str, torch.Tensor], float, int]:
+    """AdamW + a torch scheduler + GradScaler (unscale_ on odd steps, clip), an inf at step 2."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    base = torch.optim.AdamW(model.parameters(), lr=0.1)
+    opt = parambox.DistributedOptimizer(model, base, strategy) if wrap else base
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(5):
+        opt.zero_grad()
+        scaler.scale(F.mse_loss(model(torch.ones(3, 4) * step), torch.zeros(3, 2))).backward()
+        if step == 2:
+            model.weight.grad[0, 0] = float("inf")
+        if step % 2:
+            scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+    steps = opt.step_count if wrap else 4
+    if wrap:
+        opt.close()
+    return {k: v.clone() for k, v in model.state_dict().items()}, scaler.get_scale(), steps
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "easgd"])
+def test_grad_scaler_and_a_scheduler_work_as_with_the_torch_optimizer(strategy):
+    """scaler.step(opt) skips the step with an inf (the step count stays), unscales otherwise; a torch
+    LRScheduler takes the wrapper (it is a torch.optim.Optimizer)."""
+    plain, plain_scale, _ = _scaled_run(False)
+    wrapped, scale, steps = _scaled_run(True, strategy)
+    assert scale == plain_scale == 512.0
+    assert steps == 4  # five steps, one skipped
+    if strategy == "allreduce":
+        assert diff(plain, wrapped) == 0.0
+
+
+def test_the_model_stays_picklable_and_plain():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    keys = list(model.state_dict())
+    opt = parambox.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), "allreduce")
+    opt.zero_grad()
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    torch.save(model, io.BytesIO())  # during the run
+    assert not model._forward_pre_hooks and list(model.state_dict()) == keys
+    opt.close()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    assert isinstance(torch.load(buf, weights_only=False), nn.Sequential)
+
+
+def test_state_dict_round_trip_and_misuse():
+    model = nn.Linear(3, 1)
+    opt = parambox.DistributedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=0.01), "diloco")
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()
+        opt.step()
+    state = opt.state_dict()
+    assert state["parambox"]["step"] == 3 and "outer" in state["parambox"]["rule"]
+    with pytest.raises(UserError, match="before the first"):
+        opt.load_state_dict(state)
+    with pytest.raises(UserError, match="add_param_group"):
+        opt.add_param_group({"params": []})
+    opt.close()
+    fresh = nn.Linear(3, 1)
+    other = parambox.DistributedOptimizer(fresh, torch.optim.AdamW(fresh.parameters(), lr=0.01), "easgd")
+    with pytest.raises(UserError, match="saved by strategy 'diloco'"):
+        other.load_state_dict(state)
+    other.load_state_dict(state["optimizer"])  # a plain torch optimizer's state: the optimizer's alone
+    other.close()
+
+
+class MaskedNet(nn.Module):
+    """A causal mask registered as a buffer of -inf, as many transformer scripts do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.triu(torch.full((4, 4), float("-inf")), diagonal=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x).unsqueeze(1) + self.mask).softmax(-1).sum(1)
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "weight-avg"])
+def test_a_minus_inf_mask_buffer_is_not_a_diverged_round(strategy):
+    torch.manual_seed(0)
+    model = MaskedNet()
+    start = model.lin.weight.detach().clone()
+    options = {"inner_steps": 2} if strategy == "diloco" else {"period": 2}
+    with parambox.DistributedOptimizer(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), strategy, options
+    ) as opt:
+        for _ in range(6):
+            opt.zero_grad()
+            F.mse_loss(model(torch.randn(8, 4)), torch.ones(8, 4)).backward()
+            opt.step()
+    assert torch.isfinite(model.lin.weight).all() and (model.lin.weight - start).abs().max() > 1e-3
+    assert torch.equal(model.mask, MaskedNet().mask)
+
+
+def test_a_run_whose_every_round_is_rejected_fails_loudly():
+    model = nn.Linear(3, 1)
+    opt = parambox.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), "diloco")
+    for _ in range(4):
+        opt.zero_grad()
+        (model(torch.ones(2, 3)).sum() * float("nan")).backward()
+        opt.step()
+    with pytest.raises(UserError, match="every one of the .* outer steps was rejected"):
+        opt.close()
