@@ -23,7 +23,9 @@ from parambox.errors import UserError
 from tests.conftest import ROOT
 from tests.realloop_worker import build, reference
 
-# Deterministic rules: a resumed run is its uninterrupted run bit for bit; allreduce is one process.
+# Deterministic rules: a resumed run is its uninterrupted run bit for bit; the synchronous gradient
+# averaging ones are one process (their .grad is averaged when backward() returns: clipping sees it).
+SYNCHRONOUS = ("allreduce", "ps-sync", "box-sync")
 DETERMINISTIC = ("allreduce", "ps-sync", "box-sync", "weight-avg", "easgd+sync", "diloco")
 # The rest (asynchronous: their interleaving is the machine's) finish, agree after close, and train.
 ASYNCHRONOUS = ("downpour", "dynsgd", "hogwild", "dogwild", "easgd", "hybrid", "diloco+async")
@@ -54,8 +56,8 @@ def finals(out: Path, name: str, n: int = 2) -> list[dict[str, torch.Tensor]]:
 @pytest.mark.timeout(600)
 def test_the_user_loop_on_every_strategy_resumes_where_it_stopped(tmp_path):
     """Must show (issue 48): K = 2 micro-steps with no_sync, clip_grad_norm_ between backward and step,
-    AdamW with warmup + cosine through param_groups, on 2 ranks. allreduce equals one process on the
-    global batch; a run stopped at step 5 (opt.state_dict() + model.state_dict()) and resumed in a fresh
+    AdamW with warmup + cosine through param_groups, on 2 ranks. allreduce, ps-sync and box-sync equal
+    one process on the global batch; a run stopped at step 5 (opt.state_dict() + model.state_dict()) and resumed in a fresh
     torchrun job ends bit for bit where the uninterrupted run ends, for every deterministic rule; the
     asynchronous ones finish with every rank holding the same trained model."""
     full, half = tmp_path / "full", tmp_path / "resumed"
@@ -65,8 +67,9 @@ def test_the_user_loop_on_every_strategy_resumes_where_it_stopped(tmp_path):
     torchrun(2, deterministic, str(half), "2", "0", "5")
     torchrun(2, deterministic, str(half), "2", "5", "10")
     one_process = reference(2, 2)
-    for state in finals(full, "allreduce"):
-        assert diff(state, one_process) <= 1e-5
+    for name in SYNCHRONOUS:
+        for state in finals(full, name):
+            assert diff(state, one_process) <= 1e-5, name
     for name in DETERMINISTIC:
         a, b = finals(full, name), finals(half, name)
         assert diff(a[0], a[1]) == 0.0, name
@@ -81,11 +84,12 @@ def test_the_user_loop_on_every_strategy_resumes_where_it_stopped(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_allreduce_on_three_ranks_with_four_micro_steps_equals_one_process(tmp_path):
-    torchrun(3, "allreduce", str(tmp_path), "4", "0", "10")
+def test_synchronous_rules_on_three_ranks_with_four_micro_steps_equal_one_process(tmp_path):
+    torchrun(3, ",".join(SYNCHRONOUS), str(tmp_path), "4", "0", "10")
     one_process = reference(4, 3)
-    for state in finals(tmp_path, "allreduce", 3):
-        assert diff(state, one_process) <= 1e-5
+    for name in SYNCHRONOUS:
+        for state in finals(tmp_path, name, 3):
+            assert diff(state, one_process) <= 1e-5, name
 
 
 # -- tier (a): one process ------------------------------------------------------------------------------

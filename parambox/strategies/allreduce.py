@@ -24,7 +24,6 @@ forward pass, as DDP does.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,6 +32,7 @@ from pydantic import Field
 from parambox.runtime.elastic import PeerLost
 from parambox.strategies.base import (
     CAUGHT_UP,
+    BackwardPasses,
     Context,
     GradViews,
     Options,
@@ -95,90 +95,56 @@ class AllReduce(Strategy):
         if self.distributed and not self.joining:
             for t in [*params, *self.model.buffers()]:  # same start everywhere, whatever the seeds did
                 dist.broadcast(t.data, src=0)
+        self.passes = BackwardPasses(self, params, self._pass_end)  # first: its hooks run before the buckets'
         self.buckets = build_buckets(list(reversed(params)), options.bucket_mb, options.first_bucket_mb)
         for b in self.buckets:
             b.grads = GradViews(b.params, b.views, track=True, on_ready=self._ready_in(b))
         self.optimizer = ctx.make_optimizer(params)
-        self.backward_passes_per_step = 1  # horovod's name: the passes before the last accumulate locally
-        self._local_only = False  # inside no_sync()
-        self._reset_passes()
         if self.joining:
             self.share_state()  # a replacement: the survivors' weights and optimizer state
 
-    def _reset_passes(self) -> None:
-        self._passes = 0  # backward passes finished in this step
-        self._pass_syncs: bool | None = None  # whether the pass under way communicates (None: none under way)
-        self._synced = False  # a pass of this step averaged the gradients
-        self._lost: PeerLost | None = None  # a peer lost while a pass waited: end_step's exchange answers it
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate this rank's gradients and communicate nothing (DDP's name)."""
-        before, self._local_only = self._local_only, True
-        try:
-            yield
-        finally:
-            self._local_only = before
-
     def _ready_in(self, b: _Bucket):
         def on_ready(i: int, first: bool) -> None:
-            if self._pass_syncs is None:  # the pass's first gradient: decide, and wait at its end
-                self._pass_syncs = not self._local_only and self._passes + 1 >= self.backward_passes_per_step
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
             if b.this_pass[i]:
                 return
             b.this_pass[i] = True
             b.ready += 1
-            if b.ready == len(b.params) and self._pass_syncs and self.distributed:
+            if b.ready == len(b.params) and self.passes.syncs and self.distributed:
                 self._start(b)
 
         return on_ready
 
-    def _backward_done(self) -> None:
-        """The end of a backward pass (an autograd callback): a pass that communicates waits for its
-        allreduces, so that ``.grad`` is averaged when ``backward()`` returns."""
-        syncs, self._pass_syncs = self._pass_syncs, None
-        self._passes += 1
+    def _pass_end(self, syncs: bool) -> None:
+        """The end of a backward pass: one that communicates waits for its allreduces, so that ``.grad``
+        is averaged when ``backward()`` returns."""
         for b in self.buckets:
             b.ready, b.this_pass = 0, [False] * len(b.params)
-        if not syncs:
-            return
-        if self.distributed:
-            try:
-                with self.timers.phase("allreduce_wait"):
-                    self._wait_all()
-            except PeerLost as e:  # answered by end_step's exchange: regroup and repeat
-                self._lost = e
-        self._synced = True
+        if syncs and self.distributed:
+            with self.timers.phase("allreduce_wait"):
+                self._wait_all()
 
     def begin_step(self, step: int) -> None:
         for b in self.buckets:  # zero in place: .grad must stay views into the buckets
             b.buffer.zero_()
             b.ready, b.work, b.this_pass = 0, None, [False] * len(b.params)
             b.grads.rebind_()
-        self._reset_passes()
+        self.passes.reset()
         self.admit_replacements(step)
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         partial = [b for b in self.buckets if not all(b.grads.used)]
         caught_up = False
         if self.distributed:
-            done = self._synced
             with self.timers.phase("allreduce_wait"):
                 # Averaged at the end of backward (the usual case): only a peer lost meanwhile is left
                 # to answer; otherwise (every pass inside no_sync) the allreduce runs now.
-                fn = self._raise_lost if done else self._wait_all
+                fn = self.passes.raise_lost if self.passes.synced else self._wait_all
                 caught_up = self.exchange(fn, step, again=self._reduce_again) is CAUGHT_UP
         if not caught_up:  # (caught up: the leader's weights and optimizer have this step's update)
             for b in partial:  # a rank whose every parameter got a gradient has no flag to read
                 b.grads.drop_unused_(b.flags.tolist() if self.distributed else b.grads.used)
             self.optimizer.step()
         return StepResult(loss_value(loss), samples, self.timers.pop())
-
-    def _raise_lost(self) -> None:
-        lost, self._lost = self._lost, None
-        if lost is not None:
-            raise lost
 
     def _start(self, b: _Bucket) -> None:
         # "this rank computed the gradient", per parameter, over every pass of the step so far
@@ -222,5 +188,6 @@ class AllReduce(Strategy):
         self.share_state(src, receive=behind, phase="state to a rank a step behind")
 
     def close(self) -> None:
+        self.passes.close()
         for b in self.buckets:
             b.grads.close()

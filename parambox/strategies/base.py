@@ -149,6 +149,8 @@ class Strategy:
         self.options = options
         self.timers = PhaseTimers()
         self.optimizer: torch.optim.Optimizer | None = None  # set by strategies with a local optimizer
+        self.passes: BackwardPasses | None = None  # set by rules that average by the end of backward
+        self.backward_passes_per_step = 1  # horovod's name: the passes before the last accumulate locally
         self.elastic = elastic_group()  # set when the run survives a lost worker in place
         self._group_samples, self._pending_samples = 0.0, 0  # every member's samples (count_step)
         self._exchanges = self._counted = 0  # exchanges passed, and up to which the samples count
@@ -256,9 +258,9 @@ class Strategy:
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Backward passes inside accumulate this rank's gradients and communicate nothing; the step's
-        exchange sends the sum. Nothing to hold back here: only rules that communicate during backward
-        (allreduce) override it."""
-        return nullcontext()
+        exchange sends the sum. Only rules that average by the end of backward (``self.passes``) have
+        anything to hold back."""
+        return self.passes.no_sync() if self.passes is not None else nullcontext()
 
     def before_backward(self, loss: torch.Tensor) -> None:
         """Between the forward and the backward pass of a step the strategy drives (``step``), with
@@ -355,6 +357,66 @@ class Strategy:
 
     def close(self) -> None:
         """Release process groups, shared memory and threads. Must not raise."""
+
+
+class BackwardPasses:
+    """A step's backward passes, for the rules whose ``.grad`` is averaged when ``backward()`` returns
+    (DDP's contract: clipping, ``GradScaler.unscale_`` and inf checks between backward and the step see
+    the averaged gradient).
+
+    A pass communicates (``syncs``) unless it runs inside :meth:`no_sync` or is one of the first
+    ``backward_passes_per_step - 1`` of the step; those accumulate locally. ``on_end(syncs)`` runs at
+    the end of every pass (an autograd callback, queued by the pass's first gradient: the hooks are
+    registered before any other on the parameters, so ``syncs`` is known when theirs run). A peer lost
+    while a pass communicates is kept (``lost``) for the step's exchange to answer by regrouping:
+    raised from a callback it would surface from the user's ``backward()``.
+    """
+
+    def __init__(self, owner: Strategy, params: list[nn.Parameter], on_end: Callable[[bool], None]):
+        self.owner, self.on_end = owner, on_end
+        self.local_only = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._first_gradient) for p in params]
+        self.reset()
+
+    def reset(self) -> None:
+        """A new step: no pass yet."""
+        self.passes = 0  # passes finished
+        self.syncs: bool | None = None  # whether the pass under way communicates (None: none under way)
+        self.synced = False  # a pass of this step communicated
+        self.lost: PeerLost | None = None
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        before, self.local_only = self.local_only, True
+        try:
+            yield
+        finally:
+            self.local_only = before
+
+    def _first_gradient(self, p: torch.Tensor) -> None:
+        if self.syncs is None:
+            self.syncs = not self.local_only and self.passes + 1 >= self.owner.backward_passes_per_step
+            torch.autograd.Variable._execution_engine.queue_callback(self._end)
+
+    def _end(self) -> None:
+        syncs, self.syncs = self.syncs, None
+        self.passes += 1
+        try:
+            self.on_end(bool(syncs))
+        except PeerLost as e:
+            self.lost = e
+        self.synced = self.synced or bool(syncs)
+
+    def raise_lost(self) -> None:
+        """In the step's exchange: a peer lost during the last pass's communication, if any."""
+        lost, self.lost = self.lost, None
+        if lost is not None:
+            raise lost
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
 
 class PhaseTimers:

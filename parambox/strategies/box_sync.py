@@ -31,9 +31,11 @@ from pydantic import Field
 from parambox.box import Layout, open_box
 from parambox.box.base import step_counter, wait_until
 from parambox.box.levels import BoxMean
+from parambox.errors import UserError
 from parambox.runtime.elastic import PeerLost
 from parambox.strategies.base import (
     CAUGHT_UP,
+    BackwardPasses,
     Context,
     FinishedTail,
     GradViews,
@@ -111,6 +113,9 @@ class BoxSync(Strategy):
         self.bucket = max(1, int(options.bucket_mb * (1 << 20) / 4)) if options.bucket_mb > 0 else 0
         early = early and self.bucket > 0 and self.staged is None
         self.finishing = FinishedTail([*self.layout.offsets, numel], self.bucket)
+        # The average runs at the end of backward (its hooks first, so a pass's early pushes know
+        # whether it communicates): .grad is the mean when backward() returns, as with DDP.
+        self.passes = BackwardPasses(self, self.params, self._pass_end)
         self.grads = GradViews(  # hooks note who got a gradient
             self.params, self.views_of[0], track=True, on_ready=self._ready if early else None
         )
@@ -137,8 +142,19 @@ class BoxSync(Strategy):
             self.staged.zero_()
         self.grads.views = self.views_of[step % 2]
         self.grads.rebind_()  # backward accumulates here
+        self.passes.reset()
 
-    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
+    def _pass_end(self, syncs: bool) -> None:
+        if syncs and self.passes.synced:
+            raise UserError(
+                "box-sync: a second backward after one that communicated in the same step; put the "
+                "micro-steps before the last inside opt.no_sync()"
+            )
+        if syncs:
+            self._average(self.step_now)
+
+    def _average(self, step: int) -> None:
+        """This worker's slot complete, the mean of every worker's (or every member's) into ``.grad``."""
         numel, grad = self.layout.numel, self.grad
         if self.staged is not None:
             grad[:numel].copy_(self.staged[:numel])
@@ -146,22 +162,36 @@ class BoxSync(Strategy):
         if self.summing:
             self._sum_in_box(step)
             self.sync_buffers()
-        elif self.elastic is not None:
-            if self.exchange(lambda: self._meet(step, self.elastic.members), step) is CAUGHT_UP:
-                return StepResult(loss_value(loss), samples, self.timers.pop())  # the leader's update
         else:
-            self._meet(step)
+            self._meet(step, self.elastic.members if self.elastic is not None else None)
+        self._use_mean()
+
+    def _use_mean(self) -> None:
         if self.staged is not None:
             self.mean_on_device.copy_(self.mean)
-        got = self.mean[numel:].tolist() if not all(self.grads.used) else None
+        got = self.mean[self.layout.numel :].tolist() if not all(self.grads.used) else None
         for i, (p, view) in enumerate(zip(self.params, self.mean_grads)):
             p.grad = view if got is None or got[i] else None  # no worker computed it: as in one process
+
+    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
+        if self.elastic is not None and not self.summing:
+            # A peer lost in the average at the end of backward (or, where no pass communicated, in
+            # the average now) makes the survivors regroup and average the members' slots again.
+            first = self.passes.raise_lost if self.passes.synced else lambda: self._average(step)
+            again = lambda: self._meet(step, self.elastic.members)  # noqa: E731
+            if self.exchange(first, step, again) is CAUGHT_UP:
+                return StepResult(loss_value(loss), samples, self.timers.pop())  # the leader's update
+            self._use_mean()
+        elif not self.passes.synced:  # every pass inside no_sync, or no backward
+            self._average(step)
         self.optimizer.step()
         return StepResult(loss_value(loss), samples, self.timers.pop())
 
     def _ready(self, i: int, first: bool) -> None:
         """Parameter ``i``'s gradient is complete (one backward a step): push the finished tail of the
         slot once it holds a bucket's worth beyond what is in the box."""
+        if not self.passes.syncs:
+            return
         bucket = self.finishing.finish(i)
         if bucket is not None:
             _, lo, hi = bucket
@@ -219,6 +249,7 @@ class BoxSync(Strategy):
         self.box.mean_(self.grad, step, out=self.mean, timers=self.timers)  # its phases: push, barrier, pull
 
     def close(self) -> None:
+        self.passes.close()
         self.grads.close()  # no hooks left on a user's model, which outlives the strategy
         for p in self.params:
             p.grad = None  # drop views into the shared segment before it is unmapped

@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from parambox.errors import UserError
 from parambox.strategies.base import (
     CAUGHT_UP,
+    BackwardPasses,
     Context,
     Options,
     StepResult,
@@ -44,22 +46,44 @@ class ParameterServerSync(Strategy):
             self.sync_buffers()
         if self.world.rank == 0:  # only the server holds an optimizer
             self.optimizer = ctx.make_optimizer(self.params)
+        # The gather runs at the end of backward: the server's .grad is the mean when backward() returns,
+        # so a clip between backward and step clips what the server applies, as in one process.
+        self.passes = BackwardPasses(self, self.params, self._pass_end)
+        self.grad: torch.Tensor | None = None  # this rank's gradients and flags, kept for a repeat
 
     def begin_step(self, step: int) -> None:
         for p in self.params:
             p.grad = None
+        self.passes.reset()
+        self.stepped = False
         self.admit_replacements(step)
 
-    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
+    def _local_grad(self) -> torch.Tensor:
         got = torch.tensor([p.grad is not None for p in self.params], dtype=self.flat.dtype)
-        grad = torch.cat(
+        return torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params]
             + [got.to(self.flat.device)]
         )
-        self.stepped = False
+
+    def _pass_end(self, syncs: bool) -> None:
+        if syncs and self.passes.synced:
+            raise UserError(
+                f"{self.name}: a second backward after one that communicated in the same step; put the "
+                "micro-steps before the last inside opt.no_sync()"
+            )
+        if syncs:
+            self.grad = self._local_grad()
+            self._gather(self.grad)
+
+    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
+        if self.passes.synced:  # gathered at the end of backward: a peer lost then is answered here
+            fn = lambda: (self.passes.raise_lost(), self._step_broadcast())  # noqa: E731
+        else:  # every pass inside no_sync, or no backward
+            self.grad = self._local_grad()
+            fn = lambda: self._gather_step_broadcast(self.grad)  # noqa: E731
         # One sequence on every rank, also when repeated over the survivors after a lost worker:
         # gather the gradients (each rank's kept), the server steps once, broadcast the weights.
-        if self.exchange(lambda: self._gather_step_broadcast(grad), step) is CAUGHT_UP:
+        if self.exchange(fn, step, again=lambda: self._gather_step_broadcast(self.grad)) is CAUGHT_UP:
             self.flat = parameters_to_vector(self.params).detach()  # the leader's, this step's update made
         elif self.world.rank != 0:
             vector_to_parameters(self.flat, self.params)
@@ -72,6 +96,11 @@ class ParameterServerSync(Strategy):
         self.share_state(src, receive=behind, phase="weights to a rank a step behind")
 
     def _gather_step_broadcast(self, grad: torch.Tensor) -> None:
+        self._gather(grad)
+        self._step_broadcast()
+
+    def _gather(self, grad: torch.Tensor) -> None:
+        """Every rank's gradients to the server, whose ``.grad`` becomes their mean."""
         server = self.world.rank == 0
         with self.timers.phase("gather"), self.collective("gradient gather"):
             if self.world.world_size > 1:
@@ -86,6 +115,10 @@ class ParameterServerSync(Strategy):
                 for p, anyone in zip(self.params, got):  # no rank computed it: as in one process
                     p.grad = mean[offset : offset + p.numel()].view_as(p) if anyone else None
                     offset += p.numel()
+
+    def _step_broadcast(self) -> None:
+        """The server steps once; its weights to every rank."""
+        if self.world.rank == 0 and not self.stepped:
             self.optimizer.step()
             self.stepped = True
             self.flat = parameters_to_vector(self.params).detach()
@@ -93,3 +126,6 @@ class ParameterServerSync(Strategy):
             if self.world.world_size > 1:
                 dist.broadcast(self.flat, src=0, async_op=True).wait()
         self.sync_buffers()  # rank 0's batch-norm statistics, inside the exchange (see Strategy.sync_buffers)
+
+    def close(self) -> None:
+        self.passes.close()
