@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -408,6 +409,11 @@ def _watch_forward(opt: DistributedOptimizer) -> _Unwatch:
     global _GLOBAL_HOOK
     if _GLOBAL_HOOK is None:
         _GLOBAL_HOOK = torch.nn.modules.module.register_module_forward_pre_hook(_on_forward)
+        # torch.compile warns that a global hook fires once more for the OptimizedModule: this one
+        # begins a step at most once, so the extra call is harmless.
+        warnings.filterwarnings(
+            "ignore", message=r"Using `torch.compile\(module\)` when there are global hooks"
+        )
     _WATCHED[id(opt.model)] = weakref.ref(opt)
     return _Unwatch(id(opt.model))
 

@@ -208,3 +208,21 @@ def test_a_run_whose_every_round_is_rejected_fails_loudly():
         opt.step()
     with pytest.raises(UserError, match="every one of the .* outer steps was rejected"):
         opt.close()
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "easgd"])
+def test_a_compiled_model_trains_as_the_plain_one(strategy, recwarn):
+    """torch.compile(model) before wrapping (dynamo with the eager backend: no C++ toolchain needed)."""
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        run = torch.compile(model, backend="eager") if compiled else model
+        with parambox.DistributedOptimizer(run, torch.optim.SGD(run.parameters(), lr=0.1), strategy) as opt:
+            for step in range(4):
+                opt.zero_grad()
+                F.mse_loss(run(torch.ones(3, 4) * step), torch.zeros(3, 2)).backward()
+                opt.step()
+        results.append({k.removeprefix("_orig_mod."): v for k, v in run.state_dict().items()})
+    assert diff(*results) <= 1e-6
+    assert not [w for w in recwarn if "global hooks" in str(w.message)]
