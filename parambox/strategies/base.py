@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -58,6 +58,15 @@ class Context:
     box: BoxConfig = field(default_factory=BoxConfig)  # the run's box: open_box(ctx.box, ...)
     seed: int = 0
     board: ProgressBoard | None = None  # where ranks post their step, so timeouts name who is missing
+    # The loop's training features (``parambox.training.loop.make_context`` sets them from the config),
+    # run by the shared :meth:`Strategy.step`:
+    grad_accum: int = 1  # micro-batches per step: the batch split in K, one backward each, one update
+    grad_clip: float | None = None  # the gradient's global L2 norm clipped to this before the update
+    precision: str = "fp32"  # "bf16" / "fp16": forward and loss under autocast; weights stay fp32
+    scaler: Any = None  # fp16: a torch.amp.GradScaler("cuda")
+    # fp16: while a step the scaler skips runs its update, every optimizer's rate is 0 (the exchanges
+    # still run, so collectives stay aligned; the weights stay where they are)
+    pause_rates: Callable[[], AbstractContextManager[None]] | None = None
 
 
 class Strategy:
@@ -246,17 +255,80 @@ class Strategy:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self, batch: Any, step: int) -> StepResult:
-        """One training step on this worker's ``batch`` (already on the device): ``begin_step``,
-        forward/backward of the user's loss, ``end_step``."""
+        """One training step on this worker's ``batch`` (already on the device): ``begin_step``, then
+        for each of the ``ctx.grad_accum`` micro-batches forward and loss (under autocast with
+        ``ctx.precision``) and backward of its share of the loss (inside :meth:`no_sync` but for the
+        last), then unscaling (fp16), clipping (``ctx.grad_clip``) and ``end_step`` with the batch's
+        mean loss and all its samples. The gradient is the batch's mean gradient, as one backward of
+        the whole batch would give it."""
+        ctx = self.ctx
         self.begin_step(step)
-        loss = self.ctx.loss_fn(self.model, batch)
-        self.before_backward(loss)
-        loss.backward()
-        return self.end_step(loss.detach(), batch_size(batch), step)
+        n = batch_size(batch)
+        parts = split_batch(batch, ctx.grad_accum, n)
+        # Nothing may run between the last backward and the update when a strategy updates during
+        # backward (downpour's buckets): it gets before_backward only when there is nothing to run.
+        direct = not ctx.grad_clip and ctx.scaler is None
+        total: torch.Tensor | None = None  # the batch's mean loss: the parts' losses by their shares
+        for i, (part, share) in enumerate(parts):
+            last = i == len(parts) - 1
+            with self.no_sync() if not last else nullcontext():
+                with self.autocast():
+                    loss = ctx.loss_fn(self.model, part)
+                if len(parts) == 1:
+                    total = loss.detach()
+                else:
+                    loss = loss * share
+                    total = loss.detach().float() if total is None else total + loss.detach().float()
+                if last and direct:
+                    self.before_backward(total)
+                (ctx.scaler.scale(loss) if ctx.scaler is not None else loss).backward()
+        extra: dict[str, float] = {}
+        finite = True
+        if ctx.scaler is not None:
+            extra["loss_scale"] = float(ctx.scaler.get_scale())
+            grads = _Grads(trainable(self.model))
+            ctx.scaler.unscale_(grads)
+        if ctx.grad_clip:
+            extra["grad_norm"] = float(self.clip_grad_norm_(ctx.grad_clip))
+        if ctx.scaler is not None:
+            finite = ctx.scaler.step(grads) is not None  # None: an inf or NaN, the step is skipped
+            ctx.scaler.update()
+            if not finite:
+                extra["skipped"] = 1.0
+                for p in grads.params:
+                    if p.grad is not None:
+                        p.grad.zero_()
+        with ctx.pause_rates() if not finite and ctx.pause_rates is not None else nullcontext():
+            result = self.end_step(total, n, step)
+        result.extra.update(extra)
+        return result
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Around the backward of every micro-batch but the last (gradient accumulation, DDP's name):
+        the gradients add up in ``.grad`` and the strategy does not exchange them. Here nothing at all
+        (plain accumulation); a strategy that communicates during backward overrides it."""
+        return nullcontext()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the trainable parameters' ``.grad`` so that their global L2 norm is at most
+        ``max_norm`` (``torch.nn.utils.clip_grad_norm_``); returns the norm before clipping. It clips
+        what ``.grad`` holds after the last backward: the averaged gradient where the strategy has
+        averaged it by then, the local one in strategies that step locally."""
+        return torch.nn.utils.clip_grad_norm_(trainable(self.model), max_norm)
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """Forward and loss at ``ctx.precision``: autocast to bf16 or fp16 (the weights, gradients and
+        every exchange stay fp32); nothing for fp32."""
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.ctx.precision)
+        if dtype is None:
+            return nullcontext()
+        return torch.autocast(self.world.device.type, dtype=dtype)
 
     def before_backward(self, loss: torch.Tensor) -> None:
         """Between the forward and the backward pass of a step the strategy drives (``step``), with
-        the step's loss; not called under ``DistributedOptimizer``, whose user runs backward."""
+        the step's loss (with micro-batches: before the last one's backward, with the mean so far);
+        not called where clipping or a loss scaler must see the gradients before the update, nor under
+        ``DistributedOptimizer``, whose user runs backward."""
 
     def begin_step(self, step: int) -> None:
         """Before the forward pass of ``step``: zero the gradients (in place where they are views into
@@ -407,6 +479,43 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     if isinstance(batch, tuple | list):
         return type(batch)(map_tensors(fn, v) for v in batch)
     return batch
+
+
+def split_batch(batch: Any, k: int, n: int | None = None) -> list[tuple[Any, float]]:
+    """``batch`` in ``k`` micro-batches along dim 0 (as equal as they come: ``torch.tensor_split``),
+    each with its share of the samples; tensors whose first dimension is not the batch's ``n``
+    samples go whole into every part. Fewer parts where the batch has fewer than ``k`` samples.
+
+    >>> [(x.tolist(), s) for (x, _), s in split_batch((torch.arange(4), torch.zeros(())), 2)]
+    [([0, 1], 0.5), ([2, 3], 0.5)]
+    """
+    n = batch_size(batch) if n is None else n
+    k = max(1, min(k, n))
+    if k == 1:
+        return [(batch, 1.0)]
+    sizes = [len(r) for r in torch.arange(n).tensor_split(k)]
+    starts = [sum(sizes[:i]) for i in range(k)]
+
+    def part(i: int) -> Any:
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return t.narrow(0, starts[i], sizes[i]) if t.dim() > 0 and len(t) == n else t
+
+        return map_tensors(cut, batch)
+
+    return [(part(i), sizes[i] / n) for i in range(k)]
+
+
+class _Grads(torch.optim.Optimizer):
+    """The trainable parameters as an optimizer that moves nothing: what a ``GradScaler`` unscales
+    and checks. ``scaler.step(_Grads(...))`` is True where the gradients are finite, None where the
+    scaler skips the step."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        super().__init__(params, {})
+
+    def step(self, closure: Any = None) -> bool:  # type: ignore[override]
+        return True
 
 
 def batch_size(batch: Any) -> int:
