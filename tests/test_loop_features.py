@@ -22,6 +22,8 @@ from parambox.config import build_config
 from parambox.runtime.world import World
 from parambox.strategies import Context, build_strategy
 from parambox.strategies.base import split_batch
+from parambox.strategies.downpour import AdagradRates
+from parambox.strategies.easgd import NesterovStep
 from parambox.training.schedule import Schedule, ScheduledRates, lr_factor
 from tests.conftest import NUMERICS, final_weights, max_abs_diff, run_cli, summary
 
@@ -59,6 +61,22 @@ def test_scheduled_rates_set_every_optimizer_made_and_pause_for_a_skipped_step()
     c.param_groups[0]["lr"] = 0.7
     still.apply(5)
     assert c.param_groups[0]["lr"] == 0.7
+
+
+def test_strategies_with_their_own_update_read_the_scheduled_rate_each_step():
+    """eamsgd's Nesterov step and downpour's Adagrad keep no rate of their own: the schedule reaches them."""
+    group = {"lr": 0.1, "momentum": 0.5}
+    x = torch.zeros(2)
+    nesterov = NesterovStep(x, group["lr"], group["momentum"], group)
+    group["lr"] = 0.02  # as ScheduledRates.apply sets it
+    nesterov.step_(torch.ones(2))
+    assert x.tolist() == pytest.approx([-0.02, -0.02]) and nesterov.v.tolist() == pytest.approx(
+        [-0.02, -0.02]
+    )
+    adagrad = AdagradRates(None, 2, 0.1, x.device, group)  # step_ alone needs no box
+    group["lr"] = 0.01
+    adagrad.step_(x, torch.full((2,), 2.0))
+    assert x.tolist() == pytest.approx([-0.03, -0.03], abs=1e-6)  # g / sqrt(g^2) = 1
 
 
 def test_split_batch_cuts_dim_zero_into_shares_and_keeps_other_tensors_whole():
