@@ -55,6 +55,8 @@ def test_scheduled_rates_set_every_optimizer_made_and_pause_for_a_skipped_step()
     with rates.paused():
         assert a.param_groups[0]["lr"] == 0.0 and b.param_groups[0]["lr"] == 0.0
     assert a.param_groups[0]["lr"] == pytest.approx(0.2 * lr_factor(6, "cosine", 2, 10))
+    late = rates.make([nn.Parameter(torch.zeros(1))])  # made during step 6 (a pipeline's first step)
+    assert late.param_groups[0]["lr"] == a.param_groups[0]["lr"]
     # a constant schedule without warmup leaves the rates exactly as made (a loaded optimizer's too)
     still = ScheduledRates(lambda p: torch.optim.SGD(p, lr=0.3), Schedule("constant", 0, 10))
     c = still.make([nn.Parameter(torch.zeros(1))])

@@ -88,24 +88,31 @@ class ScheduledRates:
     def __init__(self, make: OptimizerFactory, schedule: Schedule):
         self.factory, self.schedule = make, schedule
         self.made: list[tuple[torch.optim.Optimizer, list[float]]] = []
+        self.factor: float | None = None  # as last applied
 
     def make(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """A new optimizer, recorded; made during a step (a pipeline builds its stages in its first),
+        it runs at that step's rate at once."""
         optimizer = self.factory(params)
         self.made.append((optimizer, [float(g["lr"]) for g in optimizer.param_groups]))
+        if self.factor is not None:
+            self._set(self.factor, self.made[-1:])
         return optimizer
 
     def apply(self, step: int) -> None:
         """Each group's ``lr`` for optimizer step ``step``; nothing at all for a constant schedule
         without warmup (the rates stay exactly as made)."""
         if self.schedule.active:
-            self._set(self.schedule.factor(step))
+            self.factor = self.schedule.factor(step)
+            self._set(self.factor, self.made)
 
     def current(self) -> float | None:
         """The rate of the first optimizer made, as the schedule last set it (None: none made)."""
         return self.made[0][0].param_groups[0]["lr"] if self.made else None
 
-    def _set(self, factor: float) -> None:
-        for optimizer, bases in self.made:
+    @staticmethod
+    def _set(factor: float, made: list[tuple[torch.optim.Optimizer, list[float]]]) -> None:
+        for optimizer, bases in made:
             for group, base in zip(optimizer.param_groups, bases):
                 group["lr"] = base * factor
 
@@ -114,7 +121,7 @@ class ScheduledRates:
         """Every rate 0 meanwhile (a step a loss scaler skips: the exchanges still run, the weights
         stay), then as they were."""
         saved = [[g["lr"] for g in opt.param_groups] for opt, _ in self.made]
-        self._set(0.0)
+        self._set(0.0, self.made)
         try:
             yield
         finally:
