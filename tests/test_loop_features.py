@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing as mp
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,8 @@ from torch import nn
 import parambox
 from parambox import cli
 from parambox.config import build_config
+from parambox.runtime import dist as pbdist
+from parambox.runtime.dist import free_port
 from parambox.runtime.world import World
 from parambox.strategies import Context, build_strategy
 from parambox.strategies.base import split_batch
@@ -188,6 +192,54 @@ def test_fp16_on_a_machine_without_a_gpu_is_a_one_line_user_error(tmp_path, caps
 
 
 # -- tier (b) -------------------------------------------------------------------------------------------
+
+
+def _scaled_worker(rank: int, port: int, out: str) -> None:
+    """weight-avg with a loss scaler (on the CPU here); rank 1's loss is inf at step 1."""
+    torch.set_num_threads(1)
+    world = World(rank, 2, rank, 2, launcher="local", master_addr="127.0.0.1", master_port=port)
+    pbdist.init_distributed(world, 30.0)
+    try:
+        rates = ScheduledRates(lambda p: torch.optim.SGD(p, lr=0.1), Schedule())
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        model = _model()
+
+        def loss(m: nn.Module, batch) -> torch.Tensor:
+            return _mse(m, batch[:2]) * (float("inf") if batch[2] else 1.0)
+
+        ctx = Context(world, model, rates.make, loss, 3, 30.0, scaler=scaler, pause_rates=rates.paused)
+        strategy = build_strategy("weight-avg", ctx)
+        torch.manual_seed(rank)
+        weights, skipped = [], []
+        for step in range(3):
+            batch = (torch.randn(8, 4), torch.randn(8, 2), rank == 1 and step == 1)
+            skipped.append("skipped" in strategy.step(batch, step).extra)
+            weights.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist())
+        strategy.close()
+        result = {"weights": weights, "skipped": skipped, "scale": scaler.get_scale()}
+        Path(out, f"{rank}.json").write_text(json.dumps(result))
+    finally:
+        pbdist.destroy_distributed()
+
+
+@pytest.mark.timeout(60)
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """fp16's rule in lockstep strategies, as DDP: every rank takes the same skip decision and keeps the
+    same loss scale, so the replicas stay equal."""
+    ctx = mp.get_context("fork")
+    port = free_port()
+    procs = [ctx.Process(target=_scaled_worker, args=(r, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(50)
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    a, b = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2))
+    assert a["skipped"] == b["skipped"] == [False, True, False]
+    assert a["scale"] == b["scale"] == 2.0**9
+    assert a["weights"][1] == a["weights"][0] and a["weights"] == b["weights"]
 
 
 @pytest.mark.timeout(120)

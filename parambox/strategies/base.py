@@ -287,6 +287,7 @@ class Strategy:
         if ctx.scaler is not None:
             extra["loss_scale"] = float(ctx.scaler.get_scale())
             grads = _Grads(trainable(self.model))
+            self._agree_on_overflow(grads.params, step)
             ctx.scaler.unscale_(grads)
         if ctx.grad_clip:
             extra["grad_norm"] = float(self.clip_grad_norm_(ctx.grad_clip))
@@ -302,6 +303,28 @@ class Strategy:
             result = self.end_step(total, n, step)
         result.extra.update(extra)
         return result
+
+    def _agree_on_overflow(self, params: list[nn.Parameter], step: int) -> None:
+        """fp16, a strategy whose ranks run in lockstep over several ranks: an inf or NaN in any rank's
+        gradient skips the step on every rank, as DDP's averaged gradient makes it (one allreduce of a
+        flag; a rank whose own gradients are finite gets a NaN in one, for its scaler to find), so the
+        replicas and the loss scales stay the same everywhere."""
+        if not (self.lockstep and self.world.world_size > 1 and dist.is_initialized()):
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+        def agree() -> bool:
+            flag = torch.tensor([0.0 if finite else 1.0], device=grads[0].device)
+            with self.collective("loss scaler's overflow check"):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True).wait()
+            return bool(flag.item())
+
+        overflow = self.exchange(agree, step)
+        if overflow is not CAUGHT_UP and overflow and finite:
+            grads[0].fill_(float("nan"))
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Around the backward of every micro-batch but the last (gradient accumulation, DDP's name):
