@@ -134,6 +134,11 @@ class RunConfig(BaseModel):
             self.cluster.ranks_per_node(self.workers)  # a UserError unless they spread evenly
         return self
 
+    @field_validator("grad_clip", mode="before")
+    @classmethod
+    def _clip_off(cls, v: Any) -> Any:
+        return None if isinstance(v, str) and v.strip().lower() in ("none", "off") else v  # --grad-clip none
+
     @field_validator("strategy")
     @classmethod
     def _known_strategy(cls, v: str) -> str:

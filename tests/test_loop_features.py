@@ -182,6 +182,13 @@ def test_features_a_strategy_cannot_take_are_refused_naming_strategy_and_field(l
         build_config(layer)
 
 
+def test_the_fields_take_the_cli_spellings():
+    cfg = build_config({"grad_clip": "none", "grad_accum": "4", "precision": "bf16", "warmup_steps": "3"})
+    assert (cfg.grad_clip, cfg.grad_accum, cfg.precision, cfg.warmup_steps) == (None, 4, "bf16", 3)
+    with pytest.raises(parambox.UserError, match="grad_clip"):
+        build_config({"grad_clip": -1})
+
+
 def test_fp16_on_a_machine_without_a_gpu_is_a_one_line_user_error(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
