@@ -333,9 +333,9 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
 
 def check_loop_features(cfg: RunConfig) -> None:
     """A ``UserError`` where the micro-batches do not split the batch, or naming the strategy and the
-    field where the run's strategy cannot take a training feature of the loop: pipeline parallelism and L-BFGS own forward and backward (their own
-    micro-batches, no clipping or autocast in their schedule), and L-BFGS has no learning rate to
-    schedule (its step length is ``sandblaster.lr``)."""
+    field where the run's strategy cannot take a training feature of the loop: pipeline parallelism
+    and L-BFGS own forward and backward (their own micro-batches, no clipping or autocast in their
+    schedule), and L-BFGS has no learning rate to schedule (its step length is ``sandblaster.lr``)."""
     from parambox.strategies import strategy_class
 
     if cfg.batch_size % cfg.grad_accum:
@@ -346,23 +346,22 @@ def check_loop_features(cfg: RunConfig) -> None:
     cls = strategy_class(cfg.strategy, cfg.strategy_options())
     if not cls.owns_forward_backward:
         return
+    why = "it runs forward and backward itself"
     refused = {
-        "grad_accum": cfg.grad_accum != 1,
-        "grad_clip": bool(cfg.grad_clip),
-        "precision": cfg.precision != "fp32",
+        "grad_accum": (cfg.grad_accum != 1, why),
+        "grad_clip": (bool(cfg.grad_clip), why),
+        "precision": (cfg.precision != "fp32", why),
     }
-    own_rate = "lr" in cls.Options.model_fields  # its own step length, no optimizer of the run's
-    if own_rate:
-        refused |= {"lr_schedule": cfg.lr_schedule != "constant", "warmup_steps": cfg.warmup_steps > 0}
-    for field, given in refused.items():
+    if "lr" in cls.Options.model_fields:  # a step length of its own: no optimizer of the run's to schedule
+        why = f"its step length is {cfg.strategy}.lr"
+        refused |= {
+            "lr_schedule": (cfg.lr_schedule != "constant", why),
+            "warmup_steps": (cfg.warmup_steps > 0, why),
+        }
+    for field, (given, reason) in refused.items():
         if given:
-            why = (
-                f"its step length is {cfg.strategy}.lr"
-                if field in ("lr_schedule", "warmup_steps")
-                else ("it runs forward and backward itself")
-            )
             raise UserError(
-                f"strategy {cfg.strategy!r} does not take {field} = {getattr(cfg, field)!r} ({why}); "
+                f"strategy {cfg.strategy!r} does not take {field} = {getattr(cfg, field)!r} ({reason}); "
                 f"leave {field} at its default"
             )
 

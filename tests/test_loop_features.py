@@ -198,6 +198,18 @@ def test_fp16_on_a_machine_without_a_gpu_is_a_one_line_user_error(tmp_path, caps
     assert "precision fp16 needs a GPU; use bf16" in err and err.count("\n") == 1
 
 
+def test_a_resumed_run_keeps_the_schedule_it_started_with_also_when_it_runs_longer(tmp_path, capsys):
+    out = str(tmp_path / "r")
+    args = ["train", "--strategy", "single", "--model", "logreg", "--lr", "0.1", "--batch-size", "8"]
+    args += ["--out", out, "--no-progress", "--eval-every", "0", "--threads", "1"]
+    assert cli.main([*args, "--steps", "6", "--lr-schedule", "linear", "--warmup-steps", "2"]) == 0
+    assert cli.main(["train", "--out", out, "--resume", "--steps", "9", "--no-progress"]) == 0
+    assert "keeps the horizon it started with (6 steps, not 9)" in capsys.readouterr().err
+    rates = [r["lr"] for r in _step_records(tmp_path / "r")]
+    assert rates == pytest.approx([0.1 * lr_factor(s, "linear", 2, 6) for s in range(9)])
+    assert rates[6:] == [0.0, 0.0, 0.0]
+
+
 # -- tier (b) -------------------------------------------------------------------------------------------
 
 
