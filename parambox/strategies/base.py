@@ -255,15 +255,24 @@ class Strategy:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self, batch: Any, step: int) -> StepResult:
-        """One training step on this worker's ``batch`` (already on the device): ``begin_step``, then
-        for each of the ``ctx.grad_accum`` micro-batches forward and loss (under autocast with
-        ``ctx.precision``) and backward of its share of the loss (inside :meth:`no_sync` but for the
-        last), then unscaling (fp16), clipping (``ctx.grad_clip``) and ``end_step`` with the batch's
-        mean loss and all its samples. The gradient is the batch's mean gradient, as one backward of
-        the whole batch would give it."""
-        ctx = self.ctx
+        """One training step on this worker's ``batch`` (already on the device): ``begin_step``, the
+        forward and backward passes of its ``ctx.grad_accum`` micro-batches, unscaling (fp16) and
+        clipping (``ctx.grad_clip``), then ``end_step`` with the batch's mean loss and all its samples.
+        The gradient is the batch's mean gradient, as one backward of the whole batch would give it."""
         self.begin_step(step)
         n = batch_size(batch)
+        loss = self._forward_backward(batch, n)
+        finite, extra = self._before_update(step)
+        pause = self.ctx.pause_rates
+        with pause() if not finite and pause is not None else nullcontext():
+            result = self.end_step(loss, n, step)
+        result.extra.update(extra)
+        return result
+
+    def _forward_backward(self, batch: Any, n: int) -> torch.Tensor:
+        """Each micro-batch's forward and loss (under :meth:`autocast`) and the backward of its share
+        of the loss (scaled, fp16), inside :meth:`no_sync` but for the last; the batch's mean loss."""
+        ctx = self.ctx
         parts = split_batch(batch, ctx.grad_accum, n)
         # Nothing may run between the last backward and the update when a strategy updates during
         # backward (downpour's buckets): it gets before_backward only when there is nothing to run.
@@ -282,8 +291,13 @@ class Strategy:
                 if last and direct:
                     self.before_backward(total)
                 (ctx.scaler.scale(loss) if ctx.scaler is not None else loss).backward()
+        return total
+
+    def _before_update(self, step: int) -> tuple[bool, dict[str, float]]:
+        """Between the last backward and the update: the loss scaler's unscaling and overflow check, and
+        clipping. (Whether the update may go ahead, the step record's additions.)"""
+        ctx = self.ctx
         extra: dict[str, float] = {}
-        finite = True
         if ctx.scaler is not None:
             extra["loss_scale"] = float(ctx.scaler.get_scale())
             grads = _Grads(trainable(self.model))
@@ -291,18 +305,16 @@ class Strategy:
             ctx.scaler.unscale_(grads)
         if ctx.grad_clip:
             extra["grad_norm"] = float(self.clip_grad_norm_(ctx.grad_clip))
-        if ctx.scaler is not None:
-            finite = ctx.scaler.step(grads) is not None  # None: an inf or NaN, the step is skipped
-            ctx.scaler.update()
-            if not finite:
-                extra["skipped"] = 1.0
-                for p in grads.params:
-                    if p.grad is not None:
-                        p.grad.zero_()
-        with ctx.pause_rates() if not finite and ctx.pause_rates is not None else nullcontext():
-            result = self.end_step(total, n, step)
-        result.extra.update(extra)
-        return result
+        if ctx.scaler is None:
+            return True, extra
+        finite = ctx.scaler.step(grads) is not None  # None: an inf or NaN, the scaler skips the step
+        ctx.scaler.update()
+        if not finite:  # the update runs (its exchanges too) with zero gradients at rate 0
+            extra["skipped"] = 1.0
+            for p in grads.params:
+                if p.grad is not None:
+                    p.grad.zero_()
+        return finite, extra
 
     def _agree_on_overflow(self, params: list[nn.Parameter], step: int) -> None:
         """fp16, a strategy whose ranks run in lockstep over several ranks: an inf or NaN in any rank's
