@@ -58,6 +58,32 @@ class RunConfig(BaseModel):
     optimizer: Literal["sgd", "adam", "adamw", "adagrad"] = "sgd"
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float | None = Field(
+        None,
+        ge=0,
+        description="clip the gradient's global L2 norm to this before each optimizer step (the averaged "
+        "gradient in synchronous strategies, the local one in local-step strategies); 0 or none: off",
+    )
+    grad_accum: int = Field(
+        1,
+        ge=1,
+        le=4096,
+        description="micro-batches per optimizer step (gradient accumulation): each worker's batch_size "
+        "is the batch of one step, split into this many equal micro-batches, one backward each",
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="forward and loss under autocast: bf16 (CPU and GPU) or fp16 (GPU, with a loss "
+        "scaler); weights, optimizer and every exchange stay fp32",
+    )
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant",
+        description="the learning rate over the steps: constant, or decaying to 0 at the last step along "
+        "half a cosine or a line; applied to every optimizer the strategy makes",
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="steps of linear warmup from 0 to lr before the schedule (0: none)"
+    )
     seed: int = Field(0, ge=0)
     out: str | None = None
     checkpoint_every: int = Field(0, ge=0, description="0: only at the end")
@@ -107,6 +133,11 @@ class RunConfig(BaseModel):
         if self.cluster.enabled:
             self.cluster.ranks_per_node(self.workers)  # a UserError unless they spread evenly
         return self
+
+    @field_validator("grad_clip", mode="before")
+    @classmethod
+    def _clip_off(cls, v: Any) -> Any:
+        return None if isinstance(v, str) and v.strip().lower() in ("none", "off") else v  # --grad-clip none
 
     @field_validator("strategy")
     @classmethod
@@ -296,7 +327,43 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
     own = strategy_defaults(cfg, merged)
     if own:
         cfg = validated(RunConfig, merge(own, merged))
+    check_loop_features(cfg)
     return cfg
+
+
+def check_loop_features(cfg: RunConfig) -> None:
+    """A ``UserError`` where the micro-batches do not split the batch, or naming the strategy and the
+    field where the run's strategy cannot take a training feature of the loop: pipeline parallelism
+    and L-BFGS own forward and backward (their own micro-batches, no clipping or autocast in their
+    schedule), and L-BFGS has no learning rate to schedule (its step length is ``sandblaster.lr``)."""
+    from parambox.strategies import strategy_class
+
+    if cfg.batch_size % cfg.grad_accum:
+        raise UserError(
+            f"batch_size {cfg.batch_size} does not split into grad_accum {cfg.grad_accum} equal "
+            "micro-batches: make batch_size a multiple of grad_accum"
+        )
+    cls = strategy_class(cfg.strategy, cfg.strategy_options())
+    if not cls.owns_forward_backward:
+        return
+    why = "it runs forward and backward itself"
+    refused = {
+        "grad_accum": (cfg.grad_accum != 1, why),
+        "grad_clip": (bool(cfg.grad_clip), why),
+        "precision": (cfg.precision != "fp32", why),
+    }
+    if "lr" in cls.Options.model_fields:  # a step length of its own: no optimizer of the run's to schedule
+        why = f"its step length is {cfg.strategy}.lr"
+        refused |= {
+            "lr_schedule": (cfg.lr_schedule != "constant", why),
+            "warmup_steps": (cfg.warmup_steps > 0, why),
+        }
+    for field, (given, reason) in refused.items():
+        if given:
+            raise UserError(
+                f"strategy {cfg.strategy!r} does not take {field} = {getattr(cfg, field)!r} ({reason}); "
+                f"leave {field} at its default"
+            )
 
 
 OPTIMIZER_CHOICE = ("optimizer", "lr")  # either one set by the user: the strategy's optimizer stands aside

@@ -52,7 +52,12 @@ def train(
     continue the run recorded in ``out`` (only ``steps``, ``timeout`` and logging may change);
     ``fields``: any field of the run config, as the CLI flags and TOML spell them (``steps``,
     ``batch_size``, ``lr``, ``out``, ``progress=False`` for no progress bar and no summary table,
-    ``target_metric``, ...). A bad value raises ``parambox.UserError`` naming it.
+    ``target_metric``, ...). A bad value raises ``parambox.UserError`` naming it. The loop's training
+    features among them: ``grad_clip`` (the gradient's global L2 norm, None or 0: off), ``grad_accum``
+    (micro-batches per optimizer step; ``batch_size`` stays the batch of one step), ``precision``
+    (``"fp32"``, ``"bf16"`` autocast, ``"fp16"`` autocast with a loss scaler on a GPU),
+    ``lr_schedule`` (``"constant"``, ``"cosine"``, ``"linear"``) and ``warmup_steps``; a resumed run
+    continues the schedule and the scaler exactly.
 
     >>> import parambox, torch
     >>> def make_model():

@@ -58,6 +58,15 @@ class Context:
     box: BoxConfig = field(default_factory=BoxConfig)  # the run's box: open_box(ctx.box, ...)
     seed: int = 0
     board: ProgressBoard | None = None  # where ranks post their step, so timeouts name who is missing
+    # The loop's training features (``parambox.training.loop.make_context`` sets them from the config),
+    # run by the shared :meth:`Strategy.step`:
+    grad_accum: int = 1  # micro-batches per step: the batch split in K, one backward each, one update
+    grad_clip: float | None = None  # the gradient's global L2 norm clipped to this before the update
+    precision: str = "fp32"  # "bf16" / "fp16": forward and loss under autocast; weights stay fp32
+    scaler: Any = None  # fp16: a torch.amp.GradScaler("cuda")
+    # fp16: while a step the scaler skips runs its update, every optimizer's rate is 0 (the exchanges
+    # still run, so collectives stay aligned; the weights stay where they are)
+    pause_rates: Callable[[], AbstractContextManager[None]] | None = None
 
 
 class Strategy:
@@ -248,13 +257,109 @@ class Strategy:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self, batch: Any, step: int) -> StepResult:
-        """One training step on this worker's ``batch`` (already on the device): ``begin_step``,
-        forward/backward of the user's loss, ``end_step``."""
+        """One training step on this worker's ``batch`` (already on the device): ``begin_step``, the
+        forward and backward passes of its ``ctx.grad_accum`` micro-batches, unscaling (fp16) and
+        clipping (``ctx.grad_clip``), then ``end_step`` with the batch's mean loss and all its samples.
+        The gradient is the batch's mean gradient, as one backward of the whole batch would give it."""
         self.begin_step(step)
-        loss = self.ctx.loss_fn(self.model, batch)
-        self.before_backward(loss)
-        loss.backward()
-        return self.end_step(loss.detach(), batch_size(batch), step)
+        n = batch_size(batch)
+        loss = self._forward_backward(batch, n)
+        finite, extra = self._before_update(step)
+        pause = self.ctx.pause_rates
+        with pause() if not finite and pause is not None else nullcontext():
+            result = self.end_step(loss, n, step)
+        result.extra.update(extra)
+        return result
+
+    def _forward_backward(self, batch: Any, n: int) -> torch.Tensor:
+        """Each micro-batch's forward and loss (under :meth:`autocast`) and the backward of its share
+        of the loss (scaled, fp16), inside :meth:`no_sync` but for the last; the batch's mean loss."""
+        ctx = self.ctx
+        parts = split_batch(batch, ctx.grad_accum, n)
+        # Nothing may run between the last backward and the update when a strategy updates during
+        # backward (downpour's buckets): it gets before_backward only when there is nothing to run.
+        direct = not ctx.grad_clip and ctx.scaler is None
+        total: torch.Tensor | None = None  # the batch's mean loss: the parts' losses by their shares
+        for i, (part, share) in enumerate(parts):
+            last = i == len(parts) - 1
+            with self.no_sync() if not last else nullcontext():
+                with self.autocast():
+                    loss = ctx.loss_fn(self.model, part)
+                if len(parts) == 1:
+                    total = loss.detach()
+                else:
+                    loss = loss * share
+                    total = loss.detach().float() if total is None else total + loss.detach().float()
+                if last and direct:
+                    self.before_backward(total)
+                (ctx.scaler.scale(loss) if ctx.scaler is not None else loss).backward()
+        return total
+
+    def _before_update(self, step: int) -> tuple[bool, dict[str, float]]:
+        """Between the last backward and the update: the loss scaler's unscaling and overflow check, and
+        clipping. (Whether the update may go ahead, the step record's additions.)"""
+        ctx = self.ctx
+        extra: dict[str, float] = {}
+        if ctx.scaler is not None:
+            extra["loss_scale"] = float(ctx.scaler.get_scale())
+            grads = _Grads(trainable(self.model))
+            self._agree_on_overflow(grads.params, step)
+            ctx.scaler.unscale_(grads)
+        if ctx.grad_clip:
+            extra["grad_norm"] = float(self.clip_grad_norm_(ctx.grad_clip))
+        if ctx.scaler is None:
+            return True, extra
+        finite = ctx.scaler.step(grads) is not None  # None: an inf or NaN, the scaler skips the step
+        ctx.scaler.update()
+        if not finite:  # the update runs (its exchanges too) with zero gradients at rate 0
+            extra["skipped"] = 1.0
+            for p in grads.params:
+                if p.grad is not None:
+                    p.grad.zero_()
+        return finite, extra
+
+    def _agree_on_overflow(self, params: list[nn.Parameter], step: int) -> None:
+        """fp16, a strategy whose ranks run in lockstep over several ranks: an inf or NaN in any rank's
+        gradient skips the step on every rank, as DDP's averaged gradient makes it (one allreduce of a
+        flag; a rank whose own gradients are finite gets a NaN in one, for its scaler to find), so the
+        replicas and the loss scales stay the same everywhere."""
+        if not (self.lockstep and self.world.world_size > 1 and dist.is_initialized()):
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+        def agree() -> bool:
+            flag = torch.tensor([0.0 if finite else 1.0], device=grads[0].device)
+            with self.collective("loss scaler's overflow check"):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True).wait()
+            return bool(flag.item())
+
+        overflow = self.exchange(agree, step)
+        if overflow is not CAUGHT_UP and overflow and finite:
+            grads[0].fill_(float("nan"))
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Around the backward of every micro-batch but the last (gradient accumulation, DDP's name):
+        the gradients add up in ``.grad`` and the strategy does not exchange them. Here nothing at all
+        (plain accumulation); a strategy that communicates during backward overrides it."""
+        return nullcontext()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the trainable parameters' ``.grad`` so that their global L2 norm is at most
+        ``max_norm`` (``torch.nn.utils.clip_grad_norm_``); returns the norm before clipping. It clips
+        what ``.grad`` holds after the last backward: the averaged gradient where the strategy has
+        averaged it by then, the local one in strategies that step locally."""
+        return torch.nn.utils.clip_grad_norm_(trainable(self.model), max_norm)
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """Forward and loss at ``ctx.precision``: autocast to bf16 or fp16 (the weights, gradients and
+        every exchange stay fp32); nothing for fp32."""
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.ctx.precision)
+        if dtype is None:
+            return nullcontext()
+        return torch.autocast(self.world.device.type, dtype=dtype)
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Backward passes inside accumulate this rank's gradients and communicate nothing; the step's
@@ -264,7 +369,9 @@ class Strategy:
 
     def before_backward(self, loss: torch.Tensor) -> None:
         """Between the forward and the backward pass of a step the strategy drives (``step``), with
-        the step's loss; not called under ``DistributedOptimizer``, whose user runs backward."""
+        the step's loss (with micro-batches: before the last one's backward, with the mean so far);
+        not called where clipping or a loss scaler must see the gradients before the update, nor under
+        ``DistributedOptimizer``, whose user runs backward."""
 
     def begin_step(self, step: int) -> None:
         """Before the forward pass of ``step``: zero the gradients (in place where they are views into
@@ -475,6 +582,43 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     if isinstance(batch, tuple | list):
         return type(batch)(map_tensors(fn, v) for v in batch)
     return batch
+
+
+def split_batch(batch: Any, k: int, n: int | None = None) -> list[tuple[Any, float]]:
+    """``batch`` in ``k`` micro-batches along dim 0 (as equal as they come: ``torch.tensor_split``),
+    each with its share of the samples; tensors whose first dimension is not the batch's ``n``
+    samples go whole into every part. Fewer parts where the batch has fewer than ``k`` samples.
+
+    >>> [(x.tolist(), s) for (x, _), s in split_batch((torch.arange(4), torch.zeros(())), 2)]
+    [([0, 1], 0.5), ([2, 3], 0.5)]
+    """
+    n = batch_size(batch) if n is None else n
+    k = max(1, min(k, n))
+    if k == 1:
+        return [(batch, 1.0)]
+    sizes = [len(r) for r in torch.arange(n).tensor_split(k)]
+    starts = [sum(sizes[:i]) for i in range(k)]
+
+    def part(i: int) -> Any:
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return t.narrow(0, starts[i], sizes[i]) if t.dim() > 0 and len(t) == n else t
+
+        return map_tensors(cut, batch)
+
+    return [(part(i), sizes[i] / n) for i in range(k)]
+
+
+class _Grads(torch.optim.Optimizer):
+    """The trainable parameters as an optimizer that moves nothing: what a ``GradScaler`` unscales
+    and checks. ``scaler.step(_Grads(...))`` is True where the gradients are finite, None where the
+    scaler skips the step."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        super().__init__(params, {})
+
+    def step(self, closure: Any = None) -> bool:  # type: ignore[override]
+        return True
 
 
 def batch_size(batch: Any) -> int:

@@ -35,6 +35,7 @@ rate than SGD here: ``--lr 0.01`` (preset ``digits-downpour-adagrad``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from pydantic import Field, model_validator
@@ -195,8 +196,18 @@ class DownpourWorker:
 class AdagradRates:
     """``x <- x - gamma g / sqrt(G)`` with ``G`` the squared gradient sums of all workers, kept in the box."""
 
-    def __init__(self, client: CenterClient, numel: int, gamma: float, device: torch.device):
-        self.client, self.gamma = client, gamma  # client: the squared-sums region of the box
+    def __init__(
+        self,
+        client: CenterClient,
+        numel: int,
+        gamma: float,
+        device: torch.device,
+        group: dict[str, Any] | None = None,
+    ):
+        self.client = client  # the squared-sums region of the box
+        # gamma is read at each step from ``group`` (the local optimizer's param group, where the lr
+        # schedule sets it), or fixed
+        self.group = group if group is not None else {"lr": gamma}
         self.pulled = torch.zeros(numel, device=device)  # G as last pulled
         self.local = torch.zeros(numel, device=device)  # this worker's squares not yet pushed
         self.denom = torch.empty(numel, device=device)
@@ -205,6 +216,10 @@ class AdagradRates:
         self.local.addcmul_(g, g)
         torch.add(self.pulled, self.local, out=self.denom).sqrt_().add_(ADAGRAD_EPS)
         x.addcdiv_(g, self.denom, value=-self.gamma)
+
+    @property
+    def gamma(self) -> float:
+        return self.group["lr"]
 
     def fetch(self) -> None:
         self.client.pull(self.pulled)
@@ -274,7 +289,7 @@ class Downpour(AsyncStrategy):
             ):
                 warn("downpour.adagrad replaces the local optimizer: --optimizer and --momentum are ignored")
             sums = CenterClient(self.box, self.numel, start=self.extra_start, timers=self.timers)
-            self.adagrad = AdagradRates(sums, self.numel, group["lr"], self.x.device)
+            self.adagrad = AdagradRates(sums, self.numel, group["lr"], self.x.device, group)
         self.warm = self.world.rank == 0 or getattr(options, "warmup_steps", 0) == 0
 
     def exchange_periods(self) -> tuple[int, int]:

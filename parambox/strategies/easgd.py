@@ -77,9 +77,16 @@ class NesterovStep:
     [-0.25, -0.25]
     """
 
-    def __init__(self, x: torch.Tensor, lr: float, delta: float):
-        self.x, self.lr, self.delta = x, lr, delta
+    def __init__(self, x: torch.Tensor, lr: float, delta: float, group: dict[str, Any] | None = None):
+        self.x, self.delta = x, delta
+        # eta is read at each step from ``group`` (the run's optimizer's param group, where the lr
+        # schedule sets it), or fixed at ``lr``
+        self.group = group if group is not None else {"lr": lr}
         self.v = torch.zeros_like(x)
+
+    @property
+    def lr(self) -> float:
+        return self.group["lr"]
 
     def lookahead_(self) -> None:
         self.x.add_(self.v, alpha=self.delta)
@@ -100,7 +107,7 @@ def make_local_step(strategy: Strategy, nesterov: bool) -> tuple[NesterovStep | 
     if type(optimizer) is not torch.optim.SGD:
         raise UserError("eamsgd: its momentum step is SGD's; use --optimizer sgd (--momentum sets delta)")
     strategy.optimizer = None
-    return NesterovStep(strategy.x, group["lr"], group["momentum"]), group["lr"]
+    return NesterovStep(strategy.x, group["lr"], group["momentum"], group), group["lr"]
 
 
 def sync_elastic_(

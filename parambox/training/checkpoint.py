@@ -62,8 +62,13 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2).encode()), mode=0o666 & ~umask)
 
 
-def rank_state(replica: dict, strategy_state: dict) -> dict[str, Any]:
-    return {"replica": replica, "strategy": strategy_state, "torch_rng": torch.get_rng_state()}
+def rank_state(replica: dict, strategy_state: dict, loop_state: dict | None = None) -> dict[str, Any]:
+    """One rank's resume state: its replica, its strategy's state, the loop's (the lr schedule, the
+    loss scaler) and its RNG."""
+    state = {"replica": replica, "strategy": strategy_state, "torch_rng": torch.get_rng_state()}
+    if loop_state:
+        state["loop"] = loop_state
+    return state
 
 
 def save_rank_state(ckpt_dir: Path, rank: int, step: int, state: dict[str, Any], prune: bool = False) -> None:

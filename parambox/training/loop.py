@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from parambox.config import RunConfig
 from parambox.data import BatchSource
-from parambox.errors import warn
+from parambox.errors import UserError, warn
 from parambox.numerics import is_finite
 from parambox.runtime import dist as pbdist
 from parambox.runtime.control import SPARE_ENV, current_life
@@ -28,6 +28,7 @@ from parambox.training import checkpoint
 from parambox.training.faults import FaultPlan
 from parambox.training.metrics import MetricsLogger
 from parambox.training.progress import Progress
+from parambox.training.schedule import Schedule, ScheduledRates
 from parambox.workload import Workload, build_workload, check_batch_fits
 from parambox.workload.evaluate import evaluate as evaluate_model
 from parambox.workload.loader import remove_scratch
@@ -43,6 +44,7 @@ class Run:
     batches: BatchSource  # or a LoaderSource (a user's Dataset): batch(step), sampler, close()
     board: pbdist.ProgressBoard  # every rank's step, for timeouts that name who is missing
     faults: FaultPlan  # PARAMBOX_FAULT, read once here
+    rates: ScheduledRates  # every optimizer the strategy made, and the run's lr schedule over them
 
 
 def train(
@@ -101,6 +103,7 @@ def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | Non
                 save_checkpoint(run, step, barrier=False)
                 raise KeyboardInterrupt
             run.board.post(step)
+            run.rates.apply(step)
             batch = run.batches.batch(step)
             if run.faults:
                 batch = run.faults.inject(world.rank, step, batch)
@@ -108,7 +111,10 @@ def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | Non
             step, samples = step + 1, samples + result.samples
             run.strategy.count_step(result.samples)
             if step % cfg.log_every == 0:
-                log.write(step_record(step, result, log.elapsed(), samples * run.batches.sampler.world_size))
+                rec = step_record(step, result, log.elapsed(), samples * run.batches.sampler.world_size)
+                if run.rates.schedule.active:
+                    rec["lr"] = run.rates.current()  # the rate this step ran at
+                log.write(rec)
             bar.update(step, result.loss)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 log.write({"kind": "eval", "step": step, **evaluate(run), **log.resources()})
@@ -172,7 +178,10 @@ def setup(cfg: RunConfig, world: World, run_dir: Path, callables: dict[str, Call
     try:
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
         workload = build_workload(cfg, callables)
-        ctx = make_context(cfg, world, run_dir, workload, board)
+        rates = ScheduledRates(
+            make_optimizer_factory(cfg), Schedule(cfg.lr_schedule, cfg.warmup_steps, cfg.steps)
+        )
+        ctx = make_context(cfg, world, run_dir, workload, board, rates)
         # A replacement in a run that survives in place asks to join only now, its data and model
         # ready: the members stall from its admission until it has their state (its data set's
         # loading took ~0.5 s of that stall on MNIST, 27 Nov; a user's data set could take minutes).
@@ -190,18 +199,28 @@ def setup(cfg: RunConfig, world: World, run_dir: Path, callables: dict[str, Call
     torch.manual_seed(cfg.seed * 1000 + world.rank + 1)  # per-rank stream for dropout and the like
     pin = world.device.type == "cuda"  # page-locked host batches copy to the GPU asynchronously
     batches = workload.data.batch_source(cfg.batch_size, dp_rank, dp_size, cfg.seed, cfg.augment, pin)
-    return Run(cfg, world, run_dir, workload, strategy, batches, board, FaultPlan.from_env())
+    return Run(cfg, world, run_dir, workload, strategy, batches, board, FaultPlan.from_env(), rates)
 
 
 def make_context(
-    cfg: RunConfig, world: World, run_dir: Path, workload: Workload, board: pbdist.ProgressBoard
+    cfg: RunConfig,
+    world: World,
+    run_dir: Path,
+    workload: Workload,
+    board: pbdist.ProgressBoard,
+    rates: ScheduledRates | None = None,
 ) -> Context:
-    """What the strategy wraps: the model (same initial weights on every rank), optimizer factory, loss."""
+    """What the strategy wraps: the model (same initial weights on every rank), optimizer factory (each
+    optimizer it makes recorded in ``rates``, for the lr schedule), loss, and the loop's training
+    features: micro-batches, clipping, precision (fp16: a loss scaler)."""
+    if cfg.precision == "fp16" and world.device.type != "cuda":
+        raise UserError("precision fp16 needs a GPU; use bf16")
     model = workload.build_model().to(world.device)
+    rates = rates or ScheduledRates(make_optimizer_factory(cfg), Schedule(total_steps=cfg.steps))
     return Context(
         world,
         model,
-        make_optimizer_factory(cfg),
+        rates.make,
         workload.loss,
         cfg.steps,
         cfg.timeout,
@@ -209,6 +228,11 @@ def make_context(
         cfg.box,
         cfg.seed,
         board,
+        grad_accum=cfg.grad_accum,
+        grad_clip=cfg.grad_clip or None,
+        precision=cfg.precision,
+        scaler=torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None,
+        pause_rates=rates.paused,
     )
 
 
@@ -254,7 +278,7 @@ def save_checkpoint(run: Run, step: int, barrier: bool = True) -> None:
     barrier. Asynchronous runs: each rank at its own pace (no barrier: a dead peer must not block it).
     ``barrier=False`` (a stopped run): each rank at the step it stopped at, no waiting on the others."""
     ckpt_dir = run.run_dir / "checkpoints"
-    state = checkpoint.rank_state(run.strategy.model.state_dict(), run.strategy.state_dict())
+    state = checkpoint.rank_state(run.strategy.model.state_dict(), run.strategy.state_dict(), loop_state(run))
     model = run.strategy.eval_model()
     own_pace = run.strategy.tolerates_worker_loss
     if run.world.rank != 0:
@@ -293,8 +317,34 @@ def restore(run: Run) -> int:
         return 0
     run.strategy.load_model_state(state["replica"])
     run.strategy.load_state_dict(state["strategy"])
+    load_loop_state(run, state.get("loop", {}))
     torch.set_rng_state(state["torch_rng"])
     return step
+
+
+def loop_state(run: Run) -> dict[str, Any]:
+    """What the loop's own features need to resume: the schedule (its horizon) and the loss scaler."""
+    scaler = run.strategy.ctx.scaler
+    return {
+        "schedule": run.rates.schedule.state_dict(),
+        **({"scaler": scaler.state_dict()} if scaler is not None else {}),
+    }
+
+
+def load_loop_state(run: Run, state: dict[str, Any]) -> None:
+    """The schedule continues where the restored step puts it, over the horizon it started with."""
+    schedule = run.rates.schedule
+    if "schedule" in state:
+        recorded = state["schedule"].get("total_steps", schedule.total_steps)
+        if schedule.active and recorded != schedule.total_steps and run.world.rank == 0:
+            warn(
+                f"lr_schedule {schedule.kind}: the resumed run keeps the horizon it started with "
+                f"({recorded} steps, not {schedule.total_steps})"
+            )
+        schedule.load_state_dict(state["schedule"])
+    scaler = run.strategy.ctx.scaler
+    if scaler is not None and "scaler" in state:
+        scaler.load_state_dict(state["scaler"])
 
 
 def write_summary(run: Run, step: int, wall: float, samples: int, final: dict[str, float]) -> dict | None:
