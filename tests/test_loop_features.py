@@ -366,7 +366,6 @@ def test_weight_avg_with_every_feature_killed_and_resumed_ends_where_the_uninter
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.xfail(reason="needs allreduce.no_sync", strict=False)
 def test_allreduce_with_every_feature_killed_and_resumed_ends_where_the_uninterrupted_run_ends(tmp_path):
     _killed_and_resumed_matches_uninterrupted("allreduce", tmp_path)
 

@@ -340,12 +340,6 @@ class Strategy:
         if overflow is not CAUGHT_UP and overflow and finite:
             grads[0].fill_(float("nan"))
 
-    def no_sync(self) -> AbstractContextManager[None]:
-        """Around the backward of every micro-batch but the last (gradient accumulation, DDP's name):
-        the gradients add up in ``.grad`` and the strategy does not exchange them. Here nothing at all
-        (plain accumulation); a strategy that communicates during backward overrides it."""
-        return nullcontext()
-
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the trainable parameters' ``.grad`` so that their global L2 norm is at most
         ``max_norm`` (``torch.nn.utils.clip_grad_norm_``); returns the norm before clipping. It clips
@@ -362,9 +356,10 @@ class Strategy:
         return torch.autocast(self.world.device.type, dtype=dtype)
 
     def no_sync(self) -> AbstractContextManager[None]:
-        """Backward passes inside accumulate this rank's gradients and communicate nothing; the step's
-        exchange sends the sum. Only rules that average by the end of backward (``self.passes``) have
-        anything to hold back."""
+        """Around the backward of every micro-batch but the last (gradient accumulation, DDP's name):
+        the gradients add up in ``.grad`` and the strategy does not exchange them; the step's exchange
+        sends the sum. Only rules that average by the end of backward (``self.passes``) have anything
+        to hold back."""
         return self.passes.no_sync() if self.passes is not None else nullcontext()
 
     def before_backward(self, loss: torch.Tensor) -> None:

@@ -137,7 +137,8 @@ class Diloco(Strategy):
         self.averager = DeltaAverager(flat, self._outer_step_, exchange, options.overlap, self.world.rank)
         self.round_steps = 0
         self.nonfinite: set[int] = set()
-        self.rounds = self.rejected_rounds = 0  # outer steps, and those every worker's round was non-finite in
+        # outer steps, and those in which every worker's round was non-finite
+        self.rounds = self.rejected_rounds = 0
         if self.joining:  # a replacement: a survivor's theta, outer momentum and inner optimizer state
             self.share_state()
             exchange.compressor.forget_error_()  # the error it owes is its own: none yet
