@@ -48,7 +48,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
         "you / the launcher",
         "under `mpiexec`: the rendezvous host rank 0 announces (default its host name)",
     ),
-    "PARAMBOX_MPI_DIR": ("you", "the SLURM script's parent folder for Open MPI's private files (default /dev/shm)"),
+    "PARAMBOX_MPI_DIR": (
+        "you",
+        "the SLURM script's parent folder for Open MPI's private files (default /dev/shm)",
+    ),
     "PARAMBOX_STRATEGIES": (
         "parambox.strategies.register",
         "a user's registered strategies, `name=module:Class` joined by `;`, for spawned workers",
@@ -60,7 +63,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     ),
     "PARAMBOX_THREADS": ("the local launcher", "torch threads per worker (cores / workers)"),
     "PARAMBOX_LOG_DIR": ("the local launcher", "where a rank writes `rank<r>.err`"),
-    "PARAMBOX_LOCAL_LAUNCHER": ("the local launcher", "marks its workers' environment (the launcher is `local`)"),
+    "PARAMBOX_LOCAL_LAUNCHER": (
+        "the local launcher",
+        "marks its workers' environment (the launcher is `local`)",
+    ),
     "PARAMBOX_SHM_PREFIX": ("the local launcher", "the run's random shared-memory name prefix"),
     "PARAMBOX_BOARD_FD": ("the local launcher", "the descriptor of its board of workers (a memfd)"),
     "PARAMBOX_LIFE": ("the local launcher", "0 in a worker's first life, k in its k-th replacement"),
@@ -75,7 +81,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PARAMBOX_NODE_ADDR": ("the emulated cluster", "this node's address (its ssh stand-in)"),
     "PARAMBOX_NODE_ADDRS": ("the emulated cluster", "every node's address, comma-separated"),
     "PARAMBOX_NODE_HOLDERS": ("the emulated cluster", "the processes holding each node's namespaces"),
-    "PARAMBOX_NOTEBOOK_STEPS": ("examples/notebook.ipynb", "steps of the notebook's runs (the test makes them short)"),
+    "PARAMBOX_NOTEBOOK_STEPS": (
+        "examples/notebook.ipynb",
+        "steps of the notebook's runs (the test makes them short)",
+    ),
     "PARAMBOX_NOTEBOOK_OUT": ("examples/notebook.ipynb", "where the notebook writes its runs and report"),
     "PARAMBOX_TEST_WORKERS": ("scripts/test.sh", "pytest-xdist workers (default 2)"),
 }
@@ -172,7 +181,9 @@ FIELD_NOTES: dict[str, str] = {
 
 
 def _type_name(annotation) -> str:
-    text = str(annotation) if typing.get_origin(annotation) else getattr(annotation, "__name__", str(annotation))
+    text = (
+        str(annotation) if typing.get_origin(annotation) else getattr(annotation, "__name__", str(annotation))
+    )
     return text.replace("typing.", "").replace("NoneType", "None")
 
 
@@ -191,7 +202,9 @@ def fields_table(model) -> str:
     for name, f in model.model_fields.items():
         owner = model.__qualname__.split(".")[0]
         desc = f.description or FIELD_NOTES.get(f"{owner}.{name}", "")
-        rows.append(f"| `{name}` | `{_cell(_type_name(f.annotation))}` | `{_cell(_default(f))}` | {_cell(desc)} |")
+        rows.append(
+            f"| `{name}` | `{_cell(_type_name(f.annotation))}` | `{_cell(_default(f))}` | {_cell(desc)} |"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -383,7 +396,9 @@ def results_page(name: str, data: dict) -> str:
             out.append(f"![{table['caption']}](img/{table['plot']['file']})\n\n")
         if table.get("notes"):
             out.append(table["notes"] + "\n\n")
-    out.append(f"Data: `docs/results/{name}.json`. A re-run replaces the figures; the history stays in git.\n")
+    out.append(
+        f"Data: `docs/results/{name}.json`. A re-run replaces the figures; the history stays in git.\n"
+    )
     return "".join(out)
 
 
@@ -396,7 +411,9 @@ def results_index() -> str:
         "and replacing its JSON updates the page; `git log docs/results/` is the history.\n\n",
         "| page | what was measured |\n|---|---|\n",
     ]
-    out += [f"| [{d['title']}]({n}.md) | {_cell(d['intro'].split('. ')[0])}. |\n" for n, d in results().items()]
+    out += [
+        f"| [{d['title']}]({n}.md) | {_cell(d['intro'].split('. ')[0])}. |\n" for n, d in results().items()
+    ]
     return "".join(out)
 
 
@@ -407,7 +424,9 @@ def measured_block(strategy: str) -> str:
         for table in data["tables"]:
             rows = results_table(table, only=strategy)
             if rows:
-                out.append(f"From [{data['title']}](../../results/{name}.md), {table['caption'].lower()}:\n\n")
+                out.append(
+                    f"From [{data['title']}](../../results/{name}.md), {table['caption'].lower()}:\n\n"
+                )
                 out.append(rows + "\n")
     return "".join(out) or "No benchmark in `docs/results/` measures this strategy on its own yet.\n"
 
@@ -431,7 +450,9 @@ def draw_plots() -> None:
             width = 0.8 / len(plot["series"])
             for k, col in enumerate(plot["series"]):
                 values = [r[col] if isinstance(r[col], (int, float)) else 0 for r in table["rows"]]
-                ax.bar([i + k * width for i in range(len(labels))], values, width, label=table["columns"][col])
+                ax.bar(
+                    [i + k * width for i in range(len(labels))], values, width, label=table["columns"][col]
+                )
             ax.set_xticks([i + width * (len(plot["series"]) - 1) / 2 for i in range(len(labels))], labels)
             ax.tick_params(axis="x", rotation=45, labelsize=8)
             for t in ax.get_xticklabels():
