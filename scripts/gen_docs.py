@@ -368,12 +368,23 @@ def results_table(table: dict, only: str | None = None) -> str:
     rows = table["rows"]
     if only is not None:
         key = table["columns"].index(table.get("key", table["columns"][0]))
-        rows = [r for r in rows if str(r[key]).split(" ")[0] == only or str(r[key]).startswith(only + "-")]
+        if only not in table.get("strategies", []):  # a table about one strategy names it there
+            rows = [r for r in rows if _names(str(r[key]), only)]
     if not rows:
         return ""
     head = "| " + " | ".join(map(_cell, table["columns"])) + " |\n"
     rule = "|" + "---|" * len(table["columns"]) + "\n"
     return head + rule + "".join("| " + " | ".join(_value(v) for v in r) + " |\n" for r in rows)
+
+
+def _names(key: str, strategy: str) -> bool:
+    """Whether a row's key names the strategy: one of its comma-separated items starts with the name, a
+    setup of it (``easgd-tau4``) or its preset (``digits-easgd-sync``)."""
+    for item in re.split(r",\s*|:\s*", key):
+        token = item.split()[0].removeprefix("digits-") if item.split() else ""
+        if token == strategy or token.startswith(strategy + "-"):
+            return True
+    return False
 
 
 def provenance(table: dict) -> str:
