@@ -206,3 +206,11 @@ def search_results(shots, browser, base) -> int:
     )
     assert any("Choosing a strategy" in t for t in titles), titles  # the page that answers it
     return count
+
+
+def test_the_readme_and_changelog_links_point_at_files():
+    for page in ("README.md", "CHANGELOG.md"):
+        text = (ROOT / page).read_text()
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+            if "://" not in target:
+                assert (ROOT / target).exists(), f"{page} links {target}, which does not exist"
