@@ -451,11 +451,13 @@ def draw_plots() -> None:
 
     img = DOCS / "results" / "img"
     img.mkdir(exist_ok=True)
-    for data in results().values():
+    for name, data in results().items():
         for table in data["tables"]:
             plot = table.get("plot")
-            if not plot:
-                continue
+            sources = (DOCS / "results" / f"{name}.json", Path(__file__))
+            png = img / plot["file"] if plot else None
+            if not plot or (png.exists() and png.stat().st_mtime >= max(p.stat().st_mtime for p in sources)):
+                continue  # drawn already: under `mkdocs serve` a rewrite would trigger another build
             labels = [str(r[plot["x"]]) for r in table["rows"]]
             fig, ax = plt.subplots(figsize=(9, 3.6))
             width = 0.8 / len(plot["series"])
@@ -472,7 +474,7 @@ def draw_plots() -> None:
             ax.set_ylabel(plot["ylabel"])
             ax.legend(fontsize=8)
             fig.tight_layout()
-            fig.savefig(img / plot["file"], dpi=110)
+            fig.savefig(png, dpi=110)
             plt.close(fig)
 
 
