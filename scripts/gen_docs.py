@@ -177,6 +177,13 @@ FIELD_NOTES: dict[str, str] = {
     "SandblasterOptions.line_search": "Armijo backtracking line search, or a fixed step length",
 }
 
+# For the zoo's builders without a docstring yet (the docstring's first sentence wins once there is one).
+ZOO_NOTES = {
+    "neuron": "One sigmoid unit, for two classes (the neuron of SHM-Learn-Dist section 3).",
+    "logreg": "Logistic regression: one linear layer.",
+    "mlp": "A multi-layer perceptron: two hidden layers of 64 with ReLU.",
+}
+
 # ---------------------------------------------------------------------------------------------- tables
 
 
@@ -483,10 +490,27 @@ def draw_plots() -> None:
 REGION = re.compile(r"(<!-- gen:(\w+) ([\w-]+) -->\n)(.*?)(<!-- /gen -->)", re.S)
 
 
+def zoo_table(kind: str) -> str:
+    """The registered models or data sets, each with the first line of its builder's docstring."""
+    if kind == "models":
+        from parambox.models.registry import MODELS as registry
+        from parambox.models.registry import import_builders as load
+    else:
+        from parambox.data.registry import DATASETS as registry
+        from parambox.data.registry import _import_loaders as load
+    load()
+    rows = ["| name | what it is |", "|---|---|"]
+    for name, builder in registry.items():
+        doc = " ".join((getattr(builder, "__doc__", None) or "").strip().split("\n\n")[0].split())
+        first = doc.split(". ")[0].rstrip(".") + "." if doc else ZOO_NOTES.get(name, "")
+        rows.append(f"| `{name}` | {_cell(first)} |")
+    return "\n".join(rows) + "\n"
+
+
 def fill_regions(text: str) -> str:
     def fill(m: re.Match) -> str:
         kind, arg = m.group(2), m.group(3)
-        body = {"options": options_table, "measured": measured_block}[kind](arg)
+        body = {"options": options_table, "measured": measured_block, "zoo": zoo_table}[kind](arg)
         return m.group(1) + body + m.group(5)
 
     return REGION.sub(fill, text)
