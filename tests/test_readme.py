@@ -1,10 +1,13 @@
-"""README.md stays true: every code block in it is checked here. Python blocks run as written (they
-are whole scripts, kept small); every ``parambox ...`` line of a shell block is parsed by the real
-command line, and a ``train`` line's config is built as the command would build it (presets, --set
-keys, strategy options), without training; the other shell lines name files that exist."""
+"""README.md and the documentation's guide stay true: every code block in them is checked here. Python
+blocks run as written (they are whole scripts, kept small; a block that appears twice runs once); every
+``parambox ...`` line of a shell block is parsed by the real command line, and a ``train`` line's config
+is built as the command would build it (presets, --set keys, strategy options), without training; the
+other shell lines name files that exist, or a launcher or installer. A block preceded by
+``<!-- no-run: REASON -->`` is skipped (none are today; keep them few and say why)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -17,9 +20,26 @@ from parambox import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-BLOCKS = re.findall(r"```(\w*)\n(.*?)```", README, re.S)
-PYTHON = [body for lang, body in BLOCKS if lang == "python"]
-SHELL = [body for lang, body in BLOCKS if lang in ("bash", "sh", "console")]
+# The pages whose code blocks a reader copies: the README, the guide, the home page and the design pages.
+PAGES = [ROOT / "README.md", ROOT / "docs" / "index.md"] + sorted(
+    [*(ROOT / "docs" / "guide").rglob("*.md"), *(ROOT / "docs" / "design").glob("*.md")]
+)
+BLOCK = re.compile(r"(<!-- no-run: [^>]+ -->\n)?```(\w*)\n(.*?)```", re.S)
+
+
+def _blocks(path: Path) -> list[tuple[str, str]]:
+    """(language, body) of each block of a page that is not marked no-run."""
+    return [(lang, body) for skip, lang, body in BLOCK.findall(path.read_text()) if not skip]
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+BLOCKS = [(_name(p), lang, body) for p in PAGES for lang, body in _blocks(p)]
+PYTHON = list(dict.fromkeys(body for _, lang, body in BLOCKS if lang == "python"))  # each distinct one
+PYTHON_IDS = [next(page for page, lang, b in BLOCKS if b == body and lang == "python") for body in PYTHON]
+SHELL = [(page, body) for page, lang, body in BLOCKS if lang in ("bash", "sh", "console")]
 
 
 def _commands(body: str) -> list[list[str]]:
@@ -33,12 +53,16 @@ def _commands(body: str) -> list[list[str]]:
     return out
 
 
-PARAMBOX_LINES = [argv for body in SHELL for argv in _commands(body) if argv and argv[0] == "parambox"]
-OTHER_LINES = [argv for body in SHELL for argv in _commands(body) if argv and argv[0] != "parambox"]
+LINES = [(page, argv) for page, body in SHELL for argv in _commands(body) if argv]
+PARAMBOX_LINES = [argv for _, argv in LINES if argv[0] == "parambox"]
+OTHER_LINES = [argv for _, argv in LINES if argv[0] != "parambox"]
 
 
-def test_the_readme_has_code_to_check():
-    assert len(PYTHON) >= 2 and len(PARAMBOX_LINES) >= 20
+def test_the_readme_and_the_guide_have_code_to_check():
+    readme_python = [body for lang, body in _blocks(ROOT / "README.md") if lang == "python"]
+    readme_lines = [a for p, a in LINES if p == "README.md" and a[0] == "parambox"]
+    assert len(readme_python) >= 2 and len(readme_lines) >= 10
+    assert len(PARAMBOX_LINES) >= 60 and len(PYTHON) >= 3
 
 
 @pytest.mark.parametrize("argv", PARAMBOX_LINES, ids=[" ".join(a[1:4]) for a in PARAMBOX_LINES])
@@ -58,22 +82,22 @@ def test_every_parambox_line_parses_and_its_config_builds(argv, tmp_path, monkey
 
 @pytest.mark.parametrize("argv", OTHER_LINES, ids=[" ".join(a[:3]) for a in OTHER_LINES])
 def test_other_shell_lines_name_what_exists(argv):
-    if argv[0] == "bash":
-        assert (ROOT / argv[1]).exists()
-    elif argv[0] in ("pip", "python", "torchrun", "srun", "mpiexec", "sbatch"):
-        pass  # an install or a launcher: the launcher tests run these forms
-    else:
-        pytest.fail(f"README runs {argv[0]!r}: add it to this check")
+    if argv[0] not in ("bash", "pip", "python", "torchrun", "srun", "mpiexec", "sbatch", "mkdocs"):
+        pytest.fail(f"the documentation runs {argv[0]!r}: add it to this check")
+    # an install, a launcher or the site's builder: the launcher tests run these forms; the repository's
+    # scripts they name exist
+    for arg in argv[1:]:
+        if "/" in arg and arg.endswith((".py", ".sh")):
+            assert (ROOT / arg).exists(), f"{' '.join(argv)}: {arg} does not exist"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("index", range(len(PYTHON)))
+@pytest.mark.parametrize("index", range(len(PYTHON)), ids=PYTHON_IDS)
 def test_every_python_block_runs(index, tmp_path):
-    script = tmp_path / "readme_block.py"
+    script = tmp_path / "doc_block.py"
     script.write_text(PYTHON[index])
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    import os
 
     from parambox.runtime import zygote
 
@@ -81,4 +105,6 @@ def test_every_python_block_runs(index, tmp_path):
     proc = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=280, cwd=tmp_path, env=env
     )
-    assert proc.returncode == 0, f"README python block {index}:\n{PYTHON[index]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"python block of {PYTHON_IDS[index]}:\n{PYTHON[index]}\n{proc.stderr[-3000:]}"
+    )
