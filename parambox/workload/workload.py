@@ -31,7 +31,7 @@ from parambox.errors import UserError, warn
 from parambox.models import MODELS, build_model
 from parambox.models.registry import import_builders
 from parambox.workload import loader, refs
-from parambox.workload.losses import default_loss
+from parambox.workload.losses import default_loss, sequence_loss
 
 CALLABLE_FIELDS = ("model", "data", "loss", "metrics", "collate")
 EVAL_BATCH = 1024  # test batch of the in-memory data sets
@@ -56,6 +56,7 @@ class TensorData:
         self.name = ds.name
         self.num_train = len(ds.train_y)
         self.has_test = len(ds.test_y) > 0
+        self.default_loss = sequence_loss if ds.sequence else default_loss
 
     def model_shape(self) -> tuple[tuple[int, ...], int]:
         return self.ds.input_shape, self.ds.num_classes
@@ -81,6 +82,7 @@ class UserData:
         self.num_train = len(train)
         self.has_test = test is not None and len(test) > 0
         self.eval_batch = 256
+        self.default_loss = default_loss
 
     def model_shape(self) -> tuple[tuple[int, ...], int]:
         item = loader.first_item(self.train, self.name)
@@ -154,7 +156,7 @@ def build_workload(cfg: Any, given: dict[str, Callable] | None = None) -> Worklo
         if cfg.model not in MODELS:
             raise UserError(f"unknown model {cfg.model!r}; choose from {', '.join(sorted(MODELS))}")
     loss_fn = fns.get("loss")
-    loss = CheckedLoss(loss_fn, refs.describe(loss_fn)) if loss_fn is not None else default_loss
+    loss = CheckedLoss(loss_fn, refs.describe(loss_fn)) if loss_fn is not None else data.default_loss
     return Workload(data, cfg.model, model_fn, loss, fns.get("metrics"))
 
 
