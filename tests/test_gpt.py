@@ -90,9 +90,10 @@ def test_stdlib_corpus_is_deterministic_offline_and_split_disjoint(monkeypatch):
     files = stdlib_files()
     assert files[0].name == "__future__.py" and not any("site-packages" in p.parts for p in files)
     assert bytes(a.train_x[0, :20].tolist()) == files[0].read_bytes()[:20]
-    stream = torch.arange(1000) % 256
-    train, test = split(stream, 8)
-    assert torch.equal(torch.cat([train, test]), stream) and len(test) == 50  # the last 5 %
+    stream = torch.arange(4000) % 256
+    train, test = split(stream, 8)  # 25 test windows (5 %) from the ends of 16 chunks: 1 each
+    assert len(train) == len(test) == 16 and all(len(t) == 9 for t in test)
+    assert torch.equal(torch.cat([p for pair in zip(train, test) for p in pair]), stream)  # disjoint, all
 
 
 def test_user_text_folder_in_sorted_order(tmp_path):
@@ -100,9 +101,12 @@ def test_user_text_folder_in_sorted_order(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"a" * 3000)
     (tmp_path / ".hidden").write_bytes(b"h" * 3000)
     ds = load_dataset("text", tmp_path)
-    first, last = bytes(ds.train_x[0].tolist()), bytes(ds.test_y[-1].tolist())
-    assert first == b"a" * CONTEXT and last == b"b" * CONTEXT
-    assert (len(ds.train_x), len(ds.test_x)) == (5700 // CONTEXT, 300 // CONTEXT)  # the last 5 % is test
+    assert (
+        bytes(ds.train_x[0].tolist()) == b"a" * CONTEXT and bytes(ds.train_y[-1].tolist()) == b"b" * CONTEXT
+    )
+    # 5 % of 6,000 bytes: 2 test windows, one from the end of each half (a's, then b's)
+    assert [bytes(x.tolist()) for x in ds.test_x] == [b"a" * CONTEXT, b"b" * CONTEXT]
+    assert len(ds.train_x) == 2 * ((3000 - CONTEXT - 1 - 1) // CONTEXT)
     (tmp_path / "short.txt").write_bytes(b"x" * 257)
     with pytest.raises(UserError, match="needs at least 258 bytes"):
         load_dataset("text", tmp_path / "short.txt")
@@ -146,3 +150,37 @@ def test_cli_trains_gpt_on_text_to_fewer_bits_per_byte(tmp_path):
     assert s["final_test_bits_per_byte"] < first["loss"] / math.log(2) - 1.0
     assert s["final_test_perplexity"] == pytest.approx(math.exp(s["final_test_loss"]), rel=1e-9)
     assert s["final_test_bits_per_byte"] == pytest.approx(s["final_test_loss"] / math.log(2), rel=1e-9)
+
+
+def test_bench_workbench_trains_gpt_on_text_with_the_plain_loss():
+    import torch.nn.functional as F
+
+    from parambox.bench.cluster import Workbench
+    from parambox.bench.workers import random_batches
+
+    assert Workbench.of("gpt-25m") == Workbench("gpt-25m", "text", 8)  # the model's own data set
+    small = Workbench.of("gpt")
+    assert small.size() == {"parameters": 1_040_768, "model_mb": pytest.approx(4.163, abs=0.001)}
+    x, y = small.batches(0)[0]
+    assert x.shape == (8, CONTEXT) and y.shape == (8 * CONTEXT,) and y.dtype == torch.int64
+    flat = small.build()  # every setup's loss is cross_entropy(model(x), y): the per-byte mean
+    with torch.no_grad():
+        assert float(F.cross_entropy(flat(x), y)) == pytest.approx(
+            float(sequence_loss(flat.model, (x, y.view(8, CONTEXT)))), rel=1e-6
+        )
+    assert not torch.equal(small.batches(1)[0][0], x)  # each rank its own batches
+    cnn_x, cnn_y = Workbench.of().batches(1)[0]  # the CNN's figures keep their batches
+    assert torch.equal(cnn_x, random_batches(1)[0][0]) and torch.equal(cnn_y, random_batches(1)[0][1])
+
+
+def test_bench_defaults_on_text_aim_at_a_perplexity():
+    from parambox.bench.defaults import Goal, unigram_perplexity
+
+    goal = Goal.of("gpt", None)
+    assert (goal.data, goal.metric, goal.lower_is_better) == ("text", "perplexity", True)
+    assert goal.target == round(unigram_perplexity(load_dataset("text").train_y), 1)
+    assert 10 < goal.target < 40 and goal.reached(goal.target - 1) and not goal.reached(goal.target + 1)
+    assert goal.flags() == ["--model", "gpt", "--data", "text"]
+    assert Goal.of(None, None).flags() == [] and Goal.of(None, None).reached(0.96)
+    proc = run_cli("bench", "sync", "--model", "gpt", check=False)
+    assert proc.returncode == 2 and "apply to bench cluster and defaults only" in proc.stderr

@@ -7,9 +7,10 @@ folder in sorted path order, capped the same way. No network either way.
 
 A sample is a window of ``CONTEXT + 1`` bytes: the first ``CONTEXT`` are the input, the last
 ``CONTEXT`` the targets (the next byte at every position). Training windows start every
-``CONTEXT`` bytes. The last 5 % of the stream, at most ``TEST_WINDOWS`` windows, is the test set:
-the split is fixed (not drawn from the seed), so test figures of different runs compare. Windows are
-uint8 views of one stream (1 byte a token in memory); ``gpt`` takes them as they are.
+``CONTEXT`` bytes. The test set is 5 % of the stream, at most ``TEST_WINDOWS`` windows, from the end
+of each of 16 equal chunks of it (``split``): the split is fixed (not drawn from the seed), so test
+figures of different runs compare. Windows are uint8 (1 byte a token in memory); ``gpt`` takes them
+as they are.
 
 >>> x, y = windows(torch.arange(10, dtype=torch.uint8), 4)
 >>> x.tolist(), y.tolist()
@@ -32,6 +33,7 @@ CONTEXT = 128
 CORPUS_BYTES = 4 * 2**20
 TEST_FRACTION = 0.05
 TEST_WINDOWS = 256  # 32 KiB: one evaluation of the 1M-parameter gpt costs ~2 s of one CPU core
+TEST_PIECES = 16
 VOCAB = 256
 SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -83,17 +85,29 @@ def windows(stream: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Ten
     return stream[: n * context].view(n, context), stream[1 : n * context + 1].view(n, context)
 
 
-def split(stream: torch.Tensor, context: int = CONTEXT) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, test) parts of the stream, disjoint: the test part is its last 5 %, at most
-    ``TEST_WINDOWS`` windows, and never less than one window."""
-    test_len = min(int(len(stream) * TEST_FRACTION), TEST_WINDOWS * context + 1)
-    test_len = max(test_len, context + 1)
-    if len(stream) - test_len < context + 1:
+def split(stream: torch.Tensor, context: int = CONTEXT) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(train, test) parts of the stream, disjoint: the stream cut into ``TEST_PIECES`` equal chunks
+    (fewer for a short stream), the end of each chunk test, the rest training. The test set is 5 % of
+    the stream, at most ``TEST_WINDOWS`` windows and at least one; from every chunk, so it samples
+    the whole corpus and not only its last files (the standard library's would be codec tables)."""
+    num_windows = max(1, min(TEST_WINDOWS, int(len(stream) * TEST_FRACTION) // context))
+    pieces = min(TEST_PIECES, num_windows)
+    test_len = (num_windows // pieces) * context + 1
+    chunk = len(stream) // pieces
+    if chunk - test_len < context + 1:
         raise UserError(
             f"data set 'text' needs at least {2 * (context + 1)} bytes (a training and a test window of "
             f"{context + 1}), got {len(stream)}"
         )
-    return stream[: len(stream) - test_len], stream[len(stream) - test_len :]
+    ends = [chunk * (i + 1) if i < pieces - 1 else len(stream) for i in range(pieces)]
+    train = [stream[end - chunk if i else 0 : end - test_len] for i, end in enumerate(ends)]
+    return train, [stream[end - test_len : end] for end in ends]
+
+
+def windows_of(parts: list[torch.Tensor], context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The windows of every part, one part after the other; none spans two parts."""
+    xs, ys = zip(*(windows(p, context) for p in parts))
+    return torch.cat(xs), torch.cat(ys)
 
 
 @register("text")
@@ -102,6 +116,6 @@ def load_text(data_path: Path | None, seed: int) -> Dataset:
     del seed  # the split is fixed on purpose
     files = stdlib_files() if data_path is None else user_files(data_path)
     train, test = split(read_stream(files))
-    train_x, train_y = windows(train, CONTEXT)
-    test_x, test_y = windows(test, CONTEXT)
+    train_x, train_y = windows_of(train, CONTEXT)
+    test_x, test_y = windows_of(test, CONTEXT)
     return Dataset("text", train_x, train_y, test_x, test_y, num_classes=VOCAB, sequence=True)
