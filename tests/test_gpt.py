@@ -35,6 +35,8 @@ def test_forward_shape_and_byte_inputs():
     assert torch.equal(model(x.to(torch.uint8)), out)  # the corpus's uint8 windows go in as they are
     assert model(x[:, :5]).shape == (3, 5, 256)  # shorter than the context: fine
     assert model[-1].weight is model[0].tok.weight  # the output layer is tied to the token embedding
+    untied = build_gpt("gpt", context=32, tied=False)
+    assert count_parameters(untied) == count_parameters(build_gpt("gpt", context=32)) + 256 * 128
 
 
 @pytest.mark.parametrize("mask_buffer", [False, True])

@@ -99,28 +99,40 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Final LayerNorm and the output layer, whose weight is the token embedding's (tied)."""
+    """Final LayerNorm and the output layer, whose weight is the token embedding's (tied) or its own."""
 
-    def __init__(self, width: int, embedding: Embedding):
+    def __init__(self, width: int, embedding: Embedding, tied: bool = True):
         super().__init__()
         self.ln = nn.LayerNorm(width)
-        self.weight = embedding.tok.weight
+        if tied:
+            self.weight = embedding.tok.weight
+        else:
+            self.weight = nn.Parameter(torch.empty_like(embedding.tok.weight))
+            nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.ln(x), self.weight)
 
 
 def build_gpt(
-    size: str | GPTSize = "gpt", context: int = 128, vocab: int = VOCAB, mask_buffer: bool = False
+    size: str | GPTSize = "gpt",
+    context: int = 128,
+    vocab: int = VOCAB,
+    mask_buffer: bool = False,
+    tied: bool = True,
 ) -> nn.Sequential:
     """A GPT of a named size (``SIZES``) or a ``GPTSize``; for a factory of one's own:
-    ``parambox.train(model=lambda: build_gpt("gpt", 128, mask_buffer=True), data="text")``."""
+    ``parambox.train(model=lambda: build_gpt("gpt", 128, mask_buffer=True), data="text")``.
+
+    ``tied=False``: the output layer has a weight of its own (``vocab x width`` more parameters). A
+    pipeline that puts the embedding and the head on different ranks trains a tied weight as two
+    copies, one per stage, unless it sums their gradients across those stages."""
     s = SIZES[size] if isinstance(size, str) else size
     if s.width % s.heads:
         raise ValueError(f"GPT width {s.width} is not a multiple of its {s.heads} heads")
     embedding = Embedding(vocab, s.width, context)
     blocks = [Block(s.width, s.heads, context, mask_buffer) for _ in range(s.layers)]
-    head = Head(s.width, embedding)
+    head = Head(s.width, embedding, tied)
     model = nn.Sequential(embedding, *blocks, head)
     _init_residuals(model, s.layers)
     return model
