@@ -14,7 +14,7 @@ from parambox.data import load_dataset
 from parambox.data.text import CONTEXT, split, stdlib_files, windows
 from parambox.errors import UserError
 from parambox.models import build_model, count_parameters
-from parambox.models.gpt import build_gpt
+from parambox.models.gpt import build_gpt, gpt_with_mask_buffer
 from parambox.workload.evaluate import evaluate
 from parambox.workload.losses import sequence_loss
 from tests.conftest import run_cli
@@ -62,6 +62,8 @@ def test_mask_buffer_is_the_same_function_with_a_minus_inf_buffer():
     x = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         assert torch.allclose(plain(x), masked(x), atol=1e-5)
+    factory = gpt_with_mask_buffer()  # --model parambox.models.gpt:gpt_with_mask_buffer --data text
+    assert len(factory[0].pos) == CONTEXT and "1.mask" in factory.state_dict()
 
 
 def test_pipeline_cuts_between_blocks():

@@ -138,6 +138,12 @@ def build_gpt(
     return model
 
 
+def gpt_with_mask_buffer() -> nn.Sequential:
+    """``gpt`` at the ``text`` context whose causal masks are ``-inf`` buffers: a model factory for
+    ``parambox train --model parambox.models.gpt:gpt_with_mask_buffer --data text``."""
+    return build_gpt("gpt", 128, mask_buffer=True)
+
+
 def _init_residuals(model: nn.Sequential, layers: int) -> None:
     # GPT-2's initialisation: linear weights N(0, 0.02), the projections into the residual stream
     # scaled by 1/sqrt(2 * layers) so its variance does not grow with depth.
