@@ -159,7 +159,7 @@ def test_cli_trains_gpt_on_text_to_fewer_bits_per_byte(tmp_path):
 def test_bench_workbench_trains_gpt_on_text_with_the_plain_loss():
     import torch.nn.functional as F
 
-    from parambox.bench.cluster import Workbench
+    from parambox.bench.workbench import Workbench
     from parambox.bench.workers import random_batches
 
     assert Workbench.of("gpt-25m") == Workbench("gpt-25m", "text", 8)  # the model's own data set

@@ -3,12 +3,12 @@ cluster (``parambox.runtime.cluster``) whose links are rate-limited to each of `
 
 One worker per node (``--workers-per-node``: more, consecutive ranks per node) x 1 thread trains
 the ~1M-parameter benchmark CNN of ``bench sync`` (batch 64 per worker, SGD lr 0.01 momentum 0.9)
-on fixed random batches, or a zoo model of ``--model`` on fixed batches of ``--data`` (a ``Workbench``:
-``--model gpt-25m`` trains the 25M-parameter transformer on ``text``, 8 windows of 128 bytes a
-worker; the JSON names the model, its parameters and MB). For each bandwidth, one cluster is built and one set of worker processes
-(under mpiexec inside it, since the box spans nodes; across nodes the rma box serves pushes at its
-ranks, ``box/server.py``) runs every setup of ``SETUPS`` side by side: each round, every setup runs the same
-number of timed steps between two barriers, the order rotating each round; ratios are medians of the
+on fixed random batches, or a zoo model of ``--model`` on fixed batches of ``--data`` (a
+``Workbench``: ``--model gpt-25m`` trains the 25M-parameter transformer on ``text``, 8 windows of
+128 bytes a worker; the JSON names the model, its parameters and MB). For each bandwidth, one
+cluster is built and one set of worker processes (under mpiexec inside it, since the box spans
+nodes; across nodes the rma box serves pushes at its ranks, ``box/server.py``) runs every setup of
+``SETUPS`` side by side: each round, every setup runs the same number of timed steps between two barriers, the order rotating each round; ratios are medians of the
 per-round paired ratios. Around each setup's timed steps every worker reads its node's link counters
 (L2 bytes sent + received over ``pbnet``), so the JSON says what each strategy's communication costs
 in bytes per step, next to the seconds per step the parambox strategies time per phase.
@@ -25,7 +25,6 @@ a baseline from outside parambox one function returning ``(step, close)`` (``Set
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import statistics
@@ -38,102 +37,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from parambox.bench.rounds import paired_ratio, run_rounds
-from parambox.bench.workers import BATCH, close_setups, exit_worker, spawn_workers
+from parambox.bench.workbench import Workbench
+from parambox.bench.workers import close_setups, exit_worker, spawn_workers
 from parambox.runtime.heap import keep_freed_memory
 
 LR, MOMENTUM = 0.01, 0.9
-SEQUENCE_BATCH = 8  # windows a worker per step for a sequence model: 1,024 tokens of 128 bytes
-NUM_BATCHES = 8  # fixed batches per rank, cycled
-
-
-class FlatLogits(nn.Module):
-    """A sequence model whose (B, T, C) logits come out as (B*T, C), so every setup's loss is the plain
-    ``cross_entropy(model(x), y)`` against the flattened targets: the mean per position, unchanged."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x).flatten(0, -2)
-
-
-@dataclass(frozen=True)
-class Workbench:
-    """What every setup trains: zoo model ``model`` on fixed batches of ``batch`` samples a rank from
-    data set ``data`` (None: random CIFAR-size images, the figures of MEASURED.md), with the loss
-    ``cross_entropy(model(x), y)``. Every setup's model starts from the same seed."""
-
-    model: str = "cnn"
-    data: str | None = None
-    batch: int = BATCH
-
-    @classmethod
-    def of(cls, model: str = "cnn", data: str | None = None, batch: int | None = None) -> Workbench:
-        """The model's own data set where it has one (``gpt``: ``text``); a sequence model's batch is
-        ``SEQUENCE_BATCH`` windows unless given."""
-        from parambox.models.registry import data_for
-
-        data = data or data_for(model)
-        sequence = data is not None and _dataset(data).sequence
-        return cls(model, data, batch or (SEQUENCE_BATCH if sequence else BATCH))
-
-    def build(self) -> nn.Module:
-        from parambox.models import build_model
-
-        shape, classes = ((3, 32, 32), 10) if self.data is None else self._shape()
-        torch.manual_seed(0)
-        model = build_model(self.model, shape, classes)
-        return FlatLogits(model) if self.data is not None and _dataset(self.data).sequence else model
-
-    def _shape(self) -> tuple[tuple[int, ...], int]:
-        ds = _dataset(self.data)
-        return ds.input_shape, ds.num_classes
-
-    def batches(self, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``NUM_BATCHES`` fixed batches of this rank, different per rank."""
-        if self.data is None:
-            return self._random(rank)
-        ds = _dataset(self.data)
-        g = torch.Generator().manual_seed(rank)
-        idx = torch.randint(0, len(ds.train_y), (NUM_BATCHES, self.batch), generator=g)
-        flat = (lambda y: y.flatten().long()) if ds.sequence else (lambda y: y)
-        return [(ds.train_x[i], flat(ds.train_y[i])) for i in idx]
-
-    def _random(self, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        # At batch 64: the batches of ``bench.workers.random_batches``, drawn the same way.
-        g = torch.Generator().manual_seed(rank)
-        return [
-            (
-                torch.randn(self.batch, 3, 32, 32, generator=g),
-                torch.randint(0, 10, (self.batch,), generator=g),
-            )
-            for _ in range(NUM_BATCHES)
-        ]
-
-    def size(self) -> dict[str, Any]:
-        """The model's parameters and their float32 megabytes (what one full exchange moves)."""
-        n = sum(p.numel() for p in self.build().parameters())
-        return {"parameters": n, "model_mb": 4.0 * n / 1e6}
-
-    def args(self) -> list[str]:
-        return [self.model, self.data or "-", str(self.batch)]
-
-    @classmethod
-    def from_args(cls, model: str, data: str, batch: str) -> Workbench:
-        return cls(model, None if data == "-" else data, int(batch))
-
-
-@functools.cache
-def _dataset(name: str):
-    from parambox.data import load_dataset
-
-    return load_dataset(name)
-
-
 # (world, total steps, workbench) -> (step, close)
 StepperFactory = Callable[[Any, int, Workbench], tuple[Callable, Callable]]
 

@@ -6,10 +6,11 @@ over the seeds: min, max and every value, and the seeds below the target (0.95).
 its own optimizer, rate or batch brings it (``Strategy.default_optimizer``, ``default_run``,
 ``default_options``): this is the check that it does.
 
-``--model`` / ``--data``: the same default runs of another workload (``--model gpt``: on ``text``, the
-model's own data set). On a sequence data set the figure is the test perplexity, lower is better, and
-the target is the perplexity of the training bytes' own frequencies (``unigram_perplexity``: on the
-sources of CPython 3.11's standard library 26.3, 4.7 bits a byte): a run above it has learnt nothing of the context.
+``--model`` / ``--data``: the same default runs of another workload (``--model gpt``: on ``text``,
+the model's own data set). On a sequence data set the figure is the test perplexity, lower is
+better, and the target is the perplexity of the training bytes' own frequencies
+(``unigram_perplexity``: 26.3 on CPython 3.11's standard library, 4.7 bits a byte): a run above it
+has learnt nothing of the context.
 
 ``--quick`` (the suite's form): diloco (it brings its own optimizer), one seed.
 """
