@@ -1,17 +1,18 @@
 """``parambox bench cluster``: every strategy against torch DDP where communication costs, on an emulated
 cluster (``parambox.runtime.cluster``) whose links are rate-limited to each of ``--gbps``.
 
-One worker per node (``--workers-per-node``: more, consecutive ranks per node) x 1 thread trains
-the ~1M-parameter benchmark CNN of ``bench sync`` (batch 64 per worker, SGD lr 0.01 momentum 0.9)
-on fixed random batches, or a zoo model of ``--model`` on fixed batches of ``--data`` (a
-``Workbench``: ``--model gpt-25m`` trains the 25M-parameter transformer on ``text``, 8 windows of
-128 bytes a worker; the JSON names the model, its parameters and MB). For each bandwidth, one
-cluster is built and one set of worker processes (under mpiexec inside it, since the box spans
-nodes; across nodes the rma box serves pushes at its ranks, ``box/server.py``) runs every setup of
-``SETUPS`` side by side: each round, every setup runs the same number of timed steps between two barriers, the order rotating each round; ratios are medians of the
-per-round paired ratios. Around each setup's timed steps every worker reads its node's link counters
-(L2 bytes sent + received over ``pbnet``), so the JSON says what each strategy's communication costs
-in bytes per step, next to the seconds per step the parambox strategies time per phase.
+One worker per node (``--workers-per-node``: more, consecutive ranks per node) x 1 thread trains the
+~1M-parameter benchmark CNN of ``bench sync`` (batch 64 per worker, SGD lr 0.01 momentum 0.9) on
+fixed random batches, or a zoo model of ``--model`` on fixed batches of ``--data`` (a ``Workbench``:
+``--model gpt-25m`` trains the 25M-parameter transformer on ``text``, 8 windows of 128 bytes a
+worker; the JSON names the model, its parameters and MB). For each bandwidth, one cluster is built
+and one set of worker processes (under mpiexec inside it, since the box spans nodes; across nodes
+the rma box serves pushes at its ranks, ``box/server.py``) runs every setup of ``SETUPS`` side by
+side: each round, every setup runs the same number of timed steps between two barriers, the order
+rotating each round; ratios are medians of the per-round paired ratios. Around each setup's timed
+steps every worker reads its node's link counters (L2 bytes sent + received over ``pbnet``), so the
+JSON says what each strategy's communication costs in bytes per step, next to the seconds per step
+the parambox strategies time per phase.
 
 ``ddp_vs_loopback``: DDP's speed on the links against its speed on loopback (the same two processes
 in one namespace, a separate run of ``ddp`` and ``ceiling``, before the clusters). Both runs hold the
