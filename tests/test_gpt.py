@@ -76,9 +76,15 @@ def test_pipeline_cuts_between_blocks():
         assert torch.allclose(model[3:](model[:3](x)), model(x))
 
 
-def test_gpt_refuses_image_data():
+def test_gpt_refuses_image_data_and_image_models_refuse_text():
+    from parambox.config import build_config
+    from parambox.workload import build_workload
+
     with pytest.raises(UserError, match="model 'gpt' needs sequences of bytes.*--data text"):
         build_model("gpt", (1, 8, 8), 10)
+    workload = build_workload(build_config({"model": "mlp", "data": "text"}))
+    with pytest.raises(UserError, match="model 'mlp' does not read byte sequences: .* gpt, gpt-25m, gpt-6m"):
+        workload.build_model()
 
 
 def test_stdlib_corpus_is_deterministic_offline_and_split_disjoint(monkeypatch):

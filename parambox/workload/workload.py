@@ -29,7 +29,7 @@ from parambox.data import BatchSource, Dataset, load_dataset
 from parambox.data.base import GlobalBatchSampler
 from parambox.errors import UserError, warn
 from parambox.models import MODELS, build_model
-from parambox.models.registry import import_builders
+from parambox.models.registry import data_for, import_builders
 from parambox.workload import loader, refs
 from parambox.workload.losses import default_loss, sequence_loss
 
@@ -131,6 +131,7 @@ class Workload:
     def build_model(self) -> nn.Module:
         """The model, checked; call it after seeding, on every rank."""
         if self.model_fn is None:
+            self._check_sequence_model()
             shape, classes = self.data.model_shape()
             try:
                 return build_model(self.model_name, shape, classes)
@@ -144,6 +145,16 @@ class Workload:
         if not isinstance(model, nn.Module):
             raise UserError(f"model factory {name} returned a {type(model).__name__}, not a torch.nn.Module")
         return model
+
+    def _check_sequence_model(self) -> None:
+        """A sequence data set (``text``) needs a zoo model that reads byte sequences."""
+        if self.data.default_loss is not sequence_loss or data_for(self.model_name) == self.data.name:
+            return
+        fitting = sorted(m for m in MODELS if data_for(m) == self.data.name)
+        raise UserError(
+            f"model {self.model_name!r} does not read byte sequences: data {self.data.name!r} needs "
+            f"{', '.join(fitting) or 'a sequence model'}, or your own model factory"
+        )
 
 
 def build_workload(cfg: Any, given: dict[str, Callable] | None = None) -> Workload:
