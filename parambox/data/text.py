@@ -2,7 +2,7 @@
 
 Without ``data_path`` the stream is the ``.py`` files under ``sysconfig.get_paths()["stdlib"]``
 (site-packages left out), in sorted path order, capped at ``CORPUS_BYTES``: on CPython 3.11, 4 MiB
-from 357 files. With ``data_path`` it is that file, or every regular non-hidden file under that
+from 321 files. With ``data_path`` it is that file, or every regular non-hidden file under that
 folder in sorted path order, capped the same way. No network either way.
 
 A sample is a window of ``CONTEXT + 1`` bytes: the first ``CONTEXT`` are the input, the last
