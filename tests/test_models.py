@@ -106,5 +106,5 @@ def test_lenet_refuses_too_small_images():
 
 
 def test_unknown_model():
-    with pytest.raises(UserError, match="unknown model 'gpt'"):
-        build_model("gpt", (3, 32, 32), 10)
+    with pytest.raises(UserError, match="unknown model 'gpt-2'"):
+        build_model("gpt-2", (3, 32, 32), 10)

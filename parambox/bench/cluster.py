@@ -1,15 +1,18 @@
 """``parambox bench cluster``: every strategy against torch DDP where communication costs, on an emulated
 cluster (``parambox.runtime.cluster``) whose links are rate-limited to each of ``--gbps``.
 
-One worker per node (``--workers-per-node``: more, consecutive ranks per node) x 1 thread trains
-the ~1M-parameter benchmark CNN of ``bench sync`` (batch 64 per worker, SGD lr 0.01 momentum 0.9)
-on fixed random batches. For each bandwidth, one cluster is built and one set of worker processes
-(under mpiexec inside it, since the box spans nodes; across nodes the rma box serves pushes at its
-ranks, ``box/server.py``) runs every setup of ``SETUPS`` side by side: each round, every setup runs the same
-number of timed steps between two barriers, the order rotating each round; ratios are medians of the
-per-round paired ratios. Around each setup's timed steps every worker reads its node's link counters
-(L2 bytes sent + received over ``pbnet``), so the JSON says what each strategy's communication costs
-in bytes per step, next to the seconds per step the parambox strategies time per phase.
+One worker per node (``--workers-per-node``: more, consecutive ranks per node) x 1 thread trains the
+~1M-parameter benchmark CNN of ``bench sync`` (batch 64 per worker, SGD lr 0.01 momentum 0.9) on
+fixed random batches, or a zoo model of ``--model`` on fixed batches of ``--data`` (a ``Workbench``:
+``--model gpt-25m`` trains the 25M-parameter transformer on ``text``, 8 windows of 128 bytes a
+worker; the JSON names the model, its parameters and MB). For each bandwidth, one cluster is built
+and one set of worker processes (under mpiexec inside it, since the box spans nodes; across nodes
+the rma box serves pushes at its ranks, ``box/server.py``) runs every setup of ``SETUPS`` side by
+side: each round, every setup runs the same number of timed steps between two barriers, the order
+rotating each round; ratios are medians of the per-round paired ratios. Around each setup's timed
+steps every worker reads its node's link counters (L2 bytes sent + received over ``pbnet``), so the
+JSON says what each strategy's communication costs in bytes per step, next to the seconds per step
+the parambox strategies time per phase.
 
 ``ddp_vs_loopback``: DDP's speed on the links against its speed on loopback (the same two processes
 in one namespace, a separate run of ``ddp`` and ``ceiling``, before the clusters). Both runs hold the
@@ -34,14 +37,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from parambox.bench.rounds import paired_ratio
-from parambox.bench.sync import ddp_stepper, plain_stepper
-from parambox.bench.workers import BATCH, close_setups, exit_worker, run_setups, spawn_workers
+from parambox.bench.rounds import paired_ratio, run_rounds
+from parambox.bench.workbench import Workbench
+from parambox.bench.workers import close_setups, exit_worker, spawn_workers
 from parambox.runtime.heap import keep_freed_memory
 
 LR, MOMENTUM = 0.01, 0.9
-StepperFactory = Callable[[Any, int], tuple[Callable, Callable]]  # (world, total steps) -> (step, close)
+# (world, total steps, workbench) -> (step, close)
+StepperFactory = Callable[[Any, int, Workbench], tuple[Callable, Callable]]
 
 
 @dataclass(frozen=True)
@@ -70,10 +75,11 @@ class Setup:
             "box": {"backend": self.box},
         }
 
-    def build(self, world, steps: int) -> tuple[Callable, Callable]:
+    def build(self, world, steps: int, bench: Workbench | None = None) -> tuple[Callable, Callable]:
         """(step, close) in this process: the baseline's own, or the strategy built as ``train`` builds it."""
+        bench = bench or Workbench()
         if self.make is not None:
-            return self.make(world, steps)
+            return self.make(world, steps, bench)
         from parambox.box import BoxConfig
         from parambox.strategies import Context, build_strategy
         from parambox.workload.losses import default_loss
@@ -81,26 +87,41 @@ class Setup:
         # No memory rank: one worker per node trains in every setup (an asynchronous strategy would
         # otherwise give the last node's rank to holding the box).
         box = BoxConfig(backend=self.box, **({"memory_ranks": 0} if self.box == "rma" else {}))
-        ctx = Context(world, _cnn(), _make_sgd, default_loss, steps, 300.0, box=box)
+        ctx = Context(world, bench.build(), _make_sgd, default_loss, steps, 300.0, box=box)
         strategy = build_strategy(self.strategy, ctx, dict(self.options))
         return strategy.step, strategy.close
-
-
-def _cnn():
-    from parambox.models import build_model
-
-    torch.manual_seed(0)
-    return build_model("cnn", (3, 32, 32), 10)
 
 
 def _make_sgd(params):
     return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
 
 
-def _post_local_sgd(world, steps: int):
+def _ddp(world, steps: int, bench: Workbench):
+    """torch DDP (gloo): the reference every synchronous setup is held against."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return _plain(world, steps, bench, wrap=DistributedDataParallel)
+
+
+def _plain(world, steps: int, bench: Workbench, wrap: Callable = lambda m: m):
+    """The same model and optimizer, never communicating (``wrap``: DDP's model around it)."""
+    model = bench.build()
+    opt = _make_sgd(model.parameters())
+    forward = wrap(model)
+
+    def step(batch, i):
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(forward(x), y).backward()
+        opt.step()
+
+    return step, lambda: None
+
+
+def _post_local_sgd(world, steps: int, bench: Workbench):
     from parambox.bench.peers import post_local_sgd_stepper
 
-    return post_local_sgd_stepper(_cnn(), _make_sgd, period=4)
+    return post_local_sgd_stepper(bench.build(), _make_sgd, period=4)
 
 
 def strategy_setup(name: str, box: str = "shm", what: str = "", **options: Any) -> Setup:
@@ -110,7 +131,7 @@ def strategy_setup(name: str, box: str = "shm", what: str = "", **options: Any) 
 
 
 SETUPS: dict[str, Setup] = {
-    "ddp": Setup("torch DistributedDataParallel (gloo)", make=lambda world, steps: ddp_stepper()),
+    "ddp": Setup("torch DistributedDataParallel (gloo)", make=_ddp),
     "allreduce": strategy_setup("allreduce"),
     "box-sync": strategy_setup("box-sync", box="rma", what="parambox box-sync over the rma box"),
     "weight-avg": strategy_setup("weight-avg", period=4),
@@ -166,7 +187,7 @@ SETUPS: dict[str, Setup] = {
     "hybrid": strategy_setup(
         "hybrid", box="rma", what="parambox hybrid (groups = nodes: with 1 worker per node, EASGD tau 4)"
     ),
-    "ceiling": Setup("the same processes, never communicating", make=lambda world, steps: plain_stepper()),
+    "ceiling": Setup("the same processes, never communicating", make=_plain),
 }
 REFERENCES = ("ddp", "ceiling", "post-local-sgd")  # not parambox's: not candidates for best_setup
 LOOPBACK_SETUPS = ["ddp", "ceiling"]
@@ -186,7 +207,7 @@ def _link_meter() -> Callable[[], float] | None:
     return lambda: float(sum(link_bytes()))
 
 
-def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -> None:
+def worker(setups: list[str], rounds: int, steps: int, warmup: int, bench: Workbench, out: Path) -> None:
     from parambox.runtime.dist import destroy_distributed, init_distributed
     from parambox.runtime.world import World
 
@@ -196,9 +217,12 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, out: Path) -
     init_distributed(world, 300.0)  # gloo; the rendezvous over MPI when mpiexec started us
     try:
         total = warmup + rounds * steps
-        steppers = {name: SETUPS[name].build(world, total) for name in setups}
+        steppers = {name: SETUPS[name].build(world, total, bench) for name in setups}
         meter = _link_meter()
-        result = run_setups(steppers, world, rounds, steps, warmup, meter)
+        step_of = {name: setup[0] for name, setup in steppers.items()}
+        samples = world.world_size * bench.batch
+        batches = bench.batches(world.rank)
+        result = run_rounds(step_of, batches, rounds, steps, warmup, samples, dist.barrier, meter)
         close_setups(steppers)
         link = _gather_means(result.metered, setups) if meter else None
         mine = {name: _comm_per_step(result.outputs[name][warmup:]) for name in setups}
@@ -244,6 +268,9 @@ def run_bench_cluster(
     setups: list[str] | None = None,
     quick: bool = False,
     workers_per_node: int = 1,
+    model: str = "cnn",
+    data: str | None = None,
+    batch_size: int | None = None,
 ) -> dict:
     """Loopback reference first, then one cluster per bandwidth; returns the JSON object."""
     from parambox.errors import UserError
@@ -260,16 +287,20 @@ def run_bench_cluster(
             "--workers-per-node >= 1"
         )
     workers = nodes * workers_per_node
+    bench = Workbench.of(model, data, batch_size)
+    size = bench.size()  # a model that does not fit its data fails here, before any cluster is built
     check_environment()
-    args = [str(rounds), str(steps), str(warmup)]
+    args = [str(rounds), str(steps), str(warmup), *bench.args()]
     loopback = spawn_workers(__name__, [",".join(LOOPBACK_SETUPS), *args], workers)
     result: dict[str, Any] = {
         "nodes": nodes,
         "workers": workers,
         "workers_per_node": workers_per_node,
         "threads_per_worker": 1,
-        "batch_per_worker": BATCH,
-        "model": "cnn",
+        "batch_per_worker": bench.batch,
+        "model": bench.model,
+        "data": bench.data or "random CIFAR-size images",
+        **size,
         "optimizer": f"sgd lr {LR} momentum {MOMENTUM}",
         "rounds": rounds,
         "steps_per_round": steps,
@@ -292,22 +323,26 @@ def run_bench_cluster(
         entry = summarize(data, loopback["per_round"])
         entry.update(link_gbps=g, cluster_setup_s=setup_s, load_average_1m=[load0, os.getloadavg()[0]])
         if workers_per_node == 1:
-            entry["simulated"] = _simulated(entry["samples_per_s"], nodes, g)
+            entry["simulated"] = _simulated(
+                entry["samples_per_s"], nodes, g, bench.batch, 4.0 * size["parameters"]
+            )
         result["by_gbps"][f"{g:g}"] = entry
     return result
 
 
-def _simulated(samples_per_s: dict[str, float], nodes: int, gbps: float) -> dict[str, dict[str, float]]:
+def _simulated(
+    samples_per_s: dict[str, float], nodes: int, gbps: float, batch: int, size_bytes: float
+) -> dict[str, dict[str, float]]:
     """Each setup beside the event simulator's step for it on these links (``perfmodel/simulate.py``)."""
     from parambox.perfmodel.simulate import against_measured
     from parambox.perfmodel.topology import Network
 
-    return against_measured(samples_per_s, nodes, BATCH, cnn_bytes(), Network.from_gbps(gbps, 10.0))
+    return against_measured(samples_per_s, nodes, batch, size_bytes, Network.from_gbps(gbps, 10.0))
 
 
 def cnn_bytes() -> float:
     """The gradient bytes of the benchmark CNN."""
-    return 4.0 * sum(p.numel() for p in _cnn().parameters())
+    return 4.0 * Workbench().size()["parameters"]
 
 
 def _describe(setup: Setup) -> dict[str, Any]:
@@ -379,7 +414,13 @@ def _comm_summary(per_rank: list[dict[str, float] | None]) -> dict[str, Any]:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--worker":
+        bench = Workbench.from_args(*sys.argv[6:9])
         worker(
-            sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6])
+            sys.argv[2].split(","),
+            int(sys.argv[3]),
+            int(sys.argv[4]),
+            int(sys.argv[5]),
+            bench,
+            Path(sys.argv[9]),
         )
         exit_worker()  # gloo's threads may abort in C++ destructors at a normal exit

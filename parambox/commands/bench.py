@@ -27,9 +27,25 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--steps",
         type=int,
         default=None,
-        help="timed steps per setup and round (sync, async, sandblaster, cluster); steps per run (chaos)",
+        help="timed steps per setup and round (sync, async, sandblaster, cluster); steps per run (chaos, "
+        "defaults: instead of the default run's)",
     )
     p.add_argument("--out", default=None, help="also write the JSON to this file")
+    workload = p.add_argument_group("the workload (bench cluster, bench defaults)")
+    workload.add_argument(
+        "--model",
+        default=None,
+        help="zoo model (cluster default: the benchmark CNN; gpt, gpt-6m, gpt-25m: the transformer on text)",
+    )
+    workload.add_argument(
+        "--data", default=None, help="registered data set (default: the model's own, else random images)"
+    )
+    workload.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="bench cluster: samples per worker and step (default 64; 8 windows of 128 bytes for gpt)",
+    )
     cluster = p.add_argument_group("bench cluster (an emulated cluster: needs root)")
     cluster.add_argument("--nodes", type=int, default=None, help="emulated nodes (default 2)")
     cluster.add_argument("--gbps", default=None, help="link rates in Gbit/s, comma list (default 1,0.1)")
@@ -65,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if any(v < 1 for v in kwargs.values()):
         raise UserError("--rounds and --steps must be at least 1")
     kwargs.update(_cluster_options(args))
+    kwargs.update(_workload_options(args))
     kwargs.update(_defaults_options(args))
     kwargs.update(_link_options(args))
     if args.timeout is not None:
@@ -103,6 +120,19 @@ def _cluster_options(args: argparse.Namespace) -> dict:
             raise UserError(f"--gbps {args.gbps!r}: expected numbers like 1,0.1") from None
     if "setups" in given:
         given["setups"] = [s.strip() for s in given["setups"].split(",") if s.strip()]
+    return given
+
+
+def _workload_options(args: argparse.Namespace) -> dict:
+    given = {k: getattr(args, k) for k in ("model", "data", "batch_size") if getattr(args, k) is not None}
+    if given and args.which not in ("cluster", "defaults"):
+        raise UserError(
+            f"--{'/--'.join(k.replace('_', '-') for k in given)} apply to bench cluster and defaults only"
+        )
+    if "batch_size" in given and args.which != "cluster":
+        raise UserError("--batch-size applies to bench cluster only")
+    if given.get("batch_size", 1) < 1:
+        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
     return given
 
 
@@ -154,7 +184,10 @@ def _print_defaults(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"parambox bench defaults (test accuracy; target {result['target']})")
+    metric = result.get("metric", "accuracy")
+    title = f"parambox bench defaults (test {metric}; target {result['target']}"
+    on = f" {result['model']} on {result['data']}" if "model" in result else ""
+    table = Table(title=title + (", lower is better" if result.get("lower_is_better") else "") + ")" + on)
     for col in ("strategy", "min", "max", "below target (seeds)"):
         table.add_column(col)
     for name, r in result["strategies"].items():

@@ -14,7 +14,11 @@ Augment = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 
 @dataclass
 class Dataset:
-    """Train and test tensors already normalised; ``x`` is (N, C, H, W) for images, (N, D) otherwise."""
+    """Train and test tensors already normalised; ``x`` is (N, C, H, W) for images, (N, D) otherwise.
+
+    ``sequence``: ``y`` holds a target per position, (N, T) class indices for a model whose output is
+    (N, T, num_classes): the default loss is then the mean cross-entropy per position (``text``).
+    """
 
     name: str
     train_x: torch.Tensor
@@ -23,6 +27,7 @@ class Dataset:
     test_y: torch.Tensor
     num_classes: int
     augment: Augment | None = None
+    sequence: bool = False
 
     @property
     def input_shape(self) -> tuple[int, ...]:

@@ -28,4 +28,4 @@ def load_dataset(name: str, data_path: str | Path | None = None, seed: int = 0) 
 
 def _import_loaders() -> None:
     # Loaders register themselves on import; imported lazily so `parambox info` stays fast.
-    from parambox.data import cifar10, digits, mnist, synthetic  # noqa: F401
+    from parambox.data import cifar10, digits, mnist, synthetic, text  # noqa: F401

@@ -2,7 +2,9 @@
 over the test set weighted by batch size.
 
 The default is the run's loss, plus accuracy where the batch is ``(x, y)`` with integer labels and
-``model(x)`` gives one row of class logits per label; a regression run gets its loss alone. The
+``model(x)`` gives one row of class logits per label; a regression run gets its loss alone. A
+sequence data set (``text``: the loss is ``sequence_loss``, nats per byte) gets ``bits_per_byte``
+(loss / ln 2), ``perplexity`` (exp of the mean loss) and ``accuracy`` (of the next byte, top 1). The
 result always holds ``loss`` (the run's loss on the test set), whatever the user's metrics return.
 
 >>> m = nn.Linear(2, 3)
@@ -12,6 +14,7 @@ result always holds ``loss`` (the run's loss on the test set), whatever the user
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -22,7 +25,7 @@ from torch import nn
 from parambox.errors import UserError
 from parambox.strategies.base import batch_size, map_tensors
 from parambox.workload import refs
-from parambox.workload.losses import default_loss
+from parambox.workload.losses import default_loss, sequence_loss
 
 MetricsFn = Callable[[nn.Module, Any], dict[str, Any]]
 
@@ -52,12 +55,18 @@ def evaluate(
             n += k
     finally:
         model.train(was_training)
-    return {f"test_{name}": total / n for name, total in sums.items()} if n else {}
+    means = {f"test_{name}": total / n for name, total in sums.items()} if n else {}
+    if "test_bits_per_byte" in means and metrics is None:
+        # exp of the mean loss, not the mean of each batch's exp: the perplexity of the whole test set
+        means["test_perplexity"] = math.exp(min(means["test_loss"], 700.0))
+    return means
 
 
 def default_metrics(model: nn.Module, batch: Any, loss: Callable, with_loss: bool = True) -> dict[str, float]:
     """The loss, and accuracy for class logits against integer labels (one forward pass for the
     default cross-entropy)."""
+    if loss is sequence_loss:
+        return sequence_metrics(model(batch[0]), batch[1])
     labelled = isinstance(batch, tuple | list) and len(batch) == 2 and _is_labels(batch[1])
     if loss is default_loss and labelled:
         out = model(batch[0])
@@ -68,6 +77,19 @@ def default_metrics(model: nn.Module, batch: Any, loss: Callable, with_loss: boo
     if labelled:
         values.update(_accuracy(model(batch[0]), batch[1]))
     return values
+
+
+def sequence_metrics(out: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """Mean cross-entropy per position (nats), the same in bits, and top-1 accuracy of the next token.
+
+    >>> m = sequence_metrics(torch.zeros(1, 2, 256), torch.zeros(1, 2, dtype=torch.long))
+    >>> round(m["bits_per_byte"], 6), m["accuracy"]
+    (8.0, 1.0)
+    """
+    logits, targets = out.flatten(0, -2), y.flatten().long()
+    loss = float(F.cross_entropy(logits, targets))
+    accuracy = float((logits.argmax(1) == targets).float().mean())
+    return {"loss": loss, "bits_per_byte": loss / math.log(2), "accuracy": accuracy}
 
 
 def user_metrics(metrics: MetricsFn, model: nn.Module, batch: Any) -> dict[str, float]:

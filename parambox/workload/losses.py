@@ -22,6 +22,14 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return F.cross_entropy(model(x), y)
 
 
+def sequence_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The mean cross-entropy per position of ``model(x)``, (B, T, C) logits, against ``y``, (B, T)
+    class indices: the default loss of a ``sequence`` data set (``text``), in nats per token."""
+    x, y = batch
+    out = model(x)
+    return F.cross_entropy(out.flatten(0, -2), y.flatten().long())
+
+
 def describe(batch: Any) -> str:
     """A batch's structure in a few words, for error messages.
 

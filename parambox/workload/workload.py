@@ -29,9 +29,9 @@ from parambox.data import BatchSource, Dataset, load_dataset
 from parambox.data.base import GlobalBatchSampler
 from parambox.errors import UserError, warn
 from parambox.models import MODELS, build_model
-from parambox.models.registry import import_builders
+from parambox.models.registry import data_for, import_builders
 from parambox.workload import loader, refs
-from parambox.workload.losses import default_loss
+from parambox.workload.losses import default_loss, sequence_loss
 
 CALLABLE_FIELDS = ("model", "data", "loss", "metrics", "collate")
 EVAL_BATCH = 1024  # test batch of the in-memory data sets
@@ -56,6 +56,7 @@ class TensorData:
         self.name = ds.name
         self.num_train = len(ds.train_y)
         self.has_test = len(ds.test_y) > 0
+        self.default_loss = sequence_loss if ds.sequence else default_loss
 
     def model_shape(self) -> tuple[tuple[int, ...], int]:
         return self.ds.input_shape, self.ds.num_classes
@@ -81,6 +82,7 @@ class UserData:
         self.num_train = len(train)
         self.has_test = test is not None and len(test) > 0
         self.eval_batch = 256
+        self.default_loss = default_loss
 
     def model_shape(self) -> tuple[tuple[int, ...], int]:
         item = loader.first_item(self.train, self.name)
@@ -129,6 +131,7 @@ class Workload:
     def build_model(self) -> nn.Module:
         """The model, checked; call it after seeding, on every rank."""
         if self.model_fn is None:
+            self._check_sequence_model()
             shape, classes = self.data.model_shape()
             try:
                 return build_model(self.model_name, shape, classes)
@@ -143,6 +146,16 @@ class Workload:
             raise UserError(f"model factory {name} returned a {type(model).__name__}, not a torch.nn.Module")
         return model
 
+    def _check_sequence_model(self) -> None:
+        """A sequence data set (``text``) needs a zoo model that reads byte sequences."""
+        if self.data.default_loss is not sequence_loss or data_for(self.model_name) == self.data.name:
+            return
+        fitting = sorted(m for m in MODELS if data_for(m) == self.data.name)
+        raise UserError(
+            f"model {self.model_name!r} does not read byte sequences: data {self.data.name!r} needs "
+            f"{', '.join(fitting) or 'a sequence model'}, or your own model factory"
+        )
+
 
 def build_workload(cfg: Any, given: dict[str, Callable] | None = None) -> Workload:
     """The run's workload from its config and the in-process callables ``given`` (the library API)."""
@@ -154,7 +167,7 @@ def build_workload(cfg: Any, given: dict[str, Callable] | None = None) -> Worklo
         if cfg.model not in MODELS:
             raise UserError(f"unknown model {cfg.model!r}; choose from {', '.join(sorted(MODELS))}")
     loss_fn = fns.get("loss")
-    loss = CheckedLoss(loss_fn, refs.describe(loss_fn)) if loss_fn is not None else default_loss
+    loss = CheckedLoss(loss_fn, refs.describe(loss_fn)) if loss_fn is not None else data.default_loss
     return Workload(data, cfg.model, model_fn, loss, fns.get("metrics"))
 
 
