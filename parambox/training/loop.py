@@ -290,7 +290,8 @@ def save_checkpoint(run: Run, step: int, barrier: bool = True) -> None:
             dist.barrier(device_ids=[torch.cuda.current_device()] if cuda else None)
     if run.world.rank == 0:
         weights = model.state_dict()
-        if not all(is_finite(t) for t in weights.values() if t.is_floating_point()):
+        # The parameters: a buffer of -inf (a causal mask) is a constant of the model, not a divergence.
+        if not all(is_finite(p.detach()) for p in model.parameters()):
             # A diverged run must not replace the only commit point with weights nobody can resume from.
             warn(f"checkpoint at step {step} not written: the model's weights are not finite")
             return
