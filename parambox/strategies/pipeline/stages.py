@@ -71,6 +71,27 @@ def check_split(split_points: list[int], num_children: int, num_stages: int) -> 
     return points
 
 
+def check_untied(strategy: str, model: nn.Sequential, bounds: list[tuple[int, int]]) -> None:
+    """A ``UserError`` where one parameter (tied weights: an embedding and its output layer) would sit
+    in two stages: each stage would train a copy of its own and the result keep one of them.
+
+    >>> emb, head = nn.Embedding(4, 2), nn.Linear(2, 4, bias=False)
+    >>> head.weight = emb.weight
+    >>> check_untied("pipeline", nn.Sequential(emb, nn.ReLU(), head), [(0, 3)])  # one stage: fine
+    """
+    owner: dict[int, int] = {}
+    for s, (start, end) in enumerate(bounds):
+        for i in range(start, end):
+            for name, p in model[i].named_parameters():
+                first = owner.setdefault(id(p), s)
+                if first != s:
+                    raise UserError(
+                        f"{strategy}: parameter {i}.{name} is shared by stages {first} and {s} (tied weights); "
+                        "cut the model so that both uses sit in one stage (split_points), or untie them "
+                        "(the zoo's gpt: tied=False)"
+                    )
+
+
 def parameter_costs(model: nn.Sequential) -> list[float]:
     """Parameters per child, plus a tiny cost per child so parameter-free layers spread evenly."""
     return [sum(p.numel() for p in child.parameters()) + 1e-3 for child in model]

@@ -154,6 +154,7 @@ class Pipeline(Strategy):
         layout = self.layout
         self.split_points = list(split_points)
         bounds = stages.stage_bounds(self.split_points, len(self.model))
+        stages.check_untied(self.name, self.model, bounds)
         self.stage_keys = [stages.stage_state_keys(self.model, b) for b in bounds]
         self.stage_mod = stages.stage_module(self.model, bounds[layout.stage])
         stage = TimedStage(
