@@ -1,31 +1,75 @@
-"""Compressed exchanges: ``compression = none | bf16 | int8`` for a flat float32 tensor, with error feedback.
+"""Compressed exchanges of a flat float32 tensor, with error feedback.
 
-Streaming DiLoCo and SparseLoCo send quantized outer gradients; the error each quantization makes
-is kept by the sender and added to its next message (error feedback), so nothing is lost over
-rounds, only late. ``int8`` has one float32 scale per block of ``block`` elements (max |x| / 127):
-4 + 4/block bytes per 4 bytes of float32, about 0.25x; ``bf16`` is 0.5x.
+``compression = none | bf16 | int8 | int4 | int2 | sign | topk``. The error each encoding makes is
+kept by the sender and added to its next message (error feedback), so nothing is lost over rounds,
+only late: the sum of what was sent plus the error still owed is the sum of what was meant.
 
-A message is one ``uint8`` tensor (an exact float32 tail for counts and flags, the int8 scales,
-then the codes: the wider types first, so each part's offset suits its type), so one collective
-carries it. Sums of int8 codes would overflow and their scales
-differ per rank, so compressed messages are gathered (``all_gather``) and every rank decodes and
-sums them in float32; uncompressed ones go through ``all_reduce`` as before.
+Bytes per float32 element (block ``b`` elements per float32 scale, default 256; ``r`` the ratio):
+
+- ``bf16``: 2 (0.5x). ``int8``: 1 + 4/b (about 0.25x), scale ``max|x| / 127`` per block.
+- ``int4``: 1/2 + 4/b (about 1/8), codes in [-7, 7], scale ``max|x| / 7``; ``int2``: 1/4 + 4/b (about
+  1/16), codes in [-1, 1], scale ``max|x|``: SparseLoCo's and MuLoCo's 2-4-bit outer gradients.
+- ``sign``: 1/8 + 4/b (about 1/32 plus the scales): one bit per element, decoded as ``+-scale`` with
+  the block's mean ``|x|`` as scale (signSGD with error feedback; 1-bit Adam's scaled sign).
+- ``topk``: 8 r (0.02x at r = 1 %): the ``k = ceil(r n)`` largest ``|x + e|`` as int32 indices and
+  float32 values, the rest left in the error (BytePS's and Deep Gradient Compression's top-k).
+
+A message is one ``uint8`` tensor (an exact float32 tail for counts and flags, the float32 scales
+or values, then the codes or indices: the wider types first, so each part's offset suits its type),
+so one collective carries it. Compressed messages are gathered (``all_gather``) and every rank
+decodes and sums them in float32; uncompressed ones go through ``all_reduce`` as before.
+
+Over a box (``round_trip``) the sender quantizes the pushed update with its own error feedback and
+the box stores float32: the "server-side" error feedback of 1-bit schemes (a second compression of
+the box's reply, with the box's own error) is not in scope. PowerSGD is not one of these: it needs
+two allreduces and a shared Q per round, not a gather-and-sum of per-rank messages.
 
 >>> c = Compressor("bf16", numel=4)
 >>> msg = c.encode(torch.tensor([1.0, -0.5, 0.25, 0.0]))
 >>> c.decode(msg)[0].tolist(), c.message_bytes(tail=0), Compressor("int8", 1000).message_bytes(0)
 ([1.0, -0.5, 0.25, 0.0], 8, 1016)
+>>> Compressor("sign", 4).round_trip(torch.tensor([1.0, -3.0, 2.0, -2.0])).tolist()
+[2.0, -2.0, 2.0, -2.0]
+>>> Compressor("topk", 4, ratio=0.5).round_trip(torch.tensor([1.0, -3.0, 2.0, 0.5])).tolist()
+[0.0, -3.0, 2.0, 0.0]
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
 
-Compression = Literal["none", "bf16", "int8"]
-DEFAULT_BLOCK = 256  # elements per int8 scale: the scales cost 1/64 of the codes
+Compression = Literal["none", "bf16", "int8", "int4", "int2", "sign", "topk"]
+DEFAULT_BLOCK = 256  # elements per scale: the scales cost 4/256 bytes per element
+DEFAULT_RATIO = 0.01  # topk: the share of elements sent
 _F32 = 4
+_QMAX = {"int8": 127, "int4": 7, "int2": 1}  # symmetric codes in [-qmax, qmax]
+_BITS = {"int8": 8, "int4": 4, "int2": 2, "sign": 1}  # bits per element on the wire
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` zero-padded to whole blocks, as a (blocks, block) view."""
+    n = x.numel()
+    padded = torch.zeros(-(-n // block) * block, dtype=torch.float32, device=x.device)
+    padded[:n] = x.reshape(-1)
+    return padded.view(-1, block)
+
+
+def quantize_symmetric(x: torch.Tensor, block: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes in [-qmax, qmax], scales): ``x ~ codes * scale`` per block, scale ``max|x| / qmax``;
+    |error| <= scale / 2.
+
+    >>> codes, scales = quantize_symmetric(torch.tensor([0.6, -1.0, 2.0, 0.4]), block=2, qmax=1)
+    >>> codes.tolist(), scales.tolist()
+    ([1, -1, 1, 0], [1.0, 2.0])
+    """
+    padded = _blocks(x, block)
+    scales = padded.abs().amax(dim=1) / qmax
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(padded / safe[:, None]).clamp_(-qmax, qmax).to(torch.int8)
+    return codes.view(-1)[: x.numel()], scales
 
 
 def quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,15 +79,7 @@ def quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
     >>> codes.tolist(), scales.tolist()
     ([64, -127, 127], [0.007874015718698502, 0.015748031437397003])
     """
-    n = x.numel()
-    blocks = -(-n // block)
-    padded = torch.zeros(blocks * block, dtype=torch.float32, device=x.device)
-    padded[:n] = x.reshape(-1)
-    padded = padded.view(blocks, block)
-    scales = padded.abs().amax(dim=1) / 127.0
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(padded / safe[:, None]).clamp_(-127, 127).to(torch.int8)
-    return codes.view(-1)[:n], scales
+    return quantize_symmetric(x, block, 127)
 
 
 def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
@@ -52,12 +88,42 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, block: int) -> to
     return codes.to(torch.float32) * scales.repeat_interleave(block)[:n]
 
 
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes below ``2**bits`` (``bits`` in 1, 2, 4), ``8 // bits`` to a byte, first in the low bits.
+
+    >>> pack_bits(torch.tensor([1, 0, 1, 1, 0, 0, 0, 0, 1]), 1).tolist()
+    [13, 1]
+    """
+    per = 8 // bits
+    n = codes.numel()
+    padded = torch.zeros(-(-n // per) * per, dtype=torch.uint8, device=codes.device)
+    padded[:n] = codes.reshape(-1)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (padded.view(-1, per) << shifts).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """The ``numel`` unsigned codes (uint8) of :func:`pack_bits`."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    mask = (1 << bits) - 1
+    return ((packed.reshape(-1, 1) >> shifts) & mask).view(-1)[:numel]
+
+
+def topk_count(ratio: float, numel: int) -> int:
+    """``k = ceil(ratio * numel)``, at least 1 and at most ``numel`` (a product within 1e-9 of an
+    integer counts as that integer, so 0.01 * 1e6 is 10000)."""
+    product = ratio * numel
+    k = round(product) if abs(product - round(product)) < 1e-9 else math.ceil(product)
+    return max(1, min(numel, k))
+
+
 class Compressor:
     """Encodes one rank's flat float32 tensor for the wire, with error feedback, and decodes messages.
 
     ``encode(x, tail)`` sends ``x + e`` (``e`` the error left from the last message) and keeps the
     new error; ``tail`` (counts, flags) rides along in float32, exact. ``decode(msg)`` gives back
-    ``(x_hat, tail)``. ``none`` sends float32 itself (no error).
+    ``(x_hat, tail)``. ``none`` sends float32 itself (no error). ``block`` is the elements per scale
+    (int8, int4, int2, sign), ``ratio`` the share of elements topk sends.
     """
 
     def __init__(
@@ -67,9 +133,12 @@ class Compressor:
         block: int = DEFAULT_BLOCK,
         error_feedback: bool = True,
         device: torch.device | None = None,
+        ratio: float = DEFAULT_RATIO,
     ):
-        self.mode, self.numel, self.block = mode, numel, block
+        assert 0 < ratio <= 1, "ratio in (0, 1]"
+        self.mode, self.numel, self.block, self.ratio = mode, numel, block, ratio
         self.num_blocks = -(-numel // block)
+        self.k = topk_count(ratio, numel)
         self.error = torch.zeros(numel, device=device) if error_feedback and mode != "none" else None
 
     def forget_error_(self) -> None:
@@ -83,7 +152,10 @@ class Compressor:
             return _F32 * self.numel
         if self.mode == "bf16":
             return 2 * self.numel
-        return self.numel + _F32 * self.num_blocks
+        if self.mode == "topk":
+            return 2 * _F32 * self.k  # float32 values, int32 indices
+        per_byte = 8 // _BITS[self.mode]
+        return _F32 * self.num_blocks + -(-self.numel // per_byte)
 
     def message_bytes(self, tail: int) -> int:
         """Bytes of one message with a float32 tail of ``tail`` elements."""
@@ -102,16 +174,12 @@ class Compressor:
         return torch.cat([tail.view(torch.uint8), *(p.reshape(-1).view(torch.uint8) for p in parts)])
 
     def decode(self, msg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x_hat, tail)`` of a message from any rank (same mode, numel and block)."""
+        """``(x_hat, tail)`` of a message from any rank (same mode, numel, block and ratio)."""
         if self.mode == "none":
             return msg[: self.numel], msg[self.numel :]
         cut = msg.numel() - self.payload_bytes()
         tail, body = msg[:cut].view(torch.float32), msg[cut:]
-        if self.mode == "bf16":
-            return body.view(torch.bfloat16).float(), tail
-        scales = body[: _F32 * self.num_blocks].view(torch.float32)
-        codes = body[_F32 * self.num_blocks :].view(torch.int8)
-        return dequantize_int8(codes, scales, self.block), tail
+        return self._decode_parts(self._split(body)), tail
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
         """What the receivers will decode of ``x`` (error feedback applied): for a box that stores float32."""
@@ -120,10 +188,42 @@ class Compressor:
     def _codes(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.mode == "bf16":
             return (y.to(torch.bfloat16),)
-        codes, scales = quantize_int8(y, self.block)
-        return scales, codes
+        if self.mode == "topk":
+            indices = torch.topk(y.abs(), self.k, sorted=False).indices
+            return y[indices], indices.to(torch.int32)
+        if self.mode == "sign":
+            padded = _blocks(y, self.block)
+            counts = torch.full((self.num_blocks,), float(self.block), device=y.device)
+            counts[-1] = self.numel - (self.num_blocks - 1) * self.block  # the last block's own elements
+            scales = padded.abs().sum(dim=1) / counts
+            return scales, pack_bits((y < 0).to(torch.uint8), 1)
+        codes, scales = quantize_symmetric(y, self.block, _QMAX[self.mode])
+        if self.mode == "int8":
+            return scales, codes
+        return scales, pack_bits((codes + _QMAX[self.mode]).to(torch.uint8), _BITS[self.mode])
+
+    def _split(self, body: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The parts of :meth:`_codes` from a message's body (its bytes after the tail)."""
+        if self.mode == "bf16":
+            return (body.view(torch.bfloat16),)
+        head = _F32 * (self.k if self.mode == "topk" else self.num_blocks)
+        first, rest = body[:head].view(torch.float32), body[head:]
+        if self.mode == "topk":
+            return first, rest.view(torch.int32)
+        return first, rest.view(torch.int8) if self.mode == "int8" else rest
 
     def _decode_parts(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
         if self.mode == "bf16":
             return parts[0].float()
-        return dequantize_int8(parts[1], parts[0], self.block)
+        if self.mode == "topk":
+            values, indices = parts
+            out = torch.zeros(self.numel, dtype=torch.float32, device=values.device)
+            return out.index_put_((indices.long(),), values)
+        scales, codes = parts
+        if self.mode == "sign":
+            signs = 1.0 - 2.0 * unpack_bits(codes, 1, self.numel).to(torch.float32)
+            return dequantize_int8(signs, scales, self.block)
+        if self.mode != "int8":
+            qmax = _QMAX[self.mode]
+            codes = unpack_bits(codes, _BITS[self.mode], self.numel).to(torch.int8) - qmax
+        return dequantize_int8(codes, scales, self.block)

@@ -35,15 +35,25 @@ from pydantic import Field
 
 from parambox.errors import CommTimeout, warn
 from parambox.strategies.base import Options
-from parambox.strategies.compress import DEFAULT_BLOCK, Compression, Compressor
+from parambox.strategies.compress import DEFAULT_BLOCK, DEFAULT_RATIO, Compression, Compressor
 
 
 class ExchangeOptions(Options):
     overlap: bool = Field(False, description="run the exchange in the background and apply it one round late")
     compression: Compression = Field(
-        "none", description="the exchange's encoding: none (float32), bf16, or int8 with per-block scales"
+        "none",
+        description="the exchange's encoding, with error feedback: none (float32), bf16, int8, int4 or int2 "
+        "(per-block scales), sign (1 bit per element and a per-block scale) or topk (the largest entries)",
     )
-    compression_block: int = Field(DEFAULT_BLOCK, ge=1, description="int8: elements per scale")
+    compression_block: int = Field(
+        DEFAULT_BLOCK, ge=1, description="int8, int4, int2, sign: elements per scale"
+    )
+    compression_ratio: float = Field(
+        DEFAULT_RATIO,
+        gt=0,
+        le=1,
+        description="topk: the share of elements each message sends (0 < ratio <= 1)",
+    )
 
 
 def box_compressor(options: ExchangeOptions, numel: int, device: torch.device) -> Compressor | None:
