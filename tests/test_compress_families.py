@@ -186,3 +186,13 @@ def test_two_workers_topk_sum_the_decoded_messages(tmp_path, monkeypatch):
     assert float((w - ex.diloco_closed_form(1.0, 0.0)).abs().max()) > 0.1  # not everything was sent
     sent = [b for b in res[0]["bytes"] if b > 0]
     assert sent == [8 * 3 + 4 * 2] * (ex.STEPS // ex.PERIOD)  # k = 3 of 300, and two flags
+
+
+@pytest.mark.timeout(90)
+def test_the_ratio_option_reaches_the_wire(tmp_path):
+    """compression_ratio=0.05 of 300 elements: 15 kept, each an int32 index and a float32 value."""
+    res = ex.run_two(
+        tmp_path, "diloco", {"inner_steps": ex.PERIOD, "compression": "topk", "compression_ratio": 0.05}
+    )
+    sent = [b for b in res[0]["bytes"] if b > 0]
+    assert sent == [8 * 15 + 4 * 2] * (ex.STEPS // ex.PERIOD)

@@ -133,6 +133,7 @@ class Diloco(Strategy):
             options.compression_block,
             flat.device,
             lambda: self.collective("diloco outer step"),
+            ratio=options.compression_ratio,
         )
         self.averager = DeltaAverager(flat, self._outer_step_, exchange, options.overlap, self.world.rank)
         self.round_steps = 0

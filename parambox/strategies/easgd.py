@@ -244,6 +244,7 @@ class SyncElasticAveraging(Strategy):
             options.compression_block,
             self.x.device,
             lambda: self.collective("easgd elastic averaging"),
+            ratio=options.compression_ratio,
         )
         self.halted, self.nonfinite = False, set()
         self.result: nn.Module | None = None

@@ -66,7 +66,9 @@ def box_compressor(options: ExchangeOptions, numel: int, device: torch.device) -
         f"compression={options.compression} over the box quantizes the pushed update but the box "
         "stores and moves float32: no bytes are saved"
     )
-    return Compressor(options.compression, numel, options.compression_block, device=device)
+    return Compressor(
+        options.compression, numel, options.compression_block, device=device, ratio=options.compression_ratio
+    )
 
 
 class SumExchange:
@@ -85,9 +87,10 @@ class SumExchange:
         block: int = DEFAULT_BLOCK,
         device: torch.device | None = None,
         guard: Callable[[], AbstractContextManager[Any]] = nullcontext,
+        ratio: float = DEFAULT_RATIO,
     ):
         self.numel, self.tail, self.world_size, self.guard = numel, tail, world_size, guard
-        self.compressor = Compressor(compression, numel, block, device=device)
+        self.compressor = Compressor(compression, numel, block, device=device, ratio=ratio)
         self.bytes_sent = 0  # this rank's last message
         self.wait_s = 0.0  # seconds blocked in wait() since the last pop_wait()
         self._work: Any = None

@@ -62,6 +62,7 @@ class WeightAveraging(Strategy):
                 options.compression_block,
                 flat.device,
                 lambda: self.collective("weight averaging"),
+                ratio=options.compression_ratio,
             )
             self.averager = DeltaAverager(flat, flat.sub_, exchange, options.overlap, self.world.rank)
 
