@@ -278,8 +278,11 @@ def _is_async(c: Candidate) -> bool:
 
 
 def _describe(c: Candidate) -> dict[str, Any]:
+    from parambox.strategies import strategy_class
+
+    cls = strategy_class(c.strategy, c.options)
     return {
-        "family": scores.family(c.strategy, _is_async(c)),
+        "family": scores.family(bool(cls.tolerates_worker_loss), bool(cls.period_options)),
         "strategy": c.strategy,
         "options": dict(c.options),
         "settings": dict(c.settings),
