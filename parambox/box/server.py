@@ -248,12 +248,8 @@ class _Server(threading.Thread):
                 req = self.comm.Irecv(header, MPI.ANY_SOURCE, REQUEST_TAG)
                 busy = True
             busy = self._unpark() or self._progress() or busy
-            # Nap, each nap twice the last, from the first again after anything moved. No spin: this
-            # thread shares a core with training (spinning on sleep(0) after each activity cost a
-            # training process 10-13 ms of a 90 ms step; a 50 us spin of sched_yield after each
-            # activity, box-sync 0.93 -> 0.97 of allreduce and downpour 0.97 -> 1.00 at 1 Gbit/s,
-            # medians of 6 bench cluster runs with it and 8 without, 29 Nov), and a timed sleep costs CPU too
-            # (17-32 us on the VMs here), hence the doubling.
+            # Nap, each twice the last, from the first again after anything moved: this thread shares a core
+            # with training, so no spin (a spin slowed the box's rules, bench cluster), and a sleep costs CPU too.
             nap = FIRST_NAP_S if busy else min(2 * nap, _NAP_S if self.jobs or self.parked else _IDLE_NAP_S)
             time.sleep(nap)
         _cancel([req])
