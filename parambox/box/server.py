@@ -15,7 +15,9 @@ follows as chunks of ``CHUNK`` elements on the request's own ``tag``, and the re
 the counter's old value; for a pull, the chunks) comes back on its twin tag, into receives posted before
 the header went out. Tags count up per client, so two outstanding requests never match each other's
 messages. A push-pull is a push whose server sends each chunk of the shard back as soon as it has
-applied it (no ack): the pull's bytes flow back while the push's still flow out. The server applies each chunk of a push as it lands, under a lock that its own rank's local
+applied it (no ack): the pull's bytes flow back while the push's still flow out. A once-only push-pull
+(``push_pull_once``, the node cache's sync) names its origin (``counter``) and a sequence number (``p0``): its
+server applies a chunk once per pair, so a resend of a sync cut by a death adds only what had not landed. The server applies each chunk of a push as it lands, under a lock that its own rank's local
 operations take too (atomic per element against other pushers, as the contract asks); a push's
 handle completes when the server has applied it (its ack), like a ``Flush``.
 
@@ -84,6 +86,16 @@ _HEADER = 10
 _NAP_S = 5e-4  # the longest nap while requests are under way
 _IDLE_NAP_S = 2e-3  # the longest nap of an idle server: a request waits at most this to be seen
 _FAILED = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+
+
+def request_header(
+    op: int, start: int, n: int, counter: int = 0, scale: float = 1.0, *more: float
+) -> np.ndarray:
+    """A request's header (the module's docstring), its tag still 0."""
+    header = np.zeros(_HEADER, dtype=np.int64)
+    header[:5] = [op, 0, start, n, counter]
+    header[5:].view(np.float64)[: 1 + len(more)] = [scale, *more]
+    return header
 
 
 def _failure_class(e: MPI.Exception) -> str | None:
@@ -391,6 +403,8 @@ class ServerBox(ParameterBox):
         self.counters = np.zeros(ncount, dtype=np.int64)
         self._companion: np.ndarray | None = None  # (m, a) per element of the shard: the outer step's
         self.arrived: dict[int, int] = {}  # elements pushed under each key (gated pulls), under the lock
+        # A once-only push-pull's last applied sequence number per (origin, chunk), under the lock
+        self.applied: dict[tuple[int, int], int] = {}
         self.server = _Server(self) if mine or ncount else None
         if self.server is not None:
             self.server.start()
@@ -430,6 +444,13 @@ class ServerBox(ParameterBox):
             self._outer(lo, hi, src, bool(header[4]), *floats)
             return
         with self.lock:
+            if (
+                op == PUSH_PULL and header[4] > 0
+            ):  # once-only: a chunk resent under its sequence number is not
+                chunk, seq = (int(header[4]), lo), int(floats[1])  # applied again (its pull still answers)
+                if self.applied.get(chunk) == seq:
+                    return
+                self.applied[chunk] = seq
             if op == PUSH and header[4] > 0:  # a keyed push: count what landed
                 key = int(header[4]) - 1
                 self.arrived[key] = self.arrived.get(key, 0) + hi - lo
@@ -497,12 +518,13 @@ class ServerBox(ParameterBox):
         for rank, lo, hi in self._pieces_by_shard(start, start + len(buf)):
             part = buf[lo - start : hi - start]
             back = part if out is None else out[lo - start : hi - start]
-            header = np.zeros(_HEADER, dtype=np.int64)
-            header[:5] = [op, 0, lo, hi - lo, counter]
-            header[5:].view(np.float64)[: 1 + len(more)] = [scale, *more]
+            header = request_header(op, lo, hi - lo, counter, scale, *more)
             if rank == self.rank:  # this rank's own shard: no message
                 mine = slice(lo - self.my_start, hi - self.my_start)
-                if op not in (PULL, COMPANION_PULL):
+                if op == PUSH_PULL and counter > 0:  # once-only: chunk by chunk, as a remote request lands
+                    for a, b in _chunks(0, hi - lo):
+                        self.apply(header, mine.start + a, mine.start + b, part[a:b])
+                elif op not in (PULL, COMPANION_PULL):
                     self.apply(header, mine.start, mine.stop, part)
                 if answers:
                     whole = self.companion()[counter] if op == COMPANION_PULL else self.shard
@@ -556,6 +578,21 @@ class ServerBox(ParameterBox):
 
     def _push_pull(self, src: torch.Tensor, out: torch.Tensor, scale: float, start: int) -> Handle:
         return self._transfer(PUSH_PULL, src.numpy(), start, scale, out=out.numpy())
+
+    once = True  # push_pull_once
+
+    def push_pull_once(self, delta: torch.Tensor, out: torch.Tensor, origin: int, seq: int) -> torch.Tensor:
+        """``push_pull(delta, out)`` from ``[0, n)`` that counts each chunk once per ``(origin, seq)``: a
+        resend of the same update under the same ``origin`` (> 0) and ``seq`` adds only the chunks that had
+        not landed (the node cache's sync cut by a death, resent by a node-mate); every chunk's pull answers.
+        Host float32 tensors, flat and contiguous."""
+        if origin <= 0:
+            raise ValueError(f"box {self.name!r}: push_pull_once needs an origin > 0, not {origin}")
+        self._span(delta.numel(), 0)
+        self._transfer(
+            PUSH_PULL, delta.numpy(), 0, 1.0, out=out.numpy(), counter=origin, more=(float(seq),)
+        ).wait()
+        return out
 
     # -- asynchronous DiLoCo's outer step (see the module's docstring) --------------------------------
     fuses_outer_step = True
