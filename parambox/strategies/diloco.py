@@ -29,7 +29,9 @@ until ``served == t`` and adds one when done. Two workers closing different bloc
 arrivals: ``theta`` follows Alg. 3 applied in ticket order. The wait is short (an outer step is a few
 box operations, once per round). A worker killed in the middle of a round takes only its own unpushed
 round with it; a turn whose holder died or stalled past ``lost_after_s`` (``--timeout``) is passed
-over by the next waiter, and that one arrival's step is lost (``TicketLock``). ``theta``, ``m`` and
+over by the next waiter, and that one arrival's step is lost (``TicketLock``): on the memory server
+(``--box rma``) the step commits whole, per shard, once the arrival has landed (``box/server.py``); applied by
+the worker itself (the shm box) a death inside the turn can leave it partly applied. ``theta``, ``m`` and
 the accumulator live in the box, so they outlive any worker (with ``--box rma``, on its memory rank).
 """
 
