@@ -11,6 +11,9 @@ outer_momentum 0.9), exactly as ``torch.optim.SGD(nesterov=True)`` applies it wi
 Synchronous form (the default), over collectives: one allreduce of ``delta`` per round, every worker
 applies the same outer step to its own copy of ``theta``. With ``outer_lr=1, outer_momentum=0`` the
 step is ``theta - (theta - mean theta_i) = mean theta_i``: periodic weight averaging (``weight-avg``).
+With ``overlap`` the allreduce runs behind the next round, and a worker goes on from the delayed global
+weights plus its own progress (``strategies/exchange.py``): parambox's rule, neither Streaming DiLoCo's
+mixing nor Kale et al.'s eager update.
 
 Asynchronous form (``asynchronous: true``), over the box (Liu et al. 2024, asynchronous Local-SGD): a
 worker pushes its pseudo-gradient ``g`` (relative to the ``theta`` it pulled) as soon as it finishes its
