@@ -1,7 +1,7 @@
 """The import graph of ``parambox/`` follows the layers of the design: no import runs back up, and every
 import cycle stays inside one folder.
 
-The layers, top to bottom (``docs/design``: "api and commands on top, then run/, then
+The layers, top to bottom (the design, ``DESIGN.md``: "api and commands on top, then run/, then
 studies/bench/perfmodel, training, workload, strategies, box, runtime"):
 
 - the package itself (``parambox/__init__.py``, the public API), ``__main__``, ``cli``, ``api/``, ``commands/``
