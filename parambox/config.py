@@ -10,6 +10,7 @@ validated by ``ClusterConfig``.
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -191,15 +192,13 @@ class RunConfig(BaseModel):
 
     def strategy_options(self, name: str | None = None):
         """The options of strategy ``name`` (default: this run's), validated by its ``Options`` model:
-        the ``[name]`` table with every default filled in.
+        the ``[name]`` table with every default filled in (:func:`strategy_options`: once per process).
 
         >>> RunConfig(options={"weight-avg": {"period": 4}}).strategy_options("weight-avg").period
         4
         """
-        from parambox.strategies import strategy_class
-
         name = name or self.strategy
-        return validated(strategy_class(name).Options, self.options.get(name, {}), f"{name}.")
+        return strategy_options(name, self.options.get(name, {}))
 
     def validate_options(self) -> None:
         from parambox.strategies import STRATEGIES
@@ -210,6 +209,26 @@ class RunConfig(BaseModel):
                     f"config table [{name}] names no strategy; choose from {', '.join(sorted(STRATEGIES))}"
                 )
             self.strategy_options(name)
+
+
+# (strategy, its table as JSON) -> its validated Options: built once per process, however many times the
+# launcher's checks and the worker's set-up ask (the run's recorded config carries the resolved table).
+_OPTIONS: dict[tuple[str, str], Any] = {}
+_OPTIONS_KEPT = 256
+
+
+def strategy_options(name: str, table: dict[str, Any]):
+    """Strategy ``name``'s ``Options`` from its ``[name]`` table, validated once per process and table (the
+    same object each time after: read it, do not change it)."""
+    from parambox.strategies import strategy_class
+
+    key = (name, json.dumps(table, sort_keys=True, default=str))
+    if key not in _OPTIONS:
+        options = validated(strategy_class(name).Options, table, f"{name}.")
+        if len(_OPTIONS) >= _OPTIONS_KEPT:  # a sweep's many configs: the oldest go
+            del _OPTIONS[next(iter(_OPTIONS))]
+        _OPTIONS[key] = options
+    return _OPTIONS[key]
 
 
 def validated(model: type[BaseModel], values: dict[str, Any], prefix: str = "") -> Any:
@@ -374,12 +393,15 @@ def strategy_defaults(cfg: RunConfig, given: dict[str, Any]) -> dict[str, Any]:
     ``default_options``) that the user's layers ``given`` leave unset."""
     from parambox.strategies import strategy_class
 
-    cls = strategy_class(cfg.strategy, cfg.strategy_options())
+    # the table as the run will have it (the strategy's default options under the user's), so that the
+    # options built here are the ones every later check and the worker's set-up find built
+    mine = given.get("options", {}).get(cfg.strategy, {})
+    table = {**strategy_class(cfg.strategy).default_options, **cfg.options.get(cfg.strategy, {})}
+    cls = strategy_class(cfg.strategy, strategy_options(cfg.strategy, table))
     own: dict[str, Any] = {}
     if not any(k in given for k in OPTIMIZER_CHOICE):
         own.update({k: v for k, v in cls.default_optimizer.items() if k not in given})
     own.update({k: v for k, v in cls.default_run.items() if k not in given})
-    mine = given.get("options", {}).get(cfg.strategy, {})
     options = {k: v for k, v in cls.default_options.items() if k not in mine}
     if options:
         own["options"] = {cfg.strategy: options}

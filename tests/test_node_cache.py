@@ -30,7 +30,7 @@ SIZE, PER_NODE, NUMEL, PUSHES = 4, 2, 30_011, 12
 def _pair(numel: int, extra: int = 0, pushers: int = 2) -> NodeCachedBox:
     tag = uuid.uuid4().hex[:8]
     cross = open_box("shm", World(), numel + extra, 3, name=f"cross-{tag}")
-    node = open_box("shm", World(), 2 * numel, 3, name=f"node-{tag}")
+    node = open_box("shm", World(), 3 * numel, 5, name=f"node-{tag}")
     return NodeCachedBox(cross, node, numel, pushers)
 
 

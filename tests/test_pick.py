@@ -473,8 +473,15 @@ def test_top1_hit_rate_and_prediction_error_over_seeds():
     # measured against measured, per pair of seeds (b unreached in seed 2: slowest there): (0, 1) swap,
     # (0, 2) agree, (1, 2) swap -> median -1
     assert out["measured_repeatability"] == pytest.approx(-1.0)
-    assert scores.family("diloco", False) == "local SGD" and scores.family("diloco", True) == "asynchronous"
-    assert scores.family("allreduce", False) == "synchronous"
+    from parambox.strategies import strategy_class
+
+    def family(name, **options):
+        cls = strategy_class(name, options)
+        return scores.family(cls.tolerates_worker_loss, bool(cls.period_options))
+
+    assert family("diloco") == "local SGD" and family("diloco", asynchronous=True) == "asynchronous"
+    assert family("easgd", sync=True) == "local SGD" and family("easgd") == "asynchronous"
+    assert family("weight-avg") == "local SGD" and family("allreduce") == "synchronous"
 
 
 def test_validate_k_takes_the_top_k_and_k_others_at_random():

@@ -199,7 +199,7 @@ def test_the_tau_h_table_times_measured_steps_by_the_simulated_step():
 
     runs = {
         f"{m}-{t}": {"final_test_accuracy": 0.98, "steps_to_target": None if t == 4 else 100 * t}
-        for m in simulated.TAU_H_EXCHANGE
+        for m in simulated.TAU_H_METHODS
         for t in (1, 4)
     }
     rows = {(r["method"], r["tau"]): r for r in simulated.tau_h_rows(runs, (1, 4), 0.01, S, workers=2)}

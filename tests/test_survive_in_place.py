@@ -92,6 +92,17 @@ def test_a_killed_worker_is_survived_in_place_to_the_closed_form(tmp_path, strat
     _check_closed_form(out)
 
 
+@pytest.mark.slow  # 3 processes, ~15 s
+@pytest.mark.timeout(170)
+def test_weight_avg_with_compression_survives_a_kill_in_place(tmp_path):
+    """The compressed exchange (int8: a constant gradient's update quantizes exactly) is repeated among the
+    survivors as the plain average is, to the same closed form (audit: both survivors died of PeerLost)."""
+    out, _ = _run(
+        tmp_path, "weight-avg", "kill", timeout_s=30, extra=("--set", "weight-avg.compression=int8")
+    )
+    _check_closed_form(out)
+
+
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("strategy", ["allreduce", "ps-sync", "box-sync"])
 def test_a_model_with_buffers_survives_a_kill_in_place(tmp_path, strategy):

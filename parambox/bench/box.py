@@ -45,8 +45,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from parambox.bench.rounds import paired_ratio, time_calls
+from parambox.bench.rounds import paired_ratio
 from parambox.bench.workers import exit_worker, warm
+from parambox.perfmodel.compute import time_calls
 from parambox.runtime import spawn
 from parambox.runtime.dist import destroy_distributed
 

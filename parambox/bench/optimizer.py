@@ -28,7 +28,7 @@ SETUPS = {"ddp": ddp_stepper, "ceiling": plain_stepper}
 
 
 def _optimizer_stepper():
-    from parambox import DistributedOptimizer
+    from parambox.optim import DistributedOptimizer
 
     model, opt = _build()
     dopt = DistributedOptimizer(model, opt, strategy="allreduce")

@@ -88,15 +88,3 @@ def timed_rounds(
 def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> float:
     """Median of the per-round ratios ``numerator[r] / denominator[r]``."""
     return statistics.median(a / b for a, b in zip(numerator, denominator))
-
-
-def time_calls(fn: Callable[[], object], count: int, warmup: int = 0) -> list[float]:
-    """Seconds of each of ``count`` calls of ``fn``, after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(count):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out

@@ -3,7 +3,8 @@
 DistBelief's claim: with more portions than workers and backup copies of the last ones, one slow
 machine does not hold the batch up. Paired rounds of two runs of ``parambox train --strategy
 sandblaster`` (two computing workers, rank 0 coordinating; one worker ``slow_factor`` times slower per
-portion; ``portions`` portions; no line search, so both runs take the same path), with and without
+portion, busy all that time: it computes the portion's gradient again, so a stopped copy frees a core
+that was working, not a sleeper; ``portions`` portions; no line search, so both runs take the same path), with and without
 backups, one after the other in each round. Per round, from the steps after the first (which pays
 one-off set-up), the medians of:
 

@@ -31,7 +31,6 @@ from parambox.runtime.heap import keep_freed_memory
 
 SETUPS = ["ddp", "ceiling", "post-local-sgd", "torchft-diloco"]  # the steppers that are not parambox's
 PERIOD = 4  # weight-avg's period, PostLocalSGD's, and diloco's inner steps (with torchft's sync_every)
-OPTIONS = {"weight-avg": {"period": PERIOD}, "diloco": {"inner_steps": PERIOD}}
 
 
 def _build(seed: int = 0):
@@ -48,12 +47,12 @@ def _make_sgd(params):
 
 def _strategy_stepper(name: str, world, steps: int):
     """A step function running parambox's own strategy class, as `parambox train` would."""
-    from parambox.strategies import Context, build_strategy
+    from parambox.strategies import Context, build_strategy, strategy_class
     from parambox.workload.losses import default_loss
 
     model, _ = _build()
     ctx = Context(world, model, _make_sgd, default_loss, steps, 300.0)
-    strategy = build_strategy(name, ctx, OPTIONS.get(name))
+    strategy = build_strategy(name, ctx, dict.fromkeys(strategy_class(name).period_options, PERIOD))
     return strategy.step, strategy.close
 
 

@@ -11,13 +11,18 @@ The node's box holds the node's view ``V`` of the center and ``G``, the global c
 saw it; always ``V = G + P``, ``P`` the node's pushes not yet sent. A sync (the node's lock held, one
 at a time; a push that finds it taken leaves its update for the next)::
 
-    S = V                      # a snapshot; pushes go on meanwhile
-    G' = cross.push_pull(S - G)    # the node's update out, the global center back: one request
+    S = V; U = S - G; k += 1   # a snapshot (pushes go on meanwhile); the update, kept in the node's box
+    G' = cross.push_pull_once(U, origin=node, seq=k)   # the update out, the global center back
     V += G' - S                # atomic against pushes: what they added since S stays
     G = G'
 
 No update is lost or counted twice, per element: a push that lands before the snapshot is in ``S - G``
-and goes out now; one after it stays in ``V - G'`` for the next sync. A node that has not synced yet
+and goes out now; one after it stays in ``V - G'`` for the next sync. A sync cut short (its process died
+or timed out after some chunks of ``U`` reached the server) leaves ``U`` and ``k`` pending in the node's
+box: the node's next sync, by any node-mate, first sends that ``U`` again under the same ``k`` (``S = G +
+U``), and the memory server applies each chunk once per ``(node, k)`` (``ServerBox.push_pull_once``), so
+the chunks that had landed are not added twice; then it syncs as usual. (Over MPI windows, ``box.server
+= false``, there is no once-only exchange: a resent chunk that had landed counts twice.) A node that has not synced yet
 does so before its first pull, so a write of the center (rank 0's at the start, a resume's) reaches
 every node before anyone reads it; a later write reaches a node at its next sync (its own pushes kept).
 
@@ -38,7 +43,7 @@ import torch
 from parambox.box.base import DONE, BoxConfig, Count, Handle, ParameterBox, open_box
 from parambox.runtime.world import World
 
-_SYNCS, _PUSHES, _PUSHERS = 0, 1, 2  # the node box's counters
+_SYNCS, _PUSHES, _PUSHERS, _SEQ, _PENDING = range(5)  # the node box's counters
 
 
 def applies(box: BoxConfig, world: World) -> bool:
@@ -60,9 +65,10 @@ class NodeCachedBox(ParameterBox):
 
     backend = "rma"
 
-    def __init__(self, cross: ParameterBox, node: ParameterBox, cached: int, pushers: int):
+    def __init__(self, cross: ParameterBox, node: ParameterBox, cached: int, pushers: int, origin: int = 1):
         super().__init__(cross.name, cross.numel, cross.num_counters, cross.timeout)
         self.cross, self.node, self.cached, self.pushers = cross, node, cached, max(1, pushers)
+        self.origin = origin  # the node's name at the memory server (node rank + 1)
         self._local = threading.Lock()  # one sync of this process at a time (a background exchange's too)
         self._snap = torch.empty(cached)
         self._update = torch.empty(cached)
@@ -110,16 +116,36 @@ class NodeCachedBox(ParameterBox):
         with self._local if wait else _try(self._local) as mine, self.node.exclusive(wait=wait) as held:
             if not (mine and held) or (first and self.node.read_counter(_SYNCS) > 0):
                 return bool(mine and held)
-            view = self.node.local_view()
-            v, g = view[: self.cached], view[self.cached : 2 * self.cached]
-            self._snap.copy_(v)
-            torch.sub(self._snap, g, out=self._update)
-            self.cross.push_pull(self._update, self._global)
-            self._snap.neg_().add_(self._global)  # G' - S
-            self.node.push(self._snap)
-            g.copy_(self._global)  # only the lock's holder writes G
-            self.node.add_counter(_SYNCS, 1)
+            while self._exchange():  # a sync cut short before this one: its update resent first
+                pass
             return True
+
+    def _exchange(self) -> bool:
+        """One exchange, the node's lock held: the pending update of a sync cut short if there is one (True
+        then), else the node's update now."""
+        c = self.cached
+        view = self.node.local_view()
+        v, g, pending = view[:c], view[c : 2 * c], view[2 * c : 3 * c]
+        resend = self.node.read_counter(_PENDING) > 0
+        if resend:
+            seq = self.node.read_counter(_SEQ)
+            torch.add(g, pending, out=self._snap)  # its snapshot: S = G + U
+        else:
+            seq = self.node.add_counter(_SEQ, 1) + 1
+            self._snap.copy_(v)
+            torch.sub(self._snap, g, out=pending)  # U, in the node's box before it is marked pending
+            self.node.add_counter(_PENDING, 1)
+        self._update.copy_(pending)
+        if getattr(self.cross, "once", False):
+            self.cross.push_pull_once(self._update, self._global, self.origin, seq)
+        else:
+            self.cross.push_pull(self._update, self._global)
+        self._snap.neg_().add_(self._global)  # G' - S
+        self.node.push(self._snap)
+        g.copy_(self._global)  # only the lock's holder writes G
+        self.node.add_counter(_PENDING, -1)
+        self.node.add_counter(_SYNCS, 1)
+        return resend
 
     def sync_levels(self) -> None:
         self.sync()
@@ -193,8 +219,8 @@ def open_center_box(
     node = open_box(
         "shm",
         node_world,
-        2 * cached,
-        3,
+        3 * cached,
+        5,
         f"{name}-node{world.node_rank}",
         layout_hash=layout_hash,
         timeout=timeout,
@@ -203,4 +229,4 @@ def open_center_box(
         node.add_counter(_PUSHERS, 1)
     node.barrier()
     cross = open_box(box, world, numel, num_counters, name, layout_hash=layout_hash, timeout=timeout)
-    return NodeCachedBox(cross, node, cached, node.read_counter(_PUSHERS))
+    return NodeCachedBox(cross, node, cached, node.read_counter(_PUSHERS), origin=world.node_rank + 1)

@@ -15,7 +15,9 @@ follows as chunks of ``CHUNK`` elements on the request's own ``tag``, and the re
 the counter's old value; for a pull, the chunks) comes back on its twin tag, into receives posted before
 the header went out. Tags count up per client, so two outstanding requests never match each other's
 messages. A push-pull is a push whose server sends each chunk of the shard back as soon as it has
-applied it (no ack): the pull's bytes flow back while the push's still flow out. The server applies each chunk of a push as it lands, under a lock that its own rank's local
+applied it (no ack): the pull's bytes flow back while the push's still flow out. A once-only push-pull
+(``push_pull_once``, the node cache's sync) names its origin (``counter``) and a sequence number (``p0``): its
+server applies a chunk once per pair, so a resend of a sync cut by a death adds only what had not landed. The server applies each chunk of a push as it lands, under a lock that its own rank's local
 operations take too (atomic per element against other pushers, as the contract asks); a push's
 handle completes when the server has applied it (its ack), like a ``Flush``.
 
@@ -39,8 +41,11 @@ pseudo-gradient ``g`` and the rule's coefficients, and the server applies, eleme
     a += g / N;  if last:  m <- beta m + a;  a <- 0;  theta -= lr (k_last m + g / N)
                  else:                               theta -= lr (k m + g / N)
 
-then sends theta back, chunk by chunk, as a push-pull does: the arrival's bytes cross the link once
-each way. Done by the worker, the same step moved 4.5x the model per arrival with 2 workers (the
+computed aside per chunk as it lands (theta's chunk sent back at once, as a push-pull does: the arrival's
+bytes cross the link once each way) and committed, theta, ``m`` and ``a`` together, when its last chunk
+has landed: an arrival whose sender dies half way is applied to no element of the shard. (A box sharded
+over several memory ranks commits per shard: a death while the arrival's sends go out can leave it in
+some shards and not in others.) Done by the worker, the same step moved 4.5x the model per arrival with 2 workers (the
 block's accumulator and momentum pulled and written back). The companions are read and written for
 checkpoints (``pull_companion``, ``write_companion``). Arrivals stay in ticket order (the strategy's
 ticket lock), so the result is Alg. 3's.
@@ -84,6 +89,16 @@ _HEADER = 10
 _NAP_S = 5e-4  # the longest nap while requests are under way
 _IDLE_NAP_S = 2e-3  # the longest nap of an idle server: a request waits at most this to be seen
 _FAILED = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+
+
+def request_header(
+    op: int, start: int, n: int, counter: int = 0, scale: float = 1.0, *more: float
+) -> np.ndarray:
+    """A request's header (the module's docstring), its tag still 0."""
+    header = np.zeros(_HEADER, dtype=np.int64)
+    header[:5] = [op, 0, start, n, counter]
+    header[5:].view(np.float64)[: 1 + len(more)] = [scale, *more]
+    return header
 
 
 def _failure_class(e: MPI.Exception) -> str | None:
@@ -204,6 +219,7 @@ class _Job:
         self.recvs: list[tuple[MPI.Request, int, int]] = []  # (request, lo, hi) in the shard
         self.sends: list[MPI.Request] = []
         self.keep: list = []
+        self.staged: list[tuple[int, int, np.ndarray]] = []  # an outer step's (lo, hi, [theta, m, a]) so far
         self.next = 0
 
 
@@ -248,12 +264,8 @@ class _Server(threading.Thread):
                 req = self.comm.Irecv(header, MPI.ANY_SOURCE, REQUEST_TAG)
                 busy = True
             busy = self._unpark() or self._progress() or busy
-            # Nap, each nap twice the last, from the first again after anything moved. No spin: this
-            # thread shares a core with training (spinning on sleep(0) after each activity cost a
-            # training process 10-13 ms of a 90 ms step; a 50 us spin of sched_yield after each
-            # activity, box-sync 0.93 -> 0.97 of allreduce and downpour 0.97 -> 1.00 at 1 Gbit/s,
-            # medians of 6 bench cluster runs with it and 8 without, 29 Nov), and a timed sleep costs CPU too
-            # (17-32 us on the VMs here), hence the doubling.
+            # Nap, each twice the last, from the first again after anything moved: this thread shares a core
+            # with training, so no spin (a spin slowed the box's rules, bench cluster), and a sleep costs CPU too.
             nap = FIRST_NAP_S if busy else min(2 * nap, _NAP_S if self.jobs or self.parked else _IDLE_NAP_S)
             time.sleep(nap)
         _cancel([req])
@@ -350,10 +362,18 @@ class _Server(threading.Thread):
             _, lo, hi = job.recvs[job.next]
             src = stage[(lo - job.recvs[0][1]) :][: hi - lo]
             op = int(job.header[0])
-            box.apply(job.header, lo, hi, src)
             job.next += 1
             moved = True
-            if op in (PUSH_PULL, OUTER):  # the chunk as this push left it, straight from the shard (a pull)
+            if op == OUTER:  # staged, its theta sent back at once; committed whole when its last chunk lands
+                staged = box.outer_staged(job.header, lo, hi, src)
+                job.keep.append(staged)
+                job.staged.append((lo, hi, staged))
+                if job.next == len(job.recvs):
+                    box.commit_outer(job.staged)
+                job.sends.append(self.comm.Isend(staged[0], job.src, _reply(int(job.header[1]))))
+                continue
+            box.apply(job.header, lo, hi, src)
+            if op == PUSH_PULL:  # the chunk as this push left it, straight from the shard (a pull)
                 job.sends.append(self.comm.Isend(box.shard[lo:hi], job.src, _reply(int(job.header[1]))))
             elif job.next == len(job.recvs):  # applied: the ack completes the client's push
                 ack = np.ones(1, dtype=np.int64)
@@ -395,6 +415,8 @@ class ServerBox(ParameterBox):
         self.counters = np.zeros(ncount, dtype=np.int64)
         self._companion: np.ndarray | None = None  # (m, a) per element of the shard: the outer step's
         self.arrived: dict[int, int] = {}  # elements pushed under each key (gated pulls), under the lock
+        # A once-only push-pull's last applied sequence number per (origin, chunk), under the lock
+        self.applied: dict[tuple[int, int], int] = {}
         self.server = _Server(self) if mine or ncount else None
         if self.server is not None:
             self.server.start()
@@ -434,6 +456,13 @@ class ServerBox(ParameterBox):
             self._outer(lo, hi, src, bool(header[4]), *floats)
             return
         with self.lock:
+            if (
+                op == PUSH_PULL and header[4] > 0
+            ):  # once-only: a chunk resent under its sequence number is not
+                chunk, seq = (int(header[4]), lo), int(floats[1])  # applied again (its pull still answers)
+                if self.applied.get(chunk) == seq:
+                    return
+                self.applied[chunk] = seq
             if op == PUSH and header[4] > 0:  # a keyed push: count what landed
                 key = int(header[4]) - 1
                 self.arrived[key] = self.arrived.get(key, 0) + hi - lo
@@ -457,18 +486,45 @@ class ServerBox(ParameterBox):
             return self._companion
 
     def _outer(self, lo: int, hi: int, g: np.ndarray, last: bool, lr, beta, inv_n, k, k_last) -> None:
-        m, a = self.companion()[:, lo:hi]
-        step = g * np.float32(inv_n)
+        """The outer step on ``[lo, hi)`` at once (this rank's own arrival: no message to be cut)."""
         with self.lock:
-            a += step
-            if last:
-                np.multiply(m, np.float32(beta), out=m)
-                m += a
-                a[:] = 0
-                step += np.float32(k_last) * m
-            elif k:
-                step += np.float32(k) * m
-            self.shard[lo:hi] -= np.float32(lr) * step
+            self._commit(lo, hi, self._outer_values(lo, hi, g, last, lr, beta, inv_n, k, k_last))
+
+    def _outer_values(self, lo, hi, g, last, lr, beta, inv_n, k, k_last) -> np.ndarray:
+        """The outer step's new ``[theta, m, a]`` on ``[lo, hi)``, computed aside (a scratch, not the shard)."""
+        m, a = self.companion()[:, lo:hi]
+        out = np.empty((3, hi - lo), dtype=np.float32)
+        new_theta, new_m, new_a = out
+        step = g * np.float32(inv_n)
+        np.add(a, step, out=new_a)
+        if last:
+            np.multiply(m, np.float32(beta), out=new_m)
+            new_m += new_a
+            new_a[:] = 0
+            step += np.float32(k_last) * new_m
+        else:
+            new_m[:] = m
+            if k:
+                step += np.float32(k) * new_m
+        np.subtract(self.shard[lo:hi], np.float32(lr) * step, out=new_theta)
+        return out
+
+    def _commit(self, lo: int, hi: int, values: np.ndarray) -> None:
+        self.shard[lo:hi] = values[0]
+        self.companion()[:, lo:hi] = values[1:]
+
+    def outer_staged(self, header: np.ndarray, lo: int, hi: int, g: np.ndarray) -> np.ndarray:
+        """A remote arrival's outer step on one chunk, computed aside: its ``[theta, m, a]``."""
+        floats = header[5:].view(np.float64)
+        with self.lock:
+            return self._outer_values(lo, hi, g, bool(header[4]), *floats)
+
+    def commit_outer(self, staged: list[tuple[int, int, np.ndarray]]) -> None:
+        """Every chunk of an arrival's outer step into the shard and its companions, at once: an arrival
+        whose sender died before its last chunk landed is applied to no element of this shard."""
+        with self.lock:
+            for lo, hi, values in staged:
+                self._commit(lo, hi, values)
 
     # -- the client side ------------------------------------------------------------------------
     def _tag(self) -> int:
@@ -501,12 +557,13 @@ class ServerBox(ParameterBox):
         for rank, lo, hi in self._pieces_by_shard(start, start + len(buf)):
             part = buf[lo - start : hi - start]
             back = part if out is None else out[lo - start : hi - start]
-            header = np.zeros(_HEADER, dtype=np.int64)
-            header[:5] = [op, 0, lo, hi - lo, counter]
-            header[5:].view(np.float64)[: 1 + len(more)] = [scale, *more]
+            header = request_header(op, lo, hi - lo, counter, scale, *more)
             if rank == self.rank:  # this rank's own shard: no message
                 mine = slice(lo - self.my_start, hi - self.my_start)
-                if op not in (PULL, COMPANION_PULL):
+                if op == PUSH_PULL and counter > 0:  # once-only: chunk by chunk, as a remote request lands
+                    for a, b in _chunks(0, hi - lo):
+                        self.apply(header, mine.start + a, mine.start + b, part[a:b])
+                elif op not in (PULL, COMPANION_PULL):
                     self.apply(header, mine.start, mine.stop, part)
                 if answers:
                     whole = self.companion()[counter] if op == COMPANION_PULL else self.shard
@@ -560,6 +617,21 @@ class ServerBox(ParameterBox):
 
     def _push_pull(self, src: torch.Tensor, out: torch.Tensor, scale: float, start: int) -> Handle:
         return self._transfer(PUSH_PULL, src.numpy(), start, scale, out=out.numpy())
+
+    once = True  # push_pull_once
+
+    def push_pull_once(self, delta: torch.Tensor, out: torch.Tensor, origin: int, seq: int) -> torch.Tensor:
+        """``push_pull(delta, out)`` from ``[0, n)`` that counts each chunk once per ``(origin, seq)``: a
+        resend of the same update under the same ``origin`` (> 0) and ``seq`` adds only the chunks that had
+        not landed (the node cache's sync cut by a death, resent by a node-mate); every chunk's pull answers.
+        Host float32 tensors, flat and contiguous."""
+        if origin <= 0:
+            raise ValueError(f"box {self.name!r}: push_pull_once needs an origin > 0, not {origin}")
+        self._span(delta.numel(), 0)
+        self._transfer(
+            PUSH_PULL, delta.numpy(), 0, 1.0, out=out.numpy(), counter=origin, more=(float(seq),)
+        ).wait()
+        return out
 
     # -- asynchronous DiLoCo's outer step (see the module's docstring) --------------------------------
     fuses_outer_step = True

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parambox.bench.rounds import time_calls
+from parambox.perfmodel.compute import time_calls
 from parambox.runtime.dist import destroy_distributed
 from parambox.runtime.heap import keep_freed_memory
 from parambox.runtime.mpi import exit_now

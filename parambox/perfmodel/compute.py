@@ -191,3 +191,15 @@ def clamp_noise(table: Mapping[int, float]) -> dict[int, float]:
         best = min(best, out[b])
         out[b] = best
     return out
+
+
+def time_calls(fn: Callable[[], object], count: int, warmup: int = 0) -> list[float]:
+    """Seconds of each of ``count`` calls of ``fn``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out

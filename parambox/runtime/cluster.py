@@ -72,10 +72,8 @@ MAX_NODES = 65000
 MIN_BURST_BYTES = 128 * 1024
 BURST_S = 1e-3
 DEFAULT_LATENCY_MS = 20.0  # the tbf queue: at most this long a wait, then tail drop
-# TCP congestion control inside the nodes: Linux's default, as a cluster's nodes run it, whatever the
-# host machine uses (a new namespace inherits the host's). This VM's host default, BBR, held box-sync's
-# traffic (both directions of one connection full at once) to 0.89 x DDP at 0.1 Gbit/s, against 1.01
-# with CUBIC, DDP's own speed unchanged (``bench cluster``, three paired runs, 28 Nov).
+# TCP congestion control inside the nodes: Linux's default, as a cluster's nodes run it, whatever the host
+# uses (a namespace inherits the host's; BBR slowed box-sync's two-way traffic at 0.1 Gbit/s, bench cluster).
 DEFAULT_TCP_CONGESTION = "cubic"
 _IPV4 = Path("/proc/sys/net/ipv4")
 ALLOWED_CONGESTION = _IPV4 / "tcp_allowed_congestion_control"
@@ -131,10 +129,8 @@ MPI_MCA = {
     # A 25 MB Accumulate across nodes at 1 Gbit/s: 1.2-1.9 s with the default 32 KiB buffers,
     # 0.48-0.53 s with 4 MiB (get + put at link speed is 0.42 s) ...
     "osc_rdma_buffer_size": str(4 << 20),
-    # Open MPI's default, as on a cluster: no TCP progress thread. The memory server (the rma box
-    # across nodes) progresses its own messages, and the thread cost box-sync ~5 ms of CPU a step of
-    # ~65 (bench cluster at 1 Gbit/s, 7 pairs of runs, 29 Nov). MPI's windows across nodes need it:
-    # see WINDOWS_MCA.
+    # Open MPI's default, as on a cluster: no TCP progress thread (the memory server progresses its own
+    # messages, and the thread costs training CPU, bench cluster). MPI's windows across nodes need it: WINDOWS_MCA.
     "btl_tcp_progress_thread": "0",
 }
 # For a job that puts MPI windows across the nodes (``box.server=false``): without the progress thread a

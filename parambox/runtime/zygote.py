@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 ENV = "PARAMBOX_ZYGOTE"  # a zygote's socket name, to use it; "0": no warm starts
@@ -46,6 +46,21 @@ PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "numpy", "py
 # parambox imports its own instead.
 PRELOAD_OWN = ("parambox.cli", "parambox.run.worker", "parambox.training.loop", "parambox.workload")
 _MAX_REQUEST = 1 << 20
+# Hooks of the preloaded modules, which the zygote knows by no name: run once in the zygote after the
+# preload (to import more, e.g. every registered strategy), and in each child once its environment is
+# the request's (a registry read from the environment at import reads it again).
+_WARM: list[Callable[[], None]] = []
+_IN_CHILD: list[Callable[[], None]] = []
+
+
+def when_warming(hook: Callable[[], None]) -> None:
+    """Run ``hook`` in the zygote after its preload; its errors are ignored (a cold import then)."""
+    _WARM.append(hook)
+
+
+def in_child(hook: Callable[[], None]) -> None:
+    """Run ``hook`` in each forked child once the request's environment is set, before its module runs."""
+    _IN_CHILD.append(hook)
 
 
 # -- the client: this process's zygote, and the processes it forks ---------------------------------
@@ -319,11 +334,9 @@ def serve(listen_fd: int) -> dict[str, Any]:
         import torch
 
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    with contextlib.suppress(Exception):
-        from parambox import strategies
-
-        for reference in strategies.STRATEGIES.values():
-            __import__(reference.split(":")[0])
+    for hook in _WARM:
+        with contextlib.suppress(Exception):
+            hook()
     listener = socket.socket(fileno=listen_fd)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -452,22 +465,24 @@ def _threads_as_fresh() -> None:
 
 
 def _own_parambox_or_none() -> None:
-    """Keep the preloaded parambox where the child's ``sys.path`` finds the same one (its strategy
-    registry re-read from the child's environment); else drop it, for the child to import its own."""
+    """Keep the preloaded parambox where the child's ``sys.path`` finds the same one (its hooks run
+    for the child's environment); else drop it, for the child to import its own."""
     loaded = sys.modules.get("parambox")
     spec = next(
         filter(None, (f.find_spec("parambox", None) for f in sys.meta_path if hasattr(f, "find_spec"))), None
     )
     same = loaded is not None and spec is not None and spec.origin == getattr(loaded, "__file__", None)
-    if same and "parambox.strategies" in sys.modules:
-        strategies = sys.modules["parambox.strategies"]
-        strategies.STRATEGIES.update(dict(strategies._user_entries()))
+    if same:
+        for hook in _IN_CHILD:
+            hook()
         return
-    if not same:
-        for name in [m for m in sys.modules if m == "parambox" or m.startswith("parambox.")]:
-            del sys.modules[name]
+    _IN_CHILD.clear()  # the hooks of the modules dropped here
+    for name in [m for m in sys.modules if m == "parambox" or m.startswith("parambox.")]:
+        del sys.modules[name]
 
 
 if __name__ == "__main__":
+    # one module for this file: the preloaded modules register their hooks with `parambox.runtime.zygote`
+    sys.modules.setdefault("parambox.runtime.zygote", sys.modules[__name__])
     os.environ["PYTHONPATH_ZYGOTE"] = os.environ.get("PYTHONPATH", "")
     become(serve(int(sys.argv[1])))

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from parambox.errors import UserError
+from parambox.runtime import zygote
 from parambox.strategies.base import Context, Options, StepResult, Strategy
 
 # name -> "module:Class", imported on first use so that a run loads only its own strategy.
@@ -60,7 +61,18 @@ def _user_entries() -> list[tuple[str, str]]:
     return [tuple(e.split("=", 1)) for e in text.split(";") if "=" in e]  # type: ignore[misc]
 
 
-STRATEGIES.update(dict(_user_entries()))
+def _read_user_entries() -> None:
+    STRATEGIES.update(dict(_user_entries()))
+
+
+def _import_all() -> None:
+    for reference in STRATEGIES.values():
+        importlib.import_module(reference.split(":")[0])
+
+
+_read_user_entries()
+zygote.when_warming(_import_all)  # a warm zygote holds every strategy's module
+zygote.in_child(_read_user_entries)  # a child forked from it reads its own user strategies
 
 
 def strategy_class(name: str, options: Options | dict[str, Any] | None = None) -> type[Strategy]:

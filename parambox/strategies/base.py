@@ -545,7 +545,7 @@ CAUGHT_UP = object()  # Strategy.exchange's word to a rank that took a leader's 
 
 def _exchange_fault(rank: int) -> int | None:
     """The step whose exchange ``PARAMBOX_FAULT``'s ``lose-exchange`` fails on this rank, if any."""
-    from parambox.training.faults import FaultPlan
+    from parambox.runtime.faults import FaultPlan
 
     return FaultPlan.from_env().exchange_fault(rank)
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from parambox.runtime.control import WorkerBoard
+
 
 class DelayedNesterov:
     """The outer step of asynchronous DiLoCo on the box: Delayed Nesterov (Liu et al. 2024, Alg. 3).
@@ -136,7 +138,9 @@ class TicketLock:
     says which ticket it holds (``t + 1``, 0 for none), and a turn that stood still is passed over by
     the waiters, staggered: the one with ``k`` live-looking tickets between the turn and its own waits
     ``(k + 1) stall_s``, then moves ``served`` on to its own ticket (past the stuck turn and any
-    abandoned ones). So the first waiter in line does it, or the next if that one stalled too.
+    abandoned ones). So the first waiter in line does it, or the next if that one stalled too. A turn
+    whose holder is known dead (the local launcher's board, ``WorkerBoard``, or MPI's failed ranks) is
+    passed over at once, by the waiter whose tickets before its own are all dead ranks'.
 
     A holder that wakes after being passed over is fenced at its ends: ``acquire`` returns None when
     its turn went by, and ``release`` adds nothing when ``served`` moved on. A holder stalled in the
@@ -157,8 +161,10 @@ class TicketLock:
         rank: int = 0,
         ranks: int = 0,
         stall_s: float = 300.0,
+        board: WorkerBoard | None = None,
     ):
         self.box, self.ticket, self.rank, self.ranks, self.stall_s = box, ticket, rank, ranks, stall_s
+        self.board = board if board is not None else WorkerBoard.from_env()
         self.served = ticket + 1 if served is None else served
         self.holders = holders
         self.passed_over = 0  # turns this rank moved on from a holder that died or stalled
@@ -188,12 +194,17 @@ class TicketLock:
 
     def wait(self, t: int) -> int | None:
         last, since = self.box.read_counter(self.served), time.monotonic()
+        checked = since
         while (now := self.box.read_counter(self.served)) < t:
+            clock = time.monotonic()
             if now != last:
-                last, since = now, time.monotonic()
-            elif (stood := time.monotonic() - since) > self.stall_s and stood > self.stall_s * (
-                1 + self._ahead(now, t)
-            ):
+                last, since = now, clock
+                continue
+            stood = clock - since > self.stall_s and clock - since > self.stall_s * (1 + self._ahead(now, t))
+            dead = False
+            if not stood and clock - checked > _DEAD_CHECK_S:
+                checked, dead = clock, self._dead_before(now, t)
+            if stood or dead:
                 self.box.add_counter(self.served, t - now)  # pass over turns now..t-1
                 self.passed_over += t - now
                 break
@@ -207,6 +218,19 @@ class TicketLock:
         if self.box.read_counter(self.served) == t:  # else passed over while holding it: fenced
             self.box.add_counter(self.served, 1)
         self.clear()
+
+    def _dead_before(self, now: int, t: int) -> bool:
+        """The turn's holder is known dead, and so is every other holder of a ticket before ``t``."""
+        if self.holders is None:
+            return False
+        dead = set(self.board.dead_ranks() if self.board is not None else ())
+        dead.update(self.box.failed_ranks())
+        if not dead:
+            return False
+        held = {r: self.box.read_counter(self.holders + r) - 1 for r in range(self.ranks) if r != self.rank}
+        if not any(h == now and r in dead for r, h in held.items()):
+            return False
+        return all(r in dead for r, h in held.items() if now <= h < t)
 
     def _ahead(self, now: int, t: int) -> int:
         """Tickets others hold between the stuck turn and ``t`` (the waiters in line before this one)."""
@@ -235,4 +259,5 @@ def local_steps(own_s: float, others_s: list[float], inner_steps: int) -> int:
     return max(1, round(fastest / own_s * inner_steps))
 
 
+_DEAD_CHECK_S = 0.05  # how often a waiter reads who is dead (the board, MPI's failed ranks)
 SAME_SPEED = 0.05  # DyLU holds H for a worker this close to the fastest (a fraction of its speed)

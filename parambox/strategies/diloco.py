@@ -11,6 +11,9 @@ outer_momentum 0.9), exactly as ``torch.optim.SGD(nesterov=True)`` applies it wi
 Synchronous form (the default), over collectives: one allreduce of ``delta`` per round, every worker
 applies the same outer step to its own copy of ``theta``. With ``outer_lr=1, outer_momentum=0`` the
 step is ``theta - (theta - mean theta_i) = mean theta_i``: periodic weight averaging (``weight-avg``).
+With ``overlap`` the allreduce runs behind the next round, and a worker goes on from the delayed global
+weights plus its own progress (``strategies/exchange.py``): parambox's rule, neither Streaming DiLoCo's
+mixing nor Kale et al.'s eager update.
 
 Asynchronous form (``asynchronous: true``), over the box (Liu et al. 2024, asynchronous Local-SGD): a
 worker pushes its pseudo-gradient ``g`` (relative to the ``theta`` it pulled) as soon as it finishes its
@@ -29,7 +32,9 @@ until ``served == t`` and adds one when done. Two workers closing different bloc
 arrivals: ``theta`` follows Alg. 3 applied in ticket order. The wait is short (an outer step is a few
 box operations, once per round). A worker killed in the middle of a round takes only its own unpushed
 round with it; a turn whose holder died or stalled past ``lost_after_s`` (``--timeout``) is passed
-over by the next waiter, and that one arrival's step is lost (``TicketLock``). ``theta``, ``m`` and
+over by the next waiter, and that one arrival's step is lost (``TicketLock``): on the memory server
+(``--box rma``) the step commits whole, per shard, once the arrival has landed (``box/server.py``); applied by
+the worker itself (the shm box) a death inside the turn can leave it partly applied. ``theta``, ``m`` and
 the accumulator live in the box, so they outlive any worker (with ``--box rma``, on its memory rank).
 """
 

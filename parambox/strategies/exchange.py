@@ -10,12 +10,18 @@ the seconds it blocked are the step's ``exchange_wait_s``.
 :class:`DeltaAverager` is the exchange of a round's progress ``delta = s - x`` (the replica at the
 round's start minus now), averaged over the ranks and applied to the global weights ``theta`` by an
 outer step (weight-avg: ``theta - mean delta``; diloco: Nesterov SGD on ``mean delta``). Undelayed,
-a round ends with ``theta <- outer(theta, mean delta); x <- theta``. With ``overlap`` the mean of a
-round's delta is applied one round late, as in Streaming DiLoCo's overlapped outer step (and the
-one-step delayed DiLoCo of Kale et al. 2025), keeping the local progress made meanwhile::
+a round ends with ``theta <- outer(theta, mean delta); x <- theta``. With ``overlap`` the rule is
+parambox's own, *delayed global weights plus own progress*: the mean of a round's delta is applied one
+round late, and each replica goes on from the global weights so updated (a round behind) plus its own
+progress of the round just ended::
 
     delta_k = s - x;  theta <- outer(theta, mean delta_{k-1}) (waits);  start sum(delta_k)
     x <- theta - delta_k;  s <- x
+
+It is neither Streaming DiLoCo's overlapped outer step (which mixes the arriving global fragment with the
+local one, Douillard et al. 2025) nor the eager one-step-delayed update of Kale et al. 2025 (which uses the
+worker's own, undelayed pseudo-gradient in place of the missing mean): no mixing, and the own progress is
+added to the delayed weights as it is.
 
 With gradients that do not depend on the weights every round's delta is the same in both forms, so
 both end at the same ``theta`` (tests/test_exchange.py checks the closed form).
@@ -39,7 +45,11 @@ from parambox.strategies.compress import DEFAULT_BLOCK, DEFAULT_RATIO, Compressi
 
 
 class ExchangeOptions(Options):
-    overlap: bool = Field(False, description="run the exchange in the background and apply it one round late")
+    overlap: bool = Field(
+        False,
+        description="exchange in the background; go on from the delayed global weights (the round's mean applied "
+        "one round late) plus this worker's own progress",
+    )
     compression: Compression = Field(
         "none",
         description="the exchange's encoding, with error feedback: none (float32), bf16, int8, int4 or int2 "

@@ -65,6 +65,8 @@ class WeightAveraging(Strategy):
                 ratio=options.compression_ratio,
             )
             self.averager = DeltaAverager(flat, flat.sub_, exchange, options.overlap, self.world.rank)
+            if self.joining:
+                exchange.compressor.forget_error_()  # the error it owes is its own: none yet
 
     def _average(self, step: int) -> None:
         if self.world.world_size == 1:
@@ -97,15 +99,20 @@ class WeightAveraging(Strategy):
                 self._average(step)
                 extra["exchange_bytes"] = 4.0 * sum(t.numel() for t in self.params + self.buffers)
             else:
-                self._round_end()
+                self._round_end(step)
                 extra["exchange_bytes"] = float(self.averager.exchange.bytes_sent)
         extra["exchange_wait_s"] = self._waited()
         return StepResult(loss_value(loss), samples, self.timers.pop(), extra)
 
-    def _round_end(self) -> None:
-        tensors = self.params + self.buffers
+    def _round_end(self, step: int) -> None:
+        """The round's progress exchanged (compressed, or overlapped). In a run that survives in place a lost
+        peer makes the survivors repeat it among themselves (``redo_``), as the plain average does."""
+        local = parameters_to_vector(self.params + self.buffers).detach()
+        keep = self.elastic is not None
         with self.timers.phase("allreduce"):
-            x_next = self.averager.round_end_(parameters_to_vector(tensors).detach())
+            x_next = self.exchange(
+                lambda: self.averager.round_end_(local, keep=keep), step, self.averager.redo_
+            )
         self._copy_in(x_next)
 
     def _copy_in(self, flat: torch.Tensor) -> None:
@@ -124,7 +131,7 @@ class WeightAveraging(Strategy):
         if self.averager is None:
             self._average(self.ctx.steps)
         else:
-            self._round_end()  # the last (partial) round, then what is still pending
+            self._round_end(self.ctx.steps)  # the last (partial) round, then what is still pending
             with self.timers.phase("allreduce"):
                 self.averager.flush_()
             self._copy_in(self.averager.theta)

@@ -320,7 +320,7 @@ def verdict_keuper_sim(m: dict[str, Any]) -> tuple[str, str]:
 # -- the tau-H table: local steps between exchanges, accuracy and time to 98 % ----------------------
 
 TAU_H = (1, 4, 16, 64)
-TAU_H_EXCHANGE = {"easgd": "box", "eamsgd": "box", "downpour": "box", "diloco": "allreduce"}
+TAU_H_METHODS = ("easgd", "eamsgd", "downpour", "diloco")
 TAU_H_GBPS = (1.0, 0.1)
 
 
@@ -338,7 +338,7 @@ def _tau_h_plan(ctx) -> tuple[list, tuple[int, ...], float]:
         taus, target = TAU_H, 0.98
         base = preset("time-to-accuracy")  # LeNet on MNIST, 2 workers, 2000 steps, evaluated every 100
     planned = []
-    for method in TAU_H_EXCHANGE:
+    for method in TAU_H_METHODS:
         for tau in taus:
             cfg = merge(base, {"strategy": method, "lr": lr_for(method, base["lr"], base["workers"])})
             cfg = merge(cfg, method_optimizer(method))
@@ -366,7 +366,7 @@ def measure_tau_h(ctx):
             "median_step_s": step_statistics(run_dir)[0],
         }
     # Compute per step: the runs that exchange least (every 64th step, or the quick form's largest).
-    compute_s = statistics.median(runs[f"{m}-{taus[-1]}"]["median_step_s"] for m in TAU_H_EXCHANGE)
+    compute_s = statistics.median(runs[f"{m}-{taus[-1]}"]["median_step_s"] for m in TAU_H_METHODS)
     data = planned[0].config["data"]
     size = lenet_bytes(data)
     rows = tau_h_rows(runs, taus, compute_s, size, planned[0].config["workers"])
@@ -393,9 +393,12 @@ def tau_h_rows(runs: dict, taus, compute_s: float, size_bytes: float, workers: i
     link rate of ``TAU_H_GBPS``: those steps x the simulated step of that method's exchange every tau."""
     from parambox.perfmodel.simulate import Pattern, simulate
     from parambox.perfmodel.topology import Network
+    from parambox.strategies import strategy_class
 
     rows = []
-    for method, exchange in TAU_H_EXCHANGE.items():
+    for method in TAU_H_METHODS:
+        # its exchange as pick models it: the box for the asynchronous forms, a ring allreduce otherwise
+        exchange = "box" if strategy_class(method).tolerates_worker_loss else "allreduce"
         for tau in taus:
             r = runs[f"{method}-{tau}"]
             row = {"method": method, "tau": tau, **r, "seconds_to_target": {}}

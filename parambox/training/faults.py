@@ -17,53 +17,24 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from parambox.runtime.control import current_life
+from parambox.runtime import faults
+from parambox.runtime.faults import partition_seconds
 from parambox.strategies.base import map_tensors
 
+__all__ = ["FaultPlan", "partition", "partition_seconds"]
 
-@dataclass(frozen=True)
-class FaultPlan:
+
+class FaultPlan(faults.FaultPlan):
     """The faults to inject, as ``(rank, step, kind)``; empty (and false) in a normal run.
 
     >>> plan = FaultPlan.parse("1:20:nan"); bool(plan), plan.faults
     (True, ((1, 20, 'nan'),))
     """
-
-    faults: tuple[tuple[int, int, str], ...] = field(default_factory=tuple)
-
-    @classmethod
-    def parse(cls, spec: str | None) -> FaultPlan:
-        faults = []
-        for item in (spec or "").split(","):
-            if item.strip():
-                rank, step, kind = item.strip().split(":")
-                faults.append((int(rank), int(step), kind))
-                if kind.startswith("partition"):
-                    partition_seconds(kind)  # a malformed duration fails at start-up, not at the step
-        return cls(tuple(faults))
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> FaultPlan:
-        """The plan in ``PARAMBOX_FAULT``; empty in a replacement or restarted worker (its first life
-        had the fault: a second one would only fault again)."""
-        env = os.environ if env is None else env
-        if current_life(env) > 0:
-            return cls()
-        return cls.parse(env.get("PARAMBOX_FAULT"))
-
-    def exchange_fault(self, rank: int) -> int | None:
-        """The step whose exchange ``lose-exchange`` fails on ``rank``; None if none."""
-        return next((st for r, st, kind in self.faults if r == rank and kind == "lose-exchange"), None)
-
-    def __bool__(self) -> bool:
-        return bool(self.faults)
 
     def inject(self, rank: int, step: int, batch: Any) -> Any:
         """Apply this rank's faults due at ``step`` to its ``batch`` (or to the process itself)."""
@@ -83,17 +54,6 @@ class FaultPlan:
             elif kind.startswith("partition") and step == f_step:
                 partition(partition_seconds(kind))
         return batch
-
-
-def partition_seconds(kind: str) -> float:
-    """``partition=T`` -> T (seconds, > 0)."""
-    try:
-        seconds = float(kind.split("=", 1)[1])
-    except (IndexError, ValueError):
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"PARAMBOX_FAULT kind {kind!r}: expected partition=SECONDS, e.g. partition=2")
-    return seconds
 
 
 def partition(seconds: float) -> subprocess.Popen:

@@ -98,15 +98,15 @@ def compute_portion(
     bounds: tuple[int, int],
     slow_factor: float = 1.0,
     stopped: Callable[[], bool] = lambda: False,
-    wait: Callable[[float], None] = time.sleep,
 ) -> torch.Tensor | None:
     """``[loss sum, samples, seconds, gradient sum...]`` of one portion at the model's weights, on
     the CPU (messages go over gloo, also where the model is on a GPU); None if ``stopped()`` said so
     before the forward pass, before the backward pass or during the slow machine's extra time.
 
     Sums, not means: portions of different sizes add up to the batch's totals. ``slow_factor > 1``
-    waits (``wait``, which a stop may cut short) so that the portion takes that many times as long:
-    the demo's slow machine, whose extra time is the part a stop saves.
+    computes the portion's gradient again (results dropped) until the portion has taken that many
+    times as long: the demo's slow machine, busy as a slow one is, and stopped between passes (the
+    part a stop saves).
     """
     start, end = bounds
     params = [p for p in model.parameters() if p.requires_grad]
@@ -122,9 +122,11 @@ def compute_portion(
     loss.backward()
     grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
     seconds = time.perf_counter() - t0
-    if slow_factor > 1.0:
-        wait((slow_factor - 1.0) * seconds)
-        seconds = time.perf_counter() - t0
+    while slow_factor > 1.0 and time.perf_counter() - t0 < slow_factor * seconds:
+        if stopped():
+            return None
+        torch.autograd.grad(loss_fn(model, portion), params, allow_unused=True)  # the same work again
+    seconds = time.perf_counter() - t0
     if stopped():
         return None
     return torch.cat([torch.tensor([float(loss.detach()), float(end - start), seconds]), grad.detach().cpu()])

@@ -28,7 +28,7 @@ iterate gathered to rank 0 for the test set counts apart (``bytes_to_rank0_for_e
 The dispatch policy is ``portions.py``, the coordinator's messaging ``farm.py``, the workers'
 compute thread ``worker.py``, the sharded L-BFGS ``shards.py``; this module holds the L-BFGS step
 and the workers' side. ``--set sandblaster.slow_worker=RANK:FACTOR`` makes one worker take FACTOR
-times as long per portion (it waits), to show the backups at work. Per step, ``portion_phase_s``
+times as long per portion (it computes the portion's gradient again), to show the backups at work. Per step, ``portion_phase_s``
 (the evaluations' portion phases) and ``step_s`` (the whole step at the coordinator) show what the
 backups save.
 """

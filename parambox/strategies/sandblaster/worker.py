@@ -85,7 +85,6 @@ class PortionWorker:
         self.grads = PortionGrads()
         self.tasks: queue.Queue = queue.Queue()
         self.last_over = -1  # the newest evaluation known to be over: its portions are stopped
-        self.wake = threading.Event()
         self.error: BaseException | None = None
         self.computed, self.stopped, self.busy_s = 0, 0, 0.0  # over the run
         self.thread = threading.Thread(target=self._run, name="sandblaster-portions", daemon=True)
@@ -98,17 +97,9 @@ class PortionWorker:
     def cancel_through(self, eval_id: int) -> None:
         """Evaluation ``eval_id`` (and every older one) is over: stop its portions."""
         self.last_over = eval_id
-        self.wake.set()
 
     def _stale(self, eval_id: int) -> bool:
         return self.last_over >= 0 and is_over(eval_id, self.last_over)
-
-    def _wait(self, seconds: float, eval_id: int) -> None:
-        """The slow machine's extra time, cut short when the portion's evaluation is over."""
-        deadline = time.perf_counter() + seconds
-        while not self._stale(eval_id) and (left := deadline - time.perf_counter()) > 0:
-            self.wake.wait(left)
-            self.wake.clear()
 
     def _run(self) -> None:
         while (task := self.tasks.get()) is not None:
@@ -119,7 +110,7 @@ class PortionWorker:
                 t0 = time.perf_counter()
                 out = compute_portion(
                     self.model, self.loss_fn, batch, bounds[portion], self.slow_factor,
-                    stopped=partial(self._stale, eval_id), wait=partial(self._wait, eval_id=eval_id),
+                    stopped=partial(self._stale, eval_id),
                 )  # fmt: skip
                 self.busy_s += time.perf_counter() - t0
                 if out is None:  # stopped: 0 samples says "free again" and counts nowhere

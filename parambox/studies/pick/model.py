@@ -42,29 +42,13 @@ from dataclasses import dataclass, field
 from parambox.perfmodel.topology import Network, comm_time_s
 
 # A probe whose convergence ratio fell below this fraction of its first value had not found its pace:
-# its estimate is lowered by half that fall again (the square root of its drift), its band's low end
-# by all of it (28-29 Nov, 17 three-seed pick runs replayed: such setups, downpour with Adagrad and
-# the two DiLoCos most often, measured up to 2.7x their median-of-the-last-points predictions; with
-# the half fall, tau rose in 5 of 5 runs at 1 Gbit/s, 0.50-0.60 to 0.63-0.77, and 5 of 5 at 0.1).
+# its estimate is lowered by half that fall again, its band's low end by all of it (docs/pick-validation.md).
 DRIFT_FLOOR = 0.8
-# ... unless its loss made a new low at under this share of the probe's evaluations: then the ratio
-# fell on plateaus, whose samples its last points count already, and extrapolating the fall counts
-# them twice. Replayed on 29 Nov over the probes of 15 seed-runs (five pick runs, 28-29 Nov) against
-# the samples their runs to the target took, median error with the rule on every fall and with this
-# share: Dogwild 0.19 and 0.76 to 0.12 and 0.26; Downpour 0.24 and 0.26 to 0.15 and 0.14; the
-# asynchronous family 0.157 and 0.149 to 0.144 and 0.122; the synchronous DiLoCo 0.27 and 0.56 to
-# 0.32 and 0.38, the asynchronous one 0.12 to 0.21 in the first four runs; Adagrad's probes (0.67-1.0
-# of their points new lows) keep the rule.
+# ... unless its loss made a new low at under this share of its evaluations: a fall on plateaus, which
+# its last points count already (docs/pick-validation.md).
 STEADY_SHARE = 0.6
-# A probe's evaluations count once its loss has come this far of the way the reference went to the
-# target; probes stop (``STOP_PROGRESS``) once it has come that far, or after a fraction of the
-# reference's steps to the target. All the way, not 70 % (until 29 Nov): the synchronous DiLoCo's
-# loss falls fast for five outer rounds and then stalls for a hundred steps while its accuracy
-# creeps up, and a probe stopped at 70 % read only the fast part. Replayed on the validation runs of
-# five three-seed passes (29 Nov night, 15 seed-runs; each run's curve cut where a probe would stop),
-# the median error in samples to the target: DiLoCo 0.60 to 0.18, downpour with Adagrad 0.59 to
-# 0.34, the families' medians 0.003 to 0.029 (synchronous), 0.154 to 0.111 (local SGD), 0.109 to
-# 0.085 (asynchronous); the probes train 0.98 of the reference's samples instead of 0.59.
+# A probe's evaluations count once its loss has come this far of the reference's way to the target; probes
+# stop at all of it (a loss that falls fast and then stalls, DiLoCo's, is read whole; docs/pick-validation.md).
 MIN_PROGRESS = 0.2
 STOP_PROGRESS = 1.0
 LAST_POINTS = 3  # the estimate: the median of the ratios nearest the target

@@ -25,7 +25,6 @@ import statistics
 from typing import Any
 
 FAMILIES = ("synchronous", "local SGD", "asynchronous")
-LOCAL_SGD = {"weight-avg", "diloco"}  # periodic averaging; easgd's synchronous form as well
 
 
 def kendall_tau(x: list[float], y: list[float]) -> float | None:
@@ -95,11 +94,17 @@ def prediction_error(
     return {k: statistics.median(v) for k, v in errors.items()}
 
 
-def family(strategy: str, asynchronous: bool) -> str:
-    """The strategy family a setup belongs to (``asynchronous``: it tolerates a lost worker)."""
+def family(asynchronous: bool, local_steps: bool) -> str:
+    """The strategy family a setup belongs to, from its strategy's class: ``asynchronous``: it tolerates a
+    lost worker (``tolerates_worker_loss``); ``local_steps``: it steps locally between exchanges
+    (``period_options``: weight-avg, diloco, easgd's synchronous form, hybrid).
+
+    >>> family(True, True), family(False, True), family(False, False)
+    ('asynchronous', 'local SGD', 'synchronous')
+    """
     if asynchronous:
         return "asynchronous"
-    return "local SGD" if strategy in LOCAL_SGD or strategy == "easgd" else "synchronous"
+    return "local SGD" if local_steps else "synchronous"
 
 
 def family_error(per_setup: dict[str, float], families: dict[str, str]) -> dict[str, float | None]:

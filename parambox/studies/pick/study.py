@@ -13,16 +13,14 @@
    order they reached it; the rest keep their predicted order. A probe's convergence ratio is read
    over the first part of the way and is often optimistic (local SGD's and Adagrad's early pace), so
    a race among the few the model puts ahead costs K runs and catches a top pick that only looked
-   fast. Five, not three: with the predictions 15-25 % off, no setup within 1.2x of the fastest was
-   predicted in the top three in 2 of 18 seed-runs of 28-29 Nov (4th, 5th; docs/pick-validation.md).
+   fast. Five, not three: with the predictions 15-25 % off, the fastest setups are at times predicted
+   4th or 5th (docs/pick-validation.md).
    The leader then runs again (one run's time to the target spreads by 10-40 %: the race's fastest
    single run is often a lucky draw), a new leader too, and the race goes on past K while a
    candidate not yet raced is predicted faster than the leader's time, allowing for the model's
    error as the race measured it (two deviations of it; up to 2K entries): the model's order is not
    trusted past the leader's measured time and its own error, and a prediction within them could
-   still win (29 Nov, loopback seed 12, twice: hogwild, predicted 7th at 0.34 s, measured the best at
-   0.27 s, the race's leader 1.22x it; then eamsgd, predicted 6th at 0.45 s, measured the best at
-   0.28 s, the leader 1.22x it).
+   still win (docs/pick-validation.md).
    ``predicted_rank`` keeps the model's own order, and validation scores both.
 4. ``validate``: every candidate ranked (``num_validated`` None), or the top K and K others drawn at
    random, and the reference are trained to the target, ``validate_runs`` times each (the median is
@@ -53,22 +51,15 @@ from parambox.studies.pick import runs, scores
 from parambox.studies.pick.candidates import Candidate, registry_candidates
 
 REFERENCE = "allreduce"  # the issue's baseline: validation always measures it
-# A top pick whose convergence ratio fell below this fraction of its first value over its probe is
-# not confident (27 Nov, 6 seed-runs replayed: such top picks measured 1.0-1.63x the best; the one
-# whose ratio held, 1.02x; every candidate whose ratio fell under 0.7 measured 1.0-3.65x the best).
+# A top pick whose convergence ratio fell below this fraction of its first value is not confident: such
+# picks measured up to 1.6x the best (docs/pick-validation.md).
 DRIFT_FLOOR = pm.DRIFT_FLOOR
-# The race's runs of one setup spread by 7-14 % of their median on a quiet machine (29 Nov, six
-# three-seed runs): a raced candidate within this factor of the leader's time is a draw with it and
-# runs a second time before the race ends (29 Nov, loopback seed 13: downpour's one race run, 0.29 s,
-# lost to hogwild's two, 0.28 and 0.26, and its three validation runs took 0.20-0.23 s).
+# A raced candidate within this factor of the leader's time is a draw with it (one setup's runs spread
+# by 7-14 %), and runs a second time before the race ends (docs/pick-validation.md).
 CLOSE_RACE = 1.15
-# An unraced candidate races while its prediction is within this many standard deviations of the
-# race's own measured error (the RMS of log(predicted / measured) over the raced setups) of the
-# leader's time. 29 Nov (night), the race replayed 400 times on four loopback and three linked
-# three-seed passes: the median |error| as the margin (about 0.67 of one deviation) met 1.2x of the
-# best in 76 % of loopback's seeds, two deviations in 88 % (links: 98 % either way), for 12 runs a
-# seed instead of 9; three deviations, 89 %. A third run for a raced setup whose faster run beat the
-# leader gained nothing there: what is left is the runs' own spread among near-ties.
+# An unraced candidate races while its prediction is within this many deviations of the race's own measured
+# error (RMS of log(predicted / measured)) of the leader's time: two caught the best more often than one
+# at a few runs more, three no more than two (docs/pick-validation.md).
 RACE_DEVIATIONS = 2.0
 ASSUMPTIONS = [
     "convergence per sample relative to the reference, measured over the probe, holds to the target; "
@@ -278,8 +269,11 @@ def _is_async(c: Candidate) -> bool:
 
 
 def _describe(c: Candidate) -> dict[str, Any]:
+    from parambox.strategies import strategy_class
+
+    cls = strategy_class(c.strategy, c.options)
     return {
-        "family": scores.family(c.strategy, _is_async(c)),
+        "family": scores.family(bool(cls.tolerates_worker_loss), bool(cls.period_options)),
         "strategy": c.strategy,
         "options": dict(c.options),
         "settings": dict(c.settings),
