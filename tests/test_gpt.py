@@ -194,3 +194,16 @@ def test_bench_defaults_on_text_aim_at_a_perplexity():
     assert Goal.of(None, None).flags() == [] and Goal.of(None, None).reached(0.96)
     proc = run_cli("bench", "sync", "--model", "gpt", check=False)
     assert proc.returncode == 2 and "apply to bench cluster and defaults only" in proc.stderr
+
+
+def test_a_pipeline_cut_through_tied_weights_is_refused():
+    """The tied embedding and head in two stages would each train a copy of their own (the result kept
+    one): refused with a line that names the parameter and the untied factory."""
+    from parambox.models.gpt import build_gpt, gpt_untied
+    from parambox.strategies.pipeline.stages import check_untied, stage_bounds
+
+    tied = build_gpt("gpt", 16)
+    with pytest.raises(UserError, match="shared by stages 0 and 1.*gpt_untied"):
+        check_untied("pipeline", tied, stage_bounds([3], len(tied)))
+    untied = gpt_untied()
+    check_untied("pipeline", untied, stage_bounds([3], len(untied)))

@@ -144,6 +144,13 @@ def gpt_with_mask_buffer() -> nn.Sequential:
     return build_gpt("gpt", 128, mask_buffer=True)
 
 
+def gpt_untied() -> nn.Sequential:
+    """``gpt`` at the ``text`` context with an output layer of its own (no tied embedding): a pipeline
+    may then put the embedding and the head in different stages. ``--model
+    parambox.models.gpt:gpt_untied --data text``."""
+    return build_gpt("gpt", 128, tied=False)
+
+
 def _init_residuals(model: nn.Sequential, layers: int) -> None:
     # GPT-2's initialisation: linear weights N(0, 0.02), the projections into the residual stream
     # scaled by 1/sqrt(2 * layers) so its variance does not grow with depth.

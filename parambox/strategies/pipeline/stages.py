@@ -88,7 +88,7 @@ def check_untied(strategy: str, model: nn.Sequential, bounds: list[tuple[int, in
                     raise UserError(
                         f"{strategy}: parameter {i}.{name} is shared by stages {first} and {s} (tied weights); "
                         "cut the model so that both uses sit in one stage (split_points), or untie them "
-                        "(the zoo's gpt: tied=False)"
+                        "(the zoo's gpt: --model parambox.models.gpt:gpt_untied)"
                     )
 
 
