@@ -148,7 +148,7 @@ class AsyncStrategy(Strategy):
         self.halted = False
         self._final = False
         # Who is in the run (start, counted steps, status, termination, lost peers): the box's counters.
-        self.members = Membership(
+        self.membership = Membership(
             self.box,
             self.counters,
             rank,
@@ -178,10 +178,10 @@ class AsyncStrategy(Strategy):
     def _join(self) -> None:
         """Rank 0 puts the initial center in the box (unless a previous life of it did), the others
         wait for that alone; a replacement then starts from the center."""
-        self.members.join(lambda: self.box.write(self.x))  # every rank starts from the same weights
+        self.membership.join(lambda: self.box.write(self.x))  # every rank starts from the same weights
         if self.rejoined:
             self.client.pull(self.x)
-            self.members.reached = self.members.steps_done >= self.ctx.steps
+            self.membership.reached = self.membership.steps_done >= self.ctx.steps
 
     def data_partition(self) -> tuple[int, int]:
         # Memory ranks read no data; they get a valid shard all the same.
@@ -213,14 +213,14 @@ class AsyncStrategy(Strategy):
         if self.halted:
             return
         self.halted = True
-        self.members.set_status(self.world.rank, NONFINITE)
+        self.membership.set_status(self.world.rank, NONFINITE)
         warn(f"rank {self.world.rank}: non-finite {what} at step {step}; it stops pushing and leaves the run")
 
     def step_result(self, loss: torch.Tensor | None, samples: int) -> StepResult:
         """Count the step in the box (:meth:`Membership.count_step`: heartbeat, termination, the run's
         samples) and report comm times and staleness."""
         with self.timers.phase("count"):
-            self.members.count_step(samples)
+            self.membership.count_step(samples)
         extra = {"staleness": float(self.client.staleness)}
         if self.halted:
             extra["nonfinite"] = 1.0
@@ -233,12 +233,12 @@ class AsyncStrategy(Strategy):
     def should_stop(self, step: int) -> bool:
         if self.halted or self.serves:
             return True
-        return self.members.should_stop(step)
+        return self.membership.should_stop(step)
 
     def finish(self) -> None:
         """Push what is left, say DONE; rank 0 waits for the others (or finds them lost) and takes the
         center; a memory rank serves until then."""
-        rank, members = self.world.rank, self.members
+        rank, members = self.world.rank, self.membership
         if self.serves:
             members.serve()
             return
@@ -273,8 +273,8 @@ class AsyncStrategy(Strategy):
         if self.serves:
             return {}
         state = super().state_dict()
-        self.members.settle()
-        state["steps_done"] = self.members.steps_done
+        self.membership.settle()
+        state["steps_done"] = self.membership.steps_done
         if self.world.rank == 0:
             state["center"] = self.box.pull(torch.empty(self.numel)).clone()
             if self.extra_numel:  # the strategy's own state in the box (Adagrad's sums, diloco's momentum)
@@ -294,7 +294,7 @@ class AsyncStrategy(Strategy):
             if "box_extra" in state and self.extra_numel:
                 self.box.write(state["box_extra"], self.extra_start)
 
-        self.members.resume(int(state.get("steps_done", 0)), put_back)
+        self.membership.resume(int(state.get("steps_done", 0)), put_back)
 
     def total_samples(self, local: int) -> float:
         """Every worker's samples, counted in the box (also those of lost and replaced workers)."""
@@ -307,7 +307,7 @@ class AsyncStrategy(Strategy):
 
     def summary_extra(self) -> dict[str, Any]:
         """Rank 0: the workers lost or halted on non-finite values, and every worker's step count."""
-        extra = self.members.summary()
+        extra = self.membership.summary()
         if self.memory_ranks:
             extra["memory_ranks"] = self.memory_ranks
         return extra
@@ -316,5 +316,5 @@ class AsyncStrategy(Strategy):
         for p in self.params:
             p.grad = None
         with contextlib.suppress(CommTimeout):  # a failed run: its last counts matter to nobody
-            self.members.settle()
+            self.membership.settle()
         self.box.close()

@@ -311,7 +311,7 @@ class AsyncDiloco(AsyncStrategy):
                 self.counters.extra(2 + size),
                 ctx.world.rank,
                 self.num_workers,
-                self.lost_after_s,
+                self.membership.lost_after_s,
             ),
         )
         self.pulled = self.x.clone()  # theta as this round started: g = pulled - x
@@ -399,7 +399,7 @@ class AsyncDiloco(AsyncStrategy):
             for r in range(self.num_workers)
             if r != self.world.rank
             and not self.box.read_counter(self.counters.status(r)) & (DONE | LOST | NONFINITE)
-            and not (self.board is not None and self.board.dead(r))
+            and not (self.membership.board is not None and self.membership.board.dead(r))
         ]
         return local_steps(self.s_per_step, others, h)
 
