@@ -16,9 +16,10 @@ import torch
 from parambox.box import open_box
 from parambox.box.base import Count
 from parambox.runtime.world import World
-from parambox.strategies.asynchronous import COUNTS_IN_FLIGHT, AsyncStrategy, CenterClient, CounterMap
+from parambox.strategies.asynchronous import CenterClient, CounterMap
 from parambox.strategies.downpour import AdagradRates, DownpourWorker
 from parambox.strategies.easgd import NesterovStep, sync_elastic_
+from parambox.strategies.membership import COUNTS_IN_FLIGHT, Membership
 
 N = 5  # parameters per replica
 
@@ -217,23 +218,23 @@ def test_a_steps_counts_are_waited_for_only_beyond_the_steps_in_flight():
     """Counts queued behind an exchange do not hold up the next step: a step's adds are taken in once
     back, and waited for only when COUNTS_IN_FLIGHT steps' are under way; the view of the run's total
     is the newest settled step's."""
-    strategy = object.__new__(AsyncStrategy)
+    strategy = object.__new__(Membership)
     strategy._counting, strategy._seen = collections.deque(), None
     adds = []
     for step in range(1, COUNTS_IN_FLIGHT + 3):
-        strategy._settle_counts(in_flight=COUNTS_IN_FLIGHT - 1)
+        strategy.settle(in_flight=COUNTS_IN_FLIGHT - 1)
         step_adds = [_Returning(step - 1), _Returning(10 * step), _Returning(0)]  # steps, total, samples
         adds.append(step_adds)
         strategy._counting.append((step, step_adds))
         if step == 3:
             for count in adds[0]:  # the first step's answers come back while step 3 computes
                 count.back = True
-    strategy._settle_counts(in_flight=COUNTS_IN_FLIGHT - 1)
+    strategy.settle(in_flight=COUNTS_IN_FLIGHT - 1)
     blocked = [i + 1 for i, step_adds in enumerate(adds) if any(c.waited for c in step_adds)]
     assert blocked == [2, 3]  # step 1 came back; steps 2 and 3 were waited for, to keep 8 in flight
     assert len(strategy._counting) == COUNTS_IN_FLIGHT - 1
     assert strategy._seen == (10 * 3 + 1, 3, False)  # the run's total after step 3's add, at step 3
-    strategy._settle_counts()  # finish: every step's counts
+    strategy.settle()  # finish: every step's counts
     assert not strategy._counting and strategy._seen == (
         10 * (COUNTS_IN_FLIGHT + 2) + 1,
         COUNTS_IN_FLIGHT + 2,

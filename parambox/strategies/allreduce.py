@@ -92,7 +92,7 @@ class AllReduce(Strategy):
         super().__init__(ctx, options)
         params = trainable(self.model)
         self.distributed = self.world.world_size > 1 and dist.is_initialized()
-        if self.distributed and not self.joining:
+        if self.distributed and not self.survival.joining:
             for t in [*params, *self.model.buffers()]:  # same start everywhere, whatever the seeds did
                 dist.broadcast(t.data, src=0)
         self.passes = BackwardPasses(self, params, self._pass_end)  # first: its hooks run before the buckets'
@@ -100,8 +100,8 @@ class AllReduce(Strategy):
         for b in self.buckets:
             b.grads = GradViews(b.params, b.views, track=True, on_ready=self._ready_in(b))
         self.optimizer = ctx.make_optimizer(params)
-        if self.joining:
-            self.share_state()  # a replacement: the survivors' weights and optimizer state
+        if self.survival.joining:
+            self.survival.share_state()  # a replacement: the survivors' weights and optimizer state
 
     def _ready_in(self, b: _Bucket):
         def on_ready(i: int, first: bool) -> None:
@@ -129,7 +129,7 @@ class AllReduce(Strategy):
             b.ready, b.work, b.this_pass = 0, None, [False] * len(b.params)
             b.grads.rebind_()
         self.passes.reset()
-        self.admit_replacements(step)
+        self.survival.admit(step)
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         partial = [b for b in self.buckets if not all(b.grads.used)]
@@ -149,7 +149,9 @@ class AllReduce(Strategy):
     def _start(self, b: _Bucket) -> None:
         # "this rank computed the gradient", per parameter, over every pass of the step so far
         b.flags.copy_(torch.tensor(b.grads.used, dtype=b.flags.dtype))
-        if self.elastic is not None:  # the allreduce is in place: keep the input, to repeat it if a peer dies
+        if (
+            self.survival.group is not None
+        ):  # the allreduce is in place: keep the input, to repeat it if a peer dies
             b.local = b.buffer.clone()
         b.work = dist.all_reduce(b.buffer, async_op=True)
 
@@ -171,7 +173,7 @@ class AllReduce(Strategy):
             # A finished Work kept alive holds the group (a regroup's destroy would leave it open) and,
             # past destroy_process_group, can abort the process.
             b.work = None
-            b.buffer.div_(self.group_size)
+            b.buffer.div_(self.survival.group_size)
         self.sync_buffers()
 
     def _reduce_again(self) -> None:
@@ -181,11 +183,11 @@ class AllReduce(Strategy):
                 b.buffer.copy_(b.local)
                 dist.all_reduce(b.buffer, async_op=True).wait()
         for b in self.buckets:
-            b.buffer.div_(self.group_size)
+            b.buffer.div_(self.survival.group_size)
         self.sync_buffers()
 
     def catch_up(self, src: int, behind: bool, why: str) -> None:
-        self.share_state(src, receive=behind, phase="state to a rank a step behind")
+        self.survival.share_state(src, receive=behind, phase="state to a rank a step behind")
 
     def close(self) -> None:
         self.passes.close()

@@ -21,18 +21,14 @@ API (kept stable; the asynchronous strategies build on it)
     ``self.extra_start``), writes the initial weights into ``c``, and gives subclasses
     ``begin_step`` (zeroes ``g``), ``guard(loss, step)`` (halts a worker whose loss is non-finite),
     ``halt(what, step)`` and ``step_result(loss, samples)`` (counts the step, reports comm times,
-    ``staleness`` and ``nonfinite``). It implements termination alignment (``should_stop``), the
-    wait for the others at the end with lost-worker detection (``finish``; override ``flush`` to push
-    what is left), the result model (the center, on rank 0), resume state and
+    ``staleness`` and ``nonfinite``). Through its membership it aligns termination (``should_stop``) and
+    waits for the others at the end, finding lost workers (``finish``; override ``flush`` to push
+    what is left); it gives the result model (the center, on rank 0), resume state and
     ``summary_extra`` (``lost_workers``, ``nonfinite_workers``, ``worker_steps``).
 
-Start: rank 0 writes the initial center and bumps the ``ready`` counter; the others wait for that
-alone (no barrier over every rank), so a worker that dies during start-up stalls nobody.
-
-Lost workers: rank 0 waits at the end for every worker's ``DONE``; a worker is lost at once when
-its launcher says it is dead (``runtime/control.py``: the local launcher's board), when MPI says so
-(``--with-ft ulfm``: a memory rank marks it ``LOST`` in the box), or, with neither, when its process on
-this host is gone; any worker once its step count stood still ``lost_after_s``.
+Who is in the run (start, counted steps, status, termination alignment, lost peers) is
+``strategies/membership.py``'s :class:`~parambox.strategies.membership.Membership`, over the box's
+counters; this module is the replica and the center around the rules.
 
 Replacements (``--max-restarts``): a new process of a dead rank attaches to the box, pulls the
 center, and does the steps its predecessor had not counted (``rejoin_step``); meanwhile the others
@@ -55,7 +51,6 @@ pass, calling ``super().begin_step(step)``); e.g. the asynchronous EASGD update:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 import time
@@ -66,12 +61,10 @@ from pydantic import Field
 from torch import nn
 
 from parambox.box import BoxConfig, Layout
-from parambox.box.base import Count, wait_until
 from parambox.box.node_cache import open_center_box
 from parambox.errors import CommTimeout, UserError, warn
 from parambox.numerics import is_finite
-from parambox.runtime.control import WorkerBoard, rejoining
-from parambox.runtime.spawn import identity_gone, process_identity
+from parambox.runtime.control import rejoining
 from parambox.strategies.base import (
     Context,
     GradViews,
@@ -81,13 +74,8 @@ from parambox.strategies.base import (
     bind_flat_replica,
     loss_value,
 )
-from parambox.strategies.center import DONE, FINAL, LOST, NONFINITE, CenterClient, CounterMap
-
-_POLL_S = 0.01
-# Steps whose counter adds may be under way at once. The others see a step's counts this many steps
-# late at most (heartbeats allow seconds; termination counts this worker's own steps since).
-COUNTS_IN_FLIGHT = 8
-_SERVE_POLL_S = 0.002  # a memory rank's pace: failures are noticed within a few ms of MPI knowing
+from parambox.strategies.center import DONE, FINAL, NONFINITE, CenterClient, CounterMap
+from parambox.strategies.membership import Membership
 
 
 class AsyncOptions(Options):
@@ -156,22 +144,19 @@ class AsyncStrategy(Strategy):
             timeout=ctx.timeout_s,
         )
         self.client = CenterClient(self.box, self.numel, timers=self.timers)
-        self.board = WorkerBoard.from_env()  # the local launcher's word on dead peers
         self.rejoined = rejoining() and not self.serves  # a replacement of a dead worker
-        self.lost_after_s = options.lost_after_s or ctx.timeout_s
         self.halted = False
-        self.lost: set[int] = set()
         self._final = False
-        self._reached = False
-        # This worker's steps as counted in the box, and its counter adds in flight, per step (the
-        # step's count, its adds): they travel while the next steps compute (across nodes each is a
-        # trip over the link, queued behind whatever the exchange is sending; up to COUNTS_IN_FLIGHT).
-        self._steps_done = 0
-        self._counting: collections.deque[tuple[int, list[Count]]] = collections.deque()
-        # What the last settled adds told of the run (termination alignment reads it, no trip of its
-        # own): the run's total after that step's add, this worker's steps at it, and whether any
-        # worker had reached its steps. None until a step's adds have settled.
-        self._seen: tuple[int, int, bool] | None = None
+        # Who is in the run (start, counted steps, status, termination, lost peers): the box's counters.
+        self.membership = Membership(
+            self.box,
+            self.counters,
+            rank,
+            n,
+            ctx.steps,
+            options.termination,
+            options.lost_after_s or ctx.timeout_s,
+        )
         if not self.serves:
             self._join()
 
@@ -193,36 +178,10 @@ class AsyncStrategy(Strategy):
     def _join(self) -> None:
         """Rank 0 puts the initial center in the box (unless a previous life of it did), the others
         wait for that alone; a replacement then starts from the center."""
-        m, rank = self.counters, self.world.rank
-        self.box.set_counter(m.ident(rank), process_identity())
-        if rank == 0 and self.box.read_counter(m.ready) == 0:
-            self.box.write(self.x)  # every rank starts from the same weights (same seed)
-            self.box.set_counter(m.started, time.time_ns() // 1000)
-            self.box.add_counter(m.ready, 1)
-        else:
-            self._await_ready(1)
-        self._steps_done = self.box.read_counter(m.steps(rank))
+        self.membership.join(lambda: self.box.write(self.x))  # every rank starts from the same weights
         if self.rejoined:
             self.client.pull(self.x)
-            self._reached = self._steps_done >= self.ctx.steps
-
-    def _set_status(self, r: int, bit: int) -> None:
-        if not self.box.read_counter(self.counters.status(r)) & bit:
-            self.box.add_counter(self.counters.status(r), bit)
-
-    def _await_ready(self, generation: int) -> None:
-        """Until rank 0 has put the center in the box (``generation`` 1) or back (2, resume): only
-        rank 0 is waited for, so a worker that dies during start-up stalls nobody."""
-        seen = {0: (-1, 0.0, 0)}
-
-        def ready() -> bool:
-            if self.box.read_counter(self.counters.ready) >= generation:
-                return True
-            if self._is_lost(0, seen):
-                raise CommTimeout("asynchronous start: rank 0 did not put the center weights in the box")
-            return False
-
-        wait_until(ready, float("inf"), lambda: "")
+            self.membership.reached = self.membership.steps_done >= self.ctx.steps
 
     def data_partition(self) -> tuple[int, int]:
         # Memory ranks read no data; they get a valid shard all the same.
@@ -254,42 +213,18 @@ class AsyncStrategy(Strategy):
         if self.halted:
             return
         self.halted = True
-        self._set_status(self.world.rank, NONFINITE)
+        self.membership.set_status(self.world.rank, NONFINITE)
         warn(f"rank {self.world.rank}: non-finite {what} at step {step}; it stops pushing and leaves the run")
 
     def step_result(self, loss: torch.Tensor | None, samples: int) -> StepResult:
-        """Count the step in the box (heartbeat, termination, the run's samples) and report comm times
-        and staleness. The adds are taken in once back, waited for only when ``COUNTS_IN_FLIGHT`` steps'
-        are under way (and at ``finish``): the others see this step's counts a few steps late, which
-        heartbeats and termination allow."""
-        m, rank = self.counters, self.world.rank
+        """Count the step in the box (:meth:`Membership.count_step`: heartbeat, termination, the run's
+        samples) and report comm times and staleness."""
         with self.timers.phase("count"):
-            self._settle_counts(in_flight=COUNTS_IN_FLIGHT - 1)
-            self._steps_done += 1
-            add = self.box.add_counter_async
-            adds = [add(m.steps(rank), 1), add(m.total, 1), add(m.samples, samples)]
-            if self.options.termination == "fastest":
-                adds.append(add(m.reached, 0))  # a read that travels with the adds
-            self._counting.append((self._steps_done, adds))
-            if self._steps_done >= self.ctx.steps and not self._reached:
-                self._reached = True
-                self.box.add_counter(m.reached, 1)
+            self.membership.count_step(samples)
         extra = {"staleness": float(self.client.staleness)}
         if self.halted:
             extra["nonfinite"] = 1.0
         return StepResult(loss_value(loss), samples, self.timers.pop(), extra)
-
-    def _settle_counts(self, in_flight: int = 0) -> None:
-        """Take in the steps' adds that are back, oldest first, waiting for those beyond the newest
-        ``in_flight`` steps'. At 0.1 Gbit/s a count queued behind an exchange's bytes (asynchronous
-        diloco's push-pull, 0.7 s) and the next step waited for it: 9.4 ms a step, 29 Nov."""
-        while self._counting:
-            steps, adds = self._counting[0]
-            if len(self._counting) <= in_flight and not all(count.test() for count in adds):
-                return
-            _, total_before, _, *reached = [count.wait() for count in adds]  # in step_result's order
-            self._seen = (total_before + 1, steps, bool(reached) and reached[0] > 0)
-            self._counting.popleft()
 
     def flush(self) -> None:
         """Called once after the last step, before the worker says it is done: push what is left."""
@@ -298,98 +233,29 @@ class AsyncStrategy(Strategy):
     def should_stop(self, step: int) -> bool:
         if self.halted or self.serves:
             return True
-        target, mode = self.ctx.steps, self.options.termination
-        if mode == "all" or self.num_workers == 1:
-            return step >= target
-        if mode == "fastest" and step >= target:
-            return True
-        if self._seen is None:  # no step's counts back yet: ask the box
-            m = self.counters
-            if mode == "fastest":
-                return self.box.read_counter(m.reached) > 0
-            return self.box.read_counter(m.total) >= target * self.num_workers
-        # The counts as the last settled adds saw them (a step or two late, as heartbeats are; across
-        # nodes a read of its own was a round trip over the link every step), with this worker's own
-        # steps since.
-        total, mine, reached = self._seen
-        if mode == "fastest":
-            return reached
-        return total + self._steps_done - mine >= target * self.num_workers
+        return self.membership.should_stop(step)
 
     def finish(self) -> None:
         """Push what is left, say DONE; rank 0 waits for the others (or finds them lost) and takes the
         center; a memory rank serves until then."""
-        rank = self.world.rank
+        rank, members = self.world.rank, self.membership
         if self.serves:
-            self._serve()
+            members.serve()
             return
-        self._settle_counts()  # every step counted before DONE says so
+        members.settle()  # every step counted before DONE says so
         if not self.halted:
             self.flush()
         self.box.sync_levels()  # a node's last update reaches the cross-node box before DONE says so
-        self._set_status(rank, DONE)
+        members.set_status(rank, DONE)
         if rank == 0:
-            self._await_peers()
+            members.await_peers()
             self.box.sync_levels()  # and rank 0's node takes the center every node's updates made
             self.box.pull(self.result_x)
             self._final = True
-            self._set_status(0, FINAL)
+            members.set_status(0, FINAL)
         elif not self.box.outlives_processes:
-            self._await_final()  # the box's shards live on the workers: keep ours until rank 0 has read c
+            members.await_final()  # the box's shards live on the workers: keep ours until rank 0 has read c
         self.timers.pop()
-
-    def _await_peers(self) -> None:
-        pending = set(range(1, self.num_workers))
-        seen = {r: (-1, 0.0, 0) for r in pending}
-        while pending:
-            for r in sorted(pending):
-                if self.box.read_counter(self.counters.status(r)) & DONE:
-                    pending.discard(r)
-                elif self._is_lost(r, seen):
-                    pending.discard(r)
-                    self.lost.add(r)
-                    warn(f"worker rank {r} is lost (it died or stalled); finishing without it")
-            if pending:
-                time.sleep(_POLL_S)
-
-    def _serve(self) -> None:
-        """A memory rank: drive MPI's progress and failure detection, and mark dead workers LOST in
-        the box (rank 0 reads it), until rank 0 has taken the center (or is gone)."""
-        m = self.counters
-        marks = self.world.rank == self.num_workers  # the first memory rank: one writer of LOST bits
-        while True:
-            for r in self.box.failed_ranks():
-                if r < self.num_workers and marks:
-                    self._set_status(r, LOST)
-            status0 = self.box.read_counter(m.status(0))
-            if status0 & (FINAL | LOST):
-                return
-            time.sleep(_SERVE_POLL_S)
-
-    def _is_lost(self, r: int, seen: dict[int, tuple[int, float, int]]) -> bool:
-        """Dead (MPI or the launcher says so; without either, a local process that is gone), or its
-        step count stood still ``lost_after_s``. A replacement under way counts as progress."""
-        if self.box.read_counter(self.counters.status(r)) & LOST or r in self.box.failed_ranks():
-            return True
-        life = 0
-        if self.board is not None:
-            if self.board.dead(r):
-                return True
-            life = self.board.life(r)
-        elif identity_gone(self.box.read_counter(self.counters.ident(r))):
-            return True
-        count, now = self.box.read_counter(self.counters.steps(r)), time.monotonic()
-        if (count, life) != (seen[r][0], seen[r][2]):
-            seen[r] = (count, now, life)
-            return False
-        return now - seen[r][1] > self.lost_after_s
-
-    def _await_final(self) -> None:
-        seen = {0: (-1, 0.0, 0)}
-        while not self.box.read_counter(self.counters.status(0)) & FINAL:
-            if self._is_lost(0, seen):
-                raise CommTimeout("asynchronous finish: rank 0 did not take the final center weights")
-            time.sleep(_POLL_S)
 
     # -- results, checkpoints, summary ------------------------------------------------------------------
     def eval_model(self) -> nn.Module | None:
@@ -407,8 +273,8 @@ class AsyncStrategy(Strategy):
         if self.serves:
             return {}
         state = super().state_dict()
-        self._settle_counts()
-        state["steps_done"] = self._steps_done
+        self.membership.settle()
+        state["steps_done"] = self.membership.steps_done
         if self.world.rank == 0:
             state["center"] = self.box.pull(torch.empty(self.numel)).clone()
             if self.extra_numel:  # the strategy's own state in the box (Adagrad's sums, diloco's momentum)
@@ -421,24 +287,14 @@ class AsyncStrategy(Strategy):
         super().load_state_dict(state)
         if self.serves:
             return
-        m, rank = self.counters, self.world.rank
-        done = int(state.get("steps_done", 0))
-        self.box.add_counter(m.steps(rank), done)
-        self._steps_done += done
-        self.box.add_counter(m.total, done)
-        # The samples counter starts afresh: samples_per_s is over this life's training time.
-        if done >= self.ctx.steps and not self._reached:
-            self._reached = True
-            self.box.add_counter(m.reached, 1)
-        if rank == 0:
+
+        def put_back() -> None:
             if "center" in state:
                 self.box.write(state["center"])
             if "box_extra" in state and self.extra_numel:
                 self.box.write(state["box_extra"], self.extra_start)
-            self.box.set_counter(m.started, time.time_ns() // 1000)  # this life's clock
-            self.box.add_counter(m.ready, 1)
-        else:
-            self._await_ready(2)
+
+        self.membership.resume(int(state.get("steps_done", 0)), put_back)
 
     def total_samples(self, local: int) -> float:
         """Every worker's samples, counted in the box (also those of lost and replaced workers)."""
@@ -451,13 +307,7 @@ class AsyncStrategy(Strategy):
 
     def summary_extra(self) -> dict[str, Any]:
         """Rank 0: the workers lost or halted on non-finite values, and every worker's step count."""
-        m, n = self.counters, self.num_workers
-        extra = {
-            "workers": n,
-            "lost_workers": sorted(self.lost),
-            "nonfinite_workers": [r for r in range(n) if self.box.read_counter(m.status(r)) & NONFINITE],
-            "worker_steps": [self.box.read_counter(m.steps(r)) for r in range(n)],
-        }
+        extra = self.membership.summary()
         if self.memory_ranks:
             extra["memory_ranks"] = self.memory_ranks
         return extra
@@ -466,5 +316,5 @@ class AsyncStrategy(Strategy):
         for p in self.params:
             p.grad = None
         with contextlib.suppress(CommTimeout):  # a failed run: its last counts matter to nobody
-            self._settle_counts()
+            self.membership.settle()
         self.box.close()

@@ -22,8 +22,9 @@ from torch import nn
 
 from parambox.box import BoxConfig, Layout
 from parambox.errors import CommTimeout, UserError
-from parambox.runtime.dist import ProgressBoard, collective, elastic_group
-from parambox.runtime.elastic import PeerLost, broadcast_state
+from parambox.runtime.dist import ProgressBoard
+from parambox.runtime.elastic import PeerLost
+from parambox.runtime.survival import CAUGHT_UP, InPlace
 from parambox.runtime.world import World
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -160,49 +161,20 @@ class Strategy:
         self.optimizer: torch.optim.Optimizer | None = None  # set by strategies with a local optimizer
         self.passes: BackwardPasses | None = None  # set by rules that average by the end of backward
         self.backward_passes_per_step = 1  # horovod's name: the passes before the last accumulate locally
-        self.elastic = elastic_group()  # set when the run survives a lost worker in place
-        self._group_samples, self._pending_samples = 0.0, 0  # every member's samples (count_step)
-        self._exchanges = self._counted = 0  # exchanges passed, and up to which the samples count
-        self._awaits_state = self.joining  # a replacement, until share_state has given it a peer's state
-        self._exchange_fault = _exchange_fault(ctx.world.rank) if self.elastic is not None else None
+        # Surviving a lost peer in place, the runtime's side: this rule answers its small interface
+        # (state_dict, load_state_dict, load_model_state, next_exchange, catch_up).
+        self.survival = InPlace(self, ctx.world.rank, ctx.world.world_size, ctx.board)
 
     def collective(self, phase: str) -> AbstractContextManager[None]:
-        """Wrap blocking communication: a timeout becomes a ``CommTimeout`` naming the phase, the step
-        and the ranks that never arrived (read from the run's progress board); in a run that survives
-        in place, a ``PeerLost`` that :meth:`exchange` answers by regrouping."""
-        if self.elastic is not None:
-            return self.elastic.guard(phase, self.ctx.board.step if self.ctx.board is not None else None)
-        return collective(phase, self.ctx.board)
+        """Wrap blocking communication (:meth:`InPlace.collective`): a timeout names the phase and the
+        missing ranks; in a run that survives in place, a lost peer regroups in :meth:`exchange`."""
+        return self.survival.collective(phase)
 
     def exchange(self, fn: Callable[[], Any], step: int, again: Callable[[], Any] | None = None) -> Any:
-        """``fn()``, an exchange whose collectives run under :meth:`collective`. In a run that survives
-        in place, a lost peer makes the survivors regroup and repeat it (``again()``, where a first
-        attempt already spent its input, as an in-place allreduce does). Returns ``CAUGHT_UP`` on a
-        rank that the regroup found a step behind the others and that took a leader's state for this
-        step (:meth:`catch_up`): its own update of the step must not be applied."""
-        self._exchanges += 1
-        try:
-            result = fn()
-            if self._exchange_fault == step:  # PARAMBOX_FAULT lose-exchange: as a last send to a dead peer
-                self._exchange_fault = None
-                raise PeerLost(
-                    f"step {step}: injected (lose-exchange), after the others finished the exchange"
-                )
-            return result
-        except PeerLost:
-            if self.elastic is None:
-                raise
-        while True:
-            self.elastic.regroup(step)
-            try:
-                lag = self.elastic.lag
-                if lag is not None:
-                    self.catch_up(lag.src, lag.behind, lag.why())
-                    if lag.behind:
-                        return CAUGHT_UP
-                return (again or fn)()
-            except PeerLost:
-                continue
+        """``fn()``, one exchange of the rule, through the runtime (:meth:`InPlace.exchange`): repeated
+        over the survivors (``again()``) after a lost peer; ``CAUGHT_UP`` on a rank that took a
+        leader's state for the step instead."""
+        return self.survival.exchange(fn, step, again)
 
     def catch_up(self, src: int, behind: bool, why: str) -> None:
         """After a regroup whose members were a step apart: group rank ``src`` (a step ahead: its update
@@ -211,44 +183,10 @@ class Strategy:
         model and :meth:`state_dict` cannot: it raises (the run falls back to a restart)."""
         raise CommTimeout(why)
 
-    @property
-    def joining(self) -> bool:
-        """This process replaces a lost rank of a run that survives in place: its state comes from a peer."""
-        return self.elastic is not None and self.elastic.joined_at is not None
-
-    def admit_replacements(self, step: int) -> None:
-        """At the start of ``step`` (survives in place, ``--max-restarts``): replacements that asked to
-        join come in, and receive the model and the strategy's state from group rank 0."""
-        if self.elastic is not None:
-            plan = self.elastic.admission(step, self.next_exchange(step))
-            if plan is not None:
-                self.elastic.admit(plan)
-                self.share_state()
-
     def next_exchange(self, step: int) -> int:
         """The first step from ``step`` on whose exchange every rank takes part (every step here;
-        ``period_end`` where the exchange comes every few steps)."""
+        ``period_end`` where the exchange comes every few steps): where a replacement is admitted."""
         return step
-
-    def share_state(
-        self, src: int = 0, receive: bool | None = None, phase: str = "state to a replacement"
-    ) -> None:
-        """Group rank ``src``'s weights and resume state (optimizer, counters) to a replacement that
-        joined (or, with ``receive``, to the ranks that say so)."""
-        if receive is None:
-            receive = self._awaits_state
-        self._awaits_state = False
-        mine = {"model": self.model.state_dict(), "strategy": self.state_dict()}
-        with self.collective(phase):
-            state = broadcast_state(mine if self.elastic.group_rank == src else None, src)
-        if receive:
-            self.load_model_state(state["model"])
-            self.load_state_dict(state["strategy"])
-
-    @property
-    def group_size(self) -> int:
-        """Ranks in the exchange now: the launch's, less those lost in a run that survives in place."""
-        return self.elastic.group_size if self.elastic is not None else self.world.world_size
 
     # -- data ---------------------------------------------------------------------------------
     def data_partition(self) -> tuple[int, int]:
@@ -397,7 +335,7 @@ class Strategy:
 
     def rejoin_step(self) -> int | None:
         """Where a replacement of a dead worker starts; None: a fresh start or resume."""
-        return self.elastic.joined_at if self.joining else None
+        return self.survival.rejoin_step()
 
     def finish(self) -> None:
         """After the last step: synchronise or collect the final weights (collective on all ranks)."""
@@ -420,24 +358,16 @@ class Strategy:
         self.model.load_state_dict(model_state)
 
     def count_step(self, samples: int) -> None:
-        """After each step, this rank's ``samples`` in it. A run that survives in place counts every
-        member's (rank 0 is a member throughout): the steps since the last exchange once one has
-        passed, times the members it had (a rank lost within a round of local steps, found out at
-        the round's exchange, trained nothing the survivors kept); so a lost rank's samples count up
-        to its death and a replacement's from its joining."""
-        if self.elastic is None:
-            return
-        self._pending_samples += samples
-        if self._exchanges != self._counted:
-            self._group_samples += self._pending_samples * self.elastic.group_size
-            self._pending_samples, self._counted = 0, self._exchanges
+        """After each step, this rank's ``samples`` in it (:meth:`InPlace.count_step`)."""
+        self.survival.count_step(samples)
 
     def total_samples(self, local: int) -> float:
         """Samples every worker consumed, given this rank's (the value on rank 0 counts). Collective
         here: an allreduce over the workers; in a run that survives in place, rank 0's count of every
-        member's (:meth:`count_step`: an allreduce would miss the lost ranks' lives)."""
-        if self.elastic is not None:
-            return self._group_samples + self._pending_samples * self.elastic.group_size
+        member's (an allreduce would miss the lost ranks' lives)."""
+        counted = self.survival.group_samples()
+        if counted is not None:
+            return counted
         if self.world.world_size == 1:
             return float(local)
 
@@ -538,16 +468,6 @@ class PhaseTimers:
     def pop(self) -> dict[str, float]:
         out, self.seconds = self.seconds, {}
         return out
-
-
-CAUGHT_UP = object()  # Strategy.exchange's word to a rank that took a leader's state for the step
-
-
-def _exchange_fault(rank: int) -> int | None:
-    """The step whose exchange ``PARAMBOX_FAULT``'s ``lose-exchange`` fails on this rank, if any."""
-    from parambox.runtime.faults import FaultPlan
-
-    return FaultPlan.from_env().exchange_fault(rank)
 
 
 def period_end(step: int, period: int) -> int:

@@ -71,7 +71,7 @@ class BoxSync(Strategy):
         # Zero copy where backward can write into the box itself; elsewhere the box sums the pushes.
         # A run that survives in place needs each member's own slot, so it keeps them (zero copy)
         # whatever zero_copy says.
-        self.summing = not (ctx.box.has_local_view and (options.zero_copy or self.elastic is not None))
+        self.summing = not (ctx.box.has_local_view and (options.zero_copy or self.survival.group is not None))
         name, fingerprint = "box-sync-grads", self.layout.fingerprint()
         if self.summing:  # one level, or two across nodes (box/levels.py)
             self.box = BoxMean(
@@ -120,8 +120,8 @@ class BoxSync(Strategy):
             self.params, self.views_of[0], track=True, on_ready=self._ready if early else None
         )
         self.optimizer = ctx.make_optimizer(self.params)
-        if self.joining:
-            self.share_state()  # a replacement: the survivors' weights and optimizer state
+        if self.survival.joining:
+            self.survival.share_state()  # a replacement: the survivors' weights and optimizer state
 
     def _slots(self, parity: int) -> tuple[int, int]:
         """Offsets of this step's slot area and of this worker's slot in it."""
@@ -133,7 +133,7 @@ class BoxSync(Strategy):
         return self.shared[mine : mine + self.slot] if self.shared is not None else self.local
 
     def begin_step(self, step: int) -> None:
-        self.admit_replacements(step)
+        self.survival.admit(step)
         self.step_now = step
         self.finishing.reset()  # the slot's gradients from finishing.cut on are in the box
         self.grad = self.slot_of[step % 2]
@@ -163,7 +163,7 @@ class BoxSync(Strategy):
             self._sum_in_box(step)
             self.sync_buffers()
         else:
-            self._meet(step, self.elastic.members if self.elastic is not None else None)
+            self._meet(step, self.survival.group.members if self.survival.group is not None else None)
         self._use_mean()
 
     def _use_mean(self) -> None:
@@ -174,11 +174,11 @@ class BoxSync(Strategy):
             p.grad = view if got is None or got[i] else None  # no worker computed it: as in one process
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
-        if self.elastic is not None and not self.summing:
+        if self.survival.group is not None and not self.summing:
             # A peer lost in the average at the end of backward (or, where no pass communicated, in
             # the average now) makes the survivors regroup and average the members' slots again.
             first = self.passes.raise_lost if self.passes.synced else lambda: self._average(step)
-            again = lambda: self._meet(step, self.elastic.members)  # noqa: E731
+            again = lambda: self._meet(step, self.survival.group.members)  # noqa: E731
             if self.exchange(first, step, again) is CAUGHT_UP:
                 return StepResult(loss_value(loss), samples, self.timers.pop())  # the leader's update
             self._use_mean()
@@ -226,10 +226,10 @@ class BoxSync(Strategy):
 
         def arrived() -> bool:
             late = missing()
-            if late and self.elastic.gone(late):
+            if late and self.survival.group.gone(late):
                 # A rank that posted, then died, counts (its slot is whole): a second look, made after
                 # the board showed the death, sees every post made before it.
-                dead = self.elastic.gone(missing())
+                dead = self.survival.group.gone(missing())
                 if dead:
                     raise PeerLost(f"box barrier at step {step}: rank(s) {dead} died")
             return not late
@@ -243,7 +243,7 @@ class BoxSync(Strategy):
         )
 
     def catch_up(self, src: int, behind: bool, why: str) -> None:
-        self.share_state(src, receive=behind, phase="state to a rank a step behind")
+        self.survival.share_state(src, receive=behind, phase="state to a rank a step behind")
 
     def _sum_in_box(self, step: int) -> None:
         self.box.mean_(self.grad, step, out=self.mean, timers=self.timers)  # its phases: push, barrier, pull

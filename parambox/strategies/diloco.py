@@ -145,8 +145,10 @@ class Diloco(Strategy):
         self.nonfinite: set[int] = set()
         # outer steps, and those in which every worker's round was non-finite
         self.rounds = self.rejected_rounds = 0
-        if self.joining:  # a replacement: a survivor's theta, outer momentum and inner optimizer state
-            self.share_state()
+        if (
+            self.survival.joining
+        ):  # a replacement: a survivor's theta, outer momentum and inner optimizer state
+            self.survival.share_state()
             exchange.compressor.forget_error_()  # the error it owes is its own: none yet
         ignored = sorted(ASYNC_ONLY & options.model_fields_set)
         if ignored:
@@ -156,7 +158,7 @@ class Diloco(Strategy):
 
     def begin_step(self, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        self.admit_replacements(step)  # at a round's start (next_exchange)
+        self.survival.admit(step)  # at a round's start (next_exchange)
 
     def next_exchange(self, step: int) -> int:
         return period_end(step, self.options.inner_steps)  # the round's last step
@@ -186,7 +188,7 @@ class Diloco(Strategy):
             )
             # It rejoins from theta: with its NaN moments kept, AdamW would poison every later round.
             self.optimizer.state.clear()
-        keep = self.elastic is not None
+        keep = self.survival.group is not None
         with self.timers.phase("allreduce"):
             x_next = self.exchange(
                 lambda: self.averager.round_end_(local, contribute, keep), step, self.averager.redo_
@@ -309,7 +311,7 @@ class AsyncDiloco(AsyncStrategy):
                 self.counters.extra(2 + size),
                 ctx.world.rank,
                 self.num_workers,
-                self.lost_after_s,
+                self.membership.lost_after_s,
             ),
         )
         self.pulled = self.x.clone()  # theta as this round started: g = pulled - x
@@ -397,7 +399,7 @@ class AsyncDiloco(AsyncStrategy):
             for r in range(self.num_workers)
             if r != self.world.rank
             and not self.box.read_counter(self.counters.status(r)) & (DONE | LOST | NONFINITE)
-            and not (self.board is not None and self.board.dead(r))
+            and not (self.membership.board is not None and self.membership.board.dead(r))
         ]
         return local_steps(self.s_per_step, others, h)
 

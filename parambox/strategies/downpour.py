@@ -374,7 +374,7 @@ class Downpour(AsyncStrategy):
         def ready() -> bool:
             if self.box.read_counter(m.steps(0)) >= k or self.box.read_counter(m.status(0)):
                 return True
-            if self._is_lost(0, seen):
+            if self.membership.is_lost(0, seen):
                 raise CommTimeout(f"downpour warm-up: rank 0 stopped before step {k} (it died or stalled)")
             return False
 

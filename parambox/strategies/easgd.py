@@ -251,12 +251,12 @@ class SyncElasticAveraging(Strategy):
         if self.world.rank == 0:
             self.result = copy.deepcopy(self.model)
             self.layout.bind_params_(self.result, self.c)
-        if self.joining:  # a replacement: a survivor's replica, center and optimizer state
-            self.share_state()
+        if self.survival.joining:  # a replacement: a survivor's replica, center and optimizer state
+            self.survival.share_state()
             self.sums.compressor.forget_error_()  # the error it owes is its own: none yet
 
     def begin_step(self, step: int) -> None:
-        self.admit_replacements(step)  # after an exchange (next_exchange)
+        self.survival.admit(step)  # after an exchange (next_exchange)
         if self.local is not None:
             self.local.lookahead_()
         self.g.zero_()
@@ -320,7 +320,7 @@ class SyncElasticAveraging(Strategy):
         """The sum over the workers of ``buf`` (``x - c``, then the flags), through the exchange's encoding.
         In a run that survives in place, a lost peer makes the survivors repeat it among themselves
         (each from the message it kept): the center then moves by the survivors' sum."""
-        self.sums.start(buf[: self.numel], buf[self.numel :], keep=self.elastic is not None)
+        self.sums.start(buf[: self.numel], buf[self.numel :], keep=self.survival.group is not None)
         total, flags = self.exchange(self.sums.wait, self.step_now, self._sum_again)
         buf[: self.numel].copy_(total)
         buf[self.numel :].copy_(flags)

@@ -37,10 +37,10 @@ class ParameterServerSync(Strategy):
     def __init__(self, ctx: Context, options: Options):
         super().__init__(ctx, options)
         self.params = trainable(self.model)
-        if self.joining:  # a replacement: the server's weights (share_state sends the model)
-            self.share_state()
+        if self.survival.joining:  # a replacement: the server's weights (share_state sends the model)
+            self.survival.share_state()
         self.flat = parameters_to_vector(self.params).detach()
-        if self.world.world_size > 1 and not self.joining:
+        if self.world.world_size > 1 and not self.survival.joining:
             dist.broadcast(self.flat, src=0)
             vector_to_parameters(self.flat, self.params)
             self.sync_buffers()
@@ -56,7 +56,7 @@ class ParameterServerSync(Strategy):
             p.grad = None
         self.passes.reset()
         self.stepped = False
-        self.admit_replacements(step)
+        self.survival.admit(step)
 
     def _local_grad(self) -> torch.Tensor:
         got = torch.tensor([p.grad is not None for p in self.params], dtype=self.flat.dtype)
@@ -93,7 +93,7 @@ class ParameterServerSync(Strategy):
         """The leader's weights (and, from the server, its optimizer) to the ranks a step behind: a
         worker whose broadcast failed, or the server whose broadcast to the dead rank failed after a
         worker had its copy (the server has stepped then: it keeps its own optimizer)."""
-        self.share_state(src, receive=behind, phase="weights to a rank a step behind")
+        self.survival.share_state(src, receive=behind, phase="weights to a rank a step behind")
 
     def _gather_step_broadcast(self, grad: torch.Tensor) -> None:
         self._gather(grad)

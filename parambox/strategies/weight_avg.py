@@ -47,8 +47,8 @@ class WeightAveraging(Strategy):
         self.buffers = averaged_buffers(self.model)
         self.optimizer = ctx.make_optimizer(self.params)
         self.averager: DeltaAverager | None = None
-        if self.joining:
-            self.share_state()  # a replacement: a survivor's weights and optimizer state
+        if self.survival.joining:
+            self.survival.share_state()  # a replacement: a survivor's weights and optimizer state
         else:
             self._average(-1)
         if options.overlap or options.compression != "none":
@@ -65,7 +65,7 @@ class WeightAveraging(Strategy):
                 ratio=options.compression_ratio,
             )
             self.averager = DeltaAverager(flat, flat.sub_, exchange, options.overlap, self.world.rank)
-            if self.joining:
+            if self.survival.joining:
                 exchange.compressor.forget_error_()  # the error it owes is its own: none yet
 
     def _average(self, step: int) -> None:
@@ -77,7 +77,7 @@ class WeightAveraging(Strategy):
             flat = parameters_to_vector(tensors).detach()  # a copy: a failed allreduce leaves the weights
             with self.timers.phase("allreduce"), self.collective("weight averaging"):
                 dist.all_reduce(flat, async_op=True).wait()  # (nccl: see ElasticGroup._init)
-            flat.div_(self.group_size)
+            flat.div_(self.survival.group_size)
             with torch.no_grad():
                 for t, mean in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
                     t.copy_(mean.view_as(t))
@@ -86,7 +86,7 @@ class WeightAveraging(Strategy):
 
     def begin_step(self, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        self.admit_replacements(step)
+        self.survival.admit(step)
 
     def next_exchange(self, step: int) -> int:
         return period_end(step, self.options.period)
@@ -108,7 +108,7 @@ class WeightAveraging(Strategy):
         """The round's progress exchanged (compressed, or overlapped). In a run that survives in place a lost
         peer makes the survivors repeat it among themselves (``redo_``), as the plain average does."""
         local = parameters_to_vector(self.params + self.buffers).detach()
-        keep = self.elastic is not None
+        keep = self.survival.group is not None
         with self.timers.phase("allreduce"):
             x_next = self.exchange(
                 lambda: self.averager.round_end_(local, keep=keep), step, self.averager.redo_

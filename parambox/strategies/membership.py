@@ -1,0 +1,227 @@
+"""Who is in an asynchronous run, told by the box's counters: a worker's start, its counted steps, its
+status (done, lost, non-finite, final), when to stop (ShmCaffe's termination alignment) and which
+peers are lost. The update rules (``strategies/asynchronous.py`` and its subclasses) only train and
+exchange; the box is the only channel, so a dead rank blocks nobody.
+
+Start: rank 0 writes the initial center and bumps the ``ready`` counter; the others wait for that
+alone. Lost workers: a worker is lost at once when its launcher says it is dead (the local launcher's
+board), when MPI says so (a memory rank marks it ``LOST`` in the box), or, with neither, when its
+process on this host is gone; any worker once its step count stood still ``lost_after_s``.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+
+from parambox.box.base import Count, wait_until
+from parambox.errors import CommTimeout, warn
+from parambox.runtime.control import WorkerBoard
+from parambox.runtime.spawn import identity_gone, process_identity
+from parambox.strategies.center import DONE, FINAL, LOST, NONFINITE, CounterMap
+
+_POLL_S = 0.01
+# Steps whose counter adds may be under way at once. The others see a step's counts this many steps
+# late at most (heartbeats allow seconds; termination counts this worker's own steps since).
+COUNTS_IN_FLIGHT = 8
+_SERVE_POLL_S = 0.002  # a memory rank's pace: failures are noticed within a few ms of MPI knowing
+
+Seen = dict[int, tuple[int, float, int]]  # rank -> (its step count, when it last moved, its life)
+
+
+class Membership:
+    """One rank's view of the workers of an asynchronous run, through ``box``'s counters (``counters``).
+
+    ``steps``: the target per worker; ``termination``: ``all`` | ``fastest`` | ``average``.
+    """
+
+    def __init__(
+        self,
+        box,
+        counters: CounterMap,
+        rank: int,
+        num_workers: int,
+        steps: int,
+        termination: str,
+        lost_after_s: float,
+    ):
+        self.box, self.m, self.rank, self.num_workers = box, counters, rank, num_workers
+        self.steps, self.termination, self.lost_after_s = steps, termination, lost_after_s
+        self.board = WorkerBoard.from_env()  # the local launcher's word on dead peers
+        self.lost: set[int] = set()
+        self.reached = False  # this worker has done its steps (counted in ``reached``)
+        # This worker's steps as counted in the box, and its counter adds in flight, per step (the
+        # step's count, its adds): they travel while the next steps compute (across nodes each is a
+        # trip over the link, queued behind whatever the exchange is sending; up to COUNTS_IN_FLIGHT).
+        self.steps_done = 0
+        self._counting: collections.deque[tuple[int, list[Count]]] = collections.deque()
+        # What the last settled adds told of the run (termination alignment reads it, no trip of its
+        # own): the run's total after that step's add, this worker's steps at it, and whether any
+        # worker had reached its steps. None until a step's adds have settled.
+        self._seen: tuple[int, int, bool] | None = None
+
+    # -- start and resume ------------------------------------------------------------------------------
+    def join(self, put_center: Callable[[], None]) -> None:
+        """Rank 0 puts the initial center in the box (``put_center``, unless a previous life of it did),
+        the others wait for that alone."""
+        m = self.m
+        self.box.set_counter(m.ident(self.rank), process_identity())
+        if self.rank == 0 and self.box.read_counter(m.ready) == 0:
+            put_center()
+            self.box.set_counter(m.started, time.time_ns() // 1000)
+            self.box.add_counter(m.ready, 1)
+        else:
+            self.await_ready(1)
+        self.steps_done = self.box.read_counter(m.steps(self.rank))
+
+    def await_ready(self, generation: int) -> None:
+        """Until rank 0 has put the center in the box (``generation`` 1) or back (2, resume): only
+        rank 0 is waited for, so a worker that dies during start-up stalls nobody."""
+        seen: Seen = {0: (-1, 0.0, 0)}
+
+        def ready() -> bool:
+            if self.box.read_counter(self.m.ready) >= generation:
+                return True
+            if self.is_lost(0, seen):
+                raise CommTimeout("asynchronous start: rank 0 did not put the center weights in the box")
+            return False
+
+        wait_until(ready, float("inf"), lambda: "")
+
+    def resume(self, done: int, put_back: Callable[[], None]) -> None:
+        """A resumed life: this worker's ``done`` steps counted again; rank 0 puts the saved center
+        back (``put_back``) and bumps ``ready``, the others wait for it."""
+        m = self.m
+        self.box.add_counter(m.steps(self.rank), done)
+        self.steps_done += done
+        self.box.add_counter(m.total, done)
+        # The samples counter starts afresh: samples_per_s is over this life's training time.
+        if done >= self.steps:
+            self.mark_reached()
+        if self.rank == 0:
+            put_back()
+            self.box.set_counter(m.started, time.time_ns() // 1000)  # this life's clock
+            self.box.add_counter(m.ready, 1)
+        else:
+            self.await_ready(2)
+
+    def mark_reached(self) -> None:
+        if not self.reached:
+            self.reached = True
+            self.box.add_counter(self.m.reached, 1)
+
+    # -- steps ------------------------------------------------------------------------------------------
+    def count_step(self, samples: int) -> None:
+        """Count one step in the box (heartbeat, termination, the run's samples). The adds are taken in
+        once back, waited for only when ``COUNTS_IN_FLIGHT`` steps' are under way (and at the end)."""
+        m, rank = self.m, self.rank
+        self.settle(in_flight=COUNTS_IN_FLIGHT - 1)
+        self.steps_done += 1
+        add = self.box.add_counter_async
+        adds = [add(m.steps(rank), 1), add(m.total, 1), add(m.samples, samples)]
+        if self.termination == "fastest":
+            adds.append(add(m.reached, 0))  # a read that travels with the adds
+        self._counting.append((self.steps_done, adds))
+        if self.steps_done >= self.steps:
+            self.mark_reached()
+
+    def settle(self, in_flight: int = 0) -> None:
+        """Take in the steps' adds that are back, oldest first, waiting for those beyond the newest
+        ``in_flight`` steps' (at 0.1 Gbit/s a count queued behind an exchange's bytes must not stall
+        the next step)."""
+        while self._counting:
+            steps, adds = self._counting[0]
+            if len(self._counting) <= in_flight and not all(count.test() for count in adds):
+                return
+            _, total_before, _, *reached = [count.wait() for count in adds]  # in count_step's order
+            self._seen = (total_before + 1, steps, bool(reached) and reached[0] > 0)
+            self._counting.popleft()
+
+    def should_stop(self, step: int) -> bool:
+        """Termination alignment: ``all`` (each its own steps), ``fastest`` (once any worker has done
+        its steps), ``average`` (once the workers' steps add up to every worker's target)."""
+        target, mode = self.steps, self.termination
+        if mode == "all" or self.num_workers == 1:
+            return step >= target
+        if mode == "fastest" and step >= target:
+            return True
+        if self._seen is None:  # no step's counts back yet: ask the box
+            if mode == "fastest":
+                return self.box.read_counter(self.m.reached) > 0
+            return self.box.read_counter(self.m.total) >= target * self.num_workers
+        # The counts as the last settled adds saw them (a step or two late, as heartbeats are), with
+        # this worker's own steps since.
+        total, mine, reached = self._seen
+        if mode == "fastest":
+            return reached
+        return total + self.steps_done - mine >= target * self.num_workers
+
+    # -- status ----------------------------------------------------------------------------------------
+    def set_status(self, r: int, bit: int) -> None:
+        if not self.box.read_counter(self.m.status(r)) & bit:
+            self.box.add_counter(self.m.status(r), bit)
+
+    def is_lost(self, r: int, seen: Seen) -> bool:
+        """Dead (MPI or the launcher says so; without either, a local process that is gone), or its
+        step count stood still ``lost_after_s``. A replacement under way counts as progress."""
+        if self.box.read_counter(self.m.status(r)) & LOST or r in self.box.failed_ranks():
+            return True
+        life = 0
+        if self.board is not None:
+            if self.board.dead(r):
+                return True
+            life = self.board.life(r)
+        elif identity_gone(self.box.read_counter(self.m.ident(r))):
+            return True
+        count, now = self.box.read_counter(self.m.steps(r)), time.monotonic()
+        if (count, life) != (seen[r][0], seen[r][2]):
+            seen[r] = (count, now, life)
+            return False
+        return now - seen[r][1] > self.lost_after_s
+
+    # -- the end ---------------------------------------------------------------------------------------
+    def await_peers(self) -> None:
+        """Rank 0: until every other worker says DONE or is lost."""
+        pending = set(range(1, self.num_workers))
+        seen: Seen = {r: (-1, 0.0, 0) for r in pending}
+        while pending:
+            for r in sorted(pending):
+                if self.box.read_counter(self.m.status(r)) & DONE:
+                    pending.discard(r)
+                elif self.is_lost(r, seen):
+                    pending.discard(r)
+                    self.lost.add(r)
+                    warn(f"worker rank {r} is lost (it died or stalled); finishing without it")
+            if pending:
+                time.sleep(_POLL_S)
+
+    def serve(self) -> None:
+        """A memory rank: drive MPI's progress and failure detection, and mark dead workers LOST in
+        the box (rank 0 reads it), until rank 0 has taken the center (or is gone)."""
+        marks = self.rank == self.num_workers  # the first memory rank: one writer of LOST bits
+        while True:
+            for r in self.box.failed_ranks():
+                if r < self.num_workers and marks:
+                    self.set_status(r, LOST)
+            if self.box.read_counter(self.m.status(0)) & (FINAL | LOST):
+                return
+            time.sleep(_SERVE_POLL_S)
+
+    def await_final(self) -> None:
+        """A worker whose box shard lives in its own process: until rank 0 has read the center."""
+        seen: Seen = {0: (-1, 0.0, 0)}
+        while not self.box.read_counter(self.m.status(0)) & FINAL:
+            if self.is_lost(0, seen):
+                raise CommTimeout("asynchronous finish: rank 0 did not take the final center weights")
+            time.sleep(_POLL_S)
+
+    def summary(self) -> dict[str, object]:
+        """Rank 0: the workers lost or halted on non-finite values, and every worker's step count."""
+        m, n = self.m, self.num_workers
+        return {
+            "workers": n,
+            "lost_workers": sorted(self.lost),
+            "nonfinite_workers": [r for r in range(n) if self.box.read_counter(m.status(r)) & NONFINITE],
+            "worker_steps": [self.box.read_counter(m.steps(r)) for r in range(n)],
+        }
