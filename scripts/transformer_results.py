@@ -26,14 +26,20 @@ def row(out: Path, strategy: str) -> list[str]:
         summary = out / f"{strategy}-{p}" / "summary.json"
         runs[p] = json.loads(summary.read_text()) if summary.exists() else None
     if runs["fp32"] is None or runs["bf16"] is None:
-        return [strategy, "-", "failed", "failed", "-"]
+        return [strategy, "-", "failed", "failed", "-", "-"]
     a, b = runs["fp32"]["final_test_loss"], runs["bf16"]["final_test_loss"]
+    again = out / f"{strategy}-fp32again" / "summary.json"
+    spread = "-"
+    if again.exists():
+        c = json.loads(again.read_text())["final_test_loss"]
+        spread = f"{100 * (c - a) / a:+.1f} %"
     return [
         strategy,
         str(runs["fp32"]["workers"]),
         f"{math.exp(a):.1f} ({runs['fp32']['final_test_bits_per_byte']:.2f})",
         f"{math.exp(b):.1f} ({runs['bf16']['final_test_bits_per_byte']:.2f})",
         f"{100 * (b - a) / a:+.1f} %",
+        spread,
     ]
 
 
@@ -52,8 +58,17 @@ def main(out: Path) -> None:
                 "caption": "Test perplexity (bits per byte) after 150 steps",
                 "command": "bash scripts/transformer_check.sh runs/tc && python scripts/transformer_results.py runs/tc",
                 "machine": f"2 CPU cores, {platform.machine()}; torch {torch.__version__}",
-                "version": f"parambox {parambox.__version__}" if hasattr(parambox, "__version__") else "parambox",
-                "columns": ["strategy", "workers", "fp32", "bf16", "bf16 test loss vs fp32"],
+                "version": f"parambox {parambox.__version__}"
+                if hasattr(parambox, "__version__")
+                else "parambox",
+                "columns": [
+                    "strategy",
+                    "workers",
+                    "fp32",
+                    "bf16",
+                    "bf16 test loss vs fp32",
+                    "a second fp32 run vs the first",
+                ],
                 "key": "strategy",
                 "rows": [row(out, s) for s in strategies],
             }
