@@ -33,8 +33,15 @@ def train_rank(
 
     (run_dir / "logs" / f"rank{world.rank}.err").unlink(missing_ok=True)  # an earlier life's cause
     try:
-        return train(cfg, world, run_dir, resume, callables)
-    except (KeyboardInterrupt, SystemExit):
+        try:
+            return train(cfg, world, run_dir, resume, callables)
+        except SystemExit as e:  # parambox never exits inside train(): a user's function did
+            from parambox.workload.refs import exit_site, raised
+
+            raise UserError(
+                f"{exit_site(e)} {raised(e)} during the run: a user's function must return or raise"
+            ) from e
+    except KeyboardInterrupt:
         raise
     except BaseException as e:
         write_failure(e, world, run_dir)
@@ -127,7 +134,9 @@ def _become_a_replacement(cfg) -> bool:
     import parambox.training.loop  # noqa: F401  (torch, the strategies: the bulk of a start-up)
     from parambox.runtime.control import SPARE_ENV
 
-    with contextlib.suppress(Exception):  # warm the data's imports and files; errors show in the real run
+    with contextlib.suppress(
+        Exception, SystemExit
+    ):  # warm the data's imports and files; errors show in the real run
         from parambox.workload import build_workload
 
         build_workload(cfg)
