@@ -3,6 +3,12 @@ one run directory. Each ends non-zero with one line; before, each ended with exi
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from parambox.cli import main
@@ -37,3 +43,48 @@ def test_a_users_sys_exit_is_a_failure(where, tmp_path, capsys):
     assert "sys.exit" in line and ("make_model" in line if where != "on_import" else str(module) in line), (
         line
     )
+
+
+def _strict_json(path):
+    def refuse(constant):
+        raise AssertionError(f"{path} holds a bare {constant}: not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_a_diverged_run_fails_naming_its_last_good_checkpoint(tmp_path, capsys, monkeypatch):
+    """Before: exit 0, ``summary.json`` with a bare NaN, ``last.pt`` silently at step 4 of 8."""
+    monkeypatch.setenv("PARAMBOX_FAULT", "0:5:nan")  # NaN batches from step 5: the weights go NaN
+    out = tmp_path / "run"
+    assert main([*TRAIN[:4], "8", *TRAIN[5:], "--checkpoint-every", "2", "--out", str(out)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("parambox: error: ") and "diverged" in last and "step 4" in last, last
+    summary = _strict_json(out / "summary.json")
+    assert summary["final_test_loss"] is None and summary["last_good_step"] == 4
+
+
+def test_summary_json_is_json_whatever_it_holds(tmp_path):
+    from parambox.training.checkpoint import atomic_write_json
+
+    atomic_write_json(
+        tmp_path / "s.json", {"a": float("nan"), "b": [float("inf"), 1.5], "c": {"d": -float("inf")}}
+    )
+    assert _strict_json(tmp_path / "s.json") == {"a": None, "b": [None, 1.5], "c": {"d": None}}
+
+
+@pytest.mark.slow
+def test_a_diverged_synchronous_run_leaves_no_pile_of_rank_files(tmp_path):
+    """Before: exit 0, and rank 1's files of every checkpoint after the divergence stayed."""
+    out = tmp_path / "run"
+    argv = [*TRAIN[:2], "allreduce", "--workers", "2", *TRAIN[3:4], "8", *TRAIN[5:]]
+    env = {**os.environ, "PARAMBOX_FAULT": "0:5:nan", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "parambox", *argv, "--checkpoint-every", "2", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "step 4" in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.pt", "rank1-step4.pt"]

@@ -34,18 +34,47 @@ def train_rank(
     (run_dir / "logs" / f"rank{world.rank}.err").unlink(missing_ok=True)  # an earlier life's cause
     try:
         try:
-            return train(cfg, world, run_dir, resume, callables)
+            summary = train(cfg, world, run_dir, resume, callables)
         except SystemExit as e:  # parambox never exits inside train(): a user's function did
             from parambox.workload.refs import exit_site, raised
 
             raise UserError(
                 f"{exit_site(e)} {raised(e)} during the run: a user's function must return or raise"
             ) from e
+        if summary is not None:
+            check_converged(cfg, run_dir, summary)
+        return summary
     except KeyboardInterrupt:
         raise
     except BaseException as e:
         write_failure(e, world, run_dir)
         raise
+
+
+def check_converged(cfg, run_dir: Path, summary: dict[str, Any]) -> None:
+    """Rank 0 after its last step: the run's last checkpoint is that step, unless its weights were not
+    finite (the loop writes no checkpoint of such weights). A diverged run is a failure naming the last
+    good checkpoint; its ``summary.json`` says it, and the rank files no checkpoint commits go."""
+    from parambox.strategies import strategy_class
+    from parambox.training import checkpoint
+
+    ckpt_dir = run_dir / "checkpoints"
+    good = checkpoint.committed_step(ckpt_dir)
+    if good == summary["steps"]:
+        return
+    summary.update(diverged=True, last_good_step=good)
+    checkpoint.atomic_write_json(run_dir / "summary.json", summary)
+    if not strategy_class(cfg.strategy, cfg.strategy_options()).tolerates_worker_loss:
+        checkpoint.prune_rank_states(ckpt_dir, good)  # asynchronous ranks keep their own newest
+    where = (
+        f"the last good checkpoint is step {good} ({ckpt_dir / 'last.pt'}); --resume continues from it"
+        if good is not None
+        else "no checkpoint was written before"
+    )
+    raise UserError(
+        f"the run diverged: its weights are not finite at step {summary['steps']}; {where} "
+        "(lower the learning rate, or check the data and loss for NaN)"
+    )
 
 
 def failure_line(e: BaseException) -> str:
