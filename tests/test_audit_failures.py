@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,39 @@ def test_a_diverged_synchronous_run_leaves_no_pile_of_rank_files(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "step 4" in proc.stderr.strip().splitlines()[-1], proc.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.pt", "rank1-step4.pt"]
+
+
+@pytest.mark.slow
+def test_a_run_directory_is_locked_by_the_run_that_owns_it(tmp_path, capsys):
+    """Before: both runs passed the "already holds a run" check (nothing there yet), both exited 0, and
+    the second replaced the first's result."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PARAMBOX_FAULT": "0:0:slow", "PYTHONPATH": str(Path(__file__).parents[1])}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "parambox", *TRAIN[:4], "200", *TRAIN[5:], "--out", str(out)],
+        env=env,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (out / "metrics.jsonl").exists():
+            assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
+            time.sleep(0.05)
+        assert main([*TRAIN, "--out", str(out)]) == 2
+        line = one_line(capsys)
+        assert str(out) in line and "in use" in line and str(first.pid) in line, line
+        assert main([*TRAIN, "--out", str(out), "--resume"]) == 2
+        assert str(out) in one_line(capsys)
+    finally:
+        first.kill()
+        first.wait()
+    assert main([*TRAIN, "--out", str(tmp_path / "second")]) == 0  # the lock is released at the end
+    assert main([*TRAIN, "--out", str(tmp_path / "second"), "--resume", "--steps", "3"]) == 0
+
+
+def test_a_finished_run_leaves_no_lock_file(tmp_path):
+    from parambox.run.plan import LOCK_FILE
+
+    assert main([*TRAIN, "--out", str(tmp_path / "run")]) == 0
+    assert not (tmp_path / "run" / LOCK_FILE).exists()

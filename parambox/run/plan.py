@@ -4,6 +4,7 @@ every message speaks the caller's language (flags for the CLI, keyword arguments
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -14,6 +15,7 @@ from typing import Any, Literal
 from parambox.config import RunConfig, build_config
 from parambox.errors import UserError, validation_message, warn
 from parambox.runtime.world import World, check_gpus, under_external_launcher
+from parambox.training.checkpoint import atomic_write_json
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,18 @@ def prepare_run_dir(plan: Plan) -> Path:
         cfg.out = f"runs/{cfg.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.out).resolve()
     cfg.out = str(run_dir)
+    if not plan.external:  # under torchrun / srun / mpiexec every rank prepares the same directory
+        lock_run_dir(run_dir, caller)
+    try:
+        _check_and_record(plan, run_dir)
+    except BaseException:
+        unlock_run_dir(run_dir)
+        raise
+    return run_dir
+
+
+def _check_and_record(plan: Plan, run_dir: Path) -> None:
+    cfg, caller = plan.cfg, plan.caller
     if plan.resume:
         if not (run_dir / "checkpoints" / "last.pt").exists():
             raise UserError(f"{caller.field('resume')}: {run_dir / 'checkpoints' / 'last.pt'} does not exist")
@@ -227,9 +241,69 @@ def prepare_run_dir(plan: Plan) -> Path:
         )
     try:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)  # per-rank error files land here
-        (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+        atomic_write_json(run_dir / "config.json", cfg.model_dump())
     except OSError as e:
-        raise UserError(
-            f"{caller.field('out').split()[0]} {run_dir}: cannot write the run directory there ({e.strerror})"
-        ) from None
-    return run_dir
+        raise _unwritable(run_dir, caller, e) from None
+
+
+LOCK_FILE = ".parambox.lock"  # in a run directory: locked (flock) by the process that runs it
+_locks: dict[Path, int] = {}  # run directory -> the open lock file this process holds
+
+
+def lock_run_dir(run_dir: Path, caller: Caller = CLI) -> None:
+    """Lock ``run_dir`` for this process until :func:`unlock_run_dir` (or its exit, however it ends): a
+    second run on the same directory, started before the first wrote anything that says "a run is
+    here", is refused at once instead of interleaving its metrics with the first's and replacing its
+    result. The lock file holds the owner's pid, for the message."""
+    import fcntl
+
+    if run_dir in _locks:
+        raise UserError(f"run directory {run_dir} is in use by this process's other run")
+    path = run_dir / LOCK_FILE
+    while True:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise _unwritable(run_dir, caller, e) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            owner = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UserError(
+                f"run directory {run_dir} is in use by another run (pid {owner}); wait for it to end, "
+                f"or pass another {caller.field('out')}"
+            ) from None
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # its owner removed it between our open and our lock: lock the new one
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _locks[run_dir] = fd
+
+
+def unlock_run_dir(run_dir: Path) -> None:
+    """Release the lock :func:`lock_run_dir` took and remove its file (nothing if this process holds
+    none): a finished run's directory holds what it held before."""
+    run_dir = Path(run_dir).resolve()
+    fd = _locks.pop(run_dir, None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            (run_dir / LOCK_FILE).unlink()  # still locked: whoever opened it meanwhile retries
+        os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _unwritable(run_dir: Path, caller: Caller, e: OSError) -> UserError:
+    return UserError(
+        f"{caller.field('out').split()[0]} {run_dir}: cannot write the run directory there ({e.strerror})"
+    )
