@@ -98,8 +98,20 @@ def open_mpi_version(mpiexec: str) -> int | None:
 
 
 def new_prefix() -> str:
-    """A fresh, unguessable per-run prefix for shared-memory segment names."""
-    return f"pb_{secrets.token_hex(8)}_"
+    """A fresh, unguessable per-run prefix for shared-memory segment names, ``pb_<pid>_<16 hex>_``:
+    the pid of the process that made it (the run's launcher) says whose run a segment left behind is."""
+    return f"pb_{os.getpid()}_{secrets.token_hex(8)}_"
+
+
+def check_prefix(prefix: str) -> str:
+    """``prefix`` (from ``PARAMBOX_SHM_PREFIX``) if it is a plain name: a path would put the segments
+    outside /dev/shm (``../../tmp/x``)."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", prefix):
+        raise UserError(
+            f"{PREFIX_ENV}={prefix!r}: expected a plain name (letters, digits, _ and -, at most 64), "
+            "not a path"
+        )
+    return prefix
 
 
 def remove_segments(prefix: str, root: str = "/dev/shm") -> list[str]:
