@@ -1,14 +1,15 @@
 """The ``shm`` box: one node, a POSIX shared-memory segment in /dev/shm mapped by every local process.
 
-Segment: ``/dev/shm/<prefix><box name>``, mode 0600. The per-run prefix
-(``pb_<launcher pid>_<16 random hex>_``) comes from ``PARAMBOX_SHM_PREFIX``, a plain name (set by
-the local launcher, which also removes ``<prefix>*`` when the run ends) or, under
-torchrun/srun/mpiexec, is made by local rank 0 and handed out through the torch.distributed store. Local rank 0 creates the segment (``O_CREAT|O_EXCL``, space reserved up
-front so a full /dev/shm is an error now rather than a SIGBUS later); the others attach and check
-the header. As soon as every local process has it mapped, the name is unlinked: the memory lives
-on while mapped, and nothing is left in /dev/shm even if a process is SIGKILLed afterwards. Under
-parambox's own launcher the name stays until the run ends instead (a replacement of a dead worker
-attaches by it; the launcher removes the run's segments, its reaper if it is SIGKILLed).
+Segment: ``/dev/shm/<prefix><box name>``, mode 0600. The per-run prefix (``pb_<launcher pid>_<16
+random hex>_``) comes from ``PARAMBOX_SHM_PREFIX``, a plain name (set by the local launcher, which
+also removes ``<prefix>*`` when the run ends) or, under torchrun/srun/mpiexec, is made by local rank
+0 and handed out through the torch.distributed store. Local rank 0 creates the segment
+(``O_CREAT|O_EXCL``, space reserved up front so a full /dev/shm is an error now rather than a SIGBUS
+later); the others attach and check the header. As soon as every local process has it mapped, the
+name is unlinked: the memory lives on while mapped, and nothing is left in /dev/shm even if a
+process is SIGKILLed afterwards. Under parambox's own launcher the name stays until the run ends
+instead (a replacement of a dead worker attaches by it; the launcher removes the run's segments, its
+reaper if it is SIGKILLed).
 
 Memory map: a 4 KiB header, the int64 counters (rounded to 4 KiB), then the float32 data.
 Pushes lock stripes of the data with ``fcntl`` byte-range locks on the segment's descriptor: the
