@@ -39,3 +39,81 @@ def test_torch_is_pinned_past_the_weights_only_advisory():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     (torch,) = [d for d in deps if re.match(r"torch\b", d)]
     assert torch.replace(" ", "") == "torch>=2.10", torch
+
+
+REF = "tests.workloads.user_regression"
+TRAIN = ["train", "--strategy", "single", "--steps", "2", "--eval-every", "0", "--no-progress"]
+TRAIN_REFS = [*TRAIN, "--model", f"{REF}:make_model", "--data", f"{REF}:make_data", "--loader-workers", "0"]
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory away needs root")
+
+
+def one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith("parambox: error: "), err
+    return lines[0]
+
+
+@pytest.fixture
+def finished_run(tmp_path):
+    from parambox.cli import main
+
+    run = tmp_path / "theirs"
+    assert main([*TRAIN_REFS, "--out", str(run)]) == 0
+    return run
+
+
+@as_root
+def test_resume_of_another_users_run_directory_is_refused(finished_run, capsys):
+    """Before: ``--resume`` imported and ran the code config.json names, from anyone's directory."""
+    from parambox.cli import main
+
+    os.chown(finished_run, 65534, -1)
+    assert main([*TRAIN_REFS, "--out", str(finished_run), "--resume", "--steps", "3"]) == 2
+    line = one_line(capsys)
+    assert "uid 65534" in line and f"{REF}:make_model" in line and str(finished_run) in line, line
+    os.chown(finished_run, 0, -1)
+    (finished_run / "config.json").chmod(0o644)
+    os.chown(finished_run / "config.json", 65534, -1)  # its config written by someone else
+    assert main([*TRAIN_REFS, "--out", str(finished_run), "--resume", "--steps", "3"]) == 2
+    assert "uid 65534" in one_line(capsys)
+
+
+@as_root
+def test_an_in_process_field_does_not_skip_exports_trust_check(tmp_path, capsys):
+    """Before: any ``<in-process>`` field skipped the check, so the other fields' code was imported."""
+    import json
+
+    from parambox.cli import main
+    from parambox.config import RunConfig
+
+    marker, code = tmp_path / "imported", tmp_path / "theirs_code.py"
+    code.write_text(f"open({str(marker)!r}, 'w').close()\n\ndef make_model():\n    pass\n")
+    run = tmp_path / "theirs"
+    run.mkdir()
+    cfg = RunConfig(model=f"{code}:make_model", data=f"{REF}:make_data", loss="<in-process>:my_loss")
+    (run / "config.json").write_text(json.dumps(cfg.model_dump()))
+    os.chown(run, 65534, -1)
+    assert main(["export", str(run), "--onnx", str(tmp_path / "m.onnx")]) == 2
+    assert "<in-process>:my_loss" in one_line(capsys)
+    assert not marker.exists(), "export imported the code of another user's run directory"
+
+
+def test_load_model_takes_a_str_path(finished_run):
+    """Before: ``TypeError: unsupported operand type(s) for /: 'str' and 'str'``."""
+    from parambox.run import load_model
+
+    model = load_model(str(finished_run))
+    assert not model.training and sum(p.numel() for p in model.parameters()) > 0
+
+
+@as_root
+def test_load_model_checks_trust(finished_run):
+    """Before: ``parambox.run.load_model`` imported the code of anyone's run directory."""
+    from parambox.run import load_model
+
+    os.chown(finished_run, 65534, -1)
+    with pytest.raises(UserError, match="uid 65534.*trust=True"):
+        load_model(finished_run)
+    assert load_model(finished_run, trust=True) is not None

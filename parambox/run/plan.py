@@ -57,6 +57,35 @@ def build(*layers: dict[str, Any]) -> RunConfig:
         raise
 
 
+def check_trust(run_dir: Path, cfg: RunConfig, allow: str | None, given: dict | None = None) -> list[str]:
+    """The one trust rule for every path that imports code a run directory names (resume, export,
+    ``load_model``): config.json's references (``module:function``, ``file.py:function``) are code,
+    imported only from a directory, and a config.json, this user owns. ``allow``: how this caller
+    says "trust it" (``--trust``, ``trust=True``), None if it cannot; ``given``: the fields whose
+    functions the caller hands in itself (nothing of those is imported). The references that will be
+    imported, for the caller to announce."""
+    from parambox.workload import CALLABLE_FIELDS
+    from parambox.workload.refs import IN_PROCESS, is_reference
+    from parambox.workload.refs import resolve as resolve_reference
+
+    named = {f: str(getattr(cfg, f) or "") for f in CALLABLE_FIELDS if f not in (given or {})}
+    for f, v in named.items():
+        if v.startswith(IN_PROCESS + ":"):  # nothing can be built without it: say so before importing
+            resolve_reference(v, f)  # a UserError: a function of the process that started the run
+    refs = [f"{f}={v}" for f, v in named.items() if is_reference(v)]
+    if not refs or allow == "trusted":
+        return refs
+    for path in (run_dir, run_dir / "config.json"):
+        owner = path.stat().st_uid
+        if owner != os.geteuid():
+            hint = f"pass {allow} to run it" if allow else "copy the directory to continue it as yours"
+            raise UserError(
+                f"{path} belongs to uid {owner}, not you, and {run_dir / 'config.json'} names code to "
+                f"import ({', '.join(refs)}): {hint}"
+            )
+    return refs
+
+
 def load_recorded(run_dir: Path) -> RunConfig:
     """The config a run directory recorded (``config.json``), as a ``UserError`` when it is unreadable."""
     path = run_dir / "config.json"
@@ -154,6 +183,7 @@ def continue_recorded(cfg: RunConfig, caller: Caller) -> RunConfig:
     if not last.exists():
         raise UserError(f"{caller.field('resume')}: {last} does not exist")
     recorded = load_recorded(Path(cfg.out))
+    check_trust(Path(cfg.out).resolve(), recorded, None)
     changed = [f for f in sorted(cfg.model_fields_set - RESUMABLE) if getattr(cfg, f) != getattr(recorded, f)]
     if changed:
         f = changed[0]
