@@ -15,7 +15,7 @@ from typing import Any, Literal
 from parambox.config import RunConfig, build_config
 from parambox.errors import UserError, validation_message, warn
 from parambox.runtime.world import World, check_gpus, under_external_launcher
-from parambox.training.checkpoint import atomic_write_json
+from parambox.training.checkpoint import atomic_write_json, remove_interrupted_writes
 
 
 @dataclass(frozen=True)
@@ -252,6 +252,8 @@ def prepare_run_dir(plan: Plan) -> Path:
     if not plan.external:  # under torchrun / srun / mpiexec every rank prepares the same directory
         lock_run_dir(run_dir, caller)
     try:
+        if not plan.external:  # locked: no writer of an earlier life is left
+            remove_interrupted_writes(run_dir)
         _check_and_record(plan, run_dir)
     except BaseException:
         unlock_run_dir(run_dir)

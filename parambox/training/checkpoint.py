@@ -12,6 +12,8 @@ Everything loads with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
@@ -44,9 +46,38 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], object], mode: int | No
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if no_space_left(e):  # torch's says "enforce fail at inline_container.cc", the cause unsaid
+            kept = "; the previous one is kept" if path.exists() else ""
+            raise UserError(f"no space left on device writing {path}{kept}") from None
         raise
+
+
+def no_space_left(e: BaseException) -> bool:
+    """Whether ``e`` is, or was raised while handling, a full disk (``ENOSPC``; torch.save keeps the
+    writer's ``OSError`` only as the context of its own ``RuntimeError``)."""
+    seen: BaseException | None = e
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def remove_interrupted_writes(run_dir: Path) -> list[Path]:
+    """Remove the temporary files of :func:`atomic_write` calls a kill interrupted (``.NAME.*.tmp`` in
+    the run directory and its checkpoints); call it only while no process writes there (the run
+    directory's lock held, before any worker starts). The files removed."""
+    removed = []
+    for folder in (run_dir, run_dir / "checkpoints"):
+        for path in folder.glob(".*.tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+    return removed
 
 
 def atomic_save(obj: Any, path: Path) -> None:
