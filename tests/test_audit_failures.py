@@ -125,3 +125,32 @@ def test_a_finished_run_leaves_no_lock_file(tmp_path):
 
     assert main([*TRAIN, "--out", str(tmp_path / "run")]) == 0
     assert not (tmp_path / "run" / LOCK_FILE).exists()
+
+
+@pytest.mark.slow
+def test_train_with_workers_from_a_thread_other_than_the_main_one(tmp_path):
+    """Before: ``ValueError: signal only works in main thread of the main interpreter``."""
+    import threading
+
+    import parambox
+
+    got: dict = {}
+
+    def run():
+        try:
+            got["result"] = parambox.train(
+                strategy="allreduce",
+                workers=2,
+                steps=2,
+                eval_every=0,
+                progress=False,
+                out=str(tmp_path / "run"),
+            )
+        except BaseException as e:  # noqa: BLE001  (reported below)
+            got["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    assert "error" not in got, got.get("error")
+    assert got["result"].steps == 2

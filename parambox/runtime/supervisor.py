@@ -106,9 +106,12 @@ class Supervisor:
     def run(self) -> LaunchResult:
         """Poll until the run is over. Ctrl-C, SIGTERM (``kill``, a batch system's time limit) or SIGHUP
         (the terminal closed) ends it as an interrupt: the caller stops the workers, which checkpoint
-        at their next step."""
+        at their next step. Signal handlers exist only in the main thread: a launch from another
+        thread (``parambox.train`` in a worker thread of the caller's) leaves signals to the caller."""
         interrupt = (signal.SIGINT, *TERMINATING)
-        old = {sig: signal.signal(sig, lambda *_: self._interrupted.append(1)) for sig in interrupt}
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            old = {sig: signal.signal(sig, lambda *_: self._interrupted.append(1)) for sig in interrupt}
         try:
             while not self._poll():
                 time.sleep(POLL_S)
