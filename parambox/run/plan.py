@@ -24,7 +24,7 @@ class Caller:
     command line, ``out=...`` in a script.
 
     >>> Caller("cli").field("out"), Caller("api").field("out")
-    ('--out DIR', 'out=...')
+    ('--out OUT', 'out=...')
     """
 
     kind: Literal["cli", "api"]
@@ -133,6 +133,8 @@ def resolve(cfg: RunConfig, caller: Caller, resume: bool = False) -> Plan:
 
     if resume:
         cfg = continue_recorded(cfg, caller)
+    check_seed(cfg, caller)
+    check_variables()
     options = cfg.strategy_options()
     cls = strategy_class(cfg.strategy, options)
     if cls.max_workers == 1 and "workers" not in cfg.model_fields_set:
@@ -152,6 +154,46 @@ def resolve(cfg: RunConfig, caller: Caller, resume: bool = False) -> Plan:
 
             check_environment()  # not root, or no ip/tc: one line before anything is written
     return plan
+
+
+# The seed is mixed into torch generators' seeds (seed * 1000 + rank + 1 per rank, and the data's
+# (seed * 7919 + step) * 65537 + rank for augmentation), which torch takes below 2**64.
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(cfg: RunConfig, caller: Caller) -> None:
+    if cfg.seed > MAX_SEED:
+        raise UserError(f"config field 'seed': {caller.given('seed', cfg.seed)} is more than 2**32 - 1")
+
+
+def check_variables() -> None:
+    """The environment variables a run reads, checked before any process starts: a bad one is one
+    line here, not a worker's traceback (or silently nothing, for a fault of an unknown kind)."""
+    from parambox.runtime.control import LIFE_ENV
+    from parambox.training.faults import FaultPlan
+
+    env = os.environ
+    threads = env.get("PARAMBOX_THREADS", "").strip()
+    if threads and not (threads.isdigit() and int(threads) > 0):
+        raise UserError(f"PARAMBOX_THREADS={env['PARAMBOX_THREADS']!r}: expected a positive integer")
+    if env.get(LIFE_ENV, "").strip() and not env[LIFE_ENV].strip().isdigit():
+        raise UserError(f"{LIFE_ENV}={env[LIFE_ENV]!r}: expected a count (it is the launcher's; unset it)")
+    spec = env.get("PARAMBOX_FAULT")
+    if spec:
+        try:
+            plan = FaultPlan.parse(spec)
+        except ValueError as e:
+            detail = str(e) if "PARAMBOX_FAULT" in str(e) else "expected RANK:STEP:KIND[,...]"
+            raise UserError(f"PARAMBOX_FAULT={spec!r}: {detail.removeprefix('PARAMBOX_FAULT ')}") from None
+        unknown = [k for _, _, k in plan.faults if k.split("=")[0] not in FAULT_KINDS]
+        if unknown:
+            raise UserError(
+                f"PARAMBOX_FAULT={spec!r}: no fault {unknown[0]!r} (choose from {', '.join(FAULT_KINDS)})"
+            )
+
+
+# The kinds of fault parambox.training.faults injects (its docstring says what each does)
+FAULT_KINDS = ("kill", "nan", "slow", "hang", "stop", "partition", "lose-exchange")
 
 
 # What a resume may change: how long it runs, how it waits, what it logs. Everything else is the run's.

@@ -59,7 +59,7 @@ def default_metrics(model: nn.Module, batch: Any, loss: Callable, with_loss: boo
     """The loss, and accuracy for class logits against integer labels (one forward pass for the
     default cross-entropy)."""
     labelled = isinstance(batch, tuple | list) and len(batch) == 2 and _is_labels(batch[1])
-    if loss is default_loss and labelled:
+    if getattr(loss, "fn", loss) is default_loss and labelled:  # also the default loss checked (CheckedLoss)
         out = model(batch[0])
         values = {"loss": float(F.cross_entropy(out, batch[1]))}
         values.update(_accuracy(out, batch[1]))
