@@ -154,3 +154,26 @@ def test_train_with_workers_from_a_thread_other_than_the_main_one(tmp_path):
     thread.join(60)
     assert "error" not in got, got.get("error")
     assert got["result"].steps == 2
+
+
+@pytest.mark.slow
+def test_a_synchronous_run_whose_rank_0_is_stopped_ends_within_its_timeout(tmp_path):
+    """Before: it never ended, even with ``--timeout 4``: rank 1's timeout path blocked in
+    ``TCPStore.check`` on the store a stopped rank 0 hosts."""
+    argv = [*TRAIN[:2], "allreduce", "--workers", "2", *TRAIN[3:4], "50", *TRAIN[5:], "--timeout", "3"]
+    env = {**os.environ, "PARAMBOX_FAULT": "0:2:stop", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "parambox", *argv, "--out", str(tmp_path / "run")],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=45)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        pytest.fail("the run did not end within 45 s of a 3 s --timeout")
+    assert proc.returncode == 1, err
+    assert "timed out: ranks not arrived: [0]" in err.strip().splitlines()[-1], err

@@ -6,6 +6,7 @@ import ipaddress
 import itertools
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ from parambox.runtime.world import World
 
 _STARTS = itertools.count()  # process groups this process has started
 _ADDR_BYTES = 1024  # room for rank 0's "host:port"
+STORE_ANSWER_S = 5.0  # how long a live store takes at most to answer the timeout path's questions
 _ELASTIC: ElasticGroup | None = None  # this process's group when the run survives in place
 
 
@@ -213,9 +215,19 @@ class ProgressBoard:
 
     def missing_ranks(self, phase: str, grace_s: float = 2.0) -> list[int]:
         """After a timeout: every rank that reached this collective timed out too and says so here;
-        the ranks that stay silent for ``grace_s`` are the ones that never arrived."""
+        the ranks that stay silent for ``grace_s`` are the ones that never arrived. Bounded: the store
+        lives in rank 0, and a stopped rank 0 (SIGSTOP, a suspended job, a frozen host) accepts the
+        connection but never answers, and ``TCPStore.check`` has no timeout of its own."""
         if self.store is None:
             return []
+        found: list[list[int]] = []
+        asking = threading.Thread(target=lambda: found.append(self._ask(phase, grace_s)), daemon=True)
+        asking.start()
+        asking.join(grace_s + STORE_ANSWER_S)
+        return found[0] if found else [0]  # no answer: the store's host, rank 0, is stalled
+
+    def _ask(self, phase: str, grace_s: float) -> list[int]:
+        assert self.store is not None
         world, me = dist.get_world_size(), dist.get_rank()
         keys = [f"timeout/{self.step}/{phase}/{r}" for r in range(world)]
         deadline = time.monotonic() + grace_s

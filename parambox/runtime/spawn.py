@@ -387,10 +387,11 @@ def release_mpi(proc: subprocess.Popen) -> None:
 
 
 def stop(procs: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM the children's process groups, then SIGKILL what is left after ``grace_s``; reap them all."""
+    """SIGTERM the children's process groups, then SIGKILL what is left after ``grace_s``; reap them all.
+    A stopped child (SIGSTOP, a debugger) cannot act on SIGTERM: it is SIGKILLed at once."""
     live = [p for p in procs if p.poll() is None]
     for p in live:
-        _signal_group(p, signal.SIGTERM)
+        _signal_group(p, signal.SIGKILL if is_stopped(p.pid) else signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in live:
         try:
@@ -400,6 +401,15 @@ def stop(procs: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> No
             p.wait()
     for p in procs:
         release_mpi(p)
+
+
+def is_stopped(pid: int) -> bool:
+    """The kernel shows the process stopped (by SIGSTOP, SIGTSTP or a debugger)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:

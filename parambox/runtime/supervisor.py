@@ -39,6 +39,7 @@ from typing import Any
 
 from parambox.errors import TERMINATING
 from parambox.runtime.control import DEAD, EXITED, WorkerBoard
+from parambox.runtime.spawn import is_stopped
 
 # Asynchronous runs: rank 0 exits only once every other worker is done or found lost, so a worker
 # still running this long after rank 0 succeeded is hung; it is stopped and counted as lost.
@@ -262,7 +263,7 @@ class Supervisor:
                 rank < first
                 or codes[rank] is not None
                 or rank in self._fenced
-                or not _stopped(self.procs[rank].pid)
+                or not is_stopped(self.procs[rank].pid)
             ):
                 self._stopped_since.pop(rank, None)
                 continue
@@ -291,15 +292,6 @@ class Supervisor:
         code = self.procs[rank].returncode
         self.result.failed[rank] = (code, worker_error(self.log_dir, rank, code))
         self.result.returncode = 1
-
-
-def _stopped(pid: int) -> bool:
-    """The kernel shows the process stopped (by SIGSTOP, SIGTSTP or a debugger)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
-    except (OSError, IndexError):
-        return False
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
