@@ -177,3 +177,20 @@ def test_a_synchronous_run_whose_rank_0_is_stopped_ends_within_its_timeout(tmp_p
         pytest.fail("the run did not end within 45 s of a 3 s --timeout")
     assert proc.returncode == 1, err
     assert "timed out: ranks not arrived: [0]" in err.strip().splitlines()[-1], err
+
+
+@pytest.mark.slow
+def test_a_slow_but_healthy_rank_0_is_not_killed_as_stalled(tmp_path):
+    """Before: ``rank 0 wrote no progress for 3 s after the other workers ended``: its heartbeat was
+    the size of metrics.jsonl, flushed every 50 steps."""
+    argv = [*TRAIN[:2], "easgd", "--workers", "2", *TRAIN[3:4], "40", *TRAIN[5:], "--timeout", "3"]
+    env = {**os.environ, "PARAMBOX_FAULT": "0:0:slow", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "parambox", *argv, "--out", str(tmp_path / "run")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 40

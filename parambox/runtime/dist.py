@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import itertools
 import os
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from parambox.errors import CommTimeout
-from parambox.runtime.control import rejoining
+from parambox.runtime.control import HEARTBEAT_ENV, rejoining
 from parambox.runtime.elastic import ElasticGroup, destroy_default_group
 from parambox.runtime.spawn import free_port
 from parambox.runtime.world import World
@@ -178,6 +179,11 @@ def destroy_distributed() -> None:
         destroy_default_group()
 
 
+# Rank 0's heartbeat for its launcher, which kills a rank 0 that shows no progress for --timeout once
+# it is the last rank running: the file (its metrics.jsonl) has its time set at most once a second
+# by post(), called every step, so a slow but healthy rank 0 is seen alive between its metrics' flushes.
+HEARTBEAT_EVERY_S = 1.0
+
 # Boards made in this process so far: every rank makes its boards in the same order, so the n-th
 # board's address goes under a key of its own (a later board never finds an earlier one's address).
 _BOARDS = itertools.count()
@@ -191,6 +197,7 @@ class ProgressBoard:
     def __init__(self) -> None:
         self.store: dist.Store | None = None
         self.step = -1
+        self._beat = 0.0  # when post() last touched the heartbeat
         if not dist.is_initialized() or dist.get_world_size() == 1 or _ELASTIC is not None:
             return  # (a run that survives in place names lost peers its own way: runtime/elastic.py)
         from torch.distributed.distributed_c10d import _get_default_store
@@ -212,6 +219,13 @@ class ProgressBoard:
 
     def post(self, step: int) -> None:
         self.step = step  # local only: the hot path never talks to the store
+        now = time.monotonic()
+        if now - self._beat >= HEARTBEAT_EVERY_S:
+            self._beat = now
+            heartbeat = os.environ.get(HEARTBEAT_ENV) if os.environ.get("RANK") == "0" else None
+            if heartbeat:  # (read here: a worker forked from the zygote got its environment late)
+                with contextlib.suppress(OSError):  # not made yet, or its run directory gone
+                    os.utime(heartbeat)
 
     def missing_ranks(self, phase: str, grace_s: float = 2.0) -> list[int]:
         """After a timeout: every rank that reached this collective timed out too and says so here;

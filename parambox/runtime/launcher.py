@@ -23,7 +23,7 @@ from pathlib import Path
 
 from parambox.runtime import elastic, spawn
 from parambox.runtime.cluster import WINDOWS_MCA, ClusterConfig
-from parambox.runtime.control import LIFE_ENV, REJOIN_ENV, RUNNING, SPARE_FLAG, WorkerBoard
+from parambox.runtime.control import HEARTBEAT_ENV, LIFE_ENV, REJOIN_ENV, RUNNING, SPARE_FLAG, WorkerBoard
 from parambox.runtime.supervisor import LaunchResult, Starters, Supervisor, worker_error
 
 __all__ = ["LaunchResult", "launch_local", "threads_per_worker", "worker_error"]
@@ -81,6 +81,7 @@ def launch_local(
         restart = (max_restarts, resume_cmd, checkpoint, warm_spare)
         placement = net.placement(num_workers) if net is not None else None
         watch = {"heartbeat": log_dir.parent / "metrics.jsonl", "stall_s": stall_timeout_s}
+        env[HEARTBEAT_ENV] = str(watch["heartbeat"])  # rank 0 touches it as it steps
         if shrink:
             store, address = elastic.host_store()  # lives as long as this process holds it
             watch["shrink_store"] = store

@@ -99,7 +99,7 @@ class Supervisor:
         self.shrink_store = shrink_store  # the elastic group's store (a run that survives in place)
         self._fenced: set[int] = set()
         self._group_life = 0  # restarts of the whole group (each runs the elastic protocol afresh)
-        self._beat: tuple[float, float] = (0.0, time.monotonic())  # (file size, when it last changed)
+        self._beat: tuple[tuple[int, int], float] = ((0, 0), time.monotonic())  # (size, mtime), when changed
         self._stopped_since: dict[int, float] = {}  # rank -> when it was first seen stopped
         self._stopped_at = 0.0
         self._life_started = time.monotonic()  # the whole group's current life
@@ -165,7 +165,11 @@ class Supervisor:
         if not (self.heartbeat and self.stall_s) or any(c is None for c in codes[1:]):
             self._beat = (self._beat[0], time.monotonic())
             return False
-        size = float(self.heartbeat.stat().st_size) if self.heartbeat.exists() else 0.0
+        try:  # rank 0 writes it, and touches it as it steps (runtime/dist.py, HEARTBEAT)
+            stat = self.heartbeat.stat()
+            size: tuple[int, int] = (stat.st_size, stat.st_mtime_ns)  # either changing is progress
+        except FileNotFoundError:
+            size = (0, 0)
         if size != self._beat[0]:
             self._beat = (size, time.monotonic())
             return False
