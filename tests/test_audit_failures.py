@@ -194,3 +194,22 @@ def test_a_slow_but_healthy_rank_0_is_not_killed_as_stalled(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 40
+
+
+@pytest.mark.slow
+def test_a_group_restart_says_its_cause_and_keeps_its_logs(tmp_path):
+    """Before: the console said only "1 restart(s) of workers" and the first life's error files were
+    deleted when the group restarted (an empty logs/)."""
+    out = tmp_path / "run"
+    argv = [*TRAIN[:2], "allreduce", "--workers", "2", *TRAIN[3:4], "8", *TRAIN[5:], "--max-restarts", "1"]
+    env = {**os.environ, "PARAMBOX_FAULT": "1:3:kill", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "parambox", *argv, "--checkpoint-every", "2", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "worker rank 1 failed: killed by signal SIGKILL" in proc.stderr, proc.stderr
+    assert "logs/life0" in proc.stderr and (out / "logs" / "life0").is_dir(), proc.stderr

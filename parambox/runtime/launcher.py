@@ -131,7 +131,7 @@ def _launch_processes(
 
     def group(life: int, resume: bool) -> list[subprocess.Popen]:
         spawn.remove_segments(prefix)  # the stopped group's boxes
-        for err in log_dir.glob("rank*.err"):
+        for err in log_dir.glob("rank*.err"):  # (a restart's supervisor moved its cause's to logs/life{k})
             err.unlink(missing_ok=True)  # a new life: old errors are no longer the run's
         for rank in range(n):
             board.set_state(rank, RUNNING)

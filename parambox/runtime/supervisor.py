@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parambox.errors import TERMINATING
+from parambox.errors import TERMINATING, warn
 from parambox.runtime.control import DEAD, EXITED, WorkerBoard
 from parambox.runtime.spawn import is_stopped
 
@@ -142,7 +142,7 @@ class Supervisor:
                 self._finished(rank, EXITED)
             elif (self.tolerate_loss and self._replace_or_lose(rank, code)) or self._shrink(rank, code):
                 continue
-            elif not self.tolerate_loss and self._restart_group(code):
+            elif not self.tolerate_loss and self._restart_group(rank, code):
                 return False
             else:
                 self._fail(rank)
@@ -276,10 +276,17 @@ class Supervisor:
                 _kill_session(self.procs[rank])  # next poll: dead, and the others go on without it
 
     # -- synchronous: restart everyone from the last checkpoint -------------------------------------------
-    def _restart_group(self, code: int) -> bool:
+    def _restart_group(self, rank: int, code: int) -> bool:
         if code == USER_ERROR or not self._restarts_left():
             return False
+        cause = worker_error(self.log_dir, rank, code)  # before the stop: its peers' errors are symptoms
         self.starters.stop(self.procs)
+        cause = f"worker rank {rank} failed: {cause.removeprefix('parambox: error: ')}"
+        kept = keep_life_logs(self.log_dir, self._group_life, cause)
+        warn(
+            f"restarting the workers from the last checkpoint ({self.result.restarts + 1} of "
+            f"{self.max_restarts}): {cause} (logs of that life: {kept})"
+        )
         now = time.monotonic()
         self.result.earlier_lives_s += now - self._life_started
         self._life_started = now
@@ -296,6 +303,18 @@ class Supervisor:
         code = self.procs[rank].returncode
         self.result.failed[rank] = (code, worker_error(self.log_dir, rank, code))
         self.result.returncode = 1
+
+
+def keep_life_logs(log_dir: Path, life: int, cause: str) -> Path:
+    """Before a restart of the whole group: the ended ``life``'s error files and the ``cause`` of its
+    end into ``logs/life{life}/`` (the new life's files are its own)."""
+    dest = log_dir / f"life{life}"
+    with contextlib.suppress(OSError):
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "restart.txt").write_text(cause + "\n")
+        for err in log_dir.glob("rank*.err"):
+            err.replace(dest / err.name)
+    return dest
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
