@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import tomllib
 from pathlib import Path
 
@@ -117,3 +118,29 @@ def test_load_model_checks_trust(finished_run):
     with pytest.raises(UserError, match="uid 65534.*trust=True"):
         load_model(finished_run)
     assert load_model(finished_run, trust=True) is not None
+
+
+@pytest.mark.parametrize("fenced", ["[99]", "[-1]", "[0]", '{"1": 1}', '["1"]', "[true]", "7", "[1.5]"])
+def test_what_the_launcher_reads_from_its_store_is_checked(fenced, tmp_path):
+    """S-A: any local user can write a shrink run's store (torch's TCPStore has no password). Before:
+    ``fenced=[99]`` crashed the launcher with a traceback (IndexError); rank 0 was never to be fenced."""
+    import signal
+    import subprocess
+
+    from torch.distributed import HashStore
+
+    from parambox.runtime.elastic import FENCED_KEY
+    from parambox.runtime.supervisor import Supervisor
+
+    procs = [subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(2)]
+    try:
+        store = HashStore()
+        sup = Supervisor(procs, tmp_path, tolerate_loss=False, stall_s=1.0, shrink_store=store)
+        sup._life_store().set(FENCED_KEY, fenced)
+        sup._kill_fenced([None, None])
+        time.sleep(0.3)  # a SIGKILL sent would have ended them by now
+        assert [p.poll() for p in procs] == [None, None]
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+            p.wait()

@@ -242,10 +242,17 @@ class Supervisor:
             return
         from parambox.runtime.elastic import fenced_ranks
 
-        for rank in fenced_ranks(self._life_store()):
+        for rank in self._checked_ranks(fenced_ranks(self._life_store())):
             if rank not in self._fenced and codes[rank] is None:
                 self._fenced.add(rank)
                 _kill_session(self.procs[rank])  # its late messages go to a group nobody listens to
+
+    def _checked_ranks(self, value: Any) -> list[int]:
+        """Ranks read from the run's store: any local user can write it (torch's TCPStore has no
+        password), so only a list of ranks of this run other than 0 (never fenced) is taken."""
+        if not isinstance(value, list):
+            return []
+        return [r for r in value if type(r) is int and 0 < r < len(self.procs)]
 
     def _kill_stopped(self, codes: list[int | None]) -> None:
         """A rank that the kernel shows stopped for ``--timeout`` (``stall_s``) is SIGKILLed, in a run
