@@ -144,3 +144,59 @@ def test_what_the_launcher_reads_from_its_store_is_checked(fenced, tmp_path):
         for p in procs:
             p.send_signal(signal.SIGKILL)
             p.wait()
+
+
+LISTENERS = r"""
+import os
+from mpi4py import MPI
+import numpy as np
+
+comm = MPI.COMM_WORLD
+x = np.ones(1 << 16)
+comm.Allreduce(MPI.IN_PLACE, x)  # the transports are up
+mine = set()
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        link = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        continue
+    if link.startswith("socket:["):
+        mine.add(link[8:-1])
+wide = []
+for table, anywhere in (("tcp", "00000000"), ("tcp6", "00000000000000000000000000000000")):
+    with open(f"/proc/self/net/{table}") as f:
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            local, state, inode = cols[1], cols[3], cols[9]
+            if state == "0A" and inode in mine and local.split(":")[0] == anywhere:
+                wide.append(f"{table} port {int(local.split(':')[1], 16)}")
+comm.Barrier()
+print(f"rank {comm.Get_rank()} listens on every interface: {wide}", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_local_mpi_jobs_ranks_listen_on_no_interface(tmp_path):
+    """S-F: a local ``--box rma`` run's ranks listened on 0.0.0.0 and [::] (Open MPI's TCP transport,
+    which ranks on one host do not use: they talk through shared memory)."""
+    import subprocess
+
+    from parambox.runtime import spawn
+
+    if spawn.find_mpiexec() is None:
+        pytest.skip("no mpiexec")
+    prog = tmp_path / "listeners.py"
+    prog.write_text(LISTENERS)
+    import sys
+
+    proc = spawn.start_mpi(
+        [sys.executable, str(prog)], 2, dict(os.environ), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        spawn.stop([proc])
+    assert proc.returncode == 0
+    assert sorted(out.strip().splitlines()) == [f"rank {r} listens on every interface: []" for r in (0, 1)], (
+        out
+    )

@@ -254,6 +254,9 @@ def start_mpi(
     if mpi_command is not None:  # mpiexec reads options up to the program: --with-ft may come last
         argv, env = mpi_command(mpiexec, world_size, [*ft, *cmd], env)
     else:
+        # One host: the ranks talk through shared memory. Open MPI's TCP transport would listen on
+        # every interface (0.0.0.0 and [::]) for peers this job does not have.
+        env.setdefault("OMPI_MCA_btl", "^tcp")
         over = ["--oversubscribe"] if open_mpi else []  # MPICH's hydra runs any number of ranks
         argv = [mpiexec, *ft, "-n", str(world_size), *over, *binding, *cmd]
     guard, reaper = _start_reaper(private, lock=lock)
