@@ -213,3 +213,31 @@ def test_a_group_restart_says_its_cause_and_keeps_its_logs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "worker rank 1 failed: killed by signal SIGKILL" in proc.stderr, proc.stderr
     assert "logs/life0" in proc.stderr and (out / "logs" / "life0").is_dir(), proc.stderr
+
+
+@pytest.mark.slow
+def test_an_mpi_job_whose_rank_0_hangs_is_stopped(tmp_path):
+    """U2: an asynchronous ``--box rma`` run with a hung rank 0 never ended: the memory rank served on,
+    and nothing watched mpiexec. Now the launcher stops a job none of whose ranks made progress for
+    twice --timeout and a margin."""
+    from parambox.runtime import spawn
+
+    if spawn.find_mpiexec() is None:
+        pytest.skip("no mpiexec")
+    argv = [*TRAIN[:2], "easgd", "--box", "rma", "--workers", "2", *TRAIN[3:4], "10", *TRAIN[5:]]
+    env = {**os.environ, "PARAMBOX_FAULT": "0:3:hang", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "parambox", *argv, "--timeout", "2", "--out", str(tmp_path / "run")],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=50)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        pytest.fail("the MPI job did not end within 50 s of a 2 s --timeout")
+    assert proc.returncode == 1, err
+    assert "no rank of the MPI job made progress" in err.strip().splitlines()[-1], err

@@ -179,10 +179,22 @@ def destroy_distributed() -> None:
         destroy_default_group()
 
 
-# Rank 0's heartbeat for its launcher, which kills a rank 0 that shows no progress for --timeout once
-# it is the last rank running: the file (its metrics.jsonl) has its time set at most once a second
-# by post(), called every step, so a slow but healthy rank 0 is seen alive between its metrics' flushes.
+# A rank's heartbeat for its launcher, which kills a rank 0 that shows no progress for --timeout once
+# it is the last rank running, and an MPI job none of whose ranks shows progress: the rank's metrics
+# file has its time set at most once a second by post(), called every step, so a slow but healthy
+# rank is seen alive between its metrics' flushes.
 HEARTBEAT_EVERY_S = 1.0
+
+
+def heartbeat_file() -> str | None:
+    """This rank's metrics file (rank 0's ``metrics.jsonl``, ``metrics.rank{r}.jsonl`` for the others),
+    touched as it steps; None outside the local launcher (which names rank 0's in the environment)."""
+    env = os.environ
+    path, rank = env.get(HEARTBEAT_ENV), env.get("RANK") or env.get("OMPI_COMM_WORLD_RANK")
+    if not path or rank is None:
+        return None
+    return path if rank == "0" else os.path.join(os.path.dirname(path), f"metrics.rank{rank}.jsonl")
+
 
 # Boards made in this process so far: every rank makes its boards in the same order, so the n-th
 # board's address goes under a key of its own (a later board never finds an earlier one's address).
@@ -222,8 +234,8 @@ class ProgressBoard:
         now = time.monotonic()
         if now - self._beat >= HEARTBEAT_EVERY_S:
             self._beat = now
-            heartbeat = os.environ.get(HEARTBEAT_ENV) if os.environ.get("RANK") == "0" else None
-            if heartbeat:  # (read here: a worker forked from the zygote got its environment late)
+            heartbeat = heartbeat_file()  # (read now: a worker forked from the zygote got its env late)
+            if heartbeat:
                 with contextlib.suppress(OSError):  # not made yet, or its run directory gone
                     os.utime(heartbeat)
 

@@ -44,6 +44,10 @@ from parambox.runtime.spawn import is_stopped
 # Asynchronous runs: rank 0 exits only once every other worker is done or found lost, so a worker
 # still running this long after rank 0 succeeded is hung; it is stopped and counted as lost.
 STRAGGLER_GRACE_S = 30.0
+# An MPI job is stopped when none of its ranks shows progress for JOB_STALL_FACTOR * --timeout + the
+# margin: past the ranks' own timeouts (which name the missing peer), so it catches only what they
+# cannot, such as a memory rank serving a hung rank 0.
+JOB_STALL_FACTOR, JOB_STALL_MARGIN_S = 2.0, 5.0
 POLL_S = 0.05
 STOPPED_EVERY_S = 0.25  # how often the launcher looks for stopped workers (in place, asynchronous)
 USER_ERROR = 2
@@ -84,6 +88,7 @@ class Supervisor:
         heartbeat: Path | None = None,
         stall_s: float = 0.0,
         shrink_store: Any = None,
+        job_dir: Path | None = None,
     ):
         self.procs, self.log_dir, self.tolerate_loss = procs, log_dir, tolerate_loss
         self.board, self.starters = board, starters
@@ -97,6 +102,8 @@ class Supervisor:
         # otherwise hold the run forever, since no peer is left to time out on it).
         self.heartbeat, self.stall_s = heartbeat, stall_s
         self.shrink_store = shrink_store  # the elastic group's store (a run that survives in place)
+        self.job_dir = job_dir  # an MPI job's run directory: its ranks' metrics files are its heartbeat
+        self._job_beat: tuple[Any, float] = ((), time.monotonic())
         self._fenced: set[int] = set()
         self._group_life = 0  # restarts of the whole group (each runs the elastic protocol afresh)
         self._beat: tuple[tuple[int, int], float] = ((0, 0), time.monotonic())  # (size, mtime), when changed
@@ -134,6 +141,8 @@ class Supervisor:
         self._kill_fenced(codes)
         self._kill_stopped(codes)
         if codes[0] is None and len(self.procs) > 1 and self._rank0_stalled(codes):
+            return True
+        if codes[0] is None and self.job_dir is not None and self._job_stalled():
             return True
         for rank, code in enumerate(codes):
             if code is None or rank in self.finished:
@@ -182,6 +191,33 @@ class Supervisor:
             return False  # treated as dead: replaced below, like a killed one
         why = f"rank 0 wrote no progress for {self.stall_s:g} s after the other workers ended (timeout)"
         self.result.failed[0] = (1, f"parambox: error: {why}")
+        self.result.returncode = 1
+        return True
+
+    def _job_stalled(self) -> bool:
+        """An MPI job (one process for all its ranks) none of whose ranks touched its metrics file for
+        twice ``stall_s`` and a margin (longer than the ranks' own timeouts, which name the peer):
+        stopped. Not before the first rank trains (start-up: no metrics file yet)."""
+        if not self.stall_s:
+            return False
+        beats = []
+        for path in self.job_dir.glob("metrics*.jsonl"):  # type: ignore[union-attr]
+            with contextlib.suppress(FileNotFoundError):
+                st = path.stat()
+                beats.append((path.name, st.st_size, st.st_mtime_ns))
+        now, key = time.monotonic(), tuple(sorted(beats))
+        if not beats or key != self._job_beat[0]:
+            self._job_beat = (key, now)
+            return False
+        limit = JOB_STALL_FACTOR * self.stall_s + JOB_STALL_MARGIN_S
+        if now - self._job_beat[1] <= limit:
+            return False
+        _kill_session(self.procs[0])  # mpiexec leads a session of its own: its ranks are in it
+        self.procs[0].wait()
+        why = (
+            f"no rank of the MPI job made progress for {limit:g} s (--timeout {self.stall_s:g}): a rank hangs"
+        )
+        self.result.failed[0] = (1, f"parambox: error: {why}; the job was stopped")
         self.result.returncode = 1
         return True
 
