@@ -249,6 +249,8 @@ ENVIRONMENT = [
     ("PARAMBOX_THREADS", "abc", "a positive integer"),
     ("PARAMBOX_THREADS", "-3", "a positive integer"),
     ("PARAMBOX_LIFE", "x", "PARAMBOX_LIFE"),
+    ("PARAMBOX_STRATEGIES", "garbage", "name=module:Class"),
+    ("PARAMBOX_STRATEGIES", "toy=nomodule", "name=module:Class"),
 ]
 
 

@@ -178,6 +178,14 @@ def check_variables() -> None:
         raise UserError(f"PARAMBOX_THREADS={env['PARAMBOX_THREADS']!r}: expected a positive integer")
     if env.get(LIFE_ENV, "").strip() and not env[LIFE_ENV].strip().isdigit():
         raise UserError(f"{LIFE_ENV}={env[LIFE_ENV]!r}: expected a count (it is the launcher's; unset it)")
+    for entry in env.get("PARAMBOX_STRATEGIES", "").split(";"):  # what register() hands the workers
+        name, _, ref = entry.partition("=")
+        module, _, attr = ref.partition(":")
+        if entry.strip() and not (name and module and attr):
+            raise UserError(
+                f"PARAMBOX_STRATEGIES={env['PARAMBOX_STRATEGIES']!r}: expected name=module:Class entries "
+                "joined by ';' (parambox.strategies.register writes it)"
+            )
     spec = env.get("PARAMBOX_FAULT")
     if spec:
         try:
