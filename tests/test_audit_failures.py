@@ -121,7 +121,7 @@ def test_a_run_directory_is_locked_by_the_run_that_owns_it(tmp_path, capsys):
 
 
 def test_a_finished_run_leaves_no_lock_file(tmp_path):
-    from parambox.run.plan import LOCK_FILE
+    from parambox.run.rundir import LOCK_FILE
 
     assert main([*TRAIN, "--out", str(tmp_path / "run")]) == 0
     assert not (tmp_path / "run" / LOCK_FILE).exists()

@@ -14,7 +14,8 @@ from typing import Any
 
 from parambox.config import RunConfig
 from parambox.errors import UserError, warn
-from parambox.run.plan import Caller, Plan, check_references, prepare_run_dir, resolve, unlock_run_dir
+from parambox.run import rundir
+from parambox.run.plan import Caller, Plan, check_references, prepare_run_dir, resolve
 from parambox.run.worker import SYS_PATH_ENV, is_user_error, train_rank
 from parambox.training.checkpoint import atomic_write_json
 
@@ -55,7 +56,7 @@ def execute(
             return plan, launch(plan, run_dir, callables)
         return plan, train_here(plan, run_dir, callables)
     finally:
-        unlock_run_dir(run_dir)
+        rundir.unlock(run_dir)
 
 
 def _record_references(plan: Plan, callables: dict[str, Callable]) -> None:
@@ -96,7 +97,7 @@ def launch(plan: Plan, run_dir: Path, callables: dict[str, Callable] | None = No
         with _caller_env(callables or {}):
             result = _launch_local(plan, run_dir)
     finally:
-        unlock_run_dir(run_dir)
+        rundir.unlock(run_dir)
     if result.returncode == 130:
         raise KeyboardInterrupt
     for rank, (code, reason) in result.failed.items():

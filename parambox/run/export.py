@@ -33,10 +33,10 @@ LABEL_KEYS = ("label", "labels", "y", "target", "targets")  # a dict batch's key
 def check_trust(run_dir: Path, cfg: Any, trust: bool) -> None:
     """A run directory that names code (``module:function``) is code: say what will be imported, and
     import it only from a directory this user owns, or with ``trust`` (the rule of
-    :func:`parambox.run.plan.check_trust`, which resume and ``load_model`` follow too)."""
-    from parambox.run import plan
+    :func:`parambox.run.rundir.check_trust`, which resume and ``load_model`` follow too)."""
+    from parambox.run import rundir
 
-    refs = plan.check_trust(run_dir, cfg, "trusted" if trust else "--trust")
+    refs = rundir.check_trust(run_dir, cfg, "trusted" if trust else "--trust")
     if refs:
         warn(f"export imports and runs {', '.join(refs)}, named in {run_dir / 'config.json'}")
 

@@ -4,7 +4,6 @@ every message speaks the caller's language (flags for the CLI, keyword arguments
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -14,6 +13,7 @@ from typing import Any, Literal
 
 from parambox.config import RunConfig, build_config
 from parambox.errors import UserError, validation_message, warn
+from parambox.run import rundir
 from parambox.runtime.world import World, check_gpus, under_external_launcher
 from parambox.training.checkpoint import atomic_write_json, remove_interrupted_writes
 
@@ -55,35 +55,6 @@ def build(*layers: dict[str, Any]) -> RunConfig:
         if type(e).__name__ == "ValidationError":
             raise UserError(validation_message(e)) from None
         raise
-
-
-def check_trust(run_dir: Path, cfg: RunConfig, allow: str | None, given: dict | None = None) -> list[str]:
-    """The one trust rule for every path that imports code a run directory names (resume, export,
-    ``load_model``): config.json's references (``module:function``, ``file.py:function``) are code,
-    imported only from a directory, and a config.json, this user owns. ``allow``: how this caller
-    says "trust it" (``--trust``, ``trust=True``), None if it cannot; ``given``: the fields whose
-    functions the caller hands in itself (nothing of those is imported). The references that will be
-    imported, for the caller to announce."""
-    from parambox.workload import CALLABLE_FIELDS
-    from parambox.workload.refs import IN_PROCESS, is_reference
-    from parambox.workload.refs import resolve as resolve_reference
-
-    named = {f: str(getattr(cfg, f) or "") for f in CALLABLE_FIELDS if f not in (given or {})}
-    for f, v in named.items():
-        if v.startswith(IN_PROCESS + ":"):  # nothing can be built without it: say so before importing
-            resolve_reference(v, f)  # a UserError: a function of the process that started the run
-    refs = [f"{f}={v}" for f, v in named.items() if is_reference(v)]
-    if not refs or allow == "trusted":
-        return refs
-    for path in (run_dir, run_dir / "config.json"):
-        owner = path.stat().st_uid
-        if owner != os.geteuid():
-            hint = f"pass {allow} to run it" if allow else "copy the directory to continue it as yours"
-            raise UserError(
-                f"{path} belongs to uid {owner}, not you, and {run_dir / 'config.json'} names code to "
-                f"import ({', '.join(refs)}): {hint}"
-            )
-    return refs
 
 
 def load_recorded(run_dir: Path) -> RunConfig:
@@ -233,7 +204,7 @@ def continue_recorded(cfg: RunConfig, caller: Caller) -> RunConfig:
     if not last.exists():
         raise UserError(f"{caller.field('resume')}: {last} does not exist")
     recorded = load_recorded(Path(cfg.out))
-    check_trust(Path(cfg.out).resolve(), recorded, None)
+    rundir.check_trust(Path(cfg.out).resolve(), recorded, None)
     changed = [f for f in sorted(cfg.model_fields_set - RESUMABLE) if getattr(cfg, f) != getattr(recorded, f)]
     if changed:
         f = changed[0]
@@ -300,13 +271,16 @@ def prepare_run_dir(plan: Plan) -> Path:
     run_dir = Path(cfg.out).resolve()
     cfg.out = str(run_dir)
     if not plan.external:  # under torchrun / srun / mpiexec every rank prepares the same directory
-        lock_run_dir(run_dir, caller)
+        try:
+            rundir.lock(run_dir, caller.field("out"))
+        except OSError as e:
+            raise _unwritable(run_dir, caller, e) from None
     try:
         if not plan.external:  # locked: no writer of an earlier life is left
             remove_interrupted_writes(run_dir)
         _check_and_record(plan, run_dir)
     except BaseException:
-        unlock_run_dir(run_dir)
+        rundir.unlock(run_dir)
         raise
     return run_dir
 
@@ -326,63 +300,6 @@ def _check_and_record(plan: Plan, run_dir: Path) -> None:
         atomic_write_json(run_dir / "config.json", cfg.model_dump())
     except OSError as e:
         raise _unwritable(run_dir, caller, e) from None
-
-
-LOCK_FILE = ".parambox.lock"  # in a run directory: locked (flock) by the process that runs it
-_locks: dict[Path, int] = {}  # run directory -> the open lock file this process holds
-
-
-def lock_run_dir(run_dir: Path, caller: Caller = CLI) -> None:
-    """Lock ``run_dir`` for this process until :func:`unlock_run_dir` (or its exit, however it ends): a
-    second run on the same directory, started before the first wrote anything that says "a run is
-    here", is refused at once instead of interleaving its metrics with the first's and replacing its
-    result. The lock file holds the owner's pid, for the message."""
-    import fcntl
-
-    if run_dir in _locks:
-        raise UserError(f"run directory {run_dir} is in use by this process's other run")
-    path = run_dir / LOCK_FILE
-    while True:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise _unwritable(run_dir, caller, e) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            owner = os.read(fd, 32).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise UserError(
-                f"run directory {run_dir} is in use by another run (pid {owner}); wait for it to end, "
-                f"or pass another {caller.field('out')}"
-            ) from None
-        if _same_file(fd, path):
-            break
-        os.close(fd)  # its owner removed it between our open and our lock: lock the new one
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    _locks[run_dir] = fd
-
-
-def unlock_run_dir(run_dir: Path) -> None:
-    """Release the lock :func:`lock_run_dir` took and remove its file (nothing if this process holds
-    none): a finished run's directory holds what it held before."""
-    run_dir = Path(run_dir).resolve()
-    fd = _locks.pop(run_dir, None)
-    if fd is not None:
-        with contextlib.suppress(OSError):
-            (run_dir / LOCK_FILE).unlink()  # still locked: whoever opened it meanwhile retries
-        os.close(fd)
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return False
-    own = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 def _unwritable(run_dir: Path, caller: Caller, e: OSError) -> UserError:

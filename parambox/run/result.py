@@ -54,7 +54,8 @@ def load_model_and_workload(
     run_dir: Path, callables: dict[str, Callable] | None = None, trust: str = "trusted"
 ):
     """``trust``: ``"trusted"`` (the caller checked, as export does), else how to say "trust it"."""
-    from parambox.run.plan import check_trust, load_recorded
+    from parambox.run.plan import load_recorded
+    from parambox.run.rundir import check_trust
     from parambox.training import checkpoint
     from parambox.workload import build_workload
 

@@ -102,7 +102,7 @@ def write_failure(e: BaseException, world: World, run_dir: Path) -> None:
 
 def run_worker(cfg, world: World, run_dir: Path, resume: bool) -> int:
     """A spawned (or externally launched CLI) rank: train, print the summary on rank 0, exit code."""
-    from parambox.run.plan import unlock_run_dir
+    from parambox.run import rundir
     from parambox.run.result import print_summary
     from parambox.runtime import spawn
     from parambox.runtime.mpi import exit_now
@@ -127,7 +127,7 @@ def run_worker(cfg, world: World, run_dir: Path, resume: bool) -> int:
             print_summary(summary, run_dir)
         code = 0
     finally:
-        unlock_run_dir(run_dir)  # the only worker's: prepared (and locked) in this process
+        rundir.unlock(run_dir)  # the only worker's: prepared (and locked) in this process
     if world.world_size > 1:
         exit_now(code)
     return code
