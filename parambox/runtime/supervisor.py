@@ -104,6 +104,7 @@ class Supervisor:
         self.shrink_store = shrink_store  # the elastic group's store (a run that survives in place)
         self.job_dir = job_dir  # an MPI job's run directory: its ranks' metrics files are its heartbeat
         self._job_beat: tuple[Any, float] = ((), time.monotonic())
+        self._job_polled = self._job_moved = False  # looked at its files yet; seen them change since
         self._fenced: set[int] = set()
         self._group_life = 0  # restarts of the whole group (each runs the elastic protocol afresh)
         self._beat: tuple[tuple[int, int], float] = ((0, 0), time.monotonic())  # (size, mtime), when changed
@@ -197,7 +198,8 @@ class Supervisor:
     def _job_stalled(self) -> bool:
         """An MPI job (one process for all its ranks) none of whose ranks touched its metrics file for
         twice ``stall_s`` and a margin (longer than the ranks' own timeouts, which name the peer):
-        stopped. Not before the first rank trains (start-up: no metrics file yet)."""
+        stopped. Counted only once a rank has trained in this job (not in start-up, nor on the
+        metrics files a resumed run's earlier life left)."""
         if not self.stall_s:
             return False
         beats = []
@@ -206,8 +208,12 @@ class Supervisor:
                 st = path.stat()
                 beats.append((path.name, st.st_size, st.st_mtime_ns))
         now, key = time.monotonic(), tuple(sorted(beats))
-        if not beats or key != self._job_beat[0]:
-            self._job_beat = (key, now)
+        if key != self._job_beat[0]:
+            self._job_moved = self._job_moved or self._job_polled  # (a resume's files were there before)
+            self._job_beat, self._job_polled = (key, now), True
+            return False
+        self._job_polled = True
+        if not self._job_moved:
             return False
         limit = JOB_STALL_FACTOR * self.stall_s + JOB_STALL_MARGIN_S
         if now - self._job_beat[1] <= limit:
