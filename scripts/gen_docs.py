@@ -37,6 +37,11 @@ ENV_VARS: dict[str, tuple[str, str]] = {
         "`nan`, `slow`, `lose-exchange`, `partition=T`; first life of a worker only",
     ),
     "PARAMBOX_DEBUG": ("you", "a user error prints its traceback too (CLI and workers)"),
+    "PARAMBOX_HEARTBEAT": (
+        "the local launcher",
+        "the file each rank touches (at most once a second) as it steps: the supervisor reads a slow "
+        "rank's progress from it",
+    ),
     "PARAMBOX_CACHE": ("you", "where downloaded data sets are kept (default `~/.cache/parambox`)"),
     "PARAMBOX_ZYGOTE": (
         "you / the launcher",

@@ -151,3 +151,127 @@ def test_export_runs_another_users_run_directory_only_with_trust(tmp_path, capsy
     assert main(argv) == 2  # ours: it says what it imports, then fails on the missing checkpoint
     err = capsys.readouterr().err
     assert f"export imports and runs model={ref}" in err and "Traceback" not in err
+
+
+# Issue 53's audit: bad workloads the default loss met with a traceback, and environment variables that crashed.
+BAD_WORKLOAD = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(x), x
+
+
+def pair_model():
+    return Pair()
+
+
+def linear():
+    return nn.Linear(4, 3)
+
+
+def no_parameters():
+    return nn.Identity()
+
+
+def frozen():
+    return nn.Linear(4, 3).requires_grad_(False)
+
+
+def data():
+    return TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,))), None
+
+
+def int_data():
+    return TensorDataset(torch.randint(0, 5, (64, 4)), torch.randint(0, 3, (64,))), None
+
+
+def wide_data():
+    return TensorDataset(torch.randn(64, 7), torch.randint(0, 3, (64,))), None
+
+
+def float_labels():
+    return TensorDataset(torch.randn(64, 4), torch.randn(64, 5)), None
+
+
+def constant_loss(model, batch):
+    return torch.tensor(1.0)
+
+
+def detached_loss(model, batch):
+    return model(batch[0]).pow(2).mean().detach()
+
+
+def vector_loss(model, batch):
+    return model(batch[0]).pow(2).mean(dim=1)
+"""
+
+WORKLOADS = [
+    ({"model": "pair_model"}, ["model Pair returned a tuple", "--loss"]),
+    ({"data": "int_data"}, ["default loss", "must have the same dtype"]),
+    ({"data": "wide_data"}, ["default loss", "shapes cannot be multiplied"]),
+    ({"data": "float_labels"}, ["default loss", "first step"]),
+    ({"loss": "constant_loss"}, ["loss constant_loss", "does not depend on the model's parameters"]),
+    ({"loss": "detached_loss"}, ["loss detached_loss", "does not depend on the model's parameters"]),
+    ({"loss": "vector_loss"}, ["loss vector_loss", "not a scalar"]),
+    ({"model": "no_parameters"}, ["model factory no_parameters", "no trainable parameters"]),
+    ({"model": "frozen"}, ["model factory frozen", "no trainable parameters"]),
+]
+
+
+@pytest.mark.parametrize(
+    "fields,pieces", WORKLOADS, ids=lambda v: "-".join(v.values()) if isinstance(v, dict) else ""
+)
+def test_bad_workloads_are_one_line(fields, pieces, tmp_path, capsys):
+    """Before: exit 1 and a traceback (but for the vector loss): the default loss was not checked, nor
+    a loss's gradient, nor a model's parameters."""
+    module = tmp_path / "bad_workload.py"
+    module.write_text(BAD_WORKLOAD)
+    named = {"model": "linear", "data": "data"} | fields
+    argv = [a for f, fn in named.items() for a in (f"--{f}", f"{module}:{fn}")]
+    assert main([*TRAIN, *argv, "--loader-workers", "0", "--out", str(tmp_path / "run")]) == 2
+    line = one_line(capsys)
+    assert all(p in line for p in pieces), line
+
+
+ENVIRONMENT = [
+    ("PARAMBOX_FAULT", "garbage", "RANK:STEP:KIND"),
+    ("PARAMBOX_FAULT", "0:x:nan", "RANK:STEP:KIND"),
+    ("PARAMBOX_FAULT", "0:1:bogus", "'bogus'"),
+    ("PARAMBOX_FAULT", "0:1:partition=x", "partition=SECONDS"),
+    ("PARAMBOX_THREADS", "abc", "a positive integer"),
+    ("PARAMBOX_THREADS", "-3", "a positive integer"),
+    ("PARAMBOX_LIFE", "x", "PARAMBOX_LIFE"),
+    ("PARAMBOX_STRATEGIES", "garbage", "name=module:Class"),
+    ("PARAMBOX_STRATEGIES", "toy=nomodule", "name=module:Class"),
+]
+
+
+@pytest.mark.parametrize("name,value,piece", ENVIRONMENT)
+def test_bad_environment_variables_are_one_line(name, value, piece, tmp_path, capsys, monkeypatch):
+    """Before: exit 1 with a traceback (``ValueError: invalid literal for int()``, ``not enough values
+    to unpack``), or, for an unknown fault, silently ignored."""
+    monkeypatch.setenv(name, value)
+    assert main([*TRAIN, "--out", str(tmp_path / "run")]) == 2
+    line = one_line(capsys)
+    assert name in line and piece in line, line
+
+
+@pytest.mark.parametrize("seed", [2**60 + 1, 2**64 + 1])
+def test_a_seed_too_large_for_torch_is_one_line(seed, tmp_path, capsys):
+    """Before: ``ValueError: Overflow when unpacking long long`` from ``torch.manual_seed``."""
+    assert main([*TRAIN, "--seed", str(seed), "--out", str(tmp_path / "run")]) == 2
+    assert "'seed'" in one_line(capsys)
+
+
+def test_the_largest_seed_trains(tmp_path):
+    from parambox.run.plan import MAX_SEED
+
+    assert main([*TRAIN, "--seed", str(MAX_SEED), "--out", str(tmp_path / "run")]) == 0

@@ -1,14 +1,15 @@
 """The ``shm`` box: one node, a POSIX shared-memory segment in /dev/shm mapped by every local process.
 
-Segment: ``/dev/shm/<prefix><box name>``, mode 0600. The per-run prefix (``pb_<16 random hex>_``) comes
-from ``PARAMBOX_SHM_PREFIX`` (set by the local launcher, which also removes ``<prefix>*`` when the
-run ends) or, under torchrun/srun/mpiexec, is made by local rank 0 and handed out through the
-torch.distributed store. Local rank 0 creates the segment (``O_CREAT|O_EXCL``, space reserved up
-front so a full /dev/shm is an error now rather than a SIGBUS later); the others attach and check
-the header. As soon as every local process has it mapped, the name is unlinked: the memory lives
-on while mapped, and nothing is left in /dev/shm even if a process is SIGKILLed afterwards. Under
-parambox's own launcher the name stays until the run ends instead (a replacement of a dead worker
-attaches by it; the launcher removes the run's segments, its reaper if it is SIGKILLed).
+Segment: ``/dev/shm/<prefix><box name>``, mode 0600. The per-run prefix (``pb_<launcher pid>_<16
+random hex>_``) comes from ``PARAMBOX_SHM_PREFIX``, a plain name (set by the local launcher, which
+also removes ``<prefix>*`` when the run ends) or, under torchrun/srun/mpiexec, is made by local rank
+0 and handed out through the torch.distributed store. Local rank 0 creates the segment
+(``O_CREAT|O_EXCL``, space reserved up front so a full /dev/shm is an error now rather than a SIGBUS
+later); the others attach and check the header. As soon as every local process has it mapped, the
+name is unlinked: the memory lives on while mapped, and nothing is left in /dev/shm even if a
+process is SIGKILLed afterwards. Under parambox's own launcher the name stays until the run ends
+instead (a replacement of a dead worker attaches by it; the launcher removes the run's segments, its
+reaper if it is SIGKILLed).
 
 Memory map: a 4 KiB header, the int64 counters (rounded to 4 KiB), then the float32 data.
 Pushes lock stripes of the data with ``fcntl`` byte-range locks on the segment's descriptor: the
@@ -31,7 +32,12 @@ import torch
 from parambox.box.base import DONE, Handle, ParameterBox, wait_until
 from parambox.errors import CommTimeout, UserError
 from parambox.runtime.control import RUNNING, WorkerBoard, rejoining
-from parambox.runtime.spawn import PREFIX_ENV, new_prefix, remove_segments  # noqa: F401  (re-exported)
+from parambox.runtime.spawn import (  # noqa: F401  (re-exported)
+    PREFIX_ENV,
+    check_prefix,
+    new_prefix,
+    remove_segments,
+)
 from parambox.runtime.world import World
 
 SHM_DIR = "/dev/shm"
@@ -255,7 +261,7 @@ def open_shm_box(
 def _run_prefix(world: World, timeout: float) -> str:
     prefix = os.environ.get(PREFIX_ENV)
     if prefix:
-        return prefix
+        return check_prefix(prefix)
     if world.local_world_size == 1:
         prefix = new_prefix()
     else:

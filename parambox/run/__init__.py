@@ -9,6 +9,8 @@
   (``python -m parambox.run.worker RUN_DIR``).
 - ``result``: what a finished run gives back (``RunResult``, the model rebuilt from a run directory).
 - ``export``: a finished run's model as ONNX.
+- ``rundir``: a run directory's lock (held by the run that owns it) and the trust rule for the code
+  its config names (resume, export, ``load_model``).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from typing import Any
 
 from parambox.config import RunConfig
 from parambox.errors import UserError, warn
+from parambox.run import rundir
 from parambox.run.plan import Caller, Plan, check_references, prepare_run_dir, resolve
 from parambox.run.worker import SYS_PATH_ENV, is_user_error, train_rank
 from parambox.training.checkpoint import atomic_write_json
@@ -50,9 +51,12 @@ def execute(
     """Run ``cfg``; the plan and the summary (None on ranks other than 0 when this process trains).
     Bad input raises ``UserError``; a failed run of spawned workers raises ``RunFailed``."""
     plan, run_dir = prepare(cfg, caller, resume, callables)
-    if plan.spawns:
-        return plan, launch(plan, run_dir, callables)
-    return plan, train_here(plan, run_dir, callables)
+    try:
+        if plan.spawns:
+            return plan, launch(plan, run_dir, callables)
+        return plan, train_here(plan, run_dir, callables)
+    finally:
+        rundir.unlock(run_dir)
 
 
 def _record_references(plan: Plan, callables: dict[str, Callable]) -> None:
@@ -87,9 +91,13 @@ def train_here(
 
 
 def launch(plan: Plan, run_dir: Path, callables: dict[str, Callable] | None = None) -> dict[str, Any]:
-    """Spawn the run's local processes on the one worker entry, supervise them; rank 0's summary."""
-    with _caller_env(callables or {}):
-        result = _launch_local(plan, run_dir)
+    """Spawn the run's local processes on the one worker entry, supervise them; rank 0's summary.
+    The run directory's lock (taken by ``prepare``) is released when it returns."""
+    try:
+        with _caller_env(callables or {}):
+            result = _launch_local(plan, run_dir)
+    finally:
+        rundir.unlock(run_dir)
     if result.returncode == 130:
         raise KeyboardInterrupt
     for rank, (code, reason) in result.failed.items():

@@ -15,7 +15,6 @@ import contextlib
 import io
 import json
 import logging
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,20 +32,13 @@ LABEL_KEYS = ("label", "labels", "y", "target", "targets")  # a dict batch's key
 
 def check_trust(run_dir: Path, cfg: Any, trust: bool) -> None:
     """A run directory that names code (``module:function``) is code: say what will be imported, and
-    import it only from a directory this user owns, or with ``trust``."""
-    from parambox.workload import CALLABLE_FIELDS
+    import it only from a directory this user owns, or with ``trust`` (the rule of
+    :func:`parambox.run.rundir.check_trust`, which resume and ``load_model`` follow too)."""
+    from parambox.run import rundir
 
-    named = {f: str(getattr(cfg, f) or "") for f in CALLABLE_FIELDS}
-    refs = [f"{f}={v}" for f, v in named.items() if ":" in v and not v.startswith("<in-process>")]
-    if not refs or any(v.startswith("<in-process>") for v in named.values()):
-        return  # nothing to import, or a function of the run's own process: building it fails in one line
-    owner = run_dir.stat().st_uid
-    if owner != os.geteuid() and not trust:
-        raise UserError(
-            f"{run_dir} belongs to uid {owner}, not you, and its config.json names code to import "
-            f"({', '.join(refs)}): pass --trust to run it"
-        )
-    warn(f"export imports and runs {', '.join(refs)}, named in {run_dir / 'config.json'}")
+    refs = rundir.check_trust(run_dir, cfg, "trusted" if trust else "--trust")
+    if refs:
+        warn(f"export imports and runs {', '.join(refs)}, named in {run_dir / 'config.json'}")
 
 
 def export_onnx(run_dir: Path, onnx_file: Path, check: bool = True, trust: bool = False) -> dict[str, Any]:

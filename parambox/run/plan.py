@@ -13,7 +13,9 @@ from typing import Any, Literal
 
 from parambox.config import RunConfig, build_config
 from parambox.errors import UserError, validation_message, warn
+from parambox.run import rundir
 from parambox.runtime.world import World, check_gpus, under_external_launcher
+from parambox.training.checkpoint import atomic_write_json, remove_interrupted_writes
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,7 @@ class Caller:
     command line, ``out=...`` in a script.
 
     >>> Caller("cli").field("out"), Caller("api").field("out")
-    ('--out DIR', 'out=...')
+    ('--out OUT', 'out=...')
     """
 
     kind: Literal["cli", "api"]
@@ -102,6 +104,8 @@ def resolve(cfg: RunConfig, caller: Caller, resume: bool = False) -> Plan:
 
     if resume:
         cfg = continue_recorded(cfg, caller)
+    check_seed(cfg, caller)
+    check_variables()
     options = cfg.strategy_options()
     cls = strategy_class(cfg.strategy, options)
     if cls.max_workers == 1 and "workers" not in cfg.model_fields_set:
@@ -121,6 +125,54 @@ def resolve(cfg: RunConfig, caller: Caller, resume: bool = False) -> Plan:
 
             check_environment()  # not root, or no ip/tc: one line before anything is written
     return plan
+
+
+# The seed is mixed into torch generators' seeds (seed * 1000 + rank + 1 per rank, and the data's
+# (seed * 7919 + step) * 65537 + rank for augmentation), which torch takes below 2**64.
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(cfg: RunConfig, caller: Caller) -> None:
+    if cfg.seed > MAX_SEED:
+        raise UserError(f"config field 'seed': {caller.given('seed', cfg.seed)} is more than 2**32 - 1")
+
+
+def check_variables() -> None:
+    """The environment variables a run reads, checked before any process starts: a bad one is one
+    line here, not a worker's traceback (or silently nothing, for a fault of an unknown kind)."""
+    from parambox.runtime.control import LIFE_ENV
+    from parambox.training.faults import FaultPlan
+
+    env = os.environ
+    threads = env.get("PARAMBOX_THREADS", "").strip()
+    if threads and not (threads.isdigit() and int(threads) > 0):
+        raise UserError(f"PARAMBOX_THREADS={env['PARAMBOX_THREADS']!r}: expected a positive integer")
+    if env.get(LIFE_ENV, "").strip() and not env[LIFE_ENV].strip().isdigit():
+        raise UserError(f"{LIFE_ENV}={env[LIFE_ENV]!r}: expected a count (it is the launcher's; unset it)")
+    for entry in env.get("PARAMBOX_STRATEGIES", "").split(";"):  # what register() hands the workers
+        name, _, ref = entry.partition("=")
+        module, _, attr = ref.partition(":")
+        if entry.strip() and not (name and module and attr):
+            raise UserError(
+                f"PARAMBOX_STRATEGIES={env['PARAMBOX_STRATEGIES']!r}: expected name=module:Class entries "
+                "joined by ';' (parambox.strategies.register writes it)"
+            )
+    spec = env.get("PARAMBOX_FAULT")
+    if spec:
+        try:
+            plan = FaultPlan.parse(spec)
+        except ValueError as e:
+            detail = str(e) if "PARAMBOX_FAULT" in str(e) else "expected RANK:STEP:KIND[,...]"
+            raise UserError(f"PARAMBOX_FAULT={spec!r}: {detail.removeprefix('PARAMBOX_FAULT ')}") from None
+        unknown = [k for _, _, k in plan.faults if k.split("=")[0] not in FAULT_KINDS]
+        if unknown:
+            raise UserError(
+                f"PARAMBOX_FAULT={spec!r}: no fault {unknown[0]!r} (choose from {', '.join(FAULT_KINDS)})"
+            )
+
+
+# The kinds of fault parambox.training.faults injects (its docstring says what each does)
+FAULT_KINDS = ("kill", "nan", "slow", "hang", "stop", "partition", "lose-exchange")
 
 
 # What a resume may change: how long it runs, how it waits, what it logs. Everything else is the run's.
@@ -152,6 +204,7 @@ def continue_recorded(cfg: RunConfig, caller: Caller) -> RunConfig:
     if not last.exists():
         raise UserError(f"{caller.field('resume')}: {last} does not exist")
     recorded = load_recorded(Path(cfg.out))
+    rundir.check_trust(Path(cfg.out).resolve(), recorded, None)
     changed = [f for f in sorted(cfg.model_fields_set - RESUMABLE) if getattr(cfg, f) != getattr(recorded, f)]
     if changed:
         f = changed[0]
@@ -217,6 +270,23 @@ def prepare_run_dir(plan: Plan) -> Path:
         cfg.out = f"runs/{cfg.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.out).resolve()
     cfg.out = str(run_dir)
+    if not plan.external:  # under torchrun / srun / mpiexec every rank prepares the same directory
+        try:
+            rundir.lock(run_dir, caller.field("out"))
+        except OSError as e:
+            raise _unwritable(run_dir, caller, e) from None
+    try:
+        if not plan.external:  # locked: no writer of an earlier life is left
+            remove_interrupted_writes(run_dir)
+        _check_and_record(plan, run_dir)
+    except BaseException:
+        rundir.unlock(run_dir)
+        raise
+    return run_dir
+
+
+def _check_and_record(plan: Plan, run_dir: Path) -> None:
+    cfg, caller = plan.cfg, plan.caller
     if plan.resume:
         if not (run_dir / "checkpoints" / "last.pt").exists():
             raise UserError(f"{caller.field('resume')}: {run_dir / 'checkpoints' / 'last.pt'} does not exist")
@@ -227,9 +297,12 @@ def prepare_run_dir(plan: Plan) -> Path:
         )
     try:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)  # per-rank error files land here
-        (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+        atomic_write_json(run_dir / "config.json", cfg.model_dump())
     except OSError as e:
-        raise UserError(
-            f"{caller.field('out').split()[0]} {run_dir}: cannot write the run directory there ({e.strerror})"
-        ) from None
-    return run_dir
+        raise _unwritable(run_dir, caller, e) from None
+
+
+def _unwritable(run_dir: Path, caller: Caller, e: OSError) -> UserError:
+    return UserError(
+        f"{caller.field('out').split()[0]} {run_dir}: cannot write the run directory there ({e.strerror})"
+    )

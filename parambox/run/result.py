@@ -37,23 +37,31 @@ class RunResult(dict):
     def model(self):
         """The trained ``nn.Module`` (in eval mode), rebuilt as the run built it, loaded on first use."""
         if self._model is None:
-            self._model = load_model(self.run_dir, self._callables)
+            self._model = load_model(self.run_dir, self._callables, trust=True)  # this run: ours
         return self._model
 
 
-def load_model(run_dir: Path, callables: dict[str, Callable] | None = None):
+def load_model(run_dir: str | Path, callables: dict[str, Callable] | None = None, trust: bool = False):
     """The run's model with the weights of ``checkpoints/last.pt``, in eval mode. ``callables``: the
-    user's functions in this process (a lambda is fine); else the references ``config.json`` records."""
-    model, _ = load_model_and_workload(run_dir, callables)
+    user's functions in this process (a lambda is fine); else the references ``config.json`` records,
+    imported from a run directory this user owns, or with ``trust=True``."""
+    run_dir = Path(run_dir)
+    model, _ = load_model_and_workload(run_dir, callables, trust="trusted" if trust else "trust=True")
     return model
 
 
-def load_model_and_workload(run_dir: Path, callables: dict[str, Callable] | None = None):
+def load_model_and_workload(
+    run_dir: Path, callables: dict[str, Callable] | None = None, trust: str = "trusted"
+):
+    """``trust``: ``"trusted"`` (the caller checked, as export does), else how to say "trust it"."""
     from parambox.run.plan import load_recorded
+    from parambox.run.rundir import check_trust
     from parambox.training import checkpoint
     from parambox.workload import build_workload
 
+    run_dir = Path(run_dir)
     cfg = load_recorded(run_dir)
+    check_trust(run_dir, cfg, trust, callables)
     cfg.loader_workers = 0  # a few items at most are read here
     workload = build_workload(cfg, callables)
     model = workload.build_model()

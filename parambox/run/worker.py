@@ -33,12 +33,48 @@ def train_rank(
 
     (run_dir / "logs" / f"rank{world.rank}.err").unlink(missing_ok=True)  # an earlier life's cause
     try:
-        return train(cfg, world, run_dir, resume, callables)
-    except (KeyboardInterrupt, SystemExit):
+        try:
+            summary = train(cfg, world, run_dir, resume, callables)
+        except SystemExit as e:  # parambox never exits inside train(): a user's function did
+            from parambox.workload.refs import exit_site, raised
+
+            raise UserError(
+                f"{exit_site(e)} {raised(e)} during the run: a user's function must return or raise"
+            ) from e
+        if summary is not None:
+            check_converged(cfg, run_dir, summary)
+        return summary
+    except KeyboardInterrupt:
         raise
     except BaseException as e:
         write_failure(e, world, run_dir)
         raise
+
+
+def check_converged(cfg, run_dir: Path, summary: dict[str, Any]) -> None:
+    """Rank 0 after its last step: the run's last checkpoint is that step, unless its weights were not
+    finite (the loop writes no checkpoint of such weights). A diverged run is a failure naming the last
+    good checkpoint; its ``summary.json`` says it, and the rank files no checkpoint commits go."""
+    from parambox.strategies import strategy_class
+    from parambox.training import checkpoint
+
+    ckpt_dir = run_dir / "checkpoints"
+    good = checkpoint.committed_step(ckpt_dir)
+    if good == summary["steps"]:
+        return
+    summary.update(diverged=True, last_good_step=good)
+    checkpoint.atomic_write_json(run_dir / "summary.json", summary)
+    if not strategy_class(cfg.strategy, cfg.strategy_options()).tolerates_worker_loss:
+        checkpoint.prune_rank_states(ckpt_dir, good)  # asynchronous ranks keep their own newest
+    where = (
+        f"the last good checkpoint is step {good} ({ckpt_dir / 'last.pt'}); --resume continues from it"
+        if good is not None
+        else "no checkpoint was written before"
+    )
+    raise UserError(
+        f"the run diverged: its weights are not finite at step {summary['steps']}; {where} "
+        "(lower the learning rate, or check the data and loss for NaN)"
+    )
 
 
 def failure_line(e: BaseException) -> str:
@@ -66,6 +102,7 @@ def write_failure(e: BaseException, world: World, run_dir: Path) -> None:
 
 def run_worker(cfg, world: World, run_dir: Path, resume: bool) -> int:
     """A spawned (or externally launched CLI) rank: train, print the summary on rank 0, exit code."""
+    from parambox.run import rundir
     from parambox.run.result import print_summary
     from parambox.runtime import spawn
     from parambox.runtime.mpi import exit_now
@@ -89,6 +126,8 @@ def run_worker(cfg, world: World, run_dir: Path, resume: bool) -> int:
         if summary is not None and cfg.progress:  # --no-progress / progress=False: quiet
             print_summary(summary, run_dir)
         code = 0
+    finally:
+        rundir.unlock(run_dir)  # the only worker's: prepared (and locked) in this process
     if world.world_size > 1:
         exit_now(code)
     return code
@@ -127,7 +166,9 @@ def _become_a_replacement(cfg) -> bool:
     import parambox.training.loop  # noqa: F401  (torch, the strategies: the bulk of a start-up)
     from parambox.runtime.control import SPARE_ENV
 
-    with contextlib.suppress(Exception):  # warm the data's imports and files; errors show in the real run
+    with contextlib.suppress(
+        Exception, SystemExit
+    ):  # warm the data's imports and files; errors show in the real run
         from parambox.workload import build_workload
 
         build_workload(cfg)

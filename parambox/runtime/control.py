@@ -36,6 +36,7 @@ LIFE_ENV = "PARAMBOX_LIFE"  # 0 in a worker's first life, k in its k-th replacem
 REJOIN_ENV = "PARAMBOX_REJOIN"  # "1" in a replacement that joins a run in progress
 SPARE_FLAG = "--spare"  # the worker entry waits, warmed up, to be told which dead rank it replaces
 SPARE_ENV = "PARAMBOX_FROM_SPARE"  # "1" in a replacement that was a warm spare
+HEARTBEAT_ENV = "PARAMBOX_HEARTBEAT"  # the file rank 0 touches as it steps (runtime/dist.py)
 
 RUNNING, DEAD, EXITED = 0, 1, 2
 _MAGIC = int.from_bytes(b"PBXBOARD", "little")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import itertools
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,13 +17,14 @@ import torch
 import torch.distributed as dist
 
 from parambox.errors import CommTimeout
-from parambox.runtime.control import rejoining
+from parambox.runtime.control import HEARTBEAT_ENV, rejoining
 from parambox.runtime.elastic import ElasticGroup, destroy_default_group
 from parambox.runtime.spawn import free_port
 from parambox.runtime.world import World
 
 _STARTS = itertools.count()  # process groups this process has started
 _ADDR_BYTES = 1024  # room for rank 0's "host:port"
+STORE_ANSWER_S = 5.0  # how long a live store takes at most to answer the timeout path's questions
 _ELASTIC: ElasticGroup | None = None  # this process's group when the run survives in place
 
 
@@ -176,6 +179,23 @@ def destroy_distributed() -> None:
         destroy_default_group()
 
 
+# A rank's heartbeat for its launcher, which kills a rank 0 that shows no progress for --timeout once
+# it is the last rank running, and an MPI job none of whose ranks shows progress: the rank's metrics
+# file has its time set at most once a second by post(), called every step, so a slow but healthy
+# rank is seen alive between its metrics' flushes.
+HEARTBEAT_EVERY_S = 1.0
+
+
+def heartbeat_file() -> str | None:
+    """This rank's metrics file (rank 0's ``metrics.jsonl``, ``metrics.rank{r}.jsonl`` for the others),
+    touched as it steps; None outside the local launcher (which names rank 0's in the environment)."""
+    env = os.environ
+    path, rank = env.get(HEARTBEAT_ENV), env.get("RANK") or env.get("OMPI_COMM_WORLD_RANK")
+    if not path or rank is None:
+        return None
+    return path if rank == "0" else os.path.join(os.path.dirname(path), f"metrics.rank{rank}.jsonl")
+
+
 # Boards made in this process so far: every rank makes its boards in the same order, so the n-th
 # board's address goes under a key of its own (a later board never finds an earlier one's address).
 _BOARDS = itertools.count()
@@ -189,6 +209,7 @@ class ProgressBoard:
     def __init__(self) -> None:
         self.store: dist.Store | None = None
         self.step = -1
+        self._beat = 0.0  # when post() last touched the heartbeat
         if not dist.is_initialized() or dist.get_world_size() == 1 or _ELASTIC is not None:
             return  # (a run that survives in place names lost peers its own way: runtime/elastic.py)
         from torch.distributed.distributed_c10d import _get_default_store
@@ -210,12 +231,29 @@ class ProgressBoard:
 
     def post(self, step: int) -> None:
         self.step = step  # local only: the hot path never talks to the store
+        now = time.monotonic()
+        if now - self._beat >= HEARTBEAT_EVERY_S:
+            self._beat = now
+            heartbeat = heartbeat_file()  # (read now: a worker forked from the zygote got its env late)
+            if heartbeat:
+                with contextlib.suppress(OSError):  # not made yet, or its run directory gone
+                    os.utime(heartbeat)
 
     def missing_ranks(self, phase: str, grace_s: float = 2.0) -> list[int]:
         """After a timeout: every rank that reached this collective timed out too and says so here;
-        the ranks that stay silent for ``grace_s`` are the ones that never arrived."""
+        the ranks that stay silent for ``grace_s`` are the ones that never arrived. Bounded: the store
+        lives in rank 0, and a stopped rank 0 (SIGSTOP, a suspended job, a frozen host) accepts the
+        connection but never answers, and ``TCPStore.check`` has no timeout of its own."""
         if self.store is None:
             return []
+        found: list[list[int]] = []
+        asking = threading.Thread(target=lambda: found.append(self._ask(phase, grace_s)), daemon=True)
+        asking.start()
+        asking.join(grace_s + STORE_ANSWER_S)
+        return found[0] if found else [0]  # no answer: the store's host, rank 0, is stalled
+
+    def _ask(self, phase: str, grace_s: float) -> list[int]:
+        assert self.store is not None
         world, me = dist.get_world_size(), dist.get_rank()
         keys = [f"timeout/{self.step}/{phase}/{r}" for r in range(world)]
         deadline = time.monotonic() + grace_s

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from parambox.runtime import elastic, spawn
 from parambox.runtime.cluster import WINDOWS_MCA, ClusterConfig
-from parambox.runtime.control import LIFE_ENV, REJOIN_ENV, RUNNING, SPARE_FLAG, WorkerBoard
+from parambox.runtime.control import HEARTBEAT_ENV, LIFE_ENV, REJOIN_ENV, RUNNING, SPARE_FLAG, WorkerBoard
 from parambox.runtime.supervisor import LaunchResult, Starters, Supervisor, worker_error
 
 __all__ = ["LaunchResult", "launch_local", "threads_per_worker", "worker_error"]
@@ -73,14 +73,15 @@ def launch_local(
     with contextlib.ExitStack() as stack:  # the cluster closes after the workers are stopped
         env["TMPDIR"] = stack.enter_context(spawn.segments_guarded(prefix, tmpdir=True))
         net = stack.enter_context(cluster.build(num_workers)) if cluster is not None else None
+        watch = {"heartbeat": log_dir.parent / "metrics.jsonl", "stall_s": stall_timeout_s}
+        env[HEARTBEAT_ENV] = str(watch["heartbeat"])  # rank 0 touches it as it steps, the others theirs
         if use_mpi:
             mca = WINDOWS_MCA if mpi_windows else None
             mpi_command = functools.partial(net.mpi_launch, mca=mca) if net is not None else None
-            return _launch_mpi(cmd, num_workers, env, log_dir, tolerate_loss, mpi_command)
+            return _launch_mpi(cmd, num_workers, env, log_dir, tolerate_loss, mpi_command, stall_timeout_s)
         resume_cmd = [sys.executable, "-m", module, *(resume_argv or argv)]
         restart = (max_restarts, resume_cmd, checkpoint, warm_spare)
         placement = net.placement(num_workers) if net is not None else None
-        watch = {"heartbeat": log_dir.parent / "metrics.jsonl", "stall_s": stall_timeout_s}
         if shrink:
             store, address = elastic.host_store()  # lives as long as this process holds it
             watch["shrink_store"] = store
@@ -97,13 +98,16 @@ def _launch_mpi(
     log_dir: Path,
     tolerate_loss: bool,
     mpi_command: spawn.MpiCommand | None = None,
+    stall_s: float = 0.0,
 ) -> LaunchResult:
-    """One mpiexec job (under ULFM where a dead rank must not end it); MPI tells the ranks of deaths."""
+    """One mpiexec job (under ULFM where a dead rank must not end it); MPI tells the ranks of deaths.
+    ``stall_s`` (--timeout): the job is stopped once none of its ranks showed progress for about twice
+    that (a hung rank 0 of an asynchronous run would otherwise keep its memory rank serving forever)."""
     popen = {"fault_tolerant": tolerate_loss, "mpi_command": mpi_command, "stderr": subprocess.PIPE}
     procs = [spawn.start_mpi(cmd, n, env, **popen)]
     threading.Thread(target=_pump_mpi_stderr, args=(procs[0].stderr,), daemon=True).start()
     try:
-        return Supervisor(procs, log_dir, tolerate_loss=False).run()
+        return Supervisor(procs, log_dir, tolerate_loss=False, stall_s=stall_s, job_dir=log_dir.parent).run()
     finally:
         spawn.stop(procs)
 
@@ -130,7 +134,7 @@ def _launch_processes(
 
     def group(life: int, resume: bool) -> list[subprocess.Popen]:
         spawn.remove_segments(prefix)  # the stopped group's boxes
-        for err in log_dir.glob("rank*.err"):
+        for err in log_dir.glob("rank*.err"):  # (a restart's supervisor moved its cause's to logs/life{k})
             err.unlink(missing_ok=True)  # a new life: old errors are no longer the run's
         for rank in range(n):
             board.set_state(rank, RUNNING)

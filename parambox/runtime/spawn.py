@@ -98,8 +98,20 @@ def open_mpi_version(mpiexec: str) -> int | None:
 
 
 def new_prefix() -> str:
-    """A fresh, unguessable per-run prefix for shared-memory segment names."""
-    return f"pb_{secrets.token_hex(8)}_"
+    """A fresh, unguessable per-run prefix for shared-memory segment names, ``pb_<pid>_<16 hex>_``:
+    the pid of the process that made it (the run's launcher) says whose run a segment left behind is."""
+    return f"pb_{os.getpid()}_{secrets.token_hex(8)}_"
+
+
+def check_prefix(prefix: str) -> str:
+    """``prefix`` (from ``PARAMBOX_SHM_PREFIX``) if it is a plain name: a path would put the segments
+    outside /dev/shm (``../../tmp/x``)."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", prefix):
+        raise UserError(
+            f"{PREFIX_ENV}={prefix!r}: expected a plain name (letters, digits, _ and -, at most 64), "
+            "not a path"
+        )
+    return prefix
 
 
 def remove_segments(prefix: str, root: str = "/dev/shm") -> list[str]:
@@ -242,6 +254,9 @@ def start_mpi(
     if mpi_command is not None:  # mpiexec reads options up to the program: --with-ft may come last
         argv, env = mpi_command(mpiexec, world_size, [*ft, *cmd], env)
     else:
+        # One host: the ranks talk through shared memory. Open MPI's TCP transport would listen on
+        # every interface (0.0.0.0 and [::]) for peers this job does not have.
+        env.setdefault("OMPI_MCA_btl", "^tcp")
         over = ["--oversubscribe"] if open_mpi else []  # MPICH's hydra runs any number of ranks
         argv = [mpiexec, *ft, "-n", str(world_size), *over, *binding, *cmd]
     guard, reaper = _start_reaper(private, lock=lock)
@@ -375,10 +390,11 @@ def release_mpi(proc: subprocess.Popen) -> None:
 
 
 def stop(procs: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM the children's process groups, then SIGKILL what is left after ``grace_s``; reap them all."""
+    """SIGTERM the children's process groups, then SIGKILL what is left after ``grace_s``; reap them all.
+    A stopped child (SIGSTOP, a debugger) cannot act on SIGTERM: it is SIGKILLed at once."""
     live = [p for p in procs if p.poll() is None]
     for p in live:
-        _signal_group(p, signal.SIGTERM)
+        _signal_group(p, signal.SIGKILL if is_stopped(p.pid) else signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in live:
         try:
@@ -388,6 +404,15 @@ def stop(procs: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> No
             p.wait()
     for p in procs:
         release_mpi(p)
+
+
+def is_stopped(pid: int) -> bool:
+    """The kernel shows the process stopped (by SIGSTOP, SIGTSTP or a debugger)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:

@@ -37,12 +37,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parambox.errors import TERMINATING
+from parambox.errors import TERMINATING, warn
 from parambox.runtime.control import DEAD, EXITED, WorkerBoard
+from parambox.runtime.spawn import is_stopped
 
 # Asynchronous runs: rank 0 exits only once every other worker is done or found lost, so a worker
 # still running this long after rank 0 succeeded is hung; it is stopped and counted as lost.
 STRAGGLER_GRACE_S = 30.0
+# An MPI job is stopped when none of its ranks shows progress for JOB_STALL_FACTOR * --timeout + the
+# margin: past the ranks' own timeouts (which name the missing peer), so it catches only what they
+# cannot, such as a memory rank serving a hung rank 0.
+JOB_STALL_FACTOR, JOB_STALL_MARGIN_S = 2.0, 5.0
 POLL_S = 0.05
 STOPPED_EVERY_S = 0.25  # how often the launcher looks for stopped workers (in place, asynchronous)
 USER_ERROR = 2
@@ -83,6 +88,7 @@ class Supervisor:
         heartbeat: Path | None = None,
         stall_s: float = 0.0,
         shrink_store: Any = None,
+        job_dir: Path | None = None,
     ):
         self.procs, self.log_dir, self.tolerate_loss = procs, log_dir, tolerate_loss
         self.board, self.starters = board, starters
@@ -96,9 +102,12 @@ class Supervisor:
         # otherwise hold the run forever, since no peer is left to time out on it).
         self.heartbeat, self.stall_s = heartbeat, stall_s
         self.shrink_store = shrink_store  # the elastic group's store (a run that survives in place)
+        self.job_dir = job_dir  # an MPI job's run directory: its ranks' metrics files are its heartbeat
+        self._job_beat: tuple[Any, float] = ((), time.monotonic())
+        self._job_polled = self._job_moved = False  # looked at its files yet; seen them change since
         self._fenced: set[int] = set()
         self._group_life = 0  # restarts of the whole group (each runs the elastic protocol afresh)
-        self._beat: tuple[float, float] = (0.0, time.monotonic())  # (file size, when it last changed)
+        self._beat: tuple[tuple[int, int], float] = ((0, 0), time.monotonic())  # (size, mtime), when changed
         self._stopped_since: dict[int, float] = {}  # rank -> when it was first seen stopped
         self._stopped_at = 0.0
         self._life_started = time.monotonic()  # the whole group's current life
@@ -106,9 +115,12 @@ class Supervisor:
     def run(self) -> LaunchResult:
         """Poll until the run is over. Ctrl-C, SIGTERM (``kill``, a batch system's time limit) or SIGHUP
         (the terminal closed) ends it as an interrupt: the caller stops the workers, which checkpoint
-        at their next step."""
+        at their next step. Signal handlers exist only in the main thread: a launch from another
+        thread (``parambox.train`` in a worker thread of the caller's) leaves signals to the caller."""
         interrupt = (signal.SIGINT, *TERMINATING)
-        old = {sig: signal.signal(sig, lambda *_: self._interrupted.append(1)) for sig in interrupt}
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            old = {sig: signal.signal(sig, lambda *_: self._interrupted.append(1)) for sig in interrupt}
         try:
             while not self._poll():
                 time.sleep(POLL_S)
@@ -131,6 +143,8 @@ class Supervisor:
         self._kill_stopped(codes)
         if codes[0] is None and len(self.procs) > 1 and self._rank0_stalled(codes):
             return True
+        if codes[0] is None and self.job_dir is not None and self._job_stalled():
+            return True
         for rank, code in enumerate(codes):
             if code is None or rank in self.finished:
                 continue
@@ -138,7 +152,7 @@ class Supervisor:
                 self._finished(rank, EXITED)
             elif (self.tolerate_loss and self._replace_or_lose(rank, code)) or self._shrink(rank, code):
                 continue
-            elif not self.tolerate_loss and self._restart_group(code):
+            elif not self.tolerate_loss and self._restart_group(rank, code):
                 return False
             else:
                 self._fail(rank)
@@ -161,7 +175,11 @@ class Supervisor:
         if not (self.heartbeat and self.stall_s) or any(c is None for c in codes[1:]):
             self._beat = (self._beat[0], time.monotonic())
             return False
-        size = float(self.heartbeat.stat().st_size) if self.heartbeat.exists() else 0.0
+        try:  # rank 0 writes it, and touches it as it steps (runtime/dist.py, HEARTBEAT)
+            stat = self.heartbeat.stat()
+            size: tuple[int, int] = (stat.st_size, stat.st_mtime_ns)  # either changing is progress
+        except FileNotFoundError:
+            size = (0, 0)
         if size != self._beat[0]:
             self._beat = (size, time.monotonic())
             return False
@@ -174,6 +192,38 @@ class Supervisor:
             return False  # treated as dead: replaced below, like a killed one
         why = f"rank 0 wrote no progress for {self.stall_s:g} s after the other workers ended (timeout)"
         self.result.failed[0] = (1, f"parambox: error: {why}")
+        self.result.returncode = 1
+        return True
+
+    def _job_stalled(self) -> bool:
+        """An MPI job (one process for all its ranks) none of whose ranks touched its metrics file for
+        twice ``stall_s`` and a margin (longer than the ranks' own timeouts, which name the peer):
+        stopped. Counted only once a rank has trained in this job (not in start-up, nor on the
+        metrics files a resumed run's earlier life left)."""
+        if not self.stall_s:
+            return False
+        beats = []
+        for path in self.job_dir.glob("metrics*.jsonl"):  # type: ignore[union-attr]
+            with contextlib.suppress(FileNotFoundError):
+                st = path.stat()
+                beats.append((path.name, st.st_size, st.st_mtime_ns))
+        now, key = time.monotonic(), tuple(sorted(beats))
+        if key != self._job_beat[0]:
+            self._job_moved = self._job_moved or self._job_polled  # (a resume's files were there before)
+            self._job_beat, self._job_polled = (key, now), True
+            return False
+        self._job_polled = True
+        if not self._job_moved:
+            return False
+        limit = JOB_STALL_FACTOR * self.stall_s + JOB_STALL_MARGIN_S
+        if now - self._job_beat[1] <= limit:
+            return False
+        _kill_session(self.procs[0])  # mpiexec leads a session of its own: its ranks are in it
+        self.procs[0].wait()
+        why = (
+            f"no rank of the MPI job made progress for {limit:g} s (--timeout {self.stall_s:g}): a rank hangs"
+        )
+        self.result.failed[0] = (1, f"parambox: error: {why}; the job was stopped")
         self.result.returncode = 1
         return True
 
@@ -234,10 +284,17 @@ class Supervisor:
             return
         from parambox.runtime.elastic import fenced_ranks
 
-        for rank in fenced_ranks(self._life_store()):
+        for rank in self._checked_ranks(fenced_ranks(self._life_store())):
             if rank not in self._fenced and codes[rank] is None:
                 self._fenced.add(rank)
                 _kill_session(self.procs[rank])  # its late messages go to a group nobody listens to
+
+    def _checked_ranks(self, value: Any) -> list[int]:
+        """Ranks read from the run's store: any local user can write it (torch's TCPStore has no
+        password), so only a list of ranks of this run other than 0 (never fenced) is taken."""
+        if not isinstance(value, list):
+            return []
+        return [r for r in value if type(r) is int and 0 < r < len(self.procs)]
 
     def _kill_stopped(self, codes: list[int | None]) -> None:
         """A rank that the kernel shows stopped for ``--timeout`` (``stall_s``) is SIGKILLed, in a run
@@ -259,7 +316,7 @@ class Supervisor:
                 rank < first
                 or codes[rank] is not None
                 or rank in self._fenced
-                or not _stopped(self.procs[rank].pid)
+                or not is_stopped(self.procs[rank].pid)
             ):
                 self._stopped_since.pop(rank, None)
                 continue
@@ -268,10 +325,17 @@ class Supervisor:
                 _kill_session(self.procs[rank])  # next poll: dead, and the others go on without it
 
     # -- synchronous: restart everyone from the last checkpoint -------------------------------------------
-    def _restart_group(self, code: int) -> bool:
+    def _restart_group(self, rank: int, code: int) -> bool:
         if code == USER_ERROR or not self._restarts_left():
             return False
+        cause = worker_error(self.log_dir, rank, code)  # before the stop: its peers' errors are symptoms
         self.starters.stop(self.procs)
+        cause = f"worker rank {rank} failed: {cause.removeprefix('parambox: error: ')}"
+        kept = keep_life_logs(self.log_dir, self._group_life, cause)
+        warn(
+            f"restarting the workers from the last checkpoint ({self.result.restarts + 1} of "
+            f"{self.max_restarts}): {cause} (logs of that life: {kept})"
+        )
         now = time.monotonic()
         self.result.earlier_lives_s += now - self._life_started
         self._life_started = now
@@ -290,13 +354,16 @@ class Supervisor:
         self.result.returncode = 1
 
 
-def _stopped(pid: int) -> bool:
-    """The kernel shows the process stopped (by SIGSTOP, SIGTSTP or a debugger)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
-    except (OSError, IndexError):
-        return False
+def keep_life_logs(log_dir: Path, life: int, cause: str) -> Path:
+    """Before a restart of the whole group: the ended ``life``'s error files and the ``cause`` of its
+    end into ``logs/life{life}/`` (the new life's files are its own)."""
+    dest = log_dir / f"life{life}"
+    with contextlib.suppress(OSError):
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "restart.txt").write_text(cause + "\n")
+        for err in log_dir.glob("rank*.err"):
+            err.replace(dest / err.name)
+    return dest
 
 
 def _kill_session(proc: subprocess.Popen) -> None:

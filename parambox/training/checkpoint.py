@@ -12,6 +12,8 @@ Everything loads with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
@@ -44,9 +46,38 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], object], mode: int | No
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if no_space_left(e):  # torch's says "enforce fail at inline_container.cc", the cause unsaid
+            kept = "; the previous one is kept" if path.exists() else ""
+            raise UserError(f"no space left on device writing {path}{kept}") from None
         raise
+
+
+def no_space_left(e: BaseException) -> bool:
+    """Whether ``e`` is, or was raised while handling, a full disk (``ENOSPC``; torch.save keeps the
+    writer's ``OSError`` only as the context of its own ``RuntimeError``)."""
+    seen: BaseException | None = e
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def remove_interrupted_writes(run_dir: Path) -> list[Path]:
+    """Remove the temporary files of :func:`atomic_write` calls a kill interrupted (``.NAME.*.tmp`` in
+    the run directory and its checkpoints); call it only while no process writes there (the run
+    directory's lock held, before any worker starts). The files removed."""
+    removed = []
+    for folder in (run_dir, run_dir / "checkpoints"):
+        for path in folder.glob(".*.tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+    return removed
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -59,7 +90,45 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     user creates (the umask decides)."""
     umask = os.umask(0o022)
     os.umask(umask)
-    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2).encode()), mode=0o666 & ~umask)
+    text = json.dumps(finite_json(obj), indent=2, allow_nan=False)
+    atomic_write(path, lambda f: f.write(text.encode()), mode=0o666 & ~umask)
+
+
+def finite_json(obj: Any) -> Any:
+    """``obj`` with every NaN and infinity as None: JSON has no bare ``NaN`` (a diverged run's losses).
+
+    >>> finite_json({"loss": float("nan"), "xs": [1.0, float("inf")]})
+    {'loss': None, 'xs': [1.0, None]}
+    """
+    if isinstance(obj, float):
+        return obj if obj - obj == 0 else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
+def committed_step(ckpt_dir: Path) -> int | None:
+    """The step ``last.pt`` commits, None without one; reads the step only (the tensors are mapped)."""
+    try:
+        last = torch.load(ckpt_dir / "last.pt", weights_only=True, map_location="cpu", mmap=True)
+    except FileNotFoundError:
+        return None
+    except Exception as e:
+        raise UserError(
+            f"checkpoint {ckpt_dir / 'last.pt'} is unreadable: {str(e).splitlines()[0][:200]}"
+        ) from None
+    return int(last["step"]) if isinstance(last, dict) and "step" in last else None
+
+
+def prune_rank_states(ckpt_dir: Path, keep_step: int | None) -> None:
+    """Remove every rank's state at a step other than ``keep_step`` (synchronous runs: what no
+    ``last.pt`` commits, as after a divergence, where the commit stopped)."""
+    for old in ckpt_dir.glob("rank*-step*.pt"):
+        m = re.fullmatch(r"rank\d+-step(\d+)\.pt", old.name)
+        if m and int(m.group(1)) != keep_step:
+            old.unlink(missing_ok=True)
 
 
 def rank_state(replica: dict, strategy_state: dict, loop_state: dict | None = None) -> dict[str, Any]:

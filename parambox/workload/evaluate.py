@@ -68,7 +68,7 @@ def default_metrics(model: nn.Module, batch: Any, loss: Callable, with_loss: boo
     if loss is sequence_loss:
         return sequence_metrics(model(batch[0]), batch[1])
     labelled = isinstance(batch, tuple | list) and len(batch) == 2 and _is_labels(batch[1])
-    if loss is default_loss and labelled:
+    if getattr(loss, "fn", loss) is default_loss and labelled:  # also the default loss checked (CheckedLoss)
         out = model(batch[0])
         values = {"loss": float(F.cross_entropy(out, batch[1]))}
         values.update(_accuracy(out, batch[1]))

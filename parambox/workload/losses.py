@@ -19,7 +19,14 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
             f"got {describe(batch)}: give your own loss(model, batch) with --loss module:function"
         )
     x, y = batch
-    return F.cross_entropy(model(x), y)
+    out = model(x)
+    if not isinstance(out, torch.Tensor):
+        raise UserError(
+            f"model {type(model).__name__} returned a {describe(out).removeprefix('a ')}; the default loss is "
+            "the cross-entropy of model(x) against y and needs a tensor of class scores: give your own "
+            "loss(model, batch) with --loss module:function"
+        )
+    return F.cross_entropy(out, y)
 
 
 def sequence_loss(model: nn.Module, batch: Any) -> torch.Tensor:

@@ -134,8 +134,8 @@ def _import_module(name: str, ref: str, what: str) -> types.ModuleType:
         if e.name and name.startswith(e.name):
             raise UserError(f"{what} {ref!r}: no module named {e.name!r}") from None
         raise UserError(f"{what} {ref!r}: importing {name} failed: {e}") from e
-    except Exception as e:
-        raise UserError(f"{what} {ref!r}: importing {name} raised {_one_line(e)}") from e
+    except (Exception, SystemExit) as e:  # a module's sys.exit() on import is a failure, not the run's end
+        raise UserError(f"{what} {ref!r}: importing {name} {raised(e)}") from e
 
 
 def _import_file(target: str, ref: str, what: str) -> types.ModuleType:
@@ -159,9 +159,9 @@ def _import_file(target: str, ref: str, what: str) -> types.ModuleType:
         sys.path.insert(0, str(path.parent))  # its sibling modules import, as when it runs as a script
     try:
         spec.loader.exec_module(module)
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         del sys.modules[name]
-        raise UserError(f"{what} {ref!r}: importing {path} raised {_one_line(e)}") from e
+        raise UserError(f"{what} {ref!r}: importing {path} {raised(e)}") from e
     return module
 
 
@@ -176,13 +176,50 @@ def _import_main_script(path: Path, ref: str, what: str) -> types.ModuleType:
     _importing_main = True
     try:
         module.__dict__.update(runpy.run_path(str(path), run_name="__mp_main__"))
-    except Exception as e:
-        raise UserError(f"{what} {ref!r}: importing {path} raised {_one_line(e)}") from e
+    except (Exception, SystemExit) as e:
+        raise UserError(f"{what} {ref!r}: importing {path} {raised(e)}") from e
     finally:
         _importing_main = False
     module.__file__ = str(path)
     sys.modules["__main__"] = sys.modules["__mp_main__"] = module
     return module
+
+
+def raised(e: BaseException) -> str:
+    """What a user's code did: ``raised ValueError: ...``, or ``called sys.exit(0)``.
+
+    >>> raised(SystemExit(3)), raised(KeyError("k"))
+    ('called sys.exit(3)', "raised KeyError: 'k'")
+    """
+    if isinstance(e, SystemExit):
+        return f"called sys.exit({'' if e.code is None else repr(e.code)})"
+    return f"raised {_one_line(e)}"
+
+
+def exit_site(e: SystemExit) -> str:
+    """The user's function a ``SystemExit`` came from: the innermost frame of its traceback outside
+    parambox, torch and the standard library, as ``make_model (/path/m.py:12)``."""
+    import sysconfig
+    import traceback
+
+    ours = (str(Path(__file__).parents[1]) + os.sep, torch_dir() + os.sep)
+    stdlib = sysconfig.get_paths()["stdlib"] + os.sep
+
+    def users(name: str) -> bool:
+        if name.startswith(("<", *ours)):
+            return False
+        return not name.startswith(stdlib) or "-packages" in name  # site- or dist-packages: a user's library
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if users(f.filename)]
+    if not frames:
+        return "a user's function"
+    f = frames[-1]
+    return f"{f.name} ({f.filename}:{f.lineno})"
+
+
+def torch_dir() -> str:
+    spec = importlib.util.find_spec("torch")
+    return str(Path(spec.origin).parent) if spec and spec.origin else "/nonexistent-torch"
 
 
 def _one_line(e: BaseException) -> str:

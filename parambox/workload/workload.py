@@ -144,6 +144,10 @@ class Workload:
             raise UserError(f"model factory {name} raised {loader._one_line(e)}") from e
         if not isinstance(model, nn.Module):
             raise UserError(f"model factory {name} returned a {type(model).__name__}, not a torch.nn.Module")
+        if not any(p.requires_grad for p in model.parameters()):
+            raise UserError(
+                f"model factory {name} returned a model with no trainable parameters: nothing to train"
+            )
         return model
 
     def _check_sequence_model(self) -> None:
@@ -167,7 +171,13 @@ def build_workload(cfg: Any, given: dict[str, Callable] | None = None) -> Worklo
         if cfg.model not in MODELS:
             raise UserError(f"unknown model {cfg.model!r}; choose from {', '.join(sorted(MODELS))}")
     loss_fn = fns.get("loss")
-    loss = CheckedLoss(loss_fn, refs.describe(loss_fn)) if loss_fn is not None else data.default_loss
+    if loss_fn is not None:
+        loss: Callable = CheckedLoss(loss_fn, f"loss {refs.describe(loss_fn)}")
+    elif model_fn is not None or fns.get("data") is not None:  # a user's model or data: may not fit it
+        what = "the default loss (cross-entropy of model(x) against y)"
+        loss = CheckedLoss(data.default_loss, what)
+    else:
+        loss = data.default_loss
     return Workload(data, cfg.model, model_fn, loss, fns.get("metrics"))
 
 
@@ -209,7 +219,9 @@ def check_batch_fits(data: TensorData | UserData, batch_size: int, num_ranks: in
 
 
 class CheckedLoss:
-    """The user's loss, checked on its first call: a finite scalar tensor, or a one-line error."""
+    """A loss checked on its first call: a finite scalar tensor that depends on the model's
+    parameters (where gradients are on), or a one-line error. ``name``: the loss in messages
+    (``loss my_loss``, or the default loss with a user's model or data, which may not fit it)."""
 
     def __init__(self, fn: Callable[[nn.Module, Any], Any], name: str):
         self.fn, self.name, self.checked = fn, name, False
@@ -219,20 +231,27 @@ class CheckedLoss:
             return self.fn(model, batch)
         try:
             loss = self.fn(model, batch)
-        except Exception as e:  # on the first step: the user's loss does not fit the model or batch
-            raise UserError(f"loss {self.name} raised {loader._one_line(e)} on the first step") from e
+        except UserError:
+            raise
+        except Exception as e:  # on the first step: the loss does not fit the model or batch
+            raise UserError(f"{self.name} raised {loader._one_line(e)} on the first step") from e
         self._check(loss)
         self.checked = True
         return loss
 
     def _check(self, loss: Any) -> None:
         if not isinstance(loss, torch.Tensor):
-            raise UserError(f"loss {self.name} returned a {type(loss).__name__}, not a scalar tensor")
+            raise UserError(f"{self.name} returned a {type(loss).__name__}, not a scalar tensor")
         if loss.numel() != 1:
             raise UserError(
-                f"loss {self.name} returned a tensor of shape {tuple(loss.shape)}, not a scalar "
+                f"{self.name} returned a tensor of shape {tuple(loss.shape)}, not a scalar "
                 "(reduce it, e.g. .mean())"
+            )
+        if torch.is_grad_enabled() and not loss.requires_grad:
+            raise UserError(
+                f"{self.name} does not depend on the model's parameters (no gradient flows back: a "
+                "constant, or .detach()/.item() inside it)"
             )
         value = float(loss.detach())
         if value != value or value in (float("inf"), float("-inf")):
-            raise UserError(f"loss {self.name} is {value} on the first step: not finite")
+            raise UserError(f"{self.name} is {value} on the first step: not finite")

@@ -1,0 +1,243 @@
+"""The second audit's silent losses (issue 53): a user's ``sys.exit()``, a diverged run, two runs on
+one run directory. Each ends non-zero with one line; before, each ended with exit 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from parambox.cli import main
+
+TRAIN = ["train", "--strategy", "single", "--steps", "2", "--eval-every", "0", "--no-progress"]
+DATA = "tests.workloads.user_regression:make_data"
+
+
+def one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith("parambox: error: "), err
+    return lines[0]
+
+
+EXITS = {
+    "on_import": "import sys\nsys.exit(0)\n\ndef make_model():\n    pass\n",
+    "in_factory": "import sys\n\ndef make_model():\n    sys.exit()\n",
+    "in_factory_code_3": "import sys\n\ndef make_model():\n    sys.exit(3)\n",
+}
+
+
+@pytest.mark.parametrize("where", sorted(EXITS))
+def test_a_users_sys_exit_is_a_failure(where, tmp_path, capsys):
+    """Before: exit 0, silent, untrained (``SystemExit`` went past ``except Exception``)."""
+    module = tmp_path / f"exits_{where}.py"
+    module.write_text(EXITS[where])
+    argv = [*TRAIN, "--model", f"{module}:make_model", "--data", DATA, "--out", str(tmp_path / "run")]
+    assert main([*argv, "--loader-workers", "0"]) == 2
+    line = one_line(capsys)
+    assert "sys.exit" in line and ("make_model" in line if where != "on_import" else str(module) in line), (
+        line
+    )
+
+
+def _strict_json(path):
+    def refuse(constant):
+        raise AssertionError(f"{path} holds a bare {constant}: not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_a_diverged_run_fails_naming_its_last_good_checkpoint(tmp_path, capsys, monkeypatch):
+    """Before: exit 0, ``summary.json`` with a bare NaN, ``last.pt`` silently at step 4 of 8."""
+    monkeypatch.setenv("PARAMBOX_FAULT", "0:5:nan")  # NaN batches from step 5: the weights go NaN
+    out = tmp_path / "run"
+    assert main([*TRAIN[:4], "8", *TRAIN[5:], "--checkpoint-every", "2", "--out", str(out)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("parambox: error: ") and "diverged" in last and "step 4" in last, last
+    summary = _strict_json(out / "summary.json")
+    assert summary["final_test_loss"] is None and summary["last_good_step"] == 4
+
+
+def test_summary_json_is_json_whatever_it_holds(tmp_path):
+    from parambox.training.checkpoint import atomic_write_json
+
+    atomic_write_json(
+        tmp_path / "s.json", {"a": float("nan"), "b": [float("inf"), 1.5], "c": {"d": -float("inf")}}
+    )
+    assert _strict_json(tmp_path / "s.json") == {"a": None, "b": [None, 1.5], "c": {"d": None}}
+
+
+@pytest.mark.slow
+def test_a_diverged_synchronous_run_leaves_no_pile_of_rank_files(tmp_path):
+    """Before: exit 0, and rank 1's files of every checkpoint after the divergence stayed."""
+    out = tmp_path / "run"
+    argv = [*TRAIN[:2], "allreduce", "--workers", "2", *TRAIN[3:4], "8", *TRAIN[5:]]
+    env = {**os.environ, "PARAMBOX_FAULT": "0:5:nan", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "parambox", *argv, "--checkpoint-every", "2", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "step 4" in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.pt", "rank1-step4.pt"]
+
+
+@pytest.mark.slow
+def test_a_run_directory_is_locked_by_the_run_that_owns_it(tmp_path, capsys):
+    """Before: both runs passed the "already holds a run" check (nothing there yet), both exited 0, and
+    the second replaced the first's result."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PARAMBOX_FAULT": "0:0:slow", "PYTHONPATH": str(Path(__file__).parents[1])}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "parambox", *TRAIN[:4], "200", *TRAIN[5:], "--out", str(out)],
+        env=env,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (out / "metrics.jsonl").exists():
+            assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
+            time.sleep(0.05)
+        assert main([*TRAIN, "--out", str(out)]) == 2
+        line = one_line(capsys)
+        assert str(out) in line and "in use" in line and str(first.pid) in line, line
+        assert main([*TRAIN, "--out", str(out), "--resume"]) == 2
+        assert str(out) in one_line(capsys)
+    finally:
+        first.kill()
+        first.wait()
+    assert main([*TRAIN, "--out", str(tmp_path / "second")]) == 0  # the lock is released at the end
+    assert main([*TRAIN, "--out", str(tmp_path / "second"), "--resume", "--steps", "3"]) == 0
+
+
+def test_a_finished_run_leaves_no_lock_file(tmp_path):
+    from parambox.run.rundir import LOCK_FILE
+
+    assert main([*TRAIN, "--out", str(tmp_path / "run")]) == 0
+    assert not (tmp_path / "run" / LOCK_FILE).exists()
+
+
+@pytest.mark.slow
+def test_train_with_workers_from_a_thread_other_than_the_main_one(tmp_path):
+    """Before: ``ValueError: signal only works in main thread of the main interpreter``."""
+    import threading
+
+    import parambox
+
+    got: dict = {}
+
+    def run():
+        try:
+            got["result"] = parambox.train(
+                strategy="allreduce",
+                workers=2,
+                steps=2,
+                eval_every=0,
+                progress=False,
+                out=str(tmp_path / "run"),
+            )
+        except BaseException as e:  # noqa: BLE001  (reported below)
+            got["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    assert "error" not in got, got.get("error")
+    assert got["result"].steps == 2
+
+
+@pytest.mark.slow
+def test_a_synchronous_run_whose_rank_0_is_stopped_ends_within_its_timeout(tmp_path):
+    """Before: it never ended, even with ``--timeout 4``: rank 1's timeout path blocked in
+    ``TCPStore.check`` on the store a stopped rank 0 hosts."""
+    argv = [*TRAIN[:2], "allreduce", "--workers", "2", *TRAIN[3:4], "50", *TRAIN[5:], "--timeout", "3"]
+    env = {**os.environ, "PARAMBOX_FAULT": "0:2:stop", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "parambox", *argv, "--out", str(tmp_path / "run")],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=45)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        pytest.fail("the run did not end within 45 s of a 3 s --timeout")
+    assert proc.returncode == 1, err
+    assert "timed out: ranks not arrived: [0]" in err.strip().splitlines()[-1], err
+
+
+@pytest.mark.slow
+def test_a_slow_but_healthy_rank_0_is_not_killed_as_stalled(tmp_path):
+    """Before: ``rank 0 wrote no progress for 3 s after the other workers ended``: its heartbeat was
+    the size of metrics.jsonl, flushed every 50 steps."""
+    argv = [*TRAIN[:2], "easgd", "--workers", "2", *TRAIN[3:4], "40", *TRAIN[5:], "--timeout", "3"]
+    env = {**os.environ, "PARAMBOX_FAULT": "0:0:slow", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "parambox", *argv, "--out", str(tmp_path / "run")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 40
+
+
+@pytest.mark.slow
+def test_a_group_restart_says_its_cause_and_keeps_its_logs(tmp_path):
+    """Before: the console said only "1 restart(s) of workers" and the first life's error files were
+    deleted when the group restarted (an empty logs/)."""
+    out = tmp_path / "run"
+    argv = [*TRAIN[:2], "allreduce", "--workers", "2", *TRAIN[3:4], "8", *TRAIN[5:], "--max-restarts", "1"]
+    env = {**os.environ, "PARAMBOX_FAULT": "1:3:kill", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "parambox", *argv, "--checkpoint-every", "2", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "worker rank 1 failed: killed by signal SIGKILL" in proc.stderr, proc.stderr
+    assert "logs/life0" in proc.stderr and (out / "logs" / "life0").is_dir(), proc.stderr
+
+
+@pytest.mark.slow
+def test_an_mpi_job_whose_rank_0_hangs_is_stopped(tmp_path):
+    """U2: an asynchronous ``--box rma`` run with a hung rank 0 never ended: the memory rank served on,
+    and nothing watched mpiexec. Now the launcher stops a job none of whose ranks made progress for
+    twice --timeout and a margin."""
+    from parambox.runtime import spawn
+
+    if spawn.find_mpiexec() is None:
+        pytest.skip("no mpiexec")
+    argv = [*TRAIN[:2], "easgd", "--box", "rma", "--workers", "2", *TRAIN[3:4], "10", *TRAIN[5:]]
+    env = {**os.environ, "PARAMBOX_FAULT": "0:3:hang", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "parambox", *argv, "--timeout", "2", "--out", str(tmp_path / "run")],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=50)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        pytest.fail("the MPI job did not end within 50 s of a 2 s --timeout")
+    assert proc.returncode == 1, err
+    assert "no rank of the MPI job made progress" in err.strip().splitlines()[-1], err
