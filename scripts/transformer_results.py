@@ -25,8 +25,15 @@ def row(out: Path, strategy: str) -> list[str]:
     for p in ("fp32", "bf16"):
         summary = out / f"{strategy}-{p}" / "summary.json"
         runs[p] = json.loads(summary.read_text()) if summary.exists() else None
-    if runs["fp32"] is None or runs["bf16"] is None:
-        return [strategy, "-", "failed", "failed", "-", "-"]
+    if runs["fp32"] is None:
+        return [strategy, "-", "failed", "-", "-", "-"]
+    if runs["bf16"] is None:
+        log = out / f"{strategy}-bf16.log"
+        refused = log.exists() and "does not take precision" in log.read_text()
+        a = runs["fp32"]["final_test_loss"]
+        fp32 = f"{math.exp(a):.1f} ({runs['fp32']['final_test_bits_per_byte']:.2f})"
+        why = "not offered: it runs forward and backward itself" if refused else "failed"
+        return [strategy, str(runs["fp32"]["workers"]), fp32, why, "-", "-"]
     a, b = runs["fp32"]["final_test_loss"], runs["bf16"]["final_test_loss"]
     again = out / f"{strategy}-fp32again" / "summary.json"
     spread = "-"
@@ -71,6 +78,11 @@ def main(out: Path) -> None:
                 ],
                 "key": "strategy",
                 "rows": [row(out, s) for s in strategies],
+                "notes": (
+                    "The synchronous rules are deterministic: their bf16 runs end within 0.1 % of fp32's test "
+                    "loss. The asynchronous ones are not (their interleaving is the machine's): a second fp32 "
+                    "run differs from the first by up to 6 %, and bf16's differences lie within that spread."
+                ),
             }
         ],
     }
