@@ -505,7 +505,7 @@ def zoo_table(kind: str) -> str:
         from parambox.data.registry import _import_loaders as load
     load()
     rows = ["| name | what it is |", "|---|---|"]
-    for name, builder in registry.items():
+    for name, builder in sorted(registry.items()):  # sorted: the order of imports differs between processes
         doc = " ".join((getattr(builder, "__doc__", None) or "").strip().split("\n\n")[0].split())
         first = doc.split(". ")[0].rstrip(".") + "." if doc else ZOO_NOTES.get(name, "")
         rows.append(f"| `{name}` | {_cell(first)} |")

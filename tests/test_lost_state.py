@@ -76,17 +76,19 @@ def test_downpour_adagrad_sums_survive_a_resume(monkeypatch):
 
 
 def test_a_diverged_run_keeps_its_last_finite_checkpoint(tmp_path, monkeypatch, capsys):
-    """NaN batches from step 7 on: the checkpoint of step 5 stays, those of steps 10 and 12 are refused."""
+    """NaN batches from step 7 on: the checkpoint of step 5 stays, those of steps 10 and 12 are refused,
+    and the run fails naming it (a diverged run is not a success)."""
     from parambox.cli import main
 
     monkeypatch.setenv("PARAMBOX_FAULT", "0:7:nan")
     out = tmp_path / "run"
     argv = ["train", "--strategy", "single", "--model", "mlp", "--steps", "12", "--checkpoint-every", "5"]
-    assert main([*argv, "--eval-every", "0", "--no-progress", "--out", str(out)]) == 0
+    assert main([*argv, "--eval-every", "0", "--no-progress", "--out", str(out)]) == 2
     last = checkpoint.load(out / "checkpoints" / "last.pt")
     assert last["step"] == 5
     assert all(bool(t.isfinite().all()) for t in last["model"].values())
-    assert "not finite" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "not finite" in err and "last good checkpoint is step 5" in err
 
 
 def test_sync_diloco_rejoins_after_a_nonfinite_round():

@@ -65,7 +65,7 @@ def evaluate(
 def default_metrics(model: nn.Module, batch: Any, loss: Callable, with_loss: bool = True) -> dict[str, float]:
     """The loss, and accuracy for class logits against integer labels (one forward pass for the
     default cross-entropy)."""
-    if loss is sequence_loss:
+    if getattr(loss, "fn", loss) is sequence_loss:  # also the default loss checked (CheckedLoss)
         return sequence_metrics(model(batch[0]), batch[1])
     labelled = isinstance(batch, tuple | list) and len(batch) == 2 and _is_labels(batch[1])
     if getattr(loss, "fn", loss) is default_loss and labelled:  # also the default loss checked (CheckedLoss)

@@ -174,7 +174,9 @@ def build_workload(cfg: Any, given: dict[str, Callable] | None = None) -> Worklo
     if loss_fn is not None:
         loss: Callable = CheckedLoss(loss_fn, f"loss {refs.describe(loss_fn)}")
     elif model_fn is not None or fns.get("data") is not None:  # a user's model or data: may not fit it
-        what = "the default loss (cross-entropy of model(x) against y)"
+        what = "the default loss (cross-entropy of model(x) against y" + (
+            ", per position)" if data.default_loss is sequence_loss else ")"
+        )
         loss = CheckedLoss(data.default_loss, what)
     else:
         loss = data.default_loss
