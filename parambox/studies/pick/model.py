@@ -42,13 +42,13 @@ from dataclasses import dataclass, field
 from parambox.perfmodel.topology import Network, comm_time_s
 
 # A probe whose convergence ratio fell below this fraction of its first value had not found its pace:
-# its estimate is lowered by half that fall again, its band's low end by all of it (docs/pick-validation.md).
+# its estimate is lowered by half that fall again, its band's low end by all of it (docs/results/pick-validation.md).
 DRIFT_FLOOR = 0.8
 # ... unless its loss made a new low at under this share of its evaluations: a fall on plateaus, which
-# its last points count already (docs/pick-validation.md).
+# its last points count already (docs/results/pick-validation.md).
 STEADY_SHARE = 0.6
 # A probe's evaluations count once its loss has come this far of the reference's way to the target; probes
-# stop at all of it (a loss that falls fast and then stalls, DiLoCo's, is read whole; docs/pick-validation.md).
+# stop at all of it (a loss that falls fast and then stalls, DiLoCo's, is read whole; docs/results/pick-validation.md).
 MIN_PROGRESS = 0.2
 STOP_PROGRESS = 1.0
 LAST_POINTS = 3  # the estimate: the median of the ratios nearest the target

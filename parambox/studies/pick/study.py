@@ -14,13 +14,13 @@
    over the first part of the way and is often optimistic (local SGD's and Adagrad's early pace), so
    a race among the few the model puts ahead costs K runs and catches a top pick that only looked
    fast. Five, not three: with the predictions 15-25 % off, the fastest setups are at times predicted
-   4th or 5th (docs/pick-validation.md).
+   4th or 5th (docs/results/pick-validation.md).
    The leader then runs again (one run's time to the target spreads by 10-40 %: the race's fastest
    single run is often a lucky draw), a new leader too, and the race goes on past K while a
    candidate not yet raced is predicted faster than the leader's time, allowing for the model's
    error as the race measured it (two deviations of it; up to 2K entries): the model's order is not
    trusted past the leader's measured time and its own error, and a prediction within them could
-   still win (docs/pick-validation.md).
+   still win (docs/results/pick-validation.md).
    ``predicted_rank`` keeps the model's own order, and validation scores both.
 4. ``validate``: every candidate ranked (``num_validated`` None), or the top K and K others drawn at
    random, and the reference are trained to the target, ``validate_runs`` times each (the median is
@@ -52,14 +52,14 @@ from parambox.studies.pick.candidates import Candidate, registry_candidates
 
 REFERENCE = "allreduce"  # the baseline: validation always measures it
 # A top pick whose convergence ratio fell below this fraction of its first value is not confident: such
-# picks measured up to 1.6x the best (docs/pick-validation.md).
+# picks measured up to 1.6x the best (docs/results/pick-validation.md).
 DRIFT_FLOOR = pm.DRIFT_FLOOR
 # A raced candidate within this factor of the leader's time is a draw with it (one setup's runs spread
-# by 7-14 %), and runs a second time before the race ends (docs/pick-validation.md).
+# by 7-14 %), and runs a second time before the race ends (docs/results/pick-validation.md).
 CLOSE_RACE = 1.15
 # An unraced candidate races while its prediction is within this many deviations of the race's own measured
 # error (RMS of log(predicted / measured)) of the leader's time: two caught the best more often than one
-# at a few runs more, three no more than two (docs/pick-validation.md).
+# at a few runs more, three no more than two (docs/results/pick-validation.md).
 RACE_DEVIATIONS = 2.0
 ASSUMPTIONS = [
     "convergence per sample relative to the reference, measured over the probe, holds to the target; "
