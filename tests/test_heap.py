@@ -29,7 +29,9 @@ def test_freed_blocks_serve_the_next_step_without_page_faults():
     default, kept, after = out.split()
     assert kept == "True"
     assert int(default) > 10 * 2048  # every step faulted in most of its 8 MiB blocks (4 KiB pages)
-    assert int(after) < 200
+    # Kept: at most one block's pages over the 10 steps (about 1 run in 6 here, the heap grows once
+    # more after the warm-up step, by one 8 MiB block: 2048 faults), against most blocks every step.
+    assert int(after) < 2 * 2048
 
 
 def test_opted_out_it_leaves_malloc_alone(monkeypatch):
