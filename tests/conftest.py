@@ -68,6 +68,17 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ.pop(LOCKS), ignore_errors=True)
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The files with the most slow tests first (in their own order): under ``--dist loadfile`` the
+    long files then start early, and the suite does not end on one worker finishing a long file alone."""
+    slow: dict[str, int] = {}
+    for item in items:
+        slow[item.fspath.strpath] = slow.get(item.fspath.strpath, 0) + (
+            item.get_closest_marker("slow") is not None
+        )
+    items.sort(key=lambda item: -slow[item.fspath.strpath])  # stable: a file's tests keep their order
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """A readers-writer lock over the xdist workers: a ``solo`` test (set-up, call and tear-down) holds
