@@ -30,6 +30,15 @@ MPI_ENV = {
 }
 
 
+def one_line(capsys) -> str:
+    """The one line a user error prints (``parambox: error: ...``), with no traceback: what it says."""
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith("parambox: error: "), err
+    return lines[0]
+
+
 def slurm_running() -> bool:
     """A SLURM whose controller answers (``../shared/tools/slurm-up.sh`` starts one); installed but
     stopped counts as none."""

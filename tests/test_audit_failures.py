@@ -13,17 +13,10 @@ from pathlib import Path
 import pytest
 
 from parambox.cli import main
+from tests.conftest import one_line
 
 TRAIN = ["train", "--strategy", "single", "--steps", "2", "--eval-every", "0", "--no-progress"]
 DATA = "tests.workloads.user_regression:make_data"
-
-
-def one_line(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert "Traceback" not in err and len(lines) == 1, err
-    assert lines[0].startswith("parambox: error: "), err
-    return lines[0]
 
 
 EXITS = {

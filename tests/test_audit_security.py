@@ -15,6 +15,7 @@ from parambox.box import open_box
 from parambox.errors import UserError
 from parambox.runtime.spawn import PREFIX_ENV, new_prefix
 from parambox.runtime.world import World
+from tests.conftest import one_line
 
 ROOT = Path(__file__).parents[1]
 
@@ -46,14 +47,6 @@ REF = "tests.workloads.user_regression"
 TRAIN = ["train", "--strategy", "single", "--steps", "2", "--eval-every", "0", "--no-progress"]
 TRAIN_REFS = [*TRAIN, "--model", f"{REF}:make_model", "--data", f"{REF}:make_data", "--loader-workers", "0"]
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory away needs root")
-
-
-def one_line(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert "Traceback" not in err and len(lines) == 1, err
-    assert lines[0].startswith("parambox: error: "), err
-    return lines[0]
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from parambox.cli import main
+from tests.conftest import one_line
 
 TRAIN = ["train", "--strategy", "single", "--steps", "2", "--eval-every", "0", "--no-progress"]
 
@@ -60,14 +61,6 @@ def files(tmp_path):
     (tmp_path / "done").mkdir()
     (tmp_path / "done" / "summary.json").write_text("{}")
     return tmp_path
-
-
-def one_line(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert "Traceback" not in err and len(lines) == 1, err
-    assert lines[0].startswith("parambox: error: "), err
-    return lines[0]
 
 
 @pytest.mark.parametrize("args,message", ISSUE + MORE)
