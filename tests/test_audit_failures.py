@@ -154,21 +154,7 @@ def test_a_synchronous_run_whose_rank_0_is_stopped_ends_within_its_timeout(tmp_p
     """Before: it never ended, even with ``--timeout 4``: rank 1's timeout path blocked in
     ``TCPStore.check`` on the store a stopped rank 0 hosts."""
     argv = [*TRAIN[:2], "allreduce", "--workers", "2", *TRAIN[3:4], "50", *TRAIN[5:], "--timeout", "3"]
-    env = {**os.environ, "PARAMBOX_FAULT": "0:2:stop", "PYTHONPATH": str(Path(__file__).parents[1])}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "parambox", *argv, "--out", str(tmp_path / "run")],
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, err = proc.communicate(timeout=45)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.communicate()
-        pytest.fail("the run did not end within 45 s of a 3 s --timeout")
-    assert proc.returncode == 1, err
+    err = run_bounded([*argv, "--out", str(tmp_path / "run")], "0:2:stop", 45, "the run", "3")
     assert "timed out: ranks not arrived: [0]" in err.strip().splitlines()[-1], err
 
 
@@ -218,19 +204,28 @@ def test_an_mpi_job_whose_rank_0_hangs_is_stopped(tmp_path):
     if spawn.find_mpiexec() is None:
         pytest.skip("no mpiexec")
     argv = [*TRAIN[:2], "easgd", "--box", "rma", "--workers", "2", *TRAIN[3:4], "10", *TRAIN[5:]]
-    env = {**os.environ, "PARAMBOX_FAULT": "0:3:hang", "PYTHONPATH": str(Path(__file__).parents[1])}
+    err = run_bounded(
+        [*argv, "--timeout", "2", "--out", str(tmp_path / "run")], "0:3:hang", 50, "the MPI job", "2"
+    )
+    assert "no rank of the MPI job made progress" in err.strip().splitlines()[-1], err
+
+
+def run_bounded(argv: list[str], fault: str, limit: float, what: str, timeout: str) -> str:
+    """``parambox ARGV`` with ``PARAMBOX_FAULT=fault`` as a user runs it: it must end (exit 1) within
+    ``limit`` seconds; its stderr."""
+    env = {**os.environ, "PARAMBOX_FAULT": fault, "PYTHONPATH": str(Path(__file__).parents[1])}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "parambox", *argv, "--timeout", "2", "--out", str(tmp_path / "run")],
+        [sys.executable, "-m", "parambox", *argv],
         env=env,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
     try:
-        _, err = proc.communicate(timeout=50)
+        _, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         proc.communicate()
-        pytest.fail("the MPI job did not end within 50 s of a 2 s --timeout")
+        pytest.fail(f"{what} did not end within {limit:g} s of a {timeout} s --timeout")
     assert proc.returncode == 1, err
-    assert "no rank of the MPI job made progress" in err.strip().splitlines()[-1], err
+    return err
