@@ -32,7 +32,7 @@ def test_forward_shape_and_byte_inputs():
     x = torch.randint(0, 256, (3, 32))
     out = model(x)
     assert out.shape == (3, 32, 256) and torch.isfinite(out).all()
-    assert torch.equal(model(x.to(torch.uint8)), out)  # the corpus's uint8 windows go in as they are
+    assert torch.equal(model(x.to(torch.uint8)), out)  # any integer dtype of byte ids goes in as it is
     assert model(x[:, :5]).shape == (3, 5, 256)  # shorter than the context: fine
     assert model[-1].weight is model[0].tok.weight  # the output layer is tied to the token embedding
     untied = build_gpt("gpt", context=32, tied=False)
@@ -95,7 +95,7 @@ def test_stdlib_corpus_is_deterministic_offline_and_split_disjoint(monkeypatch):
     a, b = load_dataset("text"), load_dataset("text", seed=7)  # the split does not follow the seed
     assert torch.equal(a.train_x, b.train_x) and torch.equal(a.test_y, b.test_y)
     assert a.input_shape == (CONTEXT,) and a.num_classes == 256 and a.sequence
-    assert a.train_x.dtype == torch.uint8 and len(a.test_x) == 256 and len(a.train_x) > 30_000
+    assert a.train_x.dtype == torch.int64 and len(a.test_x) == 256 and len(a.train_x) > 30_000
     assert torch.equal(a.train_x[0, 1:], a.train_y[0, :-1])  # the targets are the next bytes
     files = stdlib_files()
     assert files[0].name == "__future__.py" and not any("site-packages" in p.parts for p in files)

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from parambox.cli import main
 from parambox.errors import UserError
@@ -191,6 +192,7 @@ def test_cli_measures_compute_and_prints_table(capsys):
         (["--measure-bandwidth", "--bandwidth-gbps", "1"], "--measure-bandwidth"),
         (["--global-batch", "0"], "--global-batch"),
         (["--comp-ms", "-1"], "--comp-ms"),
+        (["--data", "text"], "drop --input-shape"),
     ],
 )
 def test_cli_bad_input_exits_2(capsys, extra, message):
@@ -214,3 +216,47 @@ def test_validate_and_measure_bandwidth_with_two_processes(capsys):
     # Sub-millisecond steps on a shared 2-core machine are noisy (latency dominates), so only gross errors
     # (units, a missing term) are caught here; the AlexNet figure is the real check.
     assert result["validation_max_rel_error"] < 2.0
+
+
+TOKEN_MODEL = """
+from torch import nn
+
+def tokens():
+    # Token ids in, logits per position out: float inputs would fail in the embedding.
+    return nn.Sequential(nn.Embedding(256, 8), nn.Linear(8, 256))
+"""
+
+
+def test_cli_times_the_zoo_transformer_on_token_ids(capsys):
+    """``gpt`` takes (B, T) byte ids of the text set, its default data: the timed steps feed those."""
+    argv = ["predict", "--model", "gpt", "--topology", "ring", "--global-batch", "2", "--max-workers", "2"]
+    assert main([*argv, "--repeats", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["data"] == "text" and result["input_dtype"] == "int64"
+    assert result["input_shape"] == [128] and result["num_classes"] == 256
+    assert result["parameters"] == 1_040_768 and set(result["compute"]["ms_by_batch"]) == {"1", "2"}
+
+
+def test_cli_times_a_users_sequence_model(capsys, tmp_path):
+    """A user's factory (``file.py:fn``) on ``--data text``: built in the measuring process too."""
+    (tmp_path / "mine.py").write_text(TOKEN_MODEL)
+    argv = ["predict", "--model", f"{tmp_path}/mine.py:tokens", "--data", "text", "--topology", "ring"]
+    argv += ["--global-batch", "2", "--max-workers", "2", "--repeats", "1", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["parameters"] == 256 * 8 + 8 * 256 + 256 and result["input_dtype"] == "int64"
+    assert min(result["compute"]["ms_by_batch"].values()) > 0
+
+
+def test_sample_draws_batches_of_the_data_sets_kind():
+    from parambox.data import Dataset
+    from parambox.perfmodel.sample import Sample
+
+    ids = torch.tensor([[3, 9, 5], [7, 4, 6]], dtype=torch.uint8)
+    s = Sample.of_dataset(Dataset("t", ids, ids, ids[:1], ids[:1], num_classes=10, sequence=True))
+    assert (s.shape, s.dtype, s.low, s.high, s.sequence) == ((3,), "uint8", 3, 9, True)
+    torch.manual_seed(0)
+    x, y = s.batch(500)
+    assert x.dtype == torch.uint8 and int(x.min()) == 3 and int(x.max()) == 9 and y.shape == (500, 3)
+    floats = Sample((1, 4, 4), 10)
+    assert floats.batch(2)[0].dtype == torch.float32 and floats.batch(2)[1].shape == (2,)

@@ -26,9 +26,11 @@ from parambox.perfmodel.compute import (
     parse_comp_table,
 )
 from parambox.perfmodel.output import plot_speedup, print_report
+from parambox.perfmodel.sample import Sample, build_measured_model
 from parambox.perfmodel.scaling import DEFAULT_WORKER_COUNTS, ScalingCurve, local_batches, predict_curve
 from parambox.perfmodel.simulate import PATTERNS, SIMULATED_MAX_NODES, simulate_curve
 from parambox.perfmodel.topology import Network, parse_topologies
+from parambox.workload import refs
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -36,10 +38,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a(
         "--model",
         default="alexnet",
-        help="model from the zoo whose size and step time to use (default alexnet)",
+        help="model whose size and step time to use: a zoo name or your factory, file.py:fn or module:fn "
+        "(default alexnet)",
     )
-    a("--input-shape", default="3,32,32", help="C,H,W of one sample (default 3,32,32: cifar10)")
-    a("--num-classes", type=int, default=10)
+    a(
+        "--data",
+        help="registered data set whose items the timed steps feed the model (shape, dtype: the text set's "
+        "token ids); default: the one a zoo model is meant for (gpt: text), else --input-shape",
+    )
+    a("--data-path", type=Path, help="the data set's files (as parambox train --data-path)")
+    a(
+        "--input-shape",
+        help="without --data: float samples of this shape, e.g. C,H,W (default 3,32,32: cifar10)",
+    )
+    a("--num-classes", type=int, help="without --data: the number of classes (default 10)")
     a("--parameters", type=int, help="override the parameter count (S = 4 bytes x this)")
     a("--topology", default="all", help="ring, tree, ps, ps-sharded, box: one, a comma list or all")
     a("--bandwidth-gbps", type=float, help="link bandwidth in Gbit/s (default 10)")
@@ -102,16 +114,33 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _builder(args: argparse.Namespace, shape: tuple[int, ...]):
-    from parambox.models import build_model
+def sample_of(args: argparse.Namespace) -> tuple[Sample, str | None]:
+    """The kind of item the timed steps feed the model, and the data set it was read from (None: given)."""
+    from parambox.data import load_dataset
+    from parambox.models.registry import data_for
 
-    def build():
-        try:
-            return build_model(args.model, shape, args.num_classes)
-        except ValueError as e:
-            raise UserError(f"--model {args.model}: {e}") from None
+    data = args.data
+    if data is None and not refs.is_reference(args.model) and args.input_shape is None:
+        data = data_for(args.model)
+    if data is None:
+        if args.data_path is not None:
+            raise UserError("--data-path goes with --data")
+        return Sample(
+            parse_shape(args.input_shape or "3,32,32"), 10 if args.num_classes is None else args.num_classes
+        ), None
+    if args.input_shape is not None or args.num_classes is not None:
+        raise UserError(
+            f"--data {data} gives the samples' shape and classes: drop --input-shape/--num-classes"
+        )
+    if refs.is_reference(data):
+        raise UserError(
+            f"--data {data}: predict reads a registered data set; for your own, give --input-shape and --num-classes"
+        )
+    return Sample.of_dataset(load_dataset(data, args.data_path, 0)), data
 
-    return build
+
+def _builder(args: argparse.Namespace, sample: Sample):
+    return functools.partial(build_measured_model, args.model, sample)
 
 
 def _network(args: argparse.Namespace, size_bytes: float) -> tuple[Network, str]:
@@ -128,7 +157,9 @@ def _box(args: argparse.Namespace) -> float | None:
     return None if args.box_bandwidth_gbps is None else args.box_bandwidth_gbps * 1e9 / 8
 
 
-def _compute(args, build, shape, batches: dict[str, int], validate_batch: int | None) -> ComputeProfile:
+def _compute(
+    args, build, sample: Sample, batches: dict[str, int], validate_batch: int | None
+) -> ComputeProfile:
     if args.comp_ms is not None:
         return ComputeProfile.per_sample(args.comp_ms)
     if args.comp_table:
@@ -142,7 +173,7 @@ def _compute(args, build, shape, batches: dict[str, int], validate_batch: int | 
     _say(args, f"measuring T_comp of {args.model} at batch sizes {sizes} ({args.threads} thread(s))")
     if args.parameters:  # the model was not built for its size: fail here, not inside the worker
         build()
-    return measure.measure_compute(args.model, shape, args.num_classes, sizes, args.threads, args.repeats)
+    return measure.measure_compute(args.model, sample, sizes, args.threads, args.repeats)
 
 
 def _simulated(args: argparse.Namespace) -> list[str]:
@@ -165,9 +196,9 @@ def _say(args: argparse.Namespace, text: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    shape = parse_shape(args.input_shape)
+    sample, data = sample_of(args)
     topologies = parse_topologies(args.topology)
-    build = _builder(args, shape)
+    build = _builder(args, sample)
     parameters = args.parameters or sum(p.numel() for p in build().parameters())
     if parameters < 1:
         raise UserError(f"--parameters must be >= 1, got {parameters}")
@@ -178,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     if validate_batch is not None and validate_batch < 2:
         raise UserError(f"--validate-batch must be >= 2 (two workers), got {validate_batch}")
     net, source = _network(args, size_bytes)
-    compute = _compute(args, build, shape, batches, validate_batch)
+    compute = _compute(args, build, sample, batches, validate_batch)
     curves = {
         scaling: [
             predict_curve(t, compute, size_bytes, net, batch, scaling == "weak", args.overlap, _grid(args))
@@ -192,10 +223,10 @@ def run(args: argparse.Namespace) -> int:
             curve = simulate_curve(setup, compute, size_bytes, net, batch, scaling == "weak", _grid(args))
             curve.topology = f"sim:{setup}"
             curves[scaling].append(curve)
-    result = result_json(args, parameters, net, source, compute, curves, batches)
+    result = result_json(args, sample, data, parameters, net, source, compute, curves, batches)
     if validate_batch is not None:
         _say(args, f"validating: 1 and 2 processes x {args.threads} thread(s), global batch {validate_batch}")
-        v = _validate(args, shape, validate_batch, compute, size_bytes)
+        v = _validate(args, sample, validate_batch, compute, size_bytes)
         result["validation"] = v.as_json()
         result["validation_max_rel_error"] = v.max_rel_error
         result["validation_bandwidth_gbps"] = v.bandwidth * 8 / 1e9
@@ -203,13 +234,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _validate(args, shape, batch: int, compute: ComputeProfile, size_bytes: float) -> measure.Validation:
+def _validate(
+    args, sample: Sample, batch: int, compute: ComputeProfile, size_bytes: float
+) -> measure.Validation:
     """``measure.validate`` on loopback, or on an emulated cluster of 2 nodes that lives as long as it."""
     run = functools.partial(
         measure.validate,
         args.model,
-        shape,
-        args.num_classes,
+        sample,
         batch,
         compute,
         size_bytes,
@@ -225,12 +257,16 @@ def _validate(args, shape, batch: int, compute: ComputeProfile, size_bytes: floa
         return run(cluster=cluster)
 
 
-def result_json(args, parameters, net: Network, source, compute, curves, batches) -> dict:
+def result_json(
+    args, sample: Sample, data, parameters, net: Network, source, compute, curves, batches
+) -> dict:
     """The JSON object ``--json`` prints: inputs, per-scaling per-topology curves, n_peak per topology."""
     result = {
         "model": args.model,
-        "input_shape": list(parse_shape(args.input_shape)),
-        "num_classes": args.num_classes,
+        "data": data,
+        "input_shape": list(sample.shape),
+        "input_dtype": sample.dtype,
+        "num_classes": sample.num_classes,
         "parameters": parameters,
         "message_bytes": 4 * parameters,
         "network": {

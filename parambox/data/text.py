@@ -9,8 +9,9 @@ A sample is a window of ``CONTEXT + 1`` bytes: the first ``CONTEXT`` are the inp
 ``CONTEXT`` the targets (the next byte at every position). Training windows start every
 ``CONTEXT`` bytes. The test set is 5 % of the stream, at most ``TEST_WINDOWS`` windows, from the end
 of each of 16 equal chunks of it (``split``): the split is fixed (not drawn from the seed), so test
-figures of different runs compare. Windows are uint8 (1 byte a token in memory); ``gpt`` takes them
-as they are.
+figures of different runs compare. Tokens are int64 byte values 0..255, what ``nn.Embedding`` and
+``F.cross_entropy`` take, so a user's own language model reads the windows as they are (8 bytes a token:
+32 MiB for the 4 MiB corpus, held once; windows are views of it).
 
 >>> x, y = windows(torch.arange(10, dtype=torch.uint8), 4)
 >>> x.tolist(), y.tolist()
@@ -115,7 +116,7 @@ def load_text(data_path: Path | None, seed: int) -> Dataset:
     """Windows of 128 bytes: from the standard library's sources, or from ``data_path``'s files."""
     del seed  # the split is fixed on purpose
     files = stdlib_files() if data_path is None else user_files(data_path)
-    train, test = split(read_stream(files))
+    train, test = split(read_stream(files).long())
     train_x, train_y = windows_of(train, CONTEXT)
     test_x, test_y = windows_of(test, CONTEXT)
     return Dataset("text", train_x, train_y, test_x, test_y, num_classes=VOCAB, sequence=True)

@@ -9,7 +9,7 @@ and ``Head``, a pipeline cuts between blocks. Sizes at context 128 (parameters, 
 - ``gpt-6m``: width 256, 8 layers, 8 heads: 6,416,896 (25.7 MB);
 - ``gpt-25m``: width 512, 8 layers, 8 heads: 25,416,704 (101.7 MB).
 
-Inputs are byte indices of any integer dtype (the ``text`` data set keeps them as uint8); the output
+Inputs are byte indices of any integer dtype (the ``text`` data set gives int64, a user may keep uint8); the output
 is ``(batch, time, 256)`` logits. No dropout: runs stay deterministic and comparable across strategies.
 
 >>> model = gpt((16,), 256)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parambox.perfmodel.compute import time_calls
+from parambox.perfmodel.sample import Sample, build_measured_model
 from parambox.runtime.dist import destroy_distributed
 from parambox.runtime.heap import keep_freed_memory
 from parambox.runtime.mpi import exit_now
@@ -67,20 +68,17 @@ def flat_grads_(model: nn.Module) -> torch.Tensor:
 
 
 def make_steps(spec: dict, batch: int, world_size: int):
-    from parambox.models import build_model
-
+    sample = Sample.from_json(spec["sample"])
     torch.manual_seed(0)
-    model = build_model(spec["model"], tuple(spec["input_shape"]), spec["num_classes"])
+    model = build_measured_model(spec["model"], sample)
     model.train()
     flat = flat_grads_(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    x = torch.randn(batch, *spec["input_shape"])
-    y = torch.randint(0, spec["num_classes"], (batch,))
-    loss_fn = nn.CrossEntropyLoss()
+    data = sample.batch(batch)
 
     def compute_step(communicate: bool = False) -> None:
         flat.zero_()
-        loss_fn(model(x), y).backward()
+        sample.loss(model, data).backward()
         if communicate:
             dist.all_reduce(flat)
             flat.div_(world_size)
@@ -128,13 +126,12 @@ def _gather(values: list[float], world_size: int) -> list[list[float]]:
 
 
 def profile(spec: dict) -> dict:
-    from parambox.models import build_model
     from parambox.perfmodel.compute import time_batches
 
+    sample = Sample.from_json(spec["sample"])
     torch.manual_seed(0)
-    shape = tuple(spec["input_shape"])
-    model = build_model(spec["model"], shape, spec["num_classes"])
-    times = time_batches(model, shape, spec["num_classes"], spec["batch_sizes"], spec["repeats"])
+    model = build_measured_model(spec["model"], sample)
+    times = time_batches(model, sample, spec["batch_sizes"], spec["repeats"])
     return {str(b): t for b, t in times.items()}
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from parambox.errors import UserError
 from parambox.numerics import is_finite
+from parambox.perfmodel.sample import Sample
 from parambox.runtime.heap import keep_freed_memory
 
 
@@ -101,16 +102,14 @@ def batch_sizes_to_measure(needed: list[float], max_batch: int) -> list[int]:
 
 
 def step_timer(
-    model: nn.Module, opt: torch.optim.Optimizer, input_shape: tuple[int, ...], num_classes: int, batch: int
+    model: nn.Module, opt: torch.optim.Optimizer, sample: Sample, batch: int
 ) -> Callable[[], None]:
-    """A closure that runs one SGD training step on random data of the given batch size."""
-    x = torch.randn(batch, *input_shape)
-    y = torch.randint(0, num_classes, (batch,))
-    loss_fn = nn.CrossEntropyLoss()
+    """A closure that runs one SGD training step on a random batch of ``sample``'s kind and the given size."""
+    data = sample.batch(batch)
 
     def step() -> None:
         opt.zero_grad(set_to_none=False)
-        loss_fn(model(x), y).backward()
+        sample.loss(model, data).backward()
         opt.step()
 
     return step
@@ -141,8 +140,7 @@ def best_times_s(
 
 def measure_profile(
     build: Callable[[], nn.Module],
-    input_shape: tuple[int, ...],
-    num_classes: int,
+    sample: Sample,
     batch_sizes: list[int],
     threads: int = 1,
     repeats: int = 3,
@@ -153,20 +151,18 @@ def measure_profile(
     torch.set_num_threads(threads)
     keep_freed_memory()  # as a training rank runs
     try:
-        table = time_batches(build(), input_shape, num_classes, batch_sizes, repeats)
+        table = time_batches(build(), sample, batch_sizes, repeats)
     finally:
         torch.set_num_threads(before)
     return profile_from_times(table, threads)
 
 
-def time_batches(
-    model: nn.Module, input_shape: tuple[int, ...], num_classes: int, batch_sizes: list[int], repeats: int
-) -> dict[int, float]:
+def time_batches(model: nn.Module, sample: Sample, batch_sizes: list[int], repeats: int) -> dict[int, float]:
     """Seconds per SGD step (momentum 0.9) of ``model`` at each batch size, one model and optimizer for all."""
     torch.manual_seed(0)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    steps = {b: step_timer(model, opt, input_shape, num_classes, b) for b in batch_sizes}
+    steps = {b: step_timer(model, opt, sample, b) for b in batch_sizes}
     return best_times_s(steps, repeats)
 
 

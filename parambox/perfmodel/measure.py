@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING
 
 from parambox.perfmodel._worker import RESULT_MARKER
 from parambox.perfmodel.compute import ComputeProfile, profile_from_times
+from parambox.perfmodel.sample import Sample
 from parambox.perfmodel.scaling import iteration_time_s
 from parambox.perfmodel.topology import Network, ring_allreduce_s
 from parambox.runtime import spawn
+from parambox.workload import refs
 
 if TYPE_CHECKING:
     from parambox.runtime.cluster import EmulatedCluster
@@ -97,15 +99,11 @@ def measure_loopback(size_bytes: float, threads: int = 1, repeats: int = 5) -> t
 
 
 def measure_compute(
-    model: str,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    batch_sizes: list[int],
-    threads: int,
-    repeats: int,
+    model: str, sample: Sample, batch_sizes: list[int], threads: int, repeats: int
 ) -> ComputeProfile:
-    """T_comp at each batch size, timed in a fresh process with ``threads`` threads."""
-    spec = {"mode": "profile", "model": model, "input_shape": list(input_shape), "num_classes": num_classes}
+    """T_comp at each batch size, timed in a fresh process with ``threads`` threads; ``model`` a zoo name or a
+    reference to a factory (``file.py:fn``, made absolute: the process may start elsewhere)."""
+    spec = {"mode": "profile", "model": refs.absolute(model), "sample": sample.as_json()}
     spec.update(batch_sizes=batch_sizes, threads=threads, repeats=repeats)
     times = run_workers(spec, 1, timeout_s=600.0)
     return profile_from_times({int(b): t for b, t in times.items()}, threads)
@@ -187,8 +185,7 @@ class Validation:
 
 def validate(
     model: str,
-    input_shape: tuple[int, ...],
-    num_classes: int,
+    sample: Sample,
     global_batch: int,
     profile: ComputeProfile,
     size_bytes: float,
@@ -201,9 +198,8 @@ def validate(
     ``cluster`` (2 nodes), the 2 processes run one per node and the prediction takes its link's rate."""
     spec = {
         "mode": "validate",
-        "model": model,
-        "input_shape": list(input_shape),
-        "num_classes": num_classes,
+        "model": refs.absolute(model),
+        "sample": sample.as_json(),
         "global_batch": global_batch,
         "repeats": repeats,
         "rounds": 3 * repeats,  # 12 by default: the fastest of fewer rounds swung by 30 % under foreign load
