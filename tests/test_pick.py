@@ -33,9 +33,15 @@ def test_samples_to_reach_interpolates_on_the_running_minimum():
     assert pm.samples_to_reach(noisy, 0.4) is None
 
 
-def test_samples_to_accuracy_is_the_first_evaluation_at_the_target():
-    assert pm.samples_to_accuracy([10, 20, 30], [0.5, 0.96, 0.94], 0.95) == 20.0
-    assert pm.samples_to_accuracy([10, 20], [0.5, 0.9], 0.95) is None
+def test_samples_to_target_is_the_first_evaluation_at_the_target_in_its_direction():
+    from parambox.workload.targets import Target
+
+    accuracy = Target.of("accuracy", 0.95)
+    assert pm.samples_to_target([10, 20, 30], [0.5, 0.96, 0.94], accuracy) == 20.0
+    assert pm.samples_to_target([10, 20], [0.5, 0.9], accuracy) is None
+    perplexity = Target.of("perplexity", 8.0)  # lower is better: the first evaluation at or under 8
+    assert pm.samples_to_target([10, 20, 30], [12.0, 7.9, 7.0], perplexity) == 20.0
+    assert pm.samples_to_target([10, 20], [12.0, 9.0], perplexity) is None
 
 
 def test_convergence_ratio_is_reference_samples_over_probe_samples_at_the_same_loss():
@@ -161,6 +167,10 @@ def test_time_to_target_leaves_out_the_evaluation_pauses(tmp_path):
     assert m.time_to(0.95) is None
     m.lead_s = 0.5  # another rank trained half a second before rank 0 started
     assert m.time_to(0.9) == pytest.approx((0.54, 0.64))
+    for e, ppl in zip(evals, (9.0, 6.0)):
+        e["test_perplexity"] = ppl
+    m.metric, m.lower_is_better = "test_perplexity", True  # falls to the target: the second evaluation
+    assert m.time_to(6.5) == pytest.approx((0.54, 0.64)) and m.time_to(5.0) is None
 
 
 def test_asynchronous_time_to_target_gets_no_samples_for_free_while_rank_0_evaluates(tmp_path):
@@ -256,7 +266,7 @@ def test_confirm_races_the_top_k_and_ranks_them_first_by_their_runs(monkeypatch,
     measured = {"downpour": [5.0], "weight-avg": [2.5, 6.5], "allreduce": [5.0], "easgd": [3.8, 3.6]}
     calls = []
 
-    def run_to_target(cfg, out, target, timeout, metric, asynchronous=False):
+    def run_to_target(cfg, out, target, timeout, asynchronous=False):
         calls.append(f"{out.parent.name}/{out.name}")
         return Measured(run_dir=out, reached_s=measured[cfg["strategy"]].pop(0))
 
@@ -323,7 +333,7 @@ def test_a_raced_candidate_close_to_the_leader_runs_again(monkeypatch, tmp_path)
     measured = {"downpour": [2.86, 2.1], "hogwild": [2.85, 2.65]}
     calls = []
 
-    def run_to_target(cfg, out, target, timeout, metric, asynchronous=False):
+    def run_to_target(cfg, out, target, timeout, asynchronous=False):
         calls.append(out.name)
         return Measured(run_dir=out, reached_s=measured[cfg["strategy"]].pop(0))
 
@@ -364,7 +374,7 @@ def test_the_race_takes_in_a_candidate_within_the_models_measured_error_of_the_l
         measured = {"eamsgd": [0.35, 0.30], "downpour": [0.35, 0.37], "hogwild": [0.27, 0.26]}
         calls = []
 
-        def run_to_target(cfg, out, target, timeout, metric, asynchronous=False):
+        def run_to_target(cfg, out, target, timeout, asynchronous=False):
             calls.append(out.name)
             return Measured(run_dir=out, reached_s=measured[cfg["strategy"]].pop(0))
 
@@ -396,7 +406,7 @@ def test_validation_measures_each_setup_as_the_median_of_its_runs(monkeypatch, t
     times = {"downpour": [1.0, 5.0, None], "allreduce": [2.0, 4.0], "easgd": [2.0, None, None]}
     dirs = []
 
-    def run_to_target(cfg, out, target, timeout, metric, asynchronous=False):
+    def run_to_target(cfg, out, target, timeout, asynchronous=False):
         dirs.append(out.relative_to(tmp_path).as_posix())
         return Measured(run_dir=out, reached_s=times[cfg["strategy"]].pop(0))
 
@@ -598,6 +608,10 @@ def test_candidate_settings_come_from_presets_of_the_same_workload_and_the_user_
             "--eval-every",
         ),
         (["--workers", "2", "--target-accuracy", "0.9", "--validate-runs", "0"], "--validate-runs"),
+        (["--workers", "2"], "give the target to reach"),
+        (["--workers", "2", "--target", "perplexity"], "expected METRIC=VALUE"),
+        (["--workers", "2", "--target", "perplexity=0.5"], "a perplexity is at least 1"),
+        (["--workers", "2", "--target", "accuracy=0.9", "--target-accuracy", "0.9"], "give the target"),
     ],
 )
 def test_pick_user_errors_are_one_line(tmp_path, capsys, args, message):
@@ -649,6 +663,42 @@ def test_pick_quick_validate_json(tmp_path):
     # The user's metric is "acc" (no "accuracy"): pick takes it as the target's metric.
     assert result["target_metric"] == "acc" and v["top1_hit_rate"] in (0.0, 1.0)
     assert {r["family"] for r in result["ranking"]} <= {"synchronous", "local SGD", "asynchronous"}
+
+
+TEXT_BIGRAM = [
+    "--model",
+    "tests.workloads.bigram:model",
+    "--data",
+    "text",
+    "--optimizer",
+    "adamw",
+    "--lr",
+    "0.05",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pick_reaches_a_perplexity_that_falls_to_the_target(tmp_path):
+    """A lower-is-better target on the text set: the reference stops once its perplexity falls to 60 (it
+    starts at 256), and the ranking is a time to that target."""
+    out = tmp_path / "pick"
+    proc = run_cli(
+        "pick", "--workers", "2", "--target", "perplexity=60", "--quick", "--confirm", "0", "--json",
+        "--strategies", "allreduce,weight-avg", *TEXT_BIGRAM, "--batch-size", "16", "--steps", "60",
+        "--out", str(out),
+        timeout=280,
+    )  # fmt: skip
+    result = json.loads(proc.stdout)
+    assert result["target"] == {"metric": "perplexity", "value": 60.0, "lower_is_better": True}
+    assert result["target_accuracy"] is None and result["target_metric"] == "perplexity"
+    evals = [json.loads(x) for x in (out / "reference" / "metrics.jsonl").read_text().splitlines()]
+    ppl = [(e["step"], e["test_perplexity"]) for e in evals if e.get("kind") == "eval" and e["step"] > 0]
+    first = next(step for step, p in ppl if p <= 60)  # the first evaluation at or under the target
+    assert ppl[0][1] > 60 and ppl[-1][0] < 60  # reached on the way: the run stopped before its 60 steps
+    assert result["reference"]["samples_to_target"] == pytest.approx(32 * first, rel=0.01)
+    assert {r["setup"] for r in result["ranking"]} == {"allreduce", "weight-avg period=4"}
+    assert all(r["predicted_s"] > 0 for r in result["ranking"])
 
 
 @pytest.mark.lock("netns")  # emulated nodes: one cluster at a time (their checks see all namespaces)

@@ -1,7 +1,10 @@
-"""``parambox pick``: which strategy reaches --target-accuracy first with --workers N, predicted from
+"""``parambox pick``: which strategy reaches --target first with --workers N, predicted from
 short probes of every applicable strategy on this launcher (or emulated cluster), ranked with reasons.
 
-A reference run (allreduce) trains until its test accuracy reaches the target; every other strategy
+The target is a test metric and its value: ``--target perplexity=8`` (lower is better: the text set's
+perplexity and bits_per_byte, any loss), ``--target accuracy=0.95`` or ``--target-accuracy 0.95`` (higher is
+better), ``--target wer<=0.2`` for a metric of your own that falls.
+A reference run (allreduce) trains until its test metric reaches the target; every other strategy
 of the registry that accepts N workers is probed for a few dozen steps (its presets' options). Each
 prediction is samples to target / samples per second: the samples from how fast the probe's test loss
 fell against the reference's (convergence per sample, with a band), the rate from the probe's time
@@ -16,6 +19,7 @@ probes/, confirm/, validation/; seed-K/ each with several seeds) beside pick.jso
     parambox pick --workers 2 --target-accuracy 0.95 --validate all --seeds 3 --json
     parambox pick --workers 2 --target-accuracy 0.95 --emulate-nodes 2 --link-gbps 0.1 --validate 3
     parambox pick --workers 2 --target-accuracy 0.9 --target-metric acc --metrics mymod:metrics
+    parambox pick --workers 2 --target perplexity=12 --model gpt --data text --steps 400
 """
 
 from __future__ import annotations
@@ -40,7 +44,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     a = p.add_argument
     a("--workers", type=int, required=True, help="the worker count to choose a strategy for")
-    a("--target-accuracy", type=float, required=True, help="test accuracy to reach, within (0, 1]")
+    a(
+        "--target",
+        metavar="METRIC=VALUE",
+        help="the test metric to reach: perplexity=8, bits_per_byte=2.5, accuracy=0.95 (its direction known), "
+        "or METRIC<=VALUE / METRIC>=VALUE for a metric of your own",
+    )
+    a("--target-accuracy", type=float, help="test accuracy to reach, within (0, 1] (--target accuracy=VALUE)")
     a("--strategies", help="comma list: consider only these (default: every registered strategy)")
     a(
         "--validate",
@@ -67,7 +77,6 @@ def configure(p: argparse.ArgumentParser) -> None:
     a("--seeds", type=int, default=1, help="repeat probes and validations with N seeds (default 1)")
     a(
         "--target-metric",
-        default="accuracy",
         help="the evaluations' metric --target-accuracy applies to (test_NAME; default accuracy)",
     )
     a("--json", action="store_true", help="print one JSON object on stdout (progress on stderr)")
@@ -98,14 +107,9 @@ def settings_from_args(args: argparse.Namespace):
 
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
-    if not 0 < args.target_accuracy <= 1:
-        raise UserError(f"--target-accuracy must be within (0, 1], got {args.target_accuracy}")
+    goal = target_of(args)
     if args.seeds < 1:
         raise UserError(f"--seeds must be >= 1, got {args.seeds}")
-    if not args.target_metric or not args.target_metric.replace("_", "").isalnum():
-        raise UserError(
-            f"--target-metric must be a metric's name (letters, digits, _), got {args.target_metric!r}"
-        )
     num_validated = _num_validated(args.validate, args.quick)
     if args.confirm is not None and args.confirm < 0:
         raise UserError(f"--confirm must be >= 0, got {args.confirm}")
@@ -141,7 +145,7 @@ def settings_from_args(args: argparse.Namespace):
     out = args.out or Path(f"picks/pick-{time.strftime('%Y%m%d-%H%M%S')}")
     return PickSettings(
         workers=args.workers,
-        target=args.target_accuracy,
+        target=goal.value,
         base=base,
         out=out,
         strategies=only,
@@ -152,9 +156,28 @@ def settings_from_args(args: argparse.Namespace):
         probe_steps=args.probe_steps,
         num_validated=num_validated,
         seeds=args.seeds,
-        target_metric=args.target_metric,
+        target_metric=goal.metric,
+        lower_is_better=goal.lower_is_better,
         **sizes,
     )
+
+
+def target_of(args: argparse.Namespace):
+    """The target of --target METRIC=VALUE, or of --target-accuracy (with --target-metric's name)."""
+    from parambox.workload.targets import Target
+
+    if (args.target is None) == (args.target_accuracy is None):
+        raise UserError("give the target to reach: --target METRIC=VALUE (or --target-accuracy VALUE)")
+    if args.target is not None:
+        if args.target_metric is not None:
+            raise UserError("--target names its metric: drop --target-metric")
+        return Target.parse(args.target)
+    if not 0 < args.target_accuracy <= 1:
+        raise UserError(f"--target-accuracy must be within (0, 1], got {args.target_accuracy}")
+    metric = args.target_metric or "accuracy"
+    if not metric.replace("_", "").isalnum():
+        raise UserError(f"--target-metric must be a metric's name (letters, digits, _), got {metric!r}")
+    return Target(metric.removeprefix("test_"), args.target_accuracy)
 
 
 def _num_validated(value: str | None, quick: bool) -> int | None:
@@ -202,6 +225,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _target_text(result: dict) -> str:
+    t = result.get("target") or {"metric": "accuracy", "value": result["target_accuracy"]}
+    return f"{t['metric']} {'<=' if t.get('lower_is_better') else '>='} {t['value']:g}"
+
+
 def print_result(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -210,7 +238,7 @@ def print_result(result: dict) -> None:
         return "-" if x is None else f"{x:.1f}"
 
     table = Table(
-        title=f"time to test accuracy {result['target_accuracy']:g} with {result['workers']} workers "
+        title=f"time to test {_target_text(result)} with {result['workers']} workers "
         f"(probed with {result['probe_workers']})"
     )
     for h in ("#", "setup", "predicted s", "band s", "x ref. samples", "ms/step", "comm ms", "confirmed s"):

@@ -8,7 +8,7 @@ time to target = samples to target / samples per second
   ``metrics.jsonl``) and the rest ("compute"). For more workers than were probed, the scalability
   model (:mod:`parambox.perfmodel`) scales the communication by its topology's bandwidth term
   T_comm(N) / T_comm(n) and the samples per step by N / n; compute per step stays (weak scaling).
-- **Samples to target** come from one *reference* run (``allreduce``) trained until its test accuracy
+- **Samples to target** come from one *reference* run (``allreduce``) trained until its test metric
   first reaches the target: it gives S_ref, the global samples that took, and its test loss against
   samples. A candidate's *probe* trains until its test loss has come all the way the reference's
   went (``STOP_PROGRESS``: first evaluation to target), or for as many steps as the reference
@@ -40,6 +40,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from parambox.perfmodel.topology import Network, comm_time_s
+from parambox.workload.targets import Target
 
 # A probe whose convergence ratio fell below this fraction of its first value had not found its pace:
 # its estimate is lowered by half that fall again, its band's low end by all of it (docs/results/pick-validation.md).
@@ -85,9 +86,10 @@ def samples_to_reach(curve: Curve, level: float) -> float | None:
     return None
 
 
-def samples_to_accuracy(samples: list[float], accuracy: list[float], target: float) -> float | None:
-    """Samples at the first evaluation whose accuracy reaches ``target`` (None: never)."""
-    return next((float(s) for s, a in zip(samples, accuracy) if a >= target), None)
+def samples_to_target(samples: list[float], values: list[float], target: Target) -> float | None:
+    """Samples at the first evaluation whose metric reaches ``target``, in its direction (None: never)."""
+    hit = target.first(zip(samples, values))
+    return None if hit is None else float(hit)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 on the launcher and emulated cluster of the base config, read back from their ``metrics.jsonl``.
 
 A probe is stopped (Ctrl-C to its launcher) once rank 0 logs a test loss at its stop level, a run *to
-the target* once rank 0 logs a test accuracy at or above the target (else they end with their steps). Its time to target
+the target* once rank 0 logs a test metric that reaches the target (at or above it; at or under for perplexity, a loss) (else they end with their steps). Its time to target
 is the training time until the step before that evaluation: the run's own clock (start-up excluded)
 less rank 0's evaluation pauses, the basis the predictions are on too (``reached_wall_s`` keeps them).
 An asynchronous run's other ranks train on while rank 0 evaluates, so there it is the global samples
@@ -31,8 +31,9 @@ from typing import Any
 
 from parambox.errors import terminate_as_interrupt
 from parambox.runtime import spawn, zygote
-from parambox.studies.pick.model import Curve, Prediction, StepCost, samples_to_accuracy, step_cost
+from parambox.studies.pick.model import Curve, Prediction, StepCost, samples_to_target, step_cost
 from parambox.studies.runs import _last_error, clock_lead, train_args
+from parambox.workload.targets import Target
 
 POLL_S = 0.1
 
@@ -45,10 +46,11 @@ class Measured:
     steps: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
     error: str | None = None
-    reached_s: float | None = None  # training seconds to the target accuracy, evaluations left out
+    reached_s: float | None = None  # training seconds to the target, evaluations left out
     reached_wall_s: float | None = None  # the same with the evaluations' pauses in
     lead_s: float = 0.0  # training other ranks did before rank 0's clock started (``clock_lead``)
     metric: str = "test_accuracy"  # the target's metric
+    lower_is_better: bool = False  # its direction (``parambox.workload.targets``)
     # Asynchronous runs: every rank's (start epoch, [(time, cumulative local samples)]); the global
     # samples come from all of them on one clock, not from rank 0's pace times the ranks.
     ranks: dict[int, tuple[float, list[tuple[float, float]]]] | None = None
@@ -123,16 +125,21 @@ class Measured:
                 rate += (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
         return rate if rate > 0 else None
 
+    def goal(self, target: float) -> Target:
+        """``target`` as a value of this run's metric, in its direction."""
+        return Target(self.metric.removeprefix("test_"), target, self.lower_is_better)
+
     def samples_to(self, target: float) -> float | None:
         c = self.curve(self.metric)
-        return samples_to_accuracy(c.samples, c.values, target)
+        return samples_to_target(c.samples, c.values, self.goal(target))
 
     def time_to(self, target: float) -> tuple[float, float] | None:
         """(training seconds, seconds) to the first evaluation at ``target``: the first leaves out rank 0's
         evaluation pauses before it (each from the step record to the eval record after it), as the
         predictions do; both count from the first rank's start (``lead_s``); None when no evaluation
         got there."""
-        hit = next((e for e in self.evals if e.get(self.metric, -math.inf) >= target), None)
+        goal = self.goal(target)
+        hit = goal.first((e, e.get(self.metric)) for e in self.evals)
         if hit is None:
             return None
         step_time = {r["step"]: r["time"] for r in self.steps}
@@ -229,19 +236,14 @@ def step_cap(base_steps: int, p: Prediction) -> int:
 
 
 def run_to_target(
-    config: dict[str, Any],
-    run_dir: Path,
-    target: float,
-    timeout_s: float,
-    metric: str = "test_accuracy",
-    aligned: bool = False,
+    config: dict[str, Any], run_dir: Path, target: Target, timeout_s: float, aligned: bool = False
 ) -> Measured:
-    """Train ``config`` until rank 0's ``metric`` reaches ``target`` (or its steps run out)."""
-    out = _run(config, run_dir, timeout_s, lambda e: e.get(metric, -math.inf) >= target)
-    out.metric = metric
+    """Train ``config`` until rank 0's test metric reaches ``target`` (or its steps run out)."""
+    out = _run(config, run_dir, timeout_s, lambda e: target.reached(e.get(target.key)))
+    out.metric, out.lower_is_better = target.key, target.lower_is_better
     if aligned:
         out.ranks = read_ranks(run_dir)
-    reached = out.time_to(target)
+    reached = out.time_to(target.value)
     if reached is not None:
         out.reached_s, out.reached_wall_s = reached
     return out

@@ -1,6 +1,6 @@
 """``parambox pick``: which strategy reaches a target accuracy first with N workers, here.
 
-1. The *reference* (``allreduce``) trains until its test accuracy reaches the target: samples to the
+1. The *reference* (``allreduce``) trains until its test metric reaches the target: samples to the
    target S_ref and its test loss against samples (it is also ``allreduce``'s own probe).
 2. Every other candidate (:mod:`parambox.studies.pick.candidates`) gets a *probe* on the same launcher
    and cluster, evaluated every few steps: until its test loss has come all the way the reference's
@@ -30,7 +30,8 @@
    ``seed, seed + 1, ...`` (``run_pick_seeds``).
 
 The target is the user's metric (``target_metric``, ``test_<name>`` in the evaluations; accuracy by
-default). Asynchronous candidates count every rank's samples on the aligned clocks (``runs.read_ranks``):
+default), reached at or above ``target``, or at or under it where ``lower_is_better`` (perplexity, bits per
+byte, a loss: ``parambox.workload.targets``). Asynchronous candidates count every rank's samples on the aligned clocks (``runs.read_ranks``):
 their ranks do not keep rank 0's pace, nor pause while it evaluates (``Measured.training_rate``).
 """
 
@@ -49,6 +50,7 @@ from parambox.errors import UserError
 from parambox.studies.pick import model as pm
 from parambox.studies.pick import runs, scores
 from parambox.studies.pick.candidates import Candidate, registry_candidates
+from parambox.workload.targets import Target
 
 REFERENCE = "allreduce"  # the issue's baseline: validation always measures it
 # A top pick whose convergence ratio fell below this fraction of its first value is not confident: such
@@ -88,6 +90,7 @@ class PickSettings:
     validate_runs: int = 3  # runs to the target per validated setup; its measured time is their median
     seeds: int = 1
     target_metric: str = "accuracy"  # the evaluations' test_<target_metric> reaches ``target``
+    lower_is_better: bool = False  # reaching is falling to ``target`` (perplexity), not rising to it
     run_timeout_s: float = 900.0
     probe_timeout_s: float = 180.0  # a probe is a few dozen steps: one that hangs is given up soon
     fixed: set[str] = field(default_factory=set)  # run fields the user set: no preset overrides them
@@ -103,6 +106,10 @@ class PickSettings:
     def metric(self) -> str:
         return f"test_{self.target_metric}"
 
+    @property
+    def goal(self) -> Target:
+        return Target(self.target_metric, self.target, self.lower_is_better)
+
 
 Say = Callable[[str], None]
 
@@ -115,7 +122,7 @@ def run_pick(s: PickSettings, say: Say = print) -> dict[str, Any]:
     reference = Candidate(REFERENCE).overridden(base["options"].get(REFERENCE, {}), s.fixed)
     if not candidates:
         raise UserError(f"no registered strategy runs {s.workers} workers ({n} probed)")
-    say(f"reference: {REFERENCE} x{n} until test accuracy {s.target:g}")
+    say(f"reference: {REFERENCE} x{n} until test {s.goal}")
     ref = _reference(s, base, reference)
     s_ref = ref.samples_to(s.target)
     ref_curve = ref.curve("test_loss")
@@ -147,8 +154,9 @@ def run_pick(s: PickSettings, say: Say = print) -> dict[str, Any]:
     result = {
         "workers": s.workers,
         "probe_workers": n,
-        "target_accuracy": s.target,
+        "target_accuracy": None if s.lower_is_better else s.target,  # the value, where it rises to it
         "target_metric": s.target_metric,
+        "target": s.goal.as_json(),
         "seed": base.get("seed"),
         "workload": {
             k: base.get(k) for k in ("model", "data", "loss", "batch_size", "lr", "optimizer", "momentum")
@@ -216,7 +224,7 @@ def _topology(c: Candidate) -> str:
 
 def _reference(s: PickSettings, base: dict[str, Any], reference: Candidate) -> runs.Measured:
     cfg = reference.config(base)
-    ref = runs.run_to_target(cfg, s.out / "reference", s.target, s.run_timeout_s, s.metric)
+    ref = runs.run_to_target(cfg, s.out / "reference", s.goal, s.run_timeout_s)
     if ref.error:
         raise UserError(
             f"the reference run ({REFERENCE}) failed: {ref.error} (log: {ref.run_dir / 'train.log'})"
@@ -233,10 +241,10 @@ def _reference(s: PickSettings, base: dict[str, Any], reference: Candidate) -> r
             "name the metric to reach with --target-metric"
         )
     if ref.samples_to(s.target) is None:
-        best = max((e.get(s.metric, 0.0) for e in ref.evals), default=0.0)
+        best = s.goal.best(e.get(s.metric) for e in ref.evals)
         raise UserError(
-            f"the reference run ({REFERENCE}) did not reach test {s.target_metric} {s.target:g} in "
-            f"{cfg['steps']} steps (best {best:.3f}); lower --target-accuracy or raise --steps"
+            f"the reference run ({REFERENCE}) did not reach test {s.goal} in {cfg['steps']} steps (best "
+            f"{best if best is None else format(best, '.3f')}); ease the target or raise --steps"
         )
     if len(ref.curve("test_loss").samples) < 2:
         raise UserError(
@@ -360,12 +368,10 @@ def train_to_target(
     steps = base["steps"] if p is None else runs.step_cap(base["steps"], p)
     verb = "validate" if folder == "validation" else folder
     again = f" (run {run})" if run > 1 else ""
-    say(f"{verb} [{k}/{of}] {cand.label}{again} to {s.target_metric} {s.target:g} (at most {steps} steps)")
+    say(f"{verb} [{k}/{of}] {cand.label}{again} to {s.goal} (at most {steps} steps)")
     cfg = merge(cand.config(base), {"steps": steps})
     name = cand.slug if run == 1 else f"{cand.slug}.run{run}"
-    return runs.run_to_target(
-        cfg, s.out / folder / name, s.target, s.run_timeout_s, s.metric, _is_async(cand)
-    )
+    return runs.run_to_target(cfg, s.out / folder / name, s.goal, s.run_timeout_s, _is_async(cand))
 
 
 def _rank(
