@@ -293,3 +293,71 @@ def test_time_to_accuracy_quick_on_the_emulated_cluster(tmp_path):
         assert e["eval_granularity_s"] is not None
     assert {"best_setup", "best_vs_baseline"} <= set(entry)
     assert (out / "time_to_accuracy.png").exists() and (out / "table.md").exists()
+
+
+# -- a workload whose metric falls: the time-to-target claim and study to a perplexity -------------
+
+BIGRAM = ["--model", "tests.workloads.bigram:model", "--data", "text"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([*BIGRAM, "--target", "perplexity=130"], "add --only tau-h"),
+        (["--only", "tau-h,neuron", "--target", "perplexity=130"], "add --only tau-h"),
+        (["--only", "tau-h", *BIGRAM], "give the target in the workload's metric"),
+        (["--only", "tau-h", *BIGRAM, "--target", "perplexity=0"], "a perplexity is at least 1"),
+    ],
+)
+def test_reproduce_workload_flags_go_with_the_time_to_target_claim(tmp_path, args, message):
+    proc = run_cli("reproduce", "--out", str(tmp_path / "r"), *args, check=False)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_reproduce_tau_h_quick_on_text_to_a_perplexity(tmp_path):
+    """The tau-H claim's quick form on the text set (a bigram: 16 steps go from perplexity 256 to ~110):
+    steps to the target are the first evaluation at or under it, and the rule is judged on perplexity."""
+    out = tmp_path / "repro"
+    args = [
+        "reproduce",
+        "--out",
+        str(out),
+        "--quick",
+        "--only",
+        "tau-h",
+        *BIGRAM,
+        "--target",
+        "perplexity=130",
+    ]
+    run_cli(*args, timeout=230)
+    claim = next(c for c in json.loads((out / "claims.json").read_text())["claims"] if c["id"] == "tau-h")
+    m = claim["measured"]
+    assert m["target"] == {"metric": "perplexity", "value": 130.0, "lower_is_better": True}
+    assert m["data"] == "text" and m["target_accuracy"] is None and "test_accuracy_pct" not in m
+    assert m["gradient_bytes"] == 4 * 256 * 256  # the bigram's table, not LeNet's
+    for r in m["rows"]:
+        run = out / "tau-h" / "runs" / f"{r['method']}-{r['tau']}"
+        evals = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
+        under = [e["step"] for e in evals if e["test_perplexity"] <= 130]
+        assert r["steps_to_target"] == (under[0] if under else None)
+    assert any(r["steps_to_target"] for r in m["rows"])  # the synchronous-enough setups got there
+    assert claim["verdict"] in rp.VERDICTS and "final test perplexity" in claim["why"]
+    assert "--target perplexity=130" in claim["run"] and "perplexity <= 130" in (out / "index.md").read_text()
+
+
+@pytest.mark.slow
+def test_time_to_target_study_on_loopback_to_a_perplexity(tmp_path):
+    out = tmp_path / "tta"
+    run_cli(
+        "sweep", "--study", "time-to-accuracy", "--quick", "--gbps", "loopback", *BIGRAM,
+        "--target", "perplexity=130", "--steps", "16", "--set", "eval_every=4", "--out", str(out),
+        timeout=230,
+    )  # fmt: skip
+    res = json.loads((out / "results.json").read_text())
+    assert res["target"] == {"metric": "perplexity", "value": 130.0, "lower_is_better": True}
+    for e in res["by_gbps"]["loopback"]["setups"].values():
+        run = e["runs"][0]
+        first = next((t for t, ppl in run["curve"] if ppl <= 130), None)
+        assert run["status"] == "ok" and first is not None and e["median_s"] == first
+    assert (out / "table.md").read_text().startswith("# Time to test perplexity <= 130")

@@ -28,6 +28,7 @@ from typing import Any
 
 from parambox.errors import UserError
 from parambox.runtime import scratch, spawn
+from parambox.workload.targets import Target, lower_is_better
 
 TARGET = 0.95
 QUICK = {"strategies": ["diloco"], "seeds": [0]}  # the one that must bring its own optimizer
@@ -86,7 +87,9 @@ class Goal:
         ds = load_dataset(data)
         if not ds.sequence:
             return cls(model, data)
-        return cls(model, data, "perplexity", round(unigram_perplexity(ds.train_y), 1), lower_is_better=True)
+        return cls(
+            model, data, "perplexity", round(unigram_perplexity(ds.train_y), 1), lower_is_better("perplexity")
+        )
 
     def flags(self) -> list[str]:
         return [
@@ -94,9 +97,7 @@ class Goal:
         ]
 
     def reached(self, value: float | None) -> bool:
-        if value is None:
-            return False
-        return value <= self.target if self.lower_is_better else value >= self.target
+        return Target(self.metric, self.target, self.lower_is_better).reached(value)
 
     def describe(self) -> dict[str, Any]:
         what = {"target": self.target}

@@ -24,8 +24,10 @@ against real runs at 2 and 4 workers (``--cross-check-steps``; ``--no-cross-chec
 ``--strategy``, loss and accuracy against time, gather/average/broadcast time per worker count and
 time to ``--target-accuracy``. ``--study time-to-accuracy`` (preset ``time-to-accuracy``: LeNet on
 MNIST, 2 workers) trains every strategy setup of ``bench cluster`` (``--setups``) with each of
-``--seeds`` (default 0,1,2) on 2 emulated nodes at each of ``--gbps`` (default 1,0.1; needs root) and
-reports the median training seconds to ``--target-accuracy`` (default 0.98) per setup, and the best
+``--seeds`` (default 0,1,2) on 2 emulated nodes at each of ``--gbps`` (default 1,0.1; needs root; ``loopback``:
+this machine's processes, no cluster) and
+reports the median training seconds to ``--target-accuracy`` (default 0.98; or ``--target perplexity=12``, a
+metric in its own units and direction) per setup, and the best
 setup against ``allreduce``; ``--quick`` is a short form on digits (target 0.8, 1 seed, 1 Gbit/s).
 See ``parambox.studies.neuron``, ``parambox.studies.scaling`` and ``parambox.studies.accuracy``.
 
@@ -83,9 +85,17 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-gbps", type=float, metavar="G", help="the emulated nodes' links in Gbit/s")
     tta = p.add_argument_group("--study time-to-accuracy")
     tta.add_argument("--setups", help="comma list of bench cluster setups (default: every strategy setup)")
-    tta.add_argument("--gbps", help="comma list of link rates in Gbit/s (default 1,0.1)")
+    tta.add_argument(
+        "--gbps", help="comma list of link rates in Gbit/s, or loopback (no cluster, no root; default 1,0.1)"
+    )
     tta.add_argument("--seeds", help="comma list of seeds (default 0,1,2)")
     tta.add_argument("--quick", action="store_true", help="short form: digits, target 0.8, 1 seed, 1 Gbit/s")
+    tta.add_argument(
+        "--target",
+        metavar="METRIC=VALUE",
+        help="the test metric to reach: perplexity=12, bits_per_byte=3 (lower is better), accuracy=0.98, or "
+        "METRIC<=VALUE / METRIC>=VALUE for your own (default: --target-accuracy's)",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any run field")
     p.add_argument("--out", type=Path, help="output directory (default sweeps/STUDY-TIME); rerun to resume")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds one training run may take")
@@ -104,8 +114,12 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} must be at least 1, got {value}")
     if args.study != "neuron" and (not args.cross_check or args.cross_check_steps != CROSS_CHECK_STEPS):
         warn("--no-cross-check and --cross-check-steps apply to --study neuron only")
-    if args.study != "time-to-accuracy" and (args.setups or args.gbps or args.seeds or args.quick):
-        raise UserError("--setups, --gbps, --seeds and --quick apply to --study time-to-accuracy only")
+    if args.study != "time-to-accuracy" and (
+        args.setups or args.gbps or args.seeds or args.quick or args.target
+    ):
+        raise UserError(
+            "--setups, --gbps, --seeds, --quick and --target apply to --study time-to-accuracy only"
+        )
     if args.study == "neuron":
         return run_neuron(args)
     if args.study == "scaling":
@@ -218,9 +232,7 @@ def run_time_to_accuracy(args: argparse.Namespace) -> int:
         raise UserError("--study time-to-accuracy builds its own cluster: use --gbps, not --link-gbps")
     if args.workers or args.strategy or args.loss_threshold is not None:
         raise UserError("--study time-to-accuracy takes --setups (not --strategy/--workers/--loss-threshold)")
-    base = base_config(args, "time-to-accuracy")
-    if args.quick:
-        base = merge(base, QUICK_TTA)
+    base = base_config(args, "time-to-accuracy", QUICK_TTA if args.quick else None)  # the user's flags win
     for flag, key, kind in (("--lr", "lr", float), ("--batch-size", "batch_size", int)):
         text = getattr(args, key)
         if text:
@@ -230,16 +242,22 @@ def run_time_to_accuracy(args: argparse.Namespace) -> int:
             base[key] = values[0]
     if args.steps:
         base["steps"] = args.steps
+    if args.target is not None and args.target_accuracy is not None:
+        raise UserError("give one of --target METRIC=VALUE and --target-accuracy")
     target = args.target_accuracy if args.target_accuracy is not None else (0.8 if args.quick else 0.98)
     if not 0 < target <= 1:
         raise UserError(f"--target-accuracy must be within (0, 1], got {target}")
+    if args.target is not None:
+        from parambox.workload.targets import Target
+
+        target = Target.parse(args.target)
     quick_setups = "allreduce,weight-avg" if args.quick else None
     setups = args.setups or quick_setups
     results = study(
         args.out,
         base,
         setups=parse_list(setups, str, "--setups") if setups else None,
-        gbps=parse_list(args.gbps or ("1" if args.quick else "1,0.1"), float, "--gbps"),
+        gbps=parse_gbps(args.gbps or ("1" if args.quick else "1,0.1")),
         seeds=parse_seeds(args.seeds or ("0" if args.quick else "0,1,2")),
         target=target,
         nodes=base.get("workers", 2),
@@ -268,6 +286,20 @@ def parse_list(text: str, kind: type, flag: str) -> list:
     return values
 
 
+def parse_gbps(text: str) -> list[float | None]:
+    """``"1,0.1"`` -> ``[1.0, 0.1]``; ``loopback`` -> None (the runs on this machine, no emulated cluster).
+
+    >>> parse_gbps("loopback,0.1")
+    [None, 0.1]
+    """
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    rates = [v for v in names if v != "loopback"]
+    if len(names) - len(rates) > 1:
+        raise UserError(f"--gbps {text!r}: a value is repeated")
+    values = iter(parse_list(",".join(rates), float, "--gbps") if rates else [])
+    return [None if v == "loopback" else next(values) for v in names] or parse_list("", float, "--gbps")
+
+
 def parse_seeds(text: str) -> list[int]:
     """``"0,1,2"`` -> ``[0, 1, 2]``: non-negative integers, no repeats."""
     try:
@@ -279,12 +311,16 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def base_config(args: argparse.Namespace, default_preset: str) -> dict[str, Any]:
-    """The preset (``--preset`` or the study's own) with ``--model --data ...`` and ``--set`` applied."""
+def base_config(args: argparse.Namespace, default_preset: str, extra: dict | None = None) -> dict[str, Any]:
+    """The preset (``--preset`` or the study's own; ``extra`` over it) with ``--model --data ...`` and ``--set``
+    applied."""
     flags = {k: getattr(args, k) for k in ("model", "data", "data_path", "seed", "momentum")}
     cluster = {"nodes": args.emulate_nodes, "link_gbps": args.link_gbps}
     flags["cluster"] = {k: v for k, v in cluster.items() if v is not None} or None
     return merge(
-        merge(preset(args.preset or default_preset), {k: v for k, v in flags.items() if v is not None}),
+        merge(
+            merge(preset(args.preset or default_preset), extra or {}),
+            {k: v for k, v in flags.items() if v is not None},
+        ),
         parse_set(args.set),
     )

@@ -42,6 +42,7 @@ from parambox.config import merge
 from parambox.errors import UserError
 from parambox.strategies import STRATEGIES, strategy_class
 from parambox.studies.runs import PlannedRun, clock_lead, ensure_runs, validate
+from parambox.workload.targets import Target
 
 
 def method_optimizer(strategy: str) -> dict[str, Any]:
@@ -90,9 +91,11 @@ def training_clock(
     return out
 
 
-def first_crossing(points: list[tuple[float, float]], target: float) -> float | None:
-    """Training seconds at the first evaluation with accuracy >= ``target``; None if never."""
-    return next((t for t, acc in points if acc >= target), None)
+def first_crossing(points: list[tuple[float, float]], target: float | Target) -> float | None:
+    """Training seconds at the first evaluation that reaches ``target`` (a number: accuracy at or above
+    it); None if never."""
+    goal = target if isinstance(target, Target) else Target.of("accuracy", target)
+    return goal.first(points)
 
 
 def median_time(times: list[float | None]) -> float | None:
@@ -165,8 +168,8 @@ def plan(
     return planned
 
 
-def describe(p: PlannedRun, outcome, target: float) -> dict[str, Any]:
-    """One run: its accuracy curve on the training clock, time to target, final accuracy."""
+def describe(p: PlannedRun, outcome, target: Target) -> dict[str, Any]:
+    """One run: its target metric's curve on the training clock, time to target, final value."""
     from parambox.report import load_run
 
     rec: dict[str, Any] = {"name": p.name, "run_dir": str(outcome.run_dir), "seed": p.config["seed"]}
@@ -175,7 +178,7 @@ def describe(p: PlannedRun, outcome, target: float) -> dict[str, Any]:
         return rec | {"status": "failed", "reason": outcome.error, "time_to_target_s": None}
     run = load_run(outcome.run_dir)
     lead = clock_lead(outcome.run_dir)
-    metric = p.config.get("target_metric", "accuracy")
+    metric = target.metric
     points = [(t + lead, acc) for t, acc in training_clock(run.steps, run.evals, metric)]
     gaps = [b[0] - a[0] for a, b in zip(points, points[1:])]
     return rec | {
@@ -194,7 +197,7 @@ def run_time_to_accuracy(
     setups: list[str] | None = None,
     gbps: list[float | None] | None = None,
     seeds: list[int] | None = None,
-    target: float = 0.98,
+    target: float | Target = 0.98,
     nodes: int = 2,
     baseline: str = "allreduce",
     run_timeout_s: float = 1800.0,
@@ -202,12 +205,15 @@ def run_time_to_accuracy(
     """Run (or resume) the study in ``out``; write results.json, table.md and time_to_accuracy.png.
 
     ``base``: a run config (workers, model, data, steps, lr, eval_every, ...); every setup trains it
-    with its own strategy, its ``lr_for`` rate and each seed. Returns, per link rate, each setup's
+    with its own strategy, its ``lr_for`` rate and each seed, until ``target`` (a number: test accuracy at or
+    above it; or a :class:`Target`, e.g. perplexity at or under 12). Returns, per link rate, each setup's
     median time (``median_s``), ``best_setup`` and ``best_vs_baseline`` (median time / the baseline's).
 
     >>> run_time_to_accuracy("tta", preset("time-to-accuracy"), gbps=[1.0, 0.1])  # doctest: +SKIP
     """
     out = Path(out)
+    goal = target if isinstance(target, Target) else Target.of(base.get("target_metric", "accuracy"), target)
+    base = {**base, "target_metric": goal.metric}
     setups = setups or default_setups()
     gbps = gbps if gbps is not None else [1.0, 0.1]
     seeds = seeds if seeds is not None else [0, 1, 2]
@@ -217,14 +223,15 @@ def run_time_to_accuracy(
         check_environment()
     planned = plan(base, setups, gbps, seeds, nodes)
     outcomes = ensure_runs(planned, out / "runs", run_timeout_s)
-    runs = [describe(p, o, target) for p, o in zip(planned, outcomes)]
+    runs = [describe(p, o, goal) for p, o in zip(planned, outcomes)]
     results: dict[str, Any] = {
         "study": "time-to-accuracy",
         "model": base.get("model"),
         "data": base.get("data"),
         "workers": base["workers"],
         "nodes": nodes,
-        "target_accuracy": target,
+        "target_accuracy": None if goal.lower_is_better else goal.value,  # kept: its value, where it rises
+        "target": goal.as_json(),
         "seeds": seeds,
         "baseline": baseline,
         "base_lr": base["lr"],
@@ -281,11 +288,16 @@ def table_markdown(results: dict[str, Any]) -> str:
 
     header, rows = table_rows(results)
     lines = [
-        f"# Time to {100 * results['target_accuracy']:g} % test accuracy: {results['model']} on "
-        f"{results['data']}, {results['workers']} workers on {results['nodes']} emulated nodes",
+        f"# Time to {target_label(results)}: {results['model']} on "
+        f"{results['data']}, {results['workers']} workers "
+        + (
+            "on loopback"
+            if list(results["by_gbps"]) == ["loopback"]
+            else f"on {results['nodes']} emulated nodes"
+        ),
         "",
         f"Median of seeds {results['seeds']}; training seconds (evaluations excluded) until the first "
-        f"evaluation at or above the target. Learning rates: {results['lr_rule']}.",
+        f"evaluation that reaches the target. Learning rates: {results['lr_rule']}.",
         "",
         markdown_table(header, rows),
         "",
@@ -293,10 +305,22 @@ def table_markdown(results: dict[str, Any]) -> str:
     for g, entry in results["by_gbps"].items():
         ratio = entry["best_vs_baseline"]
         lines.append(
-            f"- {g} Gbit/s: best {entry['best_setup']}, "
+            f"- {g if g == 'loopback' else g + ' Gbit/s'}: best {entry['best_setup']}, "
             + ("-" if ratio is None else f"{ratio:.2f}x {results['baseline']}'s time")
         )
     return "\n".join(lines) + "\n"
+
+
+def target_label(results: dict[str, Any]) -> str:
+    """``98 % test accuracy``, or ``test perplexity <= 12`` for a target of another metric.
+
+    >>> target_label({"target_accuracy": 0.98}), target_label({"target": Target.of("perplexity", 12).as_json()})
+    ('98 % test accuracy', 'test perplexity <= 12')
+    """
+    t = results.get("target")
+    if t is None or (t["metric"] == "accuracy" and not t["lower_is_better"]):
+        return f"{100 * results['target_accuracy']:g} % test accuracy"
+    return f"test {Target(**t)}"
 
 
 def plot(results: dict[str, Any], path: Path) -> Path:
@@ -315,7 +339,7 @@ def plot(results: dict[str, Any], path: Path) -> Path:
             if m is None:
                 ax.text(x, 0, "x", ha="center", va="bottom", color="tab:red")
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))], names, rotation=30, fontsize=8)
-    ax.set_ylabel(f"training seconds to {100 * results['target_accuracy']:g} % (median)")
-    ax.set_title(f"Time to accuracy, {results['model']} on {results['data']} (x: not reached)", fontsize=9)
+    ax.set_ylabel(f"training seconds to {target_label(results)} (median)", fontsize=8)
+    ax.set_title(f"Time to target, {results['model']} on {results['data']} (x: not reached)", fontsize=9)
     ax.legend(fontsize=8)
     return save_figure(fig, path)

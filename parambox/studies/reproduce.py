@@ -26,12 +26,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from parambox.errors import UserError
 from parambox.studies import simulated as sim
+from parambox.workload.targets import Target
 
 VERDICTS = ("reproduced", "partly", "not reproduced")
 SKIPPED = "skipped"
@@ -40,6 +41,7 @@ SEED_SURVEY = "000_937db5eebaf763a1.txt (survey of distributed deep learning on 
 SEED_SLIDES = "002_7e5ab6fb90c8a4db.txt (slides: HPC and deep learning, Keuper & Pfreundt)"
 SEED_LERAT = "003_cf64f1aa9638993a.txt (Lerat et al., local parallelism)"
 MARGIN_PTS = 1.0  # accuracy points within which two runs count as equal (small test sets, one seed)
+WORKLOAD_CLAIMS = ("tau-h",)  # the claims --model/--data/--target apply to: the time-to-target one
 TAUS = (1, 4, 16, 64)
 TAU_METHODS = ("easgd", "eamsgd", "downpour")
 
@@ -53,6 +55,10 @@ class Ctx:
     out: Path
     quick: bool
     root: bool
+    # The time-to-target claim's workload and target (``--model``/``--data``/``--target``): its runs train
+    # this model on this data until this test metric; empty: the claim's own (LeNet, accuracy 98 %).
+    workload: dict[str, str] = field(default_factory=dict)
+    target: Target | None = None
 
     def dir(self, claim_id: str) -> Path:
         d = self.out / claim_id
@@ -60,7 +66,11 @@ class Ctx:
         return d
 
     def self_command(self, claim_id: str) -> str:
-        return f"parambox reproduce --out {self.out}{' --quick' if self.quick else ''} --only {claim_id}"
+        cmd = f"parambox reproduce --out {self.out}{' --quick' if self.quick else ''} --only {claim_id}"
+        if claim_id in WORKLOAD_CLAIMS:
+            cmd += "".join(f" --{k.replace('_', '-')} {v}" for k, v in self.workload.items())
+            cmd += f" --target {self.target.metric}={self.target.value:g}" if self.target else ""
+        return cmd
 
 
 @dataclass(frozen=True)
@@ -751,17 +761,34 @@ def assess(c: Claim, ctx: Ctx, selected: bool) -> dict[str, Any]:
     return entry | {"run": run, "measured": measured, "verdict": verdict, "why": why, "plot": plot}
 
 
-def run_reproduce(out: str | Path, quick: bool = False, only: list[str] | None = None) -> dict[str, Any]:
-    """Measure the claims (``only``: these ids) into ``out``; write claims.json, index.md, index.html."""
+def run_reproduce(
+    out: str | Path,
+    quick: bool = False,
+    only: list[str] | None = None,
+    workload: dict[str, str] | None = None,
+    target: Target | None = None,
+) -> dict[str, Any]:
+    """Measure the claims (``only``: these ids) into ``out``; write claims.json, index.md, index.html.
+    ``workload`` (model, data, data_path) and ``target``: the time-to-target claim's (``WORKLOAD_CLAIMS``)."""
     out = Path(out)
     unknown = [i for i in only or [] if i not in claim_ids()]
     if unknown:
         raise UserError(f"--only {','.join(unknown)}: claims are {', '.join(claim_ids())}")
+    workload = {k: v for k, v in (workload or {}).items() if v is not None}
+    if (workload or target) and (only is None or any(i not in WORKLOAD_CLAIMS for i in only)):
+        raise UserError(
+            f"--model/--data/--target apply to the time-to-target claim: add --only {','.join(WORKLOAD_CLAIMS)}"
+        )
+    if workload and target is None:
+        raise UserError(
+            "--model/--data: give the target in the workload's metric, e.g. --target perplexity=12 or "
+            "--target accuracy=0.9"
+        )
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"--out {out}: cannot create it ({e.strerror})") from None
-    ctx = Ctx(out, quick, os.geteuid() == 0)
+    ctx = Ctx(out, quick, os.geteuid() == 0, workload, target)
     claims: list[dict[str, Any]] = []
     result = {"quick": quick, "root": ctx.root, "claims": claims}
     for c in CLAIMS:

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from parambox.workload.targets import Target
+
 SIM_LINK_GBPS, SIM_LATENCY_US = 1.0, 10.0  # predict's default latency; the seeds' Ethernet-class link
 VALIDATION_SETUPS = (
     "ddp,allreduce,box-sync,downpour,downpour-overlap,weight-avg,easgd-tau4,diloco,diloco-async,ceiling"
@@ -172,6 +174,18 @@ def lenet_bytes(data_name: str) -> float:
 
     data = load_dataset(data_name)
     return 4.0 * sum(p.numel() for p in build_model("lenet", data.input_shape, data.num_classes).parameters())
+
+
+def model_bytes(config: dict[str, Any]) -> float:
+    """The gradient bytes of a run config's model (a zoo model or the user's factory) on its data."""
+    import torch
+
+    from parambox.studies.runs import validate
+    from parambox.workload import build_workload
+
+    torch.manual_seed(0)
+    model = build_workload(validate(config)).build_model()
+    return 4.0 * sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def summing_bytes_per_s(size_bytes: float, repeats: int = 20) -> float:
@@ -324,7 +338,7 @@ TAU_H_METHODS = ("easgd", "eamsgd", "downpour", "diloco")
 TAU_H_GBPS = (1.0, 0.1)
 
 
-def _tau_h_plan(ctx) -> tuple[list, tuple[int, ...], float]:
+def _tau_h_plan(ctx) -> tuple[list, tuple[int, ...], Target]:
     from parambox.config import merge
     from parambox.presets import preset
     from parambox.strategies import strategy_class
@@ -332,11 +346,15 @@ def _tau_h_plan(ctx) -> tuple[list, tuple[int, ...], float]:
     from parambox.studies.runs import PlannedRun, validate
 
     if ctx.quick:
-        taus, target = (1, 4), 0.5
+        taus, target = (1, 4), Target.of("accuracy", 0.5)
         base = {**preset("digits-allreduce"), "steps": 16, "eval_every": 4, "threads": 1}
     else:
-        taus, target = TAU_H, 0.98
+        taus, target = TAU_H, Target.of("accuracy", 0.98)
         base = preset("time-to-accuracy")  # LeNet on MNIST, 2 workers, 2000 steps, evaluated every 100
+    if ctx.workload:  # the user's workload: its own model and data, its target in its metric's units
+        base = merge({k: v for k, v in base.items() if k != "data_path"}, ctx.workload)
+    target = ctx.target or target
+    base["target_metric"] = target.metric
     planned = []
     for method in TAU_H_METHODS:
         for tau in taus:
@@ -350,7 +368,7 @@ def _tau_h_plan(ctx) -> tuple[list, tuple[int, ...], float]:
 
 def measure_tau_h(ctx):
     from parambox.report import load_run
-    from parambox.studies.accuracy import first_crossing, training_clock
+    from parambox.studies.accuracy import training_clock
 
     planned, taus, target = _tau_h_plan(ctx)
     _reproduce()._train_runs(ctx, "tau-h", planned)
@@ -358,20 +376,23 @@ def measure_tau_h(ctx):
     for p in planned:
         run_dir = ctx.dir("tau-h") / "runs" / p.name
         run = load_run(run_dir)
-        crossed = [e["step"] for e in run.evals if (e.get("test_accuracy") or 0) >= target]
         runs[p.name] = {
-            "final_test_accuracy": run.summary["final_test_accuracy"],
-            "steps_to_target": crossed[0] if crossed else None,
-            "loopback_s": first_crossing(training_clock(run.steps, run.evals), target),
+            "final_test_accuracy": run.summary.get("final_test_accuracy"),
+            "final_test_value": run.summary.get(f"final_{target.key}"),  # of the target's metric
+            "steps_to_target": target.first((e["step"], e.get(target.key)) for e in run.evals),
+            "loopback_s": target.first(training_clock(run.steps, run.evals, target.metric)),
             "median_step_s": step_statistics(run_dir)[0],
         }
     # Compute per step: the runs that exchange least (every 64th step, or the quick form's largest).
     compute_s = statistics.median(runs[f"{m}-{taus[-1]}"]["median_step_s"] for m in TAU_H_METHODS)
     data = planned[0].config["data"]
-    size = lenet_bytes(data)
+    size = lenet_bytes(data) if not ctx.workload else model_bytes(planned[0].config)
     rows = tau_h_rows(runs, taus, compute_s, size, planned[0].config["workers"])
+    accuracy = target.metric == "accuracy" and not target.lower_is_better
     measured = {
-        "target_accuracy": target,
+        "target_accuracy": target.value if accuracy else None,
+        "target": target.as_json(),
+        "model": planned[0].config["model"],
         "data": data,
         "steps": planned[0].config["steps"],
         "workers": planned[0].config["workers"],
@@ -379,12 +400,13 @@ def measure_tau_h(ctx):
         "gradient_bytes": size,
         "taus": list(taus),
         "rows": rows,
+    }
+    if accuracy:
         # the EASGD paper's claim, on these runs (reproduce's rule for easgd-tau)
-        "test_accuracy_pct": {
+        measured["test_accuracy_pct"] = {
             m: {str(t): 100 * runs[f"{m}-{t}"]["final_test_accuracy"] for t in taus}
             for m in ("easgd", "eamsgd", "downpour")
-        },
-    }
+        }
     return ctx.self_command("tau-h"), measured, None
 
 
@@ -413,22 +435,65 @@ def tau_h_rows(runs: dict, taus, compute_s: float, size_bytes: float, workers: i
 
 def verdict_tau_h(m: dict[str, Any]) -> tuple[str, str]:
     """The EASGD paper's rule (reproduce's easgd-tau) on these accuracies, and the fastest setup to the
-    target at the slowest link."""
-    verdict, why = _reproduce().verdict_tau(m)
+    target at the slowest link. A workload without accuracy is judged by the rule on the target's metric
+    (``tau_rule``: within 1 % of the best counts as equal)."""
+    if "test_accuracy_pct" in m:
+        verdict, why = _reproduce().verdict_tau(m)
+    else:
+        verdict, why = tau_rule(m)
     slow = f"{min(TAU_H_GBPS):g}"
     reached = [r for r in m["rows"] if r["seconds_to_target"][slow] is not None]
     if reached:
         best = min(reached, key=lambda r: r["seconds_to_target"][slow])
         why += (
-            f"; fastest to {m['target_accuracy']:.0%} at {slow} Gbit/s (simulated time): {best['method']} "
+            f"; fastest to {target_text(m)} at {slow} Gbit/s (simulated time): {best['method']} "
             f"tau {best['tau']}, {best['seconds_to_target'][slow]:.0f} s"
         )
     return verdict, why
 
 
+def target_text(m: dict[str, Any]) -> str:
+    """``98 %`` for an accuracy target, ``perplexity <= 12`` for any other."""
+    if m.get("target_accuracy") is not None:
+        return f"{m['target_accuracy']:.0%}"
+    return str(Target(**m["target"]))
+
+
+def tau_rule(m: dict[str, Any]) -> tuple[str, str]:
+    """The easgd-tau rule on the final value of the target's metric, in its direction: EASGD holds at the
+    largest tau (within 1 % of its best), Downpour degrades (more than 1 % worse than its best, or than
+    EASGD's), EAMSGD best at every tau but at most one."""
+    target = Target(**m["target"])
+    taus = [str(t) for t in m["taus"]]
+    value = {
+        method: {str(r["tau"]): r["final_test_value"] for r in m["rows"] if r["method"] == method}
+        for method in ("easgd", "eamsgd", "downpour")
+    }
+    if any(v is None for vs in value.values() for v in vs.values()):
+        return "not reproduced", f"a run reported no final test {target.metric}"
+
+    def near(a: float, b: float) -> bool:  # a within 1 % of b, or better
+        return a <= b * 1.01 if target.lower_is_better else a >= b * 0.99
+
+    big = taus[-1]
+    holds = near(value["easgd"][big], target.best(value["easgd"].values()))
+    degrades = not near(value["downpour"][big], target.best(value["downpour"].values())) or not near(
+        value["downpour"][big], value["easgd"][big]
+    )
+    best_at = [t for t in taus if near(value["eamsgd"][t], target.best(value[x][t] for x in value))]
+    why = (
+        f"tau {big}, final test {target.metric}: easgd {value['easgd'][big]:.3g}, downpour "
+        f"{value['downpour'][big]:.3g}, eamsgd {value['eamsgd'][big]:.3g}; easgd "
+        f"{'holds' if holds else 'drops'}, downpour {'degrades' if degrades else 'holds'}; eamsgd best at tau "
+        f"{', '.join(best_at) or 'none'}"
+    )
+    return _reproduce().by_count(holds + degrades + (len(best_at) >= len(taus) - 1), 3), why
+
+
 def tau_h_table(m: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    target = f"{m['target_accuracy']:.0%}"
-    header = ["method", "tau / H", "test accuracy %", f"steps to {target}", "loopback s (measured)"]
+    target = target_text(m)
+    metric = "test accuracy %" if m.get("target_accuracy") is not None else f"test {m['target']['metric']}"
+    header = ["method", "tau / H", metric, f"steps to {target}", "loopback s (measured)"]
     header += [f"{g:g} Gbit/s s (simulated)" for g in TAU_H_GBPS]
 
     def num(x, spec):
@@ -438,7 +503,9 @@ def tau_h_table(m: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         [
             r["method"],
             str(r["tau"]),
-            f"{100 * r['final_test_accuracy']:.2f}",
+            f"{100 * r['final_test_accuracy']:.2f}"
+            if m.get("target_accuracy") is not None
+            else num(r.get("final_test_value"), ".3g"),
             num(r["steps_to_target"], "d"),
             num(r["loopback_s"], ".1f"),
             *[num(r["seconds_to_target"][f"{g:g}"], ".1f") for g in TAU_H_GBPS],
