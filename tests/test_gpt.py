@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -194,6 +196,10 @@ def test_bench_defaults_on_text_aim_at_a_perplexity():
     assert Goal.of(None, None).flags() == [] and Goal.of(None, None).reached(0.96)
     proc = run_cli("bench", "sync", "--model", "gpt", check=False)
     assert proc.returncode == 2 and "apply to bench cluster and defaults only" in proc.stderr
+    # --data given: nothing else imports the zoo before the model's name is checked (a fresh process)
+    code = "from parambox.bench.defaults import Goal; print(Goal.of('gpt', 'text').metric)"
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 0 and fresh.stdout.strip() == "perplexity", fresh.stderr
 
 
 def test_a_pipeline_cut_through_tied_weights_is_refused():

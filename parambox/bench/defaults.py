@@ -77,8 +77,9 @@ class Goal:
     @classmethod
     def of(cls, model: str | None, data: str | None) -> Goal:
         from parambox.data import load_dataset
-        from parambox.models.registry import MODELS, data_for
+        from parambox.models.registry import MODELS, data_for, import_builders
 
+        import_builders()  # the zoo registers itself on import: with --data given, nothing else imports it
         data = data or (data_for(model) if model else None)
         if model is not None and model not in MODELS and ":" not in model:
             raise UserError(f"unknown model {model!r}; choose from {', '.join(sorted(MODELS))}")
