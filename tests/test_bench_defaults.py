@@ -40,3 +40,42 @@ def test_strategies_bring_their_own_optimizer_unless_the_user_chose():
     assert build_config({"strategy": "single"}).batch_size == 64  # the default run's global batch
     assert build_config({"strategy": "single", "batch_size": 8}).batch_size == 8
     assert build_config({"strategy": "allreduce"}).lr == 0.03
+
+
+def test_a_perplexity_run_of_bench_defaults_renders_on_a_results_page(tmp_path):
+    """scripts/defaults_results.py turns `bench defaults --json` into a results page's JSON that
+    scripts/gen_docs.py renders: the figure named, its direction said, failures and short seeds listed."""
+    import importlib.util
+
+    from tests.conftest import ROOT
+
+    def load(name):
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    bench = {  # the shape run_bench_defaults returns for --model gpt --steps 50 --seeds 0,1
+        "target": 26.3, "model": "gpt", "data": "text", "metric": "perplexity", "lower_is_better": True,
+        "seeds": [0, 1], "steps": 50,
+        "strategies": {
+            "allreduce": {"min": 20.5, "max": 21.25, "perplexity": {"0": 20.5, "1": 21.25}, "below_target": [],
+                          "errors": {}, "seconds": 61.0},
+            "easgd": {"min": 24.0, "max": 30.1, "perplexity": {"0": 24.0, "1": 30.1}, "below_target": [1],
+                      "errors": {}, "seconds": 70.2},
+            "hogwild": {"min": None, "max": None, "perplexity": {"0": None, "1": None}, "below_target": [0, 1],
+                        "errors": {"0": "exit 1", "1": "exit 1"}, "seconds": 3.0},
+        },
+    }  # fmt: skip
+    data = load("defaults_results").results(
+        bench, "parambox bench defaults --model gpt --steps 50 --seeds 0,1"
+    )
+    page = load("gen_docs").results_page("defaults-gpt", data)
+    assert "# Every strategy's default run: gpt on text" in page
+    assert "## Test perplexity over the seeds (target: at most 26.3)" in page and "lower is better" in page
+    assert "| allreduce | 20.5 | 21.2 | - | 61 |" in page
+    assert (
+        "| easgd | 24.0 | 30.1 | 1 | 70 |" in page
+        and "| hogwild | failed | failed | 0, 1 (exit 1) | 3 |" in page
+    )
+    assert "Command: `parambox bench defaults --model gpt --steps 50 --seeds 0,1`" in page
