@@ -248,6 +248,15 @@ def test_cli_times_a_users_sequence_model(capsys, tmp_path):
     assert min(result["compute"]["ms_by_batch"].values()) > 0
 
 
+def test_cli_names_what_a_model_that_cannot_take_the_items_was_fed(capsys, tmp_path):
+    """The token model fed predict's default float images: one line here, no measuring process started."""
+    (tmp_path / "mine.py").write_text(TOKEN_MODEL)
+    assert main(["predict", "--model", f"{tmp_path}/mine.py:tokens", "--max-workers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "on float items of shape (3, 32, 32)" in err and "give the data set it reads with --data" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_sample_draws_batches_of_the_data_sets_kind():
     from parambox.data import Dataset
     from parambox.perfmodel.sample import Sample

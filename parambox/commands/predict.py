@@ -139,6 +139,21 @@ def sample_of(args: argparse.Namespace) -> tuple[Sample, str | None]:
     return Sample.of_dataset(load_dataset(data, args.data_path, 0)), data
 
 
+def _try_step(args: argparse.Namespace, build, sample: Sample, data: str | None) -> None:
+    """One training step of the model on two items of ``sample``'s kind, or a ``UserError`` saying what
+    the model was fed."""
+    try:
+        sample.loss(build(), sample.batch(2)).backward()
+    except UserError:
+        raise
+    except Exception as e:
+        fed = f"data {data}'s items" if data else f"float items of shape {sample.shape}"
+        raise UserError(
+            f"--model {args.model} on {fed} ({sample.dtype}, {sample.num_classes} classes) {refs.raised(e)}: "
+            "give the data set it reads with --data, or --input-shape/--num-classes"
+        ) from None
+
+
 def _builder(args: argparse.Namespace, sample: Sample):
     return functools.partial(build_measured_model, args.model, sample)
 
@@ -208,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
     validate_batch = (args.validate_batch or min(args.global_batch, 64)) if args.validate else None
     if validate_batch is not None and validate_batch < 2:
         raise UserError(f"--validate-batch must be >= 2 (two workers), got {validate_batch}")
+    if validate_batch is not None or (args.comp_ms is None and not args.comp_table):
+        _try_step(args, build, sample, data)  # here, in one line, not as a measuring process's traceback
     net, source = _network(args, size_bytes)
     compute = _compute(args, build, sample, batches, validate_batch)
     curves = {
