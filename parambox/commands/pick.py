@@ -19,7 +19,7 @@ probes/, confirm/, validation/; seed-K/ each with several seeds) beside pick.jso
     parambox pick --workers 2 --target-accuracy 0.95 --validate all --seeds 3 --json
     parambox pick --workers 2 --target-accuracy 0.95 --emulate-nodes 2 --link-gbps 0.1 --validate 3
     parambox pick --workers 2 --target-accuracy 0.9 --target-metric acc --metrics mymod:metrics
-    parambox pick --workers 2 --target perplexity=12 --model gpt --data text --steps 400
+    parambox pick --workers 2 --target perplexity=20 --model gpt --data text --steps 400
 """
 
 from __future__ import annotations

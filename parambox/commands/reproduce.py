@@ -16,7 +16,7 @@ own units: ``--target perplexity=12`` (lower is better: perplexity, bits_per_byt
 accuracy=0.9``, or ``--target METRIC<=VALUE`` for a metric of your own that falls.
 
     parambox reproduce --out repro
-    parambox reproduce --out repro-gpt --only tau-h --model gpt --data text --target perplexity=12
+    parambox reproduce --out repro-gpt --only tau-h --model gpt --data text --target perplexity=15
 """
 
 from __future__ import annotations
