@@ -71,6 +71,7 @@ from parambox.strategies.exchange import (
     SumExchange,
     box_compressor,
 )
+from parambox.strategies.streaming import Fragment, cut, read_slice, write_slice_
 
 
 class DilocoOptions(AsyncOptions, ExchangeOptions):
@@ -85,12 +86,42 @@ class DilocoOptions(AsyncOptions, ExchangeOptions):
         0.0, ge=0, description="asynchronous: c in [0, 1/N], momentum applied between updates (0: plain DN)"
     )
     dynamic_inner_steps: bool = Field(True, description="asynchronous: DyLU, each worker's H from its speed")
+    fragments: int = Field(
+        1,
+        ge=1,
+        description="Streaming DiLoCo: F, the model cut in F fragments, each exchanged at its own step of the round",
+    )
+    fragment_sync_delay: int = Field(
+        0,
+        ge=0,
+        description="Streaming DiLoCo: tau, a fragment's outer step lands tau inner steps after its exchange began",
+    )
+    fragment_update_alpha: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Streaming DiLoCo: alpha, a fragment after its outer step is alpha local + (1 - alpha) global",
+    )
 
     @model_validator(mode="after")
     def _activation_within_buffer(self) -> DilocoOptions:
         if self.buffer_size is not None and self.momentum_activation > 1 / self.buffer_size:
             raise ValueError("diloco.momentum_activation must be at most 1 / diloco.buffer_size")
+        if self.fragments > self.inner_steps:
+            raise ValueError(
+                "diloco.fragments must be at most diloco.inner_steps (one exchange a step at most)"
+            )
+        if self.fragment_sync_delay >= self.inner_steps:
+            raise ValueError(
+                "diloco.fragment_sync_delay must be below diloco.inner_steps (a fragment's outer step lands "
+                "before its next exchange)"
+            )
         return self
+
+    @property
+    def streaming(self) -> bool:
+        """Streaming DiLoCo: fragments, a delayed outer step or mixing (F = 1, tau = 0, alpha = 0 is not)."""
+        return self.fragments > 1 or self.fragment_sync_delay > 0 or self.fragment_update_alpha > 0
 
 
 ASYNC_ONLY = {"buffer_size", "momentum_activation", "dynamic_inner_steps", "termination", "lost_after_s"}
@@ -115,7 +146,19 @@ class Diloco(Strategy):
 
     @classmethod
     def resolve(cls, options: DilocoOptions) -> type[Strategy]:
-        return AsyncDiloco if options.asynchronous else cls
+        if options.streaming and options.asynchronous:
+            raise UserError(
+                "diloco: fragments, fragment_sync_delay and fragment_update_alpha (Streaming DiLoCo) are for the "
+                "synchronous form, not diloco.asynchronous=true"
+            )
+        if options.streaming and options.overlap:
+            raise UserError(
+                "diloco: overlap and Streaming DiLoCo (fragments, fragment_sync_delay, fragment_update_alpha) are "
+                "exclusive: use fragment_sync_delay to hide the exchange"
+            )
+        if options.asynchronous:
+            return AsyncDiloco
+        return StreamingDiloco if options.streaming else cls
 
     def __init__(self, ctx: Context, options: DilocoOptions):
         super().__init__(ctx, options)
@@ -264,6 +307,223 @@ class Diloco(Strategy):
             self.outer.load_state_dict(state["outer"])
         self.averager.load_state_dict(state.get("averager", {}))
         self.round_steps = int(state.get("round_steps", 0))
+
+    def summary_extra(self) -> dict[str, Any]:
+        return {"nonfinite_workers": sorted(self.nonfinite)}
+
+
+class StreamingDiloco(Strategy):
+    """Streaming DiLoCo over allreduce. ``--set diloco.fragments=2 --set diloco.fragment_sync_delay=1``
+
+    The flat state (parameters, then float buffers) is cut in ``fragments`` (F) slices of equal size
+    (``strategies/streaming.py``). Fragment ``f`` keeps its own slice of the global weights ``theta_f``
+    and its own outer Nesterov SGD. After the steps ``t`` with ``t % H == H f // F`` it starts the
+    allreduce of its pseudo-gradient ``delta_f = theta_f - x_f`` (global minus this worker's replica)
+    and the worker trains on; ``fragment_sync_delay`` (tau) steps later the mean lands::
+
+        theta_f <- outer(theta_f, mean delta_f);  x_f <- alpha x_f + (1 - alpha) theta_f
+
+    where ``x_f`` is the replica's fragment *then*, its progress of the tau steps in flight included,
+    and alpha is ``fragment_update_alpha``: with alpha 0 that progress is dropped and every worker
+    continues from the new global fragment, with alpha > 0 a share of it is kept (the paper's mixing,
+    torchft's ``lerp`` of the global towards the local fragment). The next pseudo-gradient is again
+    measured from ``theta_f``, so what the mix kept is sent in the fragment's next exchange.
+
+    F = 1, tau = 0, alpha = 0 is synchronous DiLoCo: one exchange after every H steps, the replica set
+    to ``theta``. ``overlap`` is exclusive with these options (tau is Streaming DiLoCo's overlap: the
+    exchange of one fragment runs behind tau steps, where ``overlap`` delays the whole model's by a
+    round and keeps the worker's own progress whole). ``compression`` applies per fragment, each with
+    its own error feedback. A fragment whose replica turned non-finite sends nothing (the flags count
+    who did), and the worker starts over from ``theta`` with a fresh inner optimizer state.
+
+    At the end of the run every fragment's exchange in flight lands, every fragment with progress not
+    yet sent is exchanged once more and applied at once, and every worker ends at ``theta``.
+    """
+
+    name = "diloco"
+    period_options = ("inner_steps",)
+    Options = DilocoOptions
+    default_optimizer = Diloco.default_optimizer
+    default_options = Diloco.default_options
+    # An exchange in flight across steps cannot be repeated over the survivors: on_failure=restart
+    survives_in_place = False
+
+    def __init__(self, ctx: Context, options: DilocoOptions):
+        super().__init__(ctx, options)
+        self.params = trainable(self.model)
+        self.buffers = averaged_buffers(self.model)
+        self.tensors = [*self.params, *self.buffers]
+        self.optimizer = ctx.make_optimizer(self.params)
+        self.numel = sum(p.numel() for p in self.params)
+        self.theta = parameters_to_vector(self.tensors).detach().clone()
+        self.fragments = cut(self.theta.numel(), options.fragments, options.inner_steps)
+        mu = options.outer_momentum
+        n = self.world.world_size
+        # per fragment: its parameters' part of theta (a view the outer step moves), its optimizer, its
+        # exchange (and compressor, with its own error feedback), the step its outer step lands after
+        self.outer_params: list[torch.nn.Parameter | None] = []
+        self.outers: list[torch.optim.SGD | None] = []
+        self.exchanges: list[SumExchange] = []
+        self.land_after: list[int | None] = [None] * len(self.fragments)
+        for fr in self.fragments:
+            stop = min(fr.stop, self.numel)
+            p = torch.nn.Parameter(self.theta[fr.start : stop]) if fr.start < stop else None
+            self.outer_params.append(p)
+            self.outers.append(
+                None if p is None else torch.optim.SGD([p], lr=options.outer_lr, momentum=mu, nesterov=mu > 0)
+            )
+            self.exchanges.append(
+                SumExchange(
+                    fr.numel,
+                    n,
+                    n,
+                    options.compression,
+                    options.compression_block,
+                    self.theta.device,
+                    lambda f=fr.index: self.collective(f"diloco fragment {f} exchange"),
+                    ratio=options.compression_ratio,
+                )
+            )
+        self.nonfinite: set[int] = set()
+        self.rounds = self.rejected_rounds = 0  # fragment outer steps, and those nobody contributed to
+        self.contributed = [True] * len(self.fragments)
+        self.sent_bytes = 0
+        ignored = sorted(ASYNC_ONLY & options.model_fields_set)
+        if ignored:
+            warn(
+                f"diloco: {', '.join(ignored)} apply to the asynchronous form only (diloco.asynchronous=true)"
+            )
+
+    def begin_step(self, step: int) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
+        self.optimizer.step()
+        t = step + 1  # steps done
+        extra = {}
+        self.sent_bytes = 0
+        with self.timers.phase("allreduce"):
+            for fr in self.fragments:
+                if fr.sends_after(t):
+                    self._send(fr, t)
+            for fr in self.fragments:
+                if self.land_after[fr.index] == t:
+                    self._land(fr, self.options.fragment_update_alpha)
+        if self.sent_bytes:
+            extra["exchange_bytes"] = float(self.sent_bytes)
+        extra["exchange_wait_s"] = sum(ex.pop_wait() for ex in self.exchanges)
+        return StepResult(loss_value(loss), samples, self.timers.pop(), extra)
+
+    def _send(self, fr: Fragment, t: int) -> None:
+        """Start the allreduce of fragment ``fr``'s pseudo-gradient; its outer step lands tau steps on."""
+        local = read_slice(self.tensors, fr.start, fr.stop)
+        contribute = is_finite(local) and self._inner_state_finite()
+        flags = torch.zeros(self.world.world_size, device=local.device)
+        if contribute:
+            flags[self.world.rank] = 1.0
+            delta = self.theta[fr.start : fr.stop] - local
+        else:
+            warn(
+                f"rank {self.world.rank}: non-finite diloco fragment {fr.index}; it contributes nothing to "
+                "this outer step and the worker starts over from theta"
+            )
+            self.optimizer.state.clear()  # NaN moments would poison every later step
+            self._load_theta()
+            delta = torch.zeros_like(local)
+            self.exchanges[fr.index].compressor.forget_error_()
+        ex = self.exchanges[fr.index]
+        ex.start(delta, flags)
+        self.sent_bytes += ex.bytes_sent
+        self.land_after[fr.index] = t + self.options.fragment_sync_delay
+
+    def _land(self, fr: Fragment, alpha: float) -> None:
+        """The mean of fragment ``fr``'s exchange: its outer step, then the replica's fragment mixed."""
+        total, flags = self.exchanges[fr.index].wait()
+        self.land_after[fr.index] = None
+        self.nonfinite.update(int(r) for r in (flags == 0).nonzero().flatten())
+        count = float(flags.sum())
+        self.rounds += 1
+        self.rejected_rounds += int(count == 0)
+        theta = self.theta[fr.start : fr.stop]
+        if count > 0:
+            mean = total / count
+            split = min(fr.stop, self.numel) - fr.start  # its parameters, then its float buffers
+            p, outer = self.outer_params[fr.index], self.outers[fr.index]
+            if p is not None and outer is not None:
+                p.grad = mean[:split].clone()
+                outer.step()
+            theta[max(split, 0) :].sub_(mean[max(split, 0) :])
+        if alpha == 0:
+            write_slice_(self.tensors, fr.start, theta)
+        else:
+            local = read_slice(self.tensors, fr.start, fr.stop)
+            write_slice_(self.tensors, fr.start, torch.lerp(theta, local, alpha))
+
+    def _inner_state_finite(self) -> bool:
+        return all(
+            is_finite(v)
+            for state in self.optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.is_floating_point()
+        )
+
+    def _load_theta(self) -> None:
+        write_slice_(self.tensors, 0, self.theta)
+
+    def finish(self) -> None:
+        # Every exchange in flight lands; progress not yet sent goes once more, applied at once; every
+        # worker ends at theta (alpha would leave each its own mix).
+        t = self.ctx.steps
+        with self.timers.phase("allreduce"):
+            for fr in self.fragments:
+                if self.land_after[fr.index] is not None:
+                    self._land(fr, self.options.fragment_update_alpha)
+            for fr in self.fragments:
+                if fr.steps_since_send(t) > 0:
+                    self._send(fr, t)
+                    self._land(fr, 0.0)
+        self._load_theta()
+        self.timers.pop()
+        for ex in self.exchanges:
+            ex.pop_wait()
+        if self.rounds and self.rejected_rounds == self.rounds:
+            raise UserError(
+                f"diloco: every one of the {self.rounds} fragment outer steps was rejected (every worker's "
+                "fragment was non-finite): the model did not train; lower lr or check the loss"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        fragments = []
+        for fr, outer, ex in zip(self.fragments, self.outers, self.exchanges):
+            state: dict[str, Any] = {"land_after": self.land_after[fr.index]}
+            if outer is not None:
+                state["outer"] = outer.state_dict()
+            if ex.compressor.error is not None:
+                state["error"] = ex.compressor.error.clone()
+            pending = ex.peek()  # an exchange in flight: completed now, still to land
+            if pending is not None:
+                state["pending"] = [pending[0].clone(), pending[1].clone()]
+            fragments.append(state)
+        return {**super().state_dict(), "theta": self.theta.clone(), "fragments": fragments}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "theta" in state:
+            self.theta.copy_(state["theta"])
+        saved = state.get("fragments", [])
+        if saved and len(saved) != len(self.fragments):
+            raise UserError(
+                f"diloco: the checkpoint has {len(saved)} fragments, this run {len(self.fragments)}; resume "
+                "with the same diloco.fragments"
+            )
+        for fr, outer, ex, s in zip(self.fragments, self.outers, self.exchanges, saved):
+            if outer is not None and "outer" in s:
+                outer.load_state_dict(s["outer"])
+            if "error" in s and ex.compressor.error is not None:
+                ex.compressor.error.copy_(s["error"])
+            if "pending" in s:
+                ex.restore((s["pending"][0], s["pending"][1]))
+            self.land_after[fr.index] = s.get("land_after")
 
     def summary_extra(self) -> dict[str, Any]:
         return {"nonfinite_workers": sorted(self.nonfinite)}
