@@ -15,6 +15,17 @@ With ``overlap`` the allreduce runs behind the next round, and a worker goes on 
 weights plus its own progress (``strategies/exchange.py``): parambox's rule, neither Streaming DiLoCo's
 mixing nor Kale et al.'s eager update.
 
+Streaming DiLoCo (Douillard et al. 2025; torchft's ``DiLoCo`` with ``fragment_sync_delay`` and
+``fragment_update_alpha``), synchronous only: ``fragments`` (F) cuts the flat state in F equal slices,
+fragment ``f`` exchanged after the steps ``t`` with ``t % H == H f // F`` (so the link carries ``1/F`` of
+the model every ``H/F`` steps, not the whole model every H); ``fragment_sync_delay`` (tau) lets the
+allreduce run behind tau inner steps before the fragment's outer step lands; ``fragment_update_alpha``
+(alpha) then sets the replica's fragment to ``alpha local + (1 - alpha) global``, the local including
+the tau steps of progress made meanwhile (alpha 0 drops them, as torchft's default). ``StreamingDiloco``
+runs it; F = 1, tau = 0, alpha = 0 is this class. Streaming and ``overlap`` are exclusive (a one-line
+error): both hide the exchange, tau per fragment and a few steps, ``overlap`` the whole model a round,
+with different rules for the worker's progress meanwhile. ``compression`` applies per fragment.
+
 Asynchronous form (``asynchronous: true``), over the box (Liu et al. 2024, asynchronous Local-SGD): a
 worker pushes its pseudo-gradient ``g`` (relative to the ``theta`` it pulled) as soon as it finishes its
 round, and pulls the new ``theta``. The outer step is Delayed Nesterov (their Algorithm 3): arrivals

@@ -19,7 +19,7 @@ progress of the round just ended::
     x <- theta - delta_k;  s <- x
 
 It is neither Streaming DiLoCo's overlapped outer step (which mixes the arriving global fragment with the
-local one, Douillard et al. 2025) nor the eager one-step-delayed update of Kale et al. 2025 (which uses the
+local one, Douillard et al. 2025; ``diloco.fragment_sync_delay``, ``StreamingDiloco``) nor the eager one-step-delayed update of Kale et al. 2025 (which uses the
 worker's own, undelayed pseudo-gradient in place of the missing mean): no mixing, and the own progress is
 added to the delayed weights as it is.
 
