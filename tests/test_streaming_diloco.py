@@ -28,7 +28,7 @@ from parambox.strategies.base import Context
 from parambox.strategies.compress import Compressor
 from parambox.strategies.diloco import Diloco, DilocoOptions, StreamingDiloco
 from parambox.strategies.streaming import cut
-from tests.conftest import run_cli, summary
+from tests.conftest import final_weights, run_cli, summary
 
 DIM, LR, STEPS, H = 7, 0.125, 14, 4  # 7 elements: fragments of 3 and 4; 14 steps: a partial last round
 OUTER_LR, MU = 0.7, 0.9
@@ -272,3 +272,31 @@ def test_digits_with_two_fragments_reaches_the_default_accuracy(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     sent = [r["exchange_bytes"] for r in rows if r.get("exchange_bytes")]
     assert sent and max(sent) < 0.55 * 2 * min(sent) + 64
+
+
+RESUME_ARGS = ["--strategy", "diloco", "--model", "mlp", "--steps", "40", "--checkpoint-every", "10"]
+RESUME_ARGS += ["--eval-every", "0", "--no-progress", "--threads", "1", "--batch-size", "16"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_streaming_diloco_resumes_bit_for_bit(tmp_path):
+    """H 4, two fragments, tau 1: the checkpoint after step 10 is taken with fragment 1's exchange in flight
+    (sent after t = 10, landing after t = 11); with its result, theta, the outer momenta and the int8
+    error feedback kept, the run killed at step 25 and resumed ends as the uninterrupted one."""
+    sets = [
+        "inner_steps=4",
+        "fragments=2",
+        "fragment_sync_delay=1",
+        "fragment_update_alpha=0.5",
+        "compression=int8",
+    ]
+    args = [*(a for s in sets for a in ("--set", f"diloco.{s}")), *RESUME_ARGS]
+    run_cli("train", "--out", str(tmp_path / "full"), *args)
+    killed = run_cli(
+        "train", "--out", str(tmp_path / "cut"), *args, env={"PARAMBOX_FAULT": "1:25:kill"}, check=False
+    )
+    assert killed.returncode != 0
+    run_cli("train", "--out", str(tmp_path / "cut"), "--resume", *args)
+    a, b = final_weights(tmp_path / "cut"), final_weights(tmp_path / "full")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
