@@ -151,7 +151,7 @@ class Strategy:
         if not cls.resizes:
             raise UserError(
                 f"strategy {cls.name!r} cannot resume at another worker count: its state is cut for "
-                f"{old} workers; resume with {old}, or start a new run of {new} from these weights "
+                f"{old} workers; resume with {old} workers, or start a new run of {new} from these weights "
                 "with --init-from RUN_DIR"
             )
         cls.check_workers(new, options)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-PROBE_STEPS = 50  # steps between rank 0's looks at its clock (at least a period more: see probe_steps)
+PROBE_STEPS = 10  # steps between rank 0's looks at its clock (at least a period more: see probe_steps)
 
 
 def probe_steps(period: int) -> int:

@@ -99,7 +99,7 @@ def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | Non
             step, resized = restore(run) if resume else (0, None)
         log.write({"kind": "world", "step": step, **world_record(world), "epoch": round(log.epoch, 6)})
         if resized is not None:
-            log.write(resized)
+            log.write(dict(resized))  # (write adds its time to what it is given)
         bar = Progress(cfg.steps, enabled=cfg.progress and world.rank == 0, start=step)
         samples = 0
         cadence = checkpoint_cadence(run)
