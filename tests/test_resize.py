@@ -341,3 +341,21 @@ def test_a_default_run_killed_late_loses_at_most_an_interval_and_resumes(tmp_pat
         "train", "--strategy", "single", *args, "--lr", "1e-9", "--out", str(anew), "--init-from", str(out)
     )
     assert max_abs_diff(final_weights(anew), final_weights(out)) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_torchrun_resumes_a_local_run_at_another_size(tmp_path):
+    """The refusal this replaces: "written by 2 workers, this run has 3". A local run of 2, resumed
+    under torchrun with 3 processes: the step counter and the stream continue, the resize recorded."""
+    out = tmp_path / "run"
+    args = ["--model", "logreg", "--batch-size", "6", *QUIET]
+    run_cli("train", "--workers", "2", "--steps", "10", "--out", str(out), *args)
+    logs = str(tmp_path / "torchrun")
+    prefix = ["torchrun", "--standalone", "--log-dir", logs, "--nproc-per-node", "3", "-m"]
+    done = run_cli("train", "--out", str(out), "--resume", "--steps", "20", *QUIET, prefix=prefix)
+    assert "ignored" not in done.stderr
+    result = summary(out)
+    assert (result["steps"], result["workers"], result["launcher"]) == (20, 3, "torchrun")
+    assert result["resize"] | {"batch_size": 4} == result["resize"]  # 12 over 3 workers
+    assert json.loads((out / "config.json").read_text())["workers"] == 3

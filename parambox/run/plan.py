@@ -247,7 +247,9 @@ def _check_external(plan: Plan) -> None:
     if cfg.box.needs_mpi and srun_without_mpi():  # before MPI starts: it would leave files behind
         raise UserError(srun_without_mpi())
     cfg.out = cfg.out or external_run_dir(cfg, plan.caller)
-    if "workers" in cfg.model_fields_set and plan.processes != world.world_size and world.rank == 0:
+    if plan.resume:  # the recorded count is the last life's: this life has what the launcher started
+        cfg.workers = world.world_size - (plan.processes - cfg.workers)
+    elif "workers" in cfg.model_fields_set and plan.processes != world.world_size and world.rank == 0:
         warn(
             f"{plan.caller.given('workers', cfg.workers)} ignored: the launcher started {world.world_size} processes"
         )
