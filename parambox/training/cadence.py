@@ -7,7 +7,7 @@ it at the same step, yet their clocks disagree. So rank 0's clock decides, and t
 ahead of the step it names: at every ``probe``-th step rank 0 looks at its clock and, when the interval
 has passed, posts on the run's store that step ``s + probe`` checkpoints; the other ranks look for that
 word when they reach ``s + probe``. No rank can reach it before rank 0 has passed ``s``: the ranks wait
-for each other at least once per exchange, and ``probe`` is longer than the rule's period. One store
+for each other at least once per exchange, and ``probe`` is longer than two of the rule's periods. One store
 read per ``probe`` steps on ranks other than 0, none on rank 0. Asynchronous ranks checkpoint at their
 own pace, each by its own clock.
 
@@ -25,8 +25,9 @@ PROBE_STEPS = 10  # steps between rank 0's looks at its clock (at least a period
 
 
 def probe_steps(period: int) -> int:
-    """Steps between two looks, for a rule whose ranks meet every ``period`` steps."""
-    return max(PROBE_STEPS, period + 2)
+    """Steps between two looks, for a rule whose ranks meet every ``period`` steps: more than two
+    periods (an exchange that overlaps the next round lets a rank run up to two rounds ahead)."""
+    return max(PROBE_STEPS, 2 * period + 2)
 
 
 class CheckpointCadence:
