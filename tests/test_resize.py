@@ -374,3 +374,19 @@ def test_the_default_allreduce_run_resumed_at_three_workers_is_the_uninterrupted
     run_cli("train", "--out", str(cut), "--resume", "--workers", "3", "--steps", "600", *args)
     assert max_abs_diff(final_weights(cut), final_weights(full)) < 5e-4
     assert summary(cut)["final_test_accuracy"] >= 0.95 and summary(cut)["resize"]["batch_size"] == 22
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_restart_of_a_synchronous_run_says_where_it_restarts_from(tmp_path):
+    """--max-restarts 1 restarted from step 0 without a word where no checkpoint existed (issue 50):
+    with checkpoints by time it restarts from the last one, and says which step."""
+    out = tmp_path / "run"
+    args = ["--model", "logreg", "--eval-every", "0", "--no-progress", "--threads", "1", "--steps", "600"]
+    done = run_cli(
+        "train", *args, "--out", str(out), "--max-restarts", "1", "--checkpoint-interval-s", "0.3",
+        env={"PARAMBOX_FAULT": "1:560:kill"},
+    )  # fmt: skip
+    assert "restarting the workers from the last checkpoint (1 of 1)" in done.stderr
+    step = int(re.search(r"resuming from step (\d+) of 600", done.stderr).group(1))
+    assert 0 < step <= 560 and summary(out)["restarts"] == 1 and summary(out)["steps"] == 600
