@@ -210,7 +210,7 @@ def test_resumed_2_3_1_workers_follows_the_closed_form(strategy, tmp_path):
     for n, _, stop in SEGMENTS[1:]:
         done = run_cli("train", "--out", out, "--resume", "--workers", str(n), "--steps", str(stop), *QUIET)
         assert re.search(
-            rf"resuming from step {stop - 8} of {stop} .*-> {n} workers, keep-global-batch", done.stderr
+            rf"resuming from step {stop - 8} of {stop} .*-> {n} workers, keep-global-batch", done.stdout
         )
     expected = _closed_form(strategy).float()
     got = final_weights(Path(out))
@@ -333,7 +333,7 @@ def test_a_default_run_killed_late_loses_at_most_an_interval_and_resumes(tmp_pat
     assert committed is not None and 0 < committed <= 560
     assert times[max(times)] - times[committed] < 0.3 + 3.0
     resumed = run_cli("train", "--out", str(out), "--resume", "--no-progress")
-    assert f"parambox: resuming from step {committed} of 600" in resumed.stderr
+    assert f"parambox: resuming from step {committed} of 600" in resumed.stdout
     assert summary(out)["steps"] == 600
     anew = tmp_path / "anew"
     args[-1] = "1"
@@ -388,5 +388,5 @@ def test_a_restart_of_a_synchronous_run_says_where_it_restarts_from(tmp_path):
         env={"PARAMBOX_FAULT": "1:560:kill"},
     )  # fmt: skip
     assert "restarting the workers from the last checkpoint (1 of 1)" in done.stderr
-    step = int(re.search(r"resuming from step (\d+) of 600", done.stderr).group(1))
+    step = int(re.search(r"resuming from step (\d+) of 600", done.stdout).group(1))
     assert 0 < step <= 560 and summary(out)["restarts"] == 1 and summary(out)["steps"] == 600

@@ -88,11 +88,12 @@ def check_slices(global_batch: int, num_ranks: int, grad_accum: int, len_data: i
 
 
 def announce(last: Path, step: int, steps: int, resized: dict[str, Any] | None) -> None:
-    """Rank 0's one line on a resume: the step it continues from, and the resize if any."""
+    """Rank 0's one line on a resume, on stdout (stderr is for what went wrong: a run that then fails
+    still says so in one line there): the step it continues from, and the resize if any."""
     line = f"parambox: resuming from step {step} of {steps} ({last})"
     if resized is not None:
         line += (
             f"; {resized['from_workers']} -> {resized['to_workers']} workers, {resized['rule']}: "
             f"global batch {resized['from_global_batch']} -> {resized['global_batch']}"
         )
-    print(line, file=sys.stderr, flush=True)
+    print(line, file=sys.stdout, flush=True)
