@@ -298,7 +298,9 @@ def save_checkpoint(run: Run, step: int, barrier: bool = True) -> None:
     state = checkpoint.rank_state(run.strategy.model.state_dict(), run.strategy.state_dict(), loop_state(run))
     model = run.strategy.eval_model()
     own_pace = run.strategy.tolerates_worker_loss
-    if run.world.rank != 0:
+    # A memory rank trains nothing (rank 0 saves the box): no state of its own that a worker of a
+    # resized run taking its rank could mistake for a trained one.
+    if run.world.rank != 0 and not getattr(run.strategy, "serves", False):
         checkpoint.save_rank_state(ckpt_dir, run.world.rank, step, state, prune=own_pace)
     if run.world.world_size > 1 and not own_pace and barrier:
         with pbdist.collective("checkpoint barrier", run.board):
