@@ -229,18 +229,18 @@ def test_resumed_2_3_1_workers_follows_the_closed_form(strategy, tmp_path):
 
 
 # -- (c) the CLI --------------------------------------------------------------------------------------------
-EVERY = {  # a name: (strategy, options)
+# A name: (strategy, options). eamsgd and dynsgd share easgd's and downpour's state and resume (all
+# eleven passed once, 64 s of wall time at -n 2); the closed forms cover allreduce, synchronous easgd
+# and diloco.
+EVERY = {
     "ps-sync": ("ps-sync", []),
     "box-sync": ("box-sync", []),
     "weight-avg": ("weight-avg", []),
-    "eamsgd-sync": ("eamsgd", ["--set", "eamsgd.sync=true"]),
     "easgd": ("easgd", []),
-    "eamsgd": ("eamsgd", []),
     "diloco-async": ("diloco", ["--set", "diloco.asynchronous=true", "--set", "diloco.inner_steps=5"]),
     "downpour": ("downpour", []),
     "hogwild": ("hogwild", []),
     "dogwild": ("dogwild", []),
-    "dynsgd": ("dynsgd", []),
 }
 
 
