@@ -115,6 +115,18 @@ def test_a_joiner_takes_rank_0s_state_but_its_own_error_feedback():
     assert rank0["averager"]["error"] == 2  # rank 0's own left as it was
 
 
+@pytest.mark.parametrize("name", ["pipeline", "pipeline-dp", "sandblaster", "hybrid"])
+def test_rules_whose_state_is_cut_by_the_worker_count_refuse_a_resize_and_the_others_take_it(name):
+    from parambox.strategies import strategy_class
+
+    cls = strategy_class(name, None)
+    with pytest.raises(UserError, match=rf"strategy '{name}' cannot resume at another worker count"):
+        cls.check_resize(2, 4)
+    strategy_class("allreduce", None).check_resize(2, 4)
+    with pytest.raises(UserError, match="runs one process"):
+        strategy_class("single", None).check_resize(1, 2)
+
+
 def test_init_from_weights_that_do_not_fit_name_the_keys(tmp_path):
     torch.save({"weight": torch.zeros(2, 3), "extra": torch.zeros(1)}, tmp_path / "w.pt")
     model = torch.nn.Linear(3, 4)
