@@ -87,7 +87,27 @@ class RunConfig(BaseModel):
     )
     seed: int = Field(0, ge=0)
     out: str | None = None
-    checkpoint_every: int = Field(0, ge=0, description="0: only at the end")
+    checkpoint_every: int = Field(
+        0,
+        ge=0,
+        description="a checkpoint every this many steps (0: none by step count; see checkpoint_interval_s)",
+    )
+    checkpoint_interval_s: float = Field(
+        600.0,
+        ge=0,
+        description="a checkpoint once this many seconds of training have passed since the last one, at the "
+        "next step where every rank can agree on it (0: none by time); the run's end always writes one",
+    )
+    resize: Literal["keep-global-batch", "scale-batch"] = Field(
+        "keep-global-batch",
+        description="a resume at another worker count: keep the global batch (each worker's batch is the "
+        "global batch over the new count, uneven slices weighted exactly) or keep each worker's batch_size",
+    )
+    init_from: str | None = Field(
+        None,
+        description="start a new run from another run's weights: its run directory (checkpoints/last.pt) or a "
+        "state_dict .pt file",
+    )
     eval_every: int = Field(100, ge=0, description="0: only at the end")
     log_every: int = Field(1, ge=1)
     timeout: float = Field(300.0, gt=0, description="seconds any blocking wait may take")

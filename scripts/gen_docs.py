@@ -128,6 +128,7 @@ RUN_FILES: dict[str, tuple[str, dict[str, str]]] = {
             "lost_workers": "ranks lost during the run (asynchronous, or surviving in place)",
             "nonfinite_workers": "asynchronous: workers that stopped pushing after a non-finite update",
             "restarts": "replacements and restarts made (`--max-restarts`)",
+            "resize": "after a resume at another worker count: its `resize` record (below), without `kind`",
             "launcher": "`local`, `torchrun`, `slurm` or `mpi`",
             "num_nodes": "nodes the run spanned",
             "device": "`cpu` or `cuda`",
@@ -138,7 +139,7 @@ RUN_FILES: dict[str, tuple[str, dict[str, str]]] = {
     "metrics.jsonl": (
         "rank 0's records, one JSON object a line (other ranks: `metrics.rank<r>.jsonl`); `kind` says which",
         {
-            "kind": "`world`, `step` or `eval`",
+            "kind": "`world`, `step`, `eval` or `resize`",
             "step": "the worker's step",
             "time": "seconds since the rank's clock started",
             "world: launcher, rank, world_size, local_rank, local_world_size, node_rank, num_nodes": (
@@ -152,11 +153,17 @@ RUN_FILES: dict[str, tuple[str, dict[str, str]]] = {
             "step: staleness, exchange_wait_s, exchange_bytes, inner_steps": "where the strategy reports them",
             "eval: test_loss, test_<metric>": "the test metrics",
             "eval: cpu_percent, rss_mb": "the rank's CPU and memory",
+            "resize: from_workers, to_workers, rule, global_batch, from_global_batch": (
+                "a resume at another worker count (`--resize`): the data-parallel ranks before and after, the "
+                "rule and the global batch before and after"
+            ),
+            "resize: batch_size, samples_before": "this rank's slice of the global batch, the samples consumed before",
         },
     ),
     "checkpoints/last.pt": (
-        "written atomically (`--checkpoint-every N`, and at the end); "
-        '`torch.load(path, weights_only=True)["model"]` is the model\'s state_dict',
+        "written atomically (every `--checkpoint-interval-s` seconds, default 600; `--checkpoint-every N`; and "
+        'at the end); `torch.load(path, weights_only=True)["model"]` is the model\'s state_dict, `["data"]` '
+        "where the sample stream stands (what a resume at another worker count continues from)",
         {},
     ),
     "logs/rank<r>.err": ("one file per failed rank, with its traceback", {}),

@@ -22,12 +22,29 @@ def test_each_rank_keeps_and_resumes_from_its_own_last_state(tmp_path):
     save_rank_state(tmp_path, 1, 100, {"who": 1}, prune=True)
     save_rank_state(tmp_path, 2, 250, {"who": 2}, prune=True)  # rank 2 runs ahead
     save_last(tmp_path, 200, {}, {}, 3, {"who": 0}, prune_others=False)
-    assert load_resume(tmp_path, 0, 3, own_pace=True) == (200, {"who": 0})
-    assert load_resume(tmp_path, 1, 3, own_pace=True) == (100, {"who": 1})
-    assert load_resume(tmp_path, 2, 3, own_pace=True) == (250, {"who": 2})
+    assert _own(load_resume(tmp_path, 0, 3, own_pace=True)) == (200, {"who": 0})
+    assert _own(load_resume(tmp_path, 1, 3, own_pace=True)) == (100, {"who": 1})
+    assert _own(load_resume(tmp_path, 2, 3, own_pace=True)) == (250, {"who": 2})
     save_rank_state(tmp_path, 1, 300, {"who": 1}, prune=True)  # replaces rank 1's own older state only
     assert sorted(p.name for p in tmp_path.glob("rank*.pt")) == ["rank1-step300.pt", "rank2-step250.pt"]
-    assert load_resume(tmp_path, 3 - 1, 3, own_pace=True)[0] == 250
+    assert load_resume(tmp_path, 3 - 1, 3, own_pace=True).step == 250
+
+
+def test_a_resume_at_another_size_keeps_old_ranks_discards_dropped_and_makes_joiners(tmp_path):
+    """3 -> 4 workers: rank 3 is a joiner (no state: it starts from the center at rank 0's step);
+    then 3 -> 2: rank 0 discards rank 2's files (its progress not pushed is lost, as documented)."""
+    save_rank_state(tmp_path, 1, 100, {"who": 1}, prune=True)
+    save_rank_state(tmp_path, 2, 250, {"who": 2}, prune=True)
+    save_last(tmp_path, 200, {"w": 1}, {}, 3, {"who": 0}, prune_others=False)
+    joiner = load_resume(tmp_path, 3, 4, own_pace=True)
+    assert joiner.joiner and joiner.step == 200 and joiner.rank0 == {"who": 0} and joiner.world_size == 3
+    assert _own(load_resume(tmp_path, 2, 4, own_pace=True)) == (250, {"who": 2})
+    assert _own(load_resume(tmp_path, 0, 2, own_pace=True)) == (200, {"who": 0})
+    assert sorted(p.name for p in tmp_path.glob("rank*.pt")) == ["rank1-step100.pt"]
+
+
+def _own(resumed) -> tuple:
+    return resumed.step, resumed.state
 
 
 def _checkpointed(out, rank: int, at_least: int) -> bool:

@@ -49,7 +49,9 @@ def train(
     ``(x, y)`` batch); ``metrics(model, batch)`` -> ``dict[str, float]`` averaged over the test set
     (default: the loss, and accuracy for class logits); ``collate(items)`` -> batch (default:
     ``default_collate``); ``options``: the strategy's options (``{"tau": 4}`` for easgd); ``resume``:
-    continue the run recorded in ``out`` (only ``steps``, ``timeout`` and logging may change);
+    continue the run recorded in ``out`` (only ``steps``, ``workers``, ``timeout`` and logging may change;
+    ``resize`` says what becomes of the batch at another worker count); ``init_from``: a new run from
+    another run's weights (its directory or a state_dict file);
     ``fields``: any field of the run config, as the CLI flags and TOML spell them (``steps``,
     ``batch_size``, ``lr``, ``out``, ``progress=False`` for no progress bar and no summary table,
     ``target_metric``, ...). A bad value raises ``parambox.UserError`` naming it. The loop's training

@@ -41,23 +41,59 @@ class GlobalBatchSampler:
     rank ``r`` of ``n`` takes slice ``r`` of it. So a 2-worker run at batch b and a 1-worker run at
     batch 2b see the same samples, and resuming at step ``t`` needs nothing but ``t``.
 
+    A run resumed at another size continues the stream (:meth:`continue_at`): from the step it resumes
+    at, global batches of the new size follow the samples consumed before, none skipped or seen twice.
+    A global batch that ``n`` does not divide is cut into slices one sample apart (the first
+    ``global % n`` ranks take one more): :attr:`loss_weight` makes their mean gradient exact.
+
     >>> s = GlobalBatchSampler(num_samples=10, batch_size=2, rank=1, world_size=2, seed=0)
     >>> s.indices(0).shape
     torch.Size([2])
+    >>> s.continue_at(step=3, offset=12, global_batch=4, world_size=3); s.batch_size, s.position(3)
+    (1, 12)
     """
 
     def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, seed: int):
         assert 0 <= rank < world_size and batch_size > 0 and num_samples > 0
         self.num_samples = num_samples
-        self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
+        self.global_batch_size = batch_size * world_size
+        # The stream's origin: ``offset`` samples were consumed before step ``start_step``.
+        self.start_step, self.offset = 0, 0
         self._perms: dict[int, torch.Tensor] = {}
 
+    def continue_at(self, step: int, offset: int, global_batch: int, world_size: int | None = None) -> None:
+        """From ``step`` on, global batches of ``global_batch`` samples follow the ``offset`` samples
+        consumed before it, cut over ``world_size`` ranks (this sampler's if not given)."""
+        self.world_size = world_size or self.world_size
+        assert global_batch >= self.world_size > self.rank, "a slice for every rank"
+        self.start_step, self.offset, self.global_batch_size = step, offset, global_batch
+
     @property
-    def global_batch_size(self) -> int:
-        return self.batch_size * self.world_size
+    def batch_size(self) -> int:
+        """This rank's slice of the global batch."""
+        base, extra = divmod(self.global_batch_size, self.world_size)
+        return base + (self.rank < extra)
+
+    @property
+    def loss_weight(self) -> float:
+        """What this rank's mean loss is scaled by so that the ranks' mean gradient is the global batch's
+        mean: 1 for even slices, ``slice * n / global`` for uneven ones."""
+        return self.batch_size * self.world_size / self.global_batch_size
+
+    def position(self, step: int) -> int:
+        """Samples of the stream consumed before ``step`` (every rank's)."""
+        return self.offset + (step - self.start_step) * self.global_batch_size
+
+    def state(self, step: int) -> dict[str, int]:
+        """What a resume at any size needs to continue the stream at ``step``."""
+        return {
+            "offset": self.position(step),
+            "global_batch": self.global_batch_size,
+            "ranks": self.world_size,
+        }
 
     def _perm(self, epoch: int) -> torch.Tensor:
         if epoch not in self._perms:
@@ -68,10 +104,11 @@ class GlobalBatchSampler:
         return self._perms[epoch]
 
     def epoch_of(self, step: int) -> float:
-        return step * self.global_batch_size / self.num_samples
+        return self.position(step) / self.num_samples
 
     def indices(self, step: int) -> torch.Tensor:
-        start = step * self.global_batch_size + self.rank * self.batch_size
+        base, extra = divmod(self.global_batch_size, self.world_size)
+        start = self.position(step) + self.rank * base + min(self.rank, extra)
         out = []
         pos, need = start, self.batch_size
         while need:

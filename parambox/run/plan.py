@@ -102,12 +102,18 @@ def resolve(cfg: RunConfig, caller: Caller, resume: bool = False) -> Plan:
     count the strategy cannot take is refused here, not seconds later in the workers."""
     from parambox.strategies import strategy_class
 
+    recorded_workers = None
     if resume:
         cfg = continue_recorded(cfg, caller)
+        recorded_workers = load_recorded(Path(cfg.out)).workers
     check_seed(cfg, caller)
     check_variables()
     options = cfg.strategy_options()
     cls = strategy_class(cfg.strategy, options)
+    if recorded_workers not in (None, cfg.workers) and not under_external_launcher():
+        cls.check_resize(recorded_workers, cfg.workers, options)
+    if cfg.init_from and not resume:
+        cfg.init_from = check_init_from(cfg.init_from, caller)
     if cls.max_workers == 1 and "workers" not in cfg.model_fields_set:
         cfg.workers = 1  # `--strategy single` needs no `--workers 1`
     if cfg.box.backend == "rma" and cfg.box.memory_ranks is None:  # decided once, recorded for the workers
@@ -125,6 +131,15 @@ def resolve(cfg: RunConfig, caller: Caller, resume: bool = False) -> Plan:
 
             check_environment()  # not root, or no ip/tc: one line before anything is written
     return plan
+
+
+def check_init_from(source: str, caller: Caller) -> str:
+    """``init_from`` as an absolute path every worker finds; a ``UserError`` when it names nothing."""
+    path = Path(source).expanduser().resolve()
+    weights = path / "checkpoints" / "last.pt" if path.is_dir() else path
+    if not weights.is_file():
+        raise UserError(f"{caller.given('init_from', source)}: {weights} does not exist")
+    return str(path)
 
 
 # The seed is mixed into torch generators' seeds (seed * 1000 + rank + 1 per rank, and the data's
@@ -175,7 +190,8 @@ def check_variables() -> None:
 FAULT_KINDS = ("kill", "nan", "slow", "hang", "stop", "partition", "lose-exchange")
 
 
-# What a resume may change: how long it runs, how it waits, what it logs. Everything else is the run's.
+# What a resume may change: how long it runs, how it waits, what it logs, and how many workers it has
+# (``resize`` says what becomes of the batch then). Everything else is the run's.
 RESUMABLE = frozenset(
     {
         "steps",
@@ -186,6 +202,9 @@ RESUMABLE = frozenset(
         "log_every",
         "eval_every",
         "checkpoint_every",
+        "checkpoint_interval_s",
+        "workers",
+        "resize",
         "max_restarts",
         "warm_spare",
         "on_failure",
@@ -228,7 +247,9 @@ def _check_external(plan: Plan) -> None:
     if cfg.box.needs_mpi and srun_without_mpi():  # before MPI starts: it would leave files behind
         raise UserError(srun_without_mpi())
     cfg.out = cfg.out or external_run_dir(cfg, plan.caller)
-    if "workers" in cfg.model_fields_set and plan.processes != world.world_size and world.rank == 0:
+    if plan.resume:  # the recorded count is the last life's: this life has what the launcher started
+        cfg.workers = world.world_size - (plan.processes - cfg.workers)
+    elif "workers" in cfg.model_fields_set and plan.processes != world.world_size and world.rank == 0:
         warn(
             f"{plan.caller.given('workers', cfg.workers)} ignored: the launcher started {world.world_size} processes"
         )

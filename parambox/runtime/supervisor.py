@@ -332,8 +332,11 @@ class Supervisor:
         self.starters.stop(self.procs)
         cause = f"worker rank {rank} failed: {cause.removeprefix('parambox: error: ')}"
         kept = keep_life_logs(self.log_dir, self._group_life, cause)
+        where = (
+            "the last checkpoint" if self.starters.can_resume() else "step 0 (no checkpoint was written yet)"
+        )
         warn(
-            f"restarting the workers from the last checkpoint ({self.result.restarts + 1} of "
+            f"restarting the workers from {where} ({self.result.restarts + 1} of "
             f"{self.max_restarts}): {cause} (logs of that life: {kept})"
         )
         now = time.monotonic()

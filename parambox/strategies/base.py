@@ -68,6 +68,10 @@ class Context:
     # fp16: while a step the scaler skips runs its update, every optimizer's rate is 0 (the exchanges
     # still run, so collectives stay aligned; the weights stay where they are)
     pause_rates: Callable[[], AbstractContextManager[None]] | None = None
+    # What this rank's loss is scaled by in backward: 1, but for a run resized to a worker count that
+    # does not divide its global batch (slices one sample apart), where ``slice * n / global`` makes the
+    # ranks' mean gradient the global batch's exact mean (``GlobalBatchSampler.loss_weight``).
+    loss_weight: float = 1.0
 
 
 class Strategy:
@@ -110,6 +114,14 @@ class Strategy:
     # The options that set how many local steps pass between two exchanges (easgd's tau, diloco's H):
     # what the studies' tau-H tables vary.
     period_options: ClassVar[tuple[str, ...]] = ()
+    # Whether a run of this rule resumes at another worker count (``--resume --workers M``): the model,
+    # the state of the ranks that stay, and :meth:`joiner_state` for the new ones are enough. Rules whose
+    # state is cut by the worker count (pipeline stages, L-BFGS shards) refuse in :meth:`check_resize`.
+    resizes: ClassVar[bool] = True
+    # The keys of :meth:`state_dict` (dotted for nested ones) that are one rank's own, not the run's: a
+    # rank new to a resized run starts them afresh (error feedback it does not owe, a local optimizer's
+    # moments of a replica it never had). The rest of rank 0's state is the run's, the same on every rank.
+    per_rank_state: ClassVar[tuple[str, ...]] = ()
     # What the strategy trains with when the user did not choose (applied by config resolution, so
     # config.json records it): its optimizer and rate, taken whole unless the user set optimizer or lr
     # (a user's --optimizer sgd must not inherit a rate meant for AdamW); ...
@@ -131,6 +143,18 @@ class Strategy:
         nothing (the Soft Memory Box's memory node). None here: a synchronous strategy's box lives
         on its workers. ``emulated_nodes``: the run is on an emulated cluster."""
         return 0
+
+    @classmethod
+    def check_resize(cls, old: int, new: int, options: Options | None = None) -> None:
+        """A ``UserError`` when a run of ``old`` workers cannot resume with ``new`` (checked before any
+        process starts); then ``new`` must be a count the rule takes."""
+        if not cls.resizes:
+            raise UserError(
+                f"strategy {cls.name!r} cannot resume at another worker count: its state is cut for "
+                f"{old} workers; resume with {old} workers, or start a new run of {new} from these weights "
+                "with --init-from RUN_DIR"
+            )
+        cls.check_workers(new, options)
 
     @classmethod
     def accepts_workers(cls, n: int, options: Options | None = None) -> bool:
@@ -230,6 +254,8 @@ class Strategy:
                     total = loss.detach().float() if total is None else total + loss.detach().float()
                 if last and direct:
                     self.before_backward(total)
+                if ctx.loss_weight != 1.0:
+                    loss = loss * ctx.loss_weight
                 (ctx.scaler.scale(loss) if ctx.scaler is not None else loss).backward()
         return total
 
@@ -356,6 +382,11 @@ class Strategy:
     def load_model_state(self, model_state: dict[str, torch.Tensor]) -> None:
         """Restore the whole model's weights on this rank (resume)."""
         self.model.load_state_dict(model_state)
+
+    def joiner_state(self, rank0: dict[str, Any]) -> dict[str, Any]:
+        """The state a rank new to a resized synchronous run starts from: rank 0's, without what is rank
+        0's own (:attr:`per_rank_state`), which this rank starts afresh."""
+        return without_keys(rank0, self.per_rank_state)
 
     def count_step(self, samples: int) -> None:
         """After each step, this rank's ``samples`` in it (:meth:`InPlace.count_step`)."""
@@ -731,3 +762,19 @@ def broadcast_tensors_(tensors: list[torch.Tensor], src: int = 0, group: Any = N
             for t in same:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+
+def without_keys(state: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """``state`` without ``keys`` (dotted for nested dicts), the dicts on the way copied.
+
+    >>> without_keys({"a": 1, "b": {"c": 2, "d": 3}}, ("a", "b.c"))
+    {'b': {'d': 3}}
+    """
+    out = dict(state)
+    for key in keys:
+        head, _, rest = key.partition(".")
+        if rest and isinstance(out.get(head), dict):
+            out[head] = without_keys(out[head], (rest,))
+        elif not rest:
+            out.pop(head, None)
+    return out

@@ -154,6 +154,7 @@ class Diloco(Strategy):
     default_optimizer = {"optimizer": "adamw", "lr": 1e-3}
     default_options = {"inner_steps": 10}
     survives_in_place = True  # the synchronous form, without overlap
+    per_rank_state = ("averager.error",)  # the error feedback a rank owes is its own
 
     @classmethod
     def resolve(cls, options: DilocoOptions) -> type[Strategy]:

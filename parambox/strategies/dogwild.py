@@ -199,7 +199,8 @@ class Dogwild(Strategy):
                 m.w.copy_(state["master_weights"])
                 self.x.copy_(m.w)
                 for r, n in enumerate(state.get("worker_steps", torch.zeros(0)).tolist()):
-                    m.steps[r] = max(m.steps[r], int(n))
+                    if r in m.steps:  # (a rank a resize to fewer workers dropped: no longer in the run)
+                        m.steps[r] = max(m.steps[r], int(n))
                 m.publish()  # the restored weights go out to every worker at once
 
     def total_samples(self, local: int) -> float:

@@ -67,6 +67,7 @@ class Hybrid(AsyncStrategy):
     """
 
     name = "hybrid"
+    resizes = False  # its groups and their leaders are cut for the run's worker count
     period_options = ("tau",)
     Options = HybridOptions
     tolerates_worker_loss = False  # a group's allreduce needs all its members

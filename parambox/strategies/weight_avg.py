@@ -40,6 +40,7 @@ class WeightAveraging(Strategy):
     period_options = ("period",)
     Options = WeightAvgOptions
     survives_in_place = True
+    per_rank_state = ("averager.error",)  # the error feedback a rank owes is its own
 
     def __init__(self, ctx: Context, options: WeightAvgOptions):
         super().__init__(ctx, options)

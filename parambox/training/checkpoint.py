@@ -1,12 +1,16 @@
 """Atomic checkpoints and resume.
 
 ``DIR/checkpoints/last.pt`` is the commit point: a dict with ``"model"`` (the run's model as one
-state_dict with the usual names), ``"step"``, ``"world_size"``, ``"config"`` and rank 0's own
-resume state. Every other rank's state (its replica, optimizer, RNG) goes to
+state_dict with the usual names), ``"step"``, ``"world_size"``, ``"config"``, ``"data"`` (where the
+sample stream stands: samples consumed, the global batch) and rank 0's own resume state. Every other rank's state (its replica, optimizer, RNG) goes to
 ``rank{r}-step{N}.pt`` first, so ``last.pt`` never points at state that is not on disk. In a
 synchronous run every rank saves the same step and ``last.pt`` commits it; in an asynchronous run
 each rank saves at its own pace (its own step), replaces only its own older file, and resumes from
 its own newest one.
+
+A resume at another worker count (:func:`load_resume`): ranks the old run had keep their own state;
+a rank new to the run is a *joiner* (its state is ``None``: the loop starts it from ``last.pt``'s
+model and rank 0's state, as the strategy says); the files of ranks the new run lacks are discarded.
 Everything loads with ``torch.load(weights_only=True)``.
 """
 
@@ -19,6 +23,7 @@ import os
 import re
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -168,13 +173,15 @@ def save_last(
     world_size: int,
     state: dict,
     prune_others: bool = True,
+    data: dict | None = None,
 ) -> None:
     """The commit point. ``prune_others`` (synchronous runs): every rank's state at another step is
-    garbage now. Asynchronous ranks checkpoint at their own pace: their files are theirs to replace."""
-    atomic_save(
-        {"model": model_state, "step": step, "world_size": world_size, "config": config, "rank0": state},
-        ckpt_dir / "last.pt",
-    )
+    garbage now. Asynchronous ranks checkpoint at their own pace: their files are theirs to replace.
+    ``data``: where the sample stream stands at ``step`` (``GlobalBatchSampler.state``)."""
+    last = {"model": model_state, "step": step, "world_size": world_size, "config": config, "rank0": state}
+    if data is not None:
+        last["data"] = data
+    atomic_save(last, ckpt_dir / "last.pt")
     if prune_others:
         for old in ckpt_dir.glob("rank*-step*.pt"):
             if not old.name.endswith(f"-step{step}.pt"):
@@ -190,29 +197,91 @@ def load(path: Path) -> dict[str, Any]:
         raise UserError(f"checkpoint {path} is unreadable: {str(e).splitlines()[0][:200]}") from None
 
 
-def load_resume(
-    ckpt_dir: Path, rank: int, world_size: int, own_pace: bool = False
-) -> tuple[int, dict[str, Any] | None]:
-    """(step, this rank's state) from the run's last checkpoint. ``own_pace`` (asynchronous runs):
-    each rank other than 0 from its own newest state, at its own step; ``(0, None)`` if it has none."""
+@dataclass
+class Resumed:
+    """What a rank resumes from. ``state``: its own resume state, or rank 0's where a synchronous rank
+    of the old run has none; None for a *joiner* (a rank the old run did not have) and an asynchronous
+    rank that never checkpointed. ``rank0``: rank 0's state, what a joiner starts from."""
+
+    step: int
+    state: dict[str, Any] | None
+    world_size: int  # the old run's processes
+    model: dict[str, Any]  # last.pt's weights: the run's result at ``last_step``
+    last_step: int  # the step last.pt commits (an asynchronous rank's own may differ)
+    rank0: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, int] | None = None  # GlobalBatchSampler.state at last_step; None in older checkpoints
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def joiner(self) -> bool:
+        return self.state is None
+
+
+def read_last(ckpt_dir: Path) -> dict[str, Any]:
+    """``last.pt``, checked to be a parambox checkpoint."""
     last = load(ckpt_dir / "last.pt")
     if not isinstance(last, dict) or "step" not in last or "model" not in last:
         raise UserError(f"checkpoint {ckpt_dir / 'last.pt'} is not a parambox checkpoint")
-    if last.get("world_size") != world_size:
-        raise UserError(
-            f"checkpoint {ckpt_dir / 'last.pt'} was written by {last.get('world_size')} workers, "
-            f"this run has {world_size}"
-        )
-    step = int(last["step"])
+    return last
+
+
+def load_resume(ckpt_dir: Path, rank: int, world_size: int, own_pace: bool = False) -> Resumed:
+    """This rank's resume from the run's last checkpoint, at any ``world_size``. ``own_pace``
+    (asynchronous runs): each rank other than 0 from its own newest state, at its own step. A rank
+    beyond the old run's is a joiner; rank 0 of a smaller run discards the dropped ranks' files."""
+    last = read_last(ckpt_dir)
+    step, old_size = int(last["step"]), int(last.get("world_size") or world_size)
+    resumed = Resumed(
+        step, None, old_size, last["model"], step, last["rank0"], last.get("data"), last.get("config") or {}
+    )
     if rank == 0:
-        return step, last["rank0"]
+        if old_size > world_size:
+            for r in range(world_size, old_size):
+                for path, _ in rank_states(ckpt_dir, r):
+                    path.unlink(missing_ok=True)
+        resumed.state = last["rank0"]
+        return resumed
+    if rank >= old_size:
+        return resumed  # a joiner
     if not own_pace:
         own = ckpt_dir / f"rank{rank}-step{step}.pt"
         # A stopped run (Ctrl-C) saves each rank where it stopped, which for a rank a step apart from
         # rank 0 is not rank 0's step: it then continues from rank 0's state (a synchronous replica).
-        return step, load(own) if own.exists() else last["rank0"]
+        resumed.state = load(own) if own.exists() else last["rank0"]
+        return resumed
     states = rank_states(ckpt_dir, rank)
-    if not states:
-        return 0, None
-    path, step = states[0]
-    return step, load(path)
+    if states:
+        path, resumed.step = states[0]
+        resumed.state = load(path)
+    return resumed
+
+
+def init_weights(source: str) -> dict[str, Any]:
+    """The weights ``init_from`` names: a run directory (its ``checkpoints/last.pt``), a ``last.pt``
+    (its ``"model"``) or a plain state_dict ``.pt`` file."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        path = path / "checkpoints" / "last.pt"
+    obj = load(path)
+    if isinstance(obj, dict) and "model" in obj and "step" in obj:
+        obj = obj["model"]
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise UserError(f"init_from {source}: {path} holds no state_dict (a dict of tensors)")
+    return obj
+
+
+def load_init_weights(model: torch.nn.Module, source: str) -> None:
+    """``model``'s weights from ``source`` (:func:`init_weights`); a ``UserError`` naming the keys or
+    shapes that do not match the run's model."""
+    weights, own = init_weights(source), model.state_dict()
+    missing = sorted(set(own) - set(weights))
+    unexpected = sorted(set(weights) - set(own))
+    shapes = sorted(k for k in set(own) & set(weights) if own[k].shape != weights[k].shape)
+    problems = [
+        f"{what} {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
+        for what, keys in (("missing", missing), ("unexpected", unexpected), ("other shapes:", shapes))
+        if keys
+    ]
+    if problems:
+        raise UserError(f"init_from {source}: its weights do not fit the run's model ({'; '.join(problems)})")
+    model.load_state_dict(weights)

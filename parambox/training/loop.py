@@ -24,7 +24,8 @@ from parambox.runtime.heap import keep_freed_memory
 from parambox.runtime.world import World
 from parambox.strategies import Context, Strategy, build_strategy, strategy_class
 from parambox.strategies.base import map_tensors
-from parambox.training import checkpoint
+from parambox.training import checkpoint, resize
+from parambox.training.cadence import CheckpointCadence
 from parambox.training.faults import FaultPlan
 from parambox.training.metrics import MetricsLogger
 from parambox.training.progress import Progress
@@ -58,7 +59,7 @@ def train(
     metrics or collate functions handed in by the library API in this process (else the config's
     names and references are used)."""
     try:
-        run = setup(cfg, world, run_dir, callables)
+        run = setup(cfg, world, run_dir, callables, init_from=None if resume else cfg.init_from)
         try:
             with stop_on_signal() as stop:
                 return _loop(run, resume, stop)
@@ -93,11 +94,15 @@ def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | Non
     log = MetricsLogger(run.run_dir, world.rank, cfg.tensorboard)
     try:
         step = run.strategy.rejoin_step()  # a replacement carries on where its predecessor was
+        resized = None
         if step is None:
-            step = restore(run) if resume else 0
+            step, resized = restore(run) if resume else (0, None)
         log.write({"kind": "world", "step": step, **world_record(world), "epoch": round(log.epoch, 6)})
+        if resized is not None:
+            log.write(dict(resized))  # (write adds its time to what it is given)
         bar = Progress(cfg.steps, enabled=cfg.progress and world.rank == 0, start=step)
         samples = 0
+        cadence = checkpoint_cadence(run)
         while not run.strategy.should_stop(step):
             if stop.is_set() and _stops_here(run, step):
                 save_checkpoint(run, step, barrier=False)
@@ -111,22 +116,26 @@ def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | Non
             step, samples = step + 1, samples + result.samples
             run.strategy.count_step(result.samples)
             if step % cfg.log_every == 0:
-                rec = step_record(step, result, log.elapsed(), samples * run.batches.sampler.world_size)
+                sampler = run.batches.sampler
+                rec = step_record(
+                    step, result, log.elapsed(), samples * sampler.global_batch_size / sampler.batch_size
+                )
                 if run.rates.schedule.active:
                     rec["lr"] = run.rates.current()  # the rate this step ran at
                 log.write(rec)
             bar.update(step, result.loss)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 log.write({"kind": "eval", "step": step, **evaluate(run), **log.resources()})
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
+            if step < cfg.steps and cadence.due(step):
                 save_checkpoint(run, step)
+                cadence.saved()
         run.strategy.finish()
         wall = log.elapsed()
         bar.close()
         final = evaluate(run)
         log.write({"kind": "eval", "step": step, **final, **log.resources()})
         save_checkpoint(run, step)
-        return write_summary(run, step, wall, samples, final)
+        return write_summary(run, step, wall, samples, final, resized)
     finally:
         log.close()
 
@@ -164,7 +173,13 @@ def world_record(world: World) -> dict[str, Any]:
     }
 
 
-def setup(cfg: RunConfig, world: World, run_dir: Path, callables: dict[str, Callable] | None = None) -> Run:
+def setup(
+    cfg: RunConfig,
+    world: World,
+    run_dir: Path,
+    callables: dict[str, Callable] | None = None,
+    init_from: str | None = None,
+) -> Run:
     torch.set_num_threads(
         cfg.threads or int(os.environ.get("PARAMBOX_THREADS", "0")) or torch.get_num_threads()
     )
@@ -182,6 +197,8 @@ def setup(cfg: RunConfig, world: World, run_dir: Path, callables: dict[str, Call
             make_optimizer_factory(cfg), Schedule(cfg.lr_schedule, cfg.warmup_steps, cfg.steps)
         )
         ctx = make_context(cfg, world, run_dir, workload, board, rates)
+        if init_from:  # a new run from another run's weights, before the strategy copies them
+            checkpoint.load_init_weights(ctx.model, init_from)
         # A replacement in a run that survives in place asks to join only now, its data and model
         # ready: the members stall from its admission until it has their state (its data set's
         # loading took ~0.5 s of that stall on MNIST, 27 Nov; a user's data set could take minutes).
@@ -281,7 +298,9 @@ def save_checkpoint(run: Run, step: int, barrier: bool = True) -> None:
     state = checkpoint.rank_state(run.strategy.model.state_dict(), run.strategy.state_dict(), loop_state(run))
     model = run.strategy.eval_model()
     own_pace = run.strategy.tolerates_worker_loss
-    if run.world.rank != 0:
+    # A memory rank trains nothing (rank 0 saves the box): no state of its own that a worker of a
+    # resized run taking its rank could mistake for a trained one.
+    if run.world.rank != 0 and not getattr(run.strategy, "serves", False):
         checkpoint.save_rank_state(ckpt_dir, run.world.rank, step, state, prune=own_pace)
     if run.world.world_size > 1 and not own_pace and barrier:
         with pbdist.collective("checkpoint barrier", run.board):
@@ -303,24 +322,59 @@ def save_checkpoint(run: Run, step: int, barrier: bool = True) -> None:
             run.world.world_size,
             state,
             prune_others=not own_pace,
+            data=run.batches.sampler.state(step),
         )
 
 
-def restore(run: Run) -> int:
-    step, state = checkpoint.load_resume(
+def checkpoint_cadence(run: Run) -> CheckpointCadence:
+    """The run's checkpoint cadence: asynchronous ranks by their own clocks, ranks in lockstep by rank
+    0's, posted on the run's store (``training/cadence.py``)."""
+    cfg, strategy = run.cfg, run.strategy
+    clock = "own"
+    if run.world.world_size > 1 and not strategy.tolerates_worker_loss:
+        clock = "rank0" if strategy.lockstep else "steps"
+    group = pbdist.elastic_group()
+    store = group.store if group is not None else run.board.store
+    options = cfg.strategy_options()
+    period = max([int(getattr(options, name, 1) or 1) for name in strategy.period_options] or [1])
+    return CheckpointCadence(
+        cfg.checkpoint_every,
+        cfg.checkpoint_interval_s,
+        run.world.rank,
+        clock,
+        store,
+        period,
+        prefix=f"parambox/checkpoint_at/{current_life()}",
+    )
+
+
+def restore(run: Run) -> tuple[int, dict[str, Any] | None]:
+    """This rank's state from the run's last checkpoint, at any worker count (``training/resize.py``):
+    the step it continues from, and the record of a resize (None when the size and batch are the same)."""
+    resumed = checkpoint.load_resume(
         run.run_dir / "checkpoints",
         run.world.rank,
         run.world.world_size,
         own_pace=run.strategy.tolerates_worker_loss,
     )
-    if state is None:  # this rank never checkpointed (asynchronous runs): it starts over
-        run.strategy.load_state_dict({})  # (and waits, as the others do, for the restored center)
-        return 0
-    run.strategy.load_model_state(state["replica"])
-    run.strategy.load_state_dict(state["strategy"])
-    load_loop_state(run, state.get("loop", {}))
-    torch.set_rng_state(state["torch_rng"])
-    return step
+    if resumed.world_size != run.world.world_size:  # under torchrun / srun: not checked before
+        run.strategy.check_resize(resumed.world_size, run.world.world_size, run.strategy.options)
+    resized = resize.continue_stream(run.batches.sampler, run.cfg, resumed, run.strategy.ctx)
+    if resumed.joiner:  # new to the run, or an asynchronous rank that never checkpointed
+        run.strategy.load_model_state(resumed.model)  # the run's weights (an asynchronous run's center)
+        rank0 = resumed.rank0
+        fresh = run.strategy.tolerates_worker_loss  # asynchronous: its own optimizer starts afresh
+        run.strategy.load_state_dict({} if fresh else run.strategy.joiner_state(rank0.get("strategy", {})))
+        load_loop_state(run, rank0.get("loop", {}))
+    else:
+        state = resumed.state
+        run.strategy.load_model_state(state["replica"])
+        run.strategy.load_state_dict(state["strategy"])
+        load_loop_state(run, state.get("loop", {}))
+        torch.set_rng_state(state["torch_rng"])
+    if run.world.rank == 0:
+        resize.announce(run.run_dir / "checkpoints" / "last.pt", resumed.step, run.cfg.steps, resized)
+    return resumed.step, resized
 
 
 def loop_state(run: Run) -> dict[str, Any]:
@@ -348,7 +402,9 @@ def load_loop_state(run: Run, state: dict[str, Any]) -> None:
         scaler.load_state_dict(state["scaler"])
 
 
-def write_summary(run: Run, step: int, wall: float, samples: int, final: dict[str, float]) -> dict | None:
+def write_summary(
+    run: Run, step: int, wall: float, samples: int, final: dict[str, float], resized: dict | None = None
+) -> dict | None:
     total = run.strategy.total_samples(samples)
     if run.world.rank != 0:
         return None
@@ -374,6 +430,8 @@ def write_summary(run: Run, step: int, wall: float, samples: int, final: dict[st
         "backend": run.world.backend,
         "config": cfg.model_dump(),
     }
+    if resized is not None:  # this life's resume changed the worker count or the batch
+        summary["resize"] = {k: v for k, v in resized.items() if k != "kind"}
     summary.update(run.strategy.summary_extra())
     checkpoint.atomic_write_json(run.run_dir / "summary.json", summary)
     return summary

@@ -95,6 +95,7 @@ class Pipeline(Strategy):
     """
 
     name = "pipeline"
+    resizes = False  # each rank's state is its stage's, cut for the run's worker count
     owns_forward_backward = True  # the schedule runs forward and backward stage by stage
     Options = PipelineOptions
     min_workers = 2  # one stage per rank

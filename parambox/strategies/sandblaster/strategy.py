@@ -117,6 +117,7 @@ class Sandblaster(Strategy):
     """
 
     name = "sandblaster"
+    resizes = False  # the iterate and L-BFGS history are sharded over the run's ranks
     owns_forward_backward = True  # portions of the batch are computed where the coordinator sends them
     Options = SandblasterOptions
     # A batch method: L-BFGS's curvature pairs need the same objective from step to step, so the batch
