@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from parambox.config import RunConfig
 from parambox.data import BatchSource
-from parambox.errors import UserError, warn
+from parambox.errors import REQUEUE_SIGNAL, Preempted, UserError, warn
 from parambox.numerics import is_finite
 from parambox.runtime import dist as pbdist
 from parambox.runtime.control import SPARE_ENV, current_life
@@ -71,16 +71,29 @@ def train(
         pbdist.destroy_distributed()
 
 
+class StopRequest(threading.Event):
+    """Set by a signal: the loop checkpoints at the next step boundary and stops. ``requeue``: the
+    signal was a batch system's before its time limit (SIGUSR1), so the rank exits with REQUEUE_EXIT."""
+
+    requeue = False
+
+    def set_by(self, signum: int) -> None:
+        self.requeue = self.requeue or signum == REQUEUE_SIGNAL
+        self.set()
+
+
 @contextlib.contextmanager
-def stop_on_signal() -> Iterator[threading.Event]:
-    """SIGTERM (the launcher stopping the run: Ctrl-C) or SIGINT sets the event; the loop checkpoints at
-    the next step boundary and raises ``KeyboardInterrupt``, so ``--resume`` has where to continue from.
+def stop_on_signal() -> Iterator[StopRequest]:
+    """SIGTERM (the launcher stopping the run: Ctrl-C), SIGINT or SIGUSR1 (a batch system's warning
+    before its time limit) sets the request; the loop checkpoints at the next step boundary and raises
+    ``KeyboardInterrupt`` (``Preempted`` after SIGUSR1), so ``--resume`` has where to continue from.
     Only in the main thread (signal handlers can be set nowhere else)."""
-    stop = threading.Event()
+    stop = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
-    old = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    signals = (signal.SIGTERM, signal.SIGINT, REQUEUE_SIGNAL)
+    old = {sig: signal.signal(sig, lambda signum, _: stop.set_by(signum)) for sig in signals}
     try:
         yield stop
     finally:
@@ -88,7 +101,7 @@ def stop_on_signal() -> Iterator[threading.Event]:
             signal.signal(sig, handler)
 
 
-def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | None:
+def _loop(run: Run, resume: bool, stop: StopRequest) -> dict[str, Any] | None:
     cfg, world = run.cfg, run.world
     log = MetricsLogger(run.run_dir, world.rank, cfg.tensorboard)
     try:
@@ -101,7 +114,7 @@ def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | Non
         while not run.strategy.should_stop(step):
             if stop.is_set() and _stops_here(run, step):
                 save_checkpoint(run, step, barrier=False)
-                raise KeyboardInterrupt
+                raise Preempted(step) if stop.requeue else KeyboardInterrupt
             run.board.post(step)
             run.rates.apply(step)
             batch = run.batches.batch(step)
