@@ -66,8 +66,10 @@ def main(argv: list[str] | None = None) -> int:
 
         zygote.prestart()  # its torch import runs beside ours
     # ``kill`` unwinds as Ctrl-C does: nothing is left behind. From the start: a batch system's SIGUSR1
-    # during the imports would otherwise end the process (its default action) without REQUEUE_EXIT.
-    with terminate_as_interrupt():
+    # during the imports would otherwise end the process (its default action) without REQUEUE_EXIT; a
+    # rank of srun's or mpiexec's keeps it for its loop, which stops with the other ranks.
+    rank = argv[:1] == ["train"] and any(v in os.environ for v in _EXTERNAL_RANK_ENV)
+    with terminate_as_interrupt(defer_requeue=rank):
         try:
             args = parse(argv)
             return int(importlib.import_module(args._module).run(args) or 0)

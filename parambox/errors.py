@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 
 
@@ -50,15 +51,25 @@ class Preempted(KeyboardInterrupt):
         self.step = step
 
 
+# Set when REQUEUE_SIGNAL came while a rank was starting: its training loop stops at its first step
+# boundary (with its peers, which heard it too) instead of the rank leaving them in their first collective
+REQUEUE_REQUESTED = threading.Event()
+
+
 @contextlib.contextmanager
-def terminate_as_interrupt() -> Iterator[None]:
+def terminate_as_interrupt(defer_requeue: bool = False) -> Iterator[None]:
     """SIGTERM (``kill``, a batch system's time limit) or SIGHUP (the terminal closed) raises
     ``KeyboardInterrupt``, and SIGUSR1 ``Preempted``, so the code inside unwinds as after Ctrl-C: workers
-    stopped (a training run checkpoints), temporary folders and emulated nodes removed. Only in the main
-    thread (elsewhere signals are left to the caller)."""
+    stopped (a training run checkpoints), temporary folders and emulated nodes removed. ``defer_requeue``
+    (a rank of an external launcher's): SIGUSR1 sets ``REQUEUE_REQUESTED`` for the training loop instead.
+    Only in the main thread (elsewhere signals are left to the caller)."""
 
     def interrupt(signum, frame):
-        raise Preempted if signum == REQUEUE_SIGNAL else KeyboardInterrupt
+        if signum != REQUEUE_SIGNAL:
+            raise KeyboardInterrupt
+        if not defer_requeue:
+            raise Preempted
+        REQUEUE_REQUESTED.set()
 
     try:
         previous = {sig: signal.signal(sig, interrupt) for sig in (*TERMINATING, REQUEUE_SIGNAL)}

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,7 +73,7 @@ FAKE_SRUN = """#!/bin/bash
 echo "$*" >> "$FAKE_LOG"
 trap 'echo got-usr1 >> "$FAKE_LOG"; exit $FAKE_CODE' USR1
 echo started >> "$FAKE_LOG"
-while :; do sleep 0.05; done
+for _ in $(seq 600); do sleep 0.05; done  # 30 s at most: a lost signal fails the test, not hangs it
 """
 
 
@@ -140,38 +141,64 @@ def _srun_ranks(job_id: str, *args: str, slow: bool = False) -> list[subprocess.
     ]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_srun_ranks_checkpoint_on_sigusr1_exit_75_and_resume(tmp_path):
-    """What srun passes on: SIGUSR1 to every task. Both ranks leave at the same step boundary with a
-    checkpoint and exit 75; ``--resume`` continues from that step to the end."""
-    out = tmp_path / "run"
-    ranks = _srun_ranks(str(50000 + os.getpid() % 10000), "--steps", "60", "--out", str(out), slow=True)
+def _catches_usr1(pid: int) -> bool:
+    """The process has its SIGUSR1 handler (``SigCgt`` in /proc): parambox's, set as its CLI starts."""
+    try:
+        caught = int(Path(f"/proc/{pid}/status").read_text().split("SigCgt:")[1].split()[0], 16)
+    except (OSError, IndexError):
+        return False
+    return bool(caught & (1 << (signal.SIGUSR1 - 1)))
+
+
+def _signal_and_wait(ranks: list[subprocess.Popen], ready) -> list[str]:
+    """SIGUSR1 to every rank once ``ready()``; their stderr once they exit."""
     try:
         deadline = time.monotonic() + 120
-        metrics = out / "metrics.jsonl"
-        while '"kind": "step"' not in (metrics.read_text() if metrics.exists() else ""):
+        while not ready():
             assert time.monotonic() < deadline and all(p.poll() is None for p in ranks)
-            time.sleep(0.2)  # a step logged: the loop (and its signal handlers) is running
-        time.sleep(1)
+            time.sleep(0.1)
         for p in ranks:
             p.send_signal(signal.SIGUSR1)
-        errs = [p.communicate(timeout=60)[1] for p in ranks]
+        return [p.communicate(timeout=120)[1] for p in ranks]
     finally:
         for p in ranks:
             p.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_srun_ranks_checkpoint_on_sigusr1_at_the_same_step_and_exit_75(tmp_path):
+    """What srun passes on: SIGUSR1 to every task. Heard while the ranks start (a rank that left then
+    would strand the others in their first collective), they stop at their first step boundary
+    together; heard mid-run, at the next one. Each time both leave a checkpoint and exit 75, and rank 0
+    says where it stopped."""
+    out, job = tmp_path / "run", 50000 + os.getpid() % 10000
+    ranks = _srun_ranks(str(job), "--steps", "60", "--out", str(out))
+    errs = _signal_and_wait(ranks, lambda: all(_catches_usr1(p.pid) for p in ranks))
+    assert [p.returncode for p in ranks] == [REQUEUE_EXIT, REQUEUE_EXIT], errs
+    assert "stopped at step 1 for a requeue" in errs[0] and "stopped" not in errs[1], errs
+    assert torch.load(out / "checkpoints" / "last.pt", weights_only=True)["step"] == 1
+
+    metrics = out / "metrics.jsonl"
+    ranks = _srun_ranks(str(job + 1), "--steps", "60", "--out", str(out), "--resume", slow=True)
+    errs = _signal_and_wait(ranks, lambda: metrics.read_text().count('"kind": "step"') >= 2)
     assert [p.returncode for p in ranks] == [REQUEUE_EXIT, REQUEUE_EXIT], errs
     stopped = int(errs[0].split("stopped at step ")[1].split()[0])
-    assert 0 < stopped < 60 and "stopped at step" not in errs[1]  # rank 0 says it, once
+    assert (
+        2 < stopped < 60 and torch.load(out / "checkpoints" / "last.pt", weights_only=True)["step"] == stopped
+    )
     assert not (out / "summary.json").exists()
-    assert torch.load(out / "checkpoints" / "last.pt", weights_only=True)["step"] == stopped
-    ranks = _srun_ranks(str(60000 + os.getpid() % 10000), "--steps", "60", "--out", str(out), "--resume")
-    errs = [p.communicate(timeout=120)[1] for p in ranks]
-    assert [p.returncode for p in ranks] == [0, 0], errs
-    assert summary(out)["steps"] == 60
 
 
 # --- the real SLURM: a one-minute time limit, three requeues --------------------------------------
+#
+# SLURM looks at its jobs every 30 s and signals one once its end is within S + 30 s: with a one-minute
+# limit and S = 30, at its first look after the start, so no start trains more than 30 s (python's
+# start-up takes 5-25 s of them here, with the machine's load). The run is long (STEPS_OPEN: no three
+# starts finish it) until the third requeue; then the test shortens it (`steps` may change on a resume)
+# so that the fourth start finishes it, and the uninterrupted run of the same steps is the reference.
+
+STEPS_OPEN = 100_000
 
 
 def scontrol_job(job_id: str) -> dict[str, str]:
@@ -180,73 +207,151 @@ def scontrol_job(job_id: str) -> dict[str, str]:
     return dict(f.split("=", 1) for f in proc.stdout.split() if "=" in f) if proc.returncode == 0 else {}
 
 
-def drive(job_id: str, deadline_s: float) -> dict[str, str]:
-    """Poll the job until it ends. SLURM holds a requeued job for cred_expire + 1 s (121 s by default: an
-    old credential may not start it again); the test lets it start at once (``StartTime=now``)."""
-    deadline = time.monotonic() + deadline_s
+ENDED = ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
+
+
+def drive(job_id: str, deadline_s: float, on_requeue=lambda restarts: None) -> dict[str, str]:
+    """Poll the job until it ends; ``on_requeue(restarts)`` once each requeue, before the next start.
+    SLURM holds a requeued job for cred_expire + 1 s (121 s by default), so that the credential it revoked
+    cannot start it; the test lets it start sooner (``StartTime=now``), but 3 s after the requeue: in the
+    revocation's second the start is refused ("Job credential revoked")."""
+    deadline, held_since, seen = time.monotonic() + deadline_s, None, 0
     while time.monotonic() < deadline:
         job = scontrol_job(job_id)
-        if job.get("JobState") in (
-            "COMPLETED",
-            "FAILED",
-            "TIMEOUT",
-            "CANCELLED",
-            "NODE_FAIL",
-            "OUT_OF_MEMORY",
-        ):
+        if job.get("JobState") in ENDED:
             return job
         if job.get("JobState") == "PENDING" and job.get("Reason") == "BeginTime":
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
-        time.sleep(1)
+            if int(job["Restarts"]) > seen:
+                seen = int(job["Restarts"])
+                on_requeue(seen)
+            held_since = held_since or time.monotonic()
+            if time.monotonic() - held_since >= 3:
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
+        else:
+            held_since = None
+        time.sleep(0.5)
     raise AssertionError(f"job {job_id} did not end in {deadline_s:.0f} s: {scontrol_job(job_id)}")
 
 
-STEPS = "520"  # about 0.2 s a step (PARAMBOX_FAULT slow): more than three one-minute starts hold
+def submit(tmp_path: Path, out: Path, tasks: int, limit: str, steps: int) -> tuple[str, Path]:
+    """``parambox slurm --requeue`` of a paced run (0.2 s a step: PARAMBOX_FAULT slow, the pace and not
+    the maths) whose steps come from a TOML file the test may rewrite; the job id and that file."""
+    toml, job = tmp_path / f"run{tasks}.toml", tmp_path / f"job{tasks}.sbatch"
+    toml.write_text(f"steps = {steps}\n")
+    flags = ["--time", limit, "--requeue", "--signal-before", "30", "--tasks-per-node", str(tasks)]
+    run_cli(
+        "slurm",
+        *flags,
+        "--job-name",
+        "pbrequeue",
+        "--script",
+        str(job),
+        "--",
+        *TRAIN,
+        "--config",
+        str(toml),
+        "--out",
+        str(out),
+    )
+    env = dict(os.environ, PARAMBOX_FAULT="0:0:slow", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        ["sbatch", "--parsable", str(job)], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0], toml
+
+
+def checkpoint_step(out: Path) -> int:
+    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)["step"]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(420)
 @pytest.mark.skipif(not slurm_running(), reason=NO_SLURM)
 def test_a_one_minute_job_requeued_three_times_ends_at_the_uninterrupted_runs_accuracy(tmp_path):
-    out, job = tmp_path / "run", tmp_path / "job.sbatch"
-    run_cli(
-        *("slurm", "--time", "1", "--requeue", "--signal-before", "30", "--job-name", "pbrequeue"),
-        *("--script", str(job), "--", *TRAIN, "--steps", STEPS, "--out", str(out)),
-    )
-    started = time.monotonic()
-    env = dict(os.environ, PARAMBOX_FAULT="0:0:slow", PYTHONPATH=str(ROOT))  # the pace, not the maths
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", str(job)], capture_output=True, text=True, env=env, cwd=tmp_path
-    )
-    job_id = submitted.stdout.strip().split(";")[0]
-    assert submitted.returncode == 0 and job_id, submitted.stderr
+    out, started, final = tmp_path / "run", time.monotonic(), {}
+    job_id, toml = submit(tmp_path, out, tasks=2, limit="1", steps=STEPS_OPEN)
+
+    def on_requeue(restarts: int) -> None:
+        if restarts == 3:  # the fourth start finishes the run
+            final["steps"] = checkpoint_step(out) + 10
+            toml.write_text(f"steps = {final['steps']}\n")
+
     try:
-        reference = tmp_path / "reference"  # the uninterrupted run, meanwhile
-        run_cli(
-            "train",
-            *TRAIN,
-            "--workers",
-            "2",
-            "--steps",
-            STEPS,
-            "--threads",
-            "1",
-            "--out",
-            str(reference),
-            fresh=True,
-        )
-        ended = drive(job_id, deadline_s=480)
+        ended = drive(job_id, deadline_s=360, on_requeue=on_requeue)
     finally:
         subprocess.run(["scancel", job_id], check=False)
     wall = time.monotonic() - started
     log = (tmp_path / f"pbrequeue-{job_id}.out").read_text()
     assert ended["JobState"] == "COMPLETED", log
-    assert int(ended["Restarts"]) >= 3 and log.count("requeueing job") == int(ended["Restarts"]), log
-    assert summary(out)["steps"] == int(STEPS)
-    assert summary(out)["final_test_accuracy"] == pytest.approx(
-        summary(reference)["final_test_accuracy"], abs=1e-6
+    assert int(ended["Restarts"]) == log.count("requeueing job") >= 3, log
+    assert log.count("stopped at step") >= 2, log  # starts that trained, then checkpointed on the signal
+    assert summary(out)["steps"] == final["steps"] > 10  # resumed from a checkpoint of the third start
+    reference = tmp_path / "reference"  # the uninterrupted run
+    run_cli(
+        "train",
+        *TRAIN,
+        "--workers",
+        "2",
+        "--steps",
+        str(final["steps"]),
+        "--threads",
+        "1",
+        "--out",
+        str(reference),
+        fresh=True,
     )
+    accuracy = summary(out)["final_test_accuracy"]
+    assert accuracy == pytest.approx(summary(reference)["final_test_accuracy"], abs=1e-6)
     assert max_abs_diff(final_weights(out), final_weights(reference)) <= 1e-5
     print(
-        f"requeues {ended['Restarts']}, wall {wall:.0f} s, accuracy {summary(out)['final_test_accuracy']:.4f}"
+        f"\n{ended['Restarts']} requeues, {final['steps']} steps, {wall:.0f} s, test accuracy {accuracy:.4f}"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.skipif(not slurm_running(), reason=NO_SLURM)
+@pytest.mark.xfail(
+    reason="resuming at another task count comes with branch `resize` (checkpoint.py, run/plan.py): "
+    "until then the 1-task start refuses a checkpoint written by 2",
+    strict=False,
+)
+def test_a_requeued_job_resumes_on_the_task_count_of_its_new_allocation(tmp_path):
+    """A job requeued at 2 tasks comes back on an allocation of 1 (a new submission of the same script
+    for the same run directory: this SLURM cannot change a pending job's tasks per node)."""
+    out = tmp_path / "run"
+    first, _ = submit(tmp_path, out, tasks=2, limit="1", steps=STEPS_OPEN)
+
+    def on_requeue(restarts: int) -> None:
+        if (out / "checkpoints" / "last.pt").exists() and checkpoint_step(out) > 0:
+            subprocess.run(["scancel", first], check=False)  # it trained, checkpointed and was requeued
+
+    try:
+        drive(first, deadline_s=180, on_requeue=on_requeue)
+    finally:
+        subprocess.run(["scancel", first], check=False)
+    steps = checkpoint_step(out) + 10
+    second, _ = submit(tmp_path, out, tasks=1, limit="1", steps=steps)
+    try:
+        ended = drive(second, deadline_s=180)
+    finally:
+        subprocess.run(["scancel", second], check=False)
+    log = (tmp_path / f"pbrequeue-{second}.out").read_text()
+    assert ended["JobState"] == "COMPLETED" and "1 tasks, resuming" in log, log
+    assert summary(out)["steps"] == steps and summary(out)["workers"] == 1
+    reference = tmp_path / "reference"  # uninterrupted, at 2 workers: the global batch is the same
+    run_cli(
+        "train",
+        *TRAIN,
+        "--workers",
+        "2",
+        "--steps",
+        str(steps),
+        "--threads",
+        "1",
+        "--out",
+        str(reference),
+        fresh=True,
+    )
+    assert max_abs_diff(final_weights(out), final_weights(reference)) <= 1e-5

@@ -59,7 +59,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=90,
         metavar="S",
         help="with --requeue: SLURM signals the job S seconds before its time limit (up to 60 s earlier); "
-        "S must cover a step, a checkpoint and the exit (default: 90)",
+        "S must cover a step, a checkpoint and the exit",
     )
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: arguments for `parambox train`")
 
@@ -140,6 +140,7 @@ def requeue_lines(cfg, launch: str) -> list[str]:
         f'[[ -z $step ]] || kill -{sig} "$step" 2>/dev/null || true\' {sig}',
         f"{launch} $resume &",
         "step=$!",
+        f'[[ -z $signalled ]] || kill -{sig} "$step" 2>/dev/null || true  # heard before $step was set',
         "code=0",
         'wait "$step" || code=$?',
         "# a trapped signal ends `wait` early (code 128+N): wait again for the run's own exit code",

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from parambox.config import RunConfig
 from parambox.data import BatchSource
-from parambox.errors import REQUEUE_SIGNAL, Preempted, UserError, warn
+from parambox.errors import REQUEUE_REQUESTED, REQUEUE_SIGNAL, Preempted, UserError, warn
 from parambox.numerics import is_finite
 from parambox.runtime import dist as pbdist
 from parambox.runtime.control import SPARE_ENV, current_life
@@ -89,6 +89,8 @@ def stop_on_signal() -> Iterator[StopRequest]:
     ``KeyboardInterrupt`` (``Preempted`` after SIGUSR1), so ``--resume`` has where to continue from.
     Only in the main thread (signal handlers can be set nowhere else)."""
     stop = StopRequest()
+    if REQUEUE_REQUESTED.is_set():  # heard while this rank started: stop at the first step boundary
+        stop.set_by(REQUEUE_SIGNAL)
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
