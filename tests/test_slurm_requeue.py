@@ -4,6 +4,7 @@ time limit ends it three times over before it finishes."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -14,8 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from parambox.errors import REQUEUE_EXIT
-from tests.conftest import NO_SLURM, ROOT, final_weights, max_abs_diff, run_cli, slurm_running, summary
+from parambox.errors import REQUEUE_EXIT, UserError
+from parambox.runtime.spawn import find_mpiexec
+from tests.conftest import (
+    MPI_ENV,
+    NO_SLURM,
+    ROOT,
+    final_weights,
+    max_abs_diff,
+    run_cli,
+    slurm_running,
+    summary,
+)
 
 TRAIN = ["--strategy", "allreduce", "--model", "mlp", "--no-progress", "--eval-every", "0"]
 
@@ -190,6 +201,48 @@ def test_srun_ranks_checkpoint_on_sigusr1_at_the_same_step_and_exit_75(tmp_path)
     assert not (out / "summary.json").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_mpiexec_passes_sigusr1_on_and_the_memory_rank_stops_too(tmp_path):
+    """The script's mpiexec variant (the rma box): mpiexec passes SIGUSR1 on; the worker checkpoints at
+    its next step boundary, the memory rank (serving the box, with no step to stop at) leaves once the
+    worker has, and mpiexec exits 75."""
+    out = tmp_path / "run"
+    cmd = [
+        find_mpiexec() or "mpiexec",
+        "--with-ft",
+        "ulfm",
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "parambox",
+        "train",
+    ]
+    cmd += [
+        *TRAIN,
+        "--strategy",
+        "easgd",
+        "--box",
+        "rma",
+        "--steps",
+        "1000",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
+    env = dict(os.environ, **MPI_ENV, PARAMBOX_FAULT="0:0:slow")
+    mpiexec = subprocess.Popen(cmd, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    (err,) = _signal_and_wait(
+        [mpiexec], lambda: '"kind": "step"' in (metrics.read_text() if metrics.exists() else "")
+    )
+    assert mpiexec.returncode == REQUEUE_EXIT, err
+    stopped = int(err.split("stopped at step ")[1].split()[0])
+    assert torch.load(out / "checkpoints" / "last.pt", weights_only=True)["step"] == stopped > 0
+
+
 # --- the real SLURM: a one-minute time limit, three requeues --------------------------------------
 #
 # SLURM looks at its jobs every 30 s and signals one once its end is within S + 30 s: with a one-minute
@@ -355,3 +408,25 @@ def test_a_requeued_job_resumes_on_the_task_count_of_its_new_allocation(tmp_path
         fresh=True,
     )
     assert max_abs_diff(final_weights(out), final_weights(reference)) <= 1e-5
+
+
+def test_a_resume_with_the_first_starts_flags_continues_an_rma_run(tmp_path):
+    """Every start of a requeued job passes the same flags: ``--box rma`` must not differ from the
+    recorded box, whose memory ranks the plan filled in."""
+    from parambox.commands.train import config_from_args, configure
+    from parambox.run.plan import CLI, continue_recorded
+    from parambox.training.checkpoint import atomic_write_json
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    given = config_from_args(
+        parser.parse_args(["--strategy", "easgd", "--box", "rma", "--out", str(tmp_path)])
+    )
+    recorded = given.model_copy(update={"box": given.box.model_copy(update={"memory_ranks": 1})})
+    atomic_write_json(tmp_path / "config.json", recorded.model_dump())
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.pt").write_bytes(b"")
+    assert continue_recorded(given, CLI).box.memory_ranks == 1
+    shm = config_from_args(parser.parse_args(["--strategy", "easgd", "--box", "shm", "--out", str(tmp_path)]))
+    with pytest.raises(UserError, match="differs from the recorded"):
+        continue_recorded(shm, CLI)

@@ -76,10 +76,27 @@ class StopRequest(threading.Event):
     signal was a batch system's before its time limit (SIGUSR1), so the rank exits with REQUEUE_EXIT."""
 
     requeue = False
+    at_once: int | None = None  # inside ``requeue_at_once``: the step to name when the signal ends the rank
 
     def set_by(self, signum: int) -> None:
         self.requeue = self.requeue or signum == REQUEUE_SIGNAL
         self.set()
+        if self.requeue and self.at_once is not None:
+            raise Preempted(self.at_once)
+
+    @contextlib.contextmanager
+    def requeue_at_once(self, step: int, idle: bool) -> Iterator[None]:
+        """A requeue signal ends the code inside at once: ``Strategy.finish()``, where a memory rank
+        serves the box until the run's end and has no step boundary to stop at (its box's close waits
+        for the workers' checkpoints). ``idle``: the rank took no step in this life, so a request it
+        heard before ends it too (a worker that heard it during its last step finishes the run)."""
+        if self.requeue and idle:
+            raise Preempted(step)
+        self.at_once = step
+        try:
+            yield
+        finally:
+            self.at_once = None
 
 
 @contextlib.contextmanager
@@ -112,6 +129,7 @@ def _loop(run: Run, resume: bool, stop: StopRequest) -> dict[str, Any] | None:
             step = restore(run) if resume else 0
         log.write({"kind": "world", "step": step, **world_record(world), "epoch": round(log.epoch, 6)})
         bar = Progress(cfg.steps, enabled=cfg.progress and world.rank == 0, start=step)
+        first = step
         samples = 0
         while not run.strategy.should_stop(step):
             if stop.is_set() and _stops_here(run, step):
@@ -135,7 +153,8 @@ def _loop(run: Run, resume: bool, stop: StopRequest) -> dict[str, Any] | None:
                 log.write({"kind": "eval", "step": step, **evaluate(run), **log.resources()})
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
                 save_checkpoint(run, step)
-        run.strategy.finish()
+        with stop.requeue_at_once(step, idle=step == first):
+            run.strategy.finish()
         wall = log.elapsed()
         bar.close()
         final = evaluate(run)
