@@ -17,7 +17,7 @@ mpiexec), which passes it to every rank; the ranks checkpoint at their next step
 ``--open-mode=append``: one log across its starts) resumes from ``DIR/checkpoints/last.pt`` with as many
 tasks as its new allocation has.
 
-    parambox slurm --time 04:00:00 --requeue --submit -- --strategy allreduce --steps 200000 --out runs/long
+    parambox slurm --time 240 --requeue --submit -- --strategy allreduce --steps 200000 --out runs/long  # 4 h a start
 """
 
 from __future__ import annotations
