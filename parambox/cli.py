@@ -12,7 +12,7 @@ import importlib
 import os
 import sys
 
-from parambox.errors import UserError, terminate_as_interrupt, validation_message
+from parambox.errors import REQUEUE_EXIT, Preempted, UserError, terminate_as_interrupt, validation_message
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("parambox.commands.train", "train a model with any strategy"),
@@ -65,12 +65,20 @@ def main(argv: list[str] | None = None) -> int:
         from parambox.runtime import zygote
 
         zygote.prestart()  # its torch import runs beside ours
-    args = parse(argv)
-    with terminate_as_interrupt():  # ``kill`` unwinds as Ctrl-C does: nothing is left behind
+    # ``kill`` unwinds as Ctrl-C does: nothing is left behind. From the start: a batch system's SIGUSR1
+    # during the imports would otherwise end the process (its default action) without REQUEUE_EXIT; a
+    # rank of srun's or mpiexec's keeps it for its loop, which stops with the other ranks.
+    rank = argv[:1] == ["train"] and any(v in os.environ for v in _EXTERNAL_RANK_ENV)
+    with terminate_as_interrupt(defer_requeue=rank):
         try:
+            args = parse(argv)
             return int(importlib.import_module(args._module).run(args) or 0)
         except UserError as e:
             return _fail(str(e))
+        except Preempted as e:
+            where = "" if e.step is None else f" at step {e.step}"
+            print(f"parambox: stopped{where} for a requeue (SIGUSR1)", file=sys.stderr)
+            return REQUEUE_EXIT
         except KeyboardInterrupt:
             print("parambox: interrupted", file=sys.stderr)
             return 130

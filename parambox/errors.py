@@ -1,12 +1,13 @@
 """How parambox tells a user about problems: errors they caused (the CLI prints them as one line and
-exits with code 2), timeouts that name the peer or phase, one-line warnings, and SIGTERM as an
-interrupt."""
+exits with code 2), timeouts that name the peer or phase, one-line warnings, SIGTERM as an
+interrupt, and SIGUSR1 as a batch system's "checkpoint and stop: you will be requeued"."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 
 
@@ -34,20 +35,44 @@ def warn(text: str) -> None:
 
 # Signals that end a command as Ctrl-C does: ``kill`` or a batch system's time limit, a closed terminal
 TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+# The signal a batch system sends before its time limit (``sbatch --signal=USR1@90``, as Lightning and
+# submitit ask for): stop as after Ctrl-C, checkpoint saved, and exit with REQUEUE_EXIT
+REQUEUE_SIGNAL = signal.SIGUSR1
+REQUEUE_EXIT = 75  # sysexits' EX_TEMPFAIL ("try again later"): the batch script requeues the job on it
+
+
+class Preempted(KeyboardInterrupt):
+    """The run stopped on ``REQUEUE_SIGNAL``: it unwinds as after Ctrl-C (a training run leaves its
+    checkpoint) and the command exits with ``REQUEUE_EXIT``, so a batch script knows to requeue it and
+    resume. ``step``: where the run stopped (None: before its loop began)."""
+
+    def __init__(self, step: int | None = None) -> None:
+        super().__init__(step)
+        self.step = step
+
+
+# Set when REQUEUE_SIGNAL came while a rank was starting: its training loop stops at its first step
+# boundary (with its peers, which heard it too) instead of the rank leaving them in their first collective
+REQUEUE_REQUESTED = threading.Event()
 
 
 @contextlib.contextmanager
-def terminate_as_interrupt() -> Iterator[None]:
+def terminate_as_interrupt(defer_requeue: bool = False) -> Iterator[None]:
     """SIGTERM (``kill``, a batch system's time limit) or SIGHUP (the terminal closed) raises
-    ``KeyboardInterrupt``, so the code inside unwinds as after Ctrl-C: workers stopped (a training run
-    checkpoints), temporary folders and emulated nodes removed. Only in the main thread (elsewhere
-    signals are left to the caller)."""
+    ``KeyboardInterrupt``, and SIGUSR1 ``Preempted``, so the code inside unwinds as after Ctrl-C: workers
+    stopped (a training run checkpoints), temporary folders and emulated nodes removed. ``defer_requeue``
+    (a rank of an external launcher's): SIGUSR1 sets ``REQUEUE_REQUESTED`` for the training loop instead.
+    Only in the main thread (elsewhere signals are left to the caller)."""
 
     def interrupt(signum, frame):
-        raise KeyboardInterrupt
+        if signum != REQUEUE_SIGNAL:
+            raise KeyboardInterrupt
+        if not defer_requeue:
+            raise Preempted
+        REQUEUE_REQUESTED.set()
 
     try:
-        previous = {sig: signal.signal(sig, interrupt) for sig in TERMINATING}
+        previous = {sig: signal.signal(sig, interrupt) for sig in (*TERMINATING, REQUEUE_SIGNAL)}
     except ValueError:  # not the main thread
         yield
         return

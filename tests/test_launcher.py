@@ -11,6 +11,7 @@ import time
 import psutil
 import pytest
 
+from parambox.errors import REQUEUE_EXIT
 from tests.conftest import ROOT, run_cli
 
 LONG = [
@@ -46,11 +47,12 @@ def test_failed_worker_stops_the_others_and_is_named(tmp_path):
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
-    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"]
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1], ids=lambda s: s.name
 )
 def test_an_interrupt_stops_every_worker_after_its_checkpoint(tmp_path, short_tmp, sig):
     """Ctrl-C, ``kill`` (a batch system's time limit) or a closed terminal: the workers checkpoint,
-    stop, and the run's temporary folder goes with them."""
+    stop, and the run's temporary folder goes with them. SIGUSR1 (a batch system's warning before its
+    time limit) too, with exit code 75: "requeue me"."""
     out = tmp_path / "r"
     p = subprocess.Popen(
         [sys.executable, "-m", "parambox", *LONG, "--out", str(out)],
@@ -69,7 +71,10 @@ def test_an_interrupt_stops_every_worker_after_its_checkpoint(tmp_path, short_tm
     assert list(short_tmp.glob("parambox-*"))  # the run's temporary folder
     p.send_signal(sig)
     _, err = p.communicate(timeout=30)
-    assert p.returncode == 130 and "interrupted" in err
+    if sig == signal.SIGUSR1:
+        assert p.returncode == REQUEUE_EXIT and "stopped for a requeue" in err, err
+    else:
+        assert p.returncode == 130 and "interrupted" in err
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
     assert (out / "checkpoints" / "last.pt").exists()

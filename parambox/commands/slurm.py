@@ -9,6 +9,15 @@ runs the environment's ``mpiexec --with-ft ulfm -n $SLURM_NTASKS`` inside the al
 srun cannot join this Open MPI's ranks into one job (each would be a singleton), and under ULFM a
 dead rank does not end the job. Everything Open MPI writes goes to a private directory the script
 removes on exit.
+
+With ``--requeue`` the job outlives its time limit, as Lightning's and submitit's do: SLURM signals the
+batch shell (``--signal=B:USR1@S``, S = ``--signal-before``), the shell passes the signal to srun (or
+mpiexec), which passes it to every rank; the ranks checkpoint at their next step boundary and exit 75
+("requeue me"), and the shell runs ``scontrol requeue``. The requeued job (``--requeue``,
+``--open-mode=append``: one log across its starts) resumes from ``DIR/checkpoints/last.pt`` with as many
+tasks as its new allocation has.
+
+    parambox slurm --time 240 --requeue --submit -- --strategy allreduce --steps 200000 --out runs/long  # 4 h a start
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from parambox.errors import UserError
+from parambox.errors import REQUEUE_EXIT, REQUEUE_SIGNAL, UserError
 from parambox.runtime.spawn import MPI_ENV, MPI_FILE_PARAMS, TCP_EAGER_ENV, find_mpiexec
 
 
@@ -39,6 +48,19 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--wait", action="store_true", help="with --submit: wait for the job to end (sbatch --wait)"
     )
+    p.add_argument(
+        "--requeue",
+        action="store_true",
+        help="before the time limit: checkpoint, requeue the job, resume when it starts again",
+    )
+    p.add_argument(
+        "--signal-before",
+        type=int,
+        default=90,
+        metavar="S",
+        help="with --requeue: SLURM signals the job S seconds before its time limit (up to 60 s earlier); "
+        "S must cover a step, a checkpoint and the exit",
+    )
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: arguments for `parambox train`")
 
 
@@ -47,6 +69,7 @@ def render(args: argparse.Namespace) -> str:
         raise UserError("--nodes and --tasks-per-node must be at least 1")
     check_header_fields(args)
     train_args = [a for a in args.train_args if a != "--"]
+    cfg = train_config(train_args)
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={args.job_name}",
@@ -62,14 +85,95 @@ def render(args: argparse.Namespace) -> str:
     for opt in ("partition", "account"):
         if getattr(args, opt):
             lines.append(f"#SBATCH --{opt}={getattr(args, opt)}")
+    if args.requeue:
+        lines += requeue_header(args)
     threads = "${SLURM_CPUS_PER_TASK:-1}"
     lines += ["set -euo pipefail", f"export OMP_NUM_THREADS={threads}"]
     train = f"{shlex.quote(sys.executable)} -m parambox train --threads {threads} " + " ".join(
         shlex.quote(a) for a in train_args
     )
-    if not uses_mpi(train_args):
-        return "\n".join([*lines, f"srun {train}", ""])
-    return "\n".join([*lines, *mpi_lines(), f'"$mpiexec" --with-ft ulfm -n "$SLURM_NTASKS" {train}', ""])
+    if not uses_mpi(cfg):
+        launch = f"srun {train}"
+    else:
+        lines += mpi_lines()
+        launch = f'"$mpiexec" --with-ft ulfm -n "$SLURM_NTASKS" {train}'
+    if not args.requeue:
+        return "\n".join([*lines, launch, ""])
+    return "\n".join([*lines, *requeue_lines(cfg, launch), ""])
+
+
+def requeue_header(args: argparse.Namespace) -> list[str]:
+    """The ``#SBATCH`` lines of a job that requeues itself: the signal to this shell only (``B:``, so
+    every rank hears it once, passed on by srun or mpiexec), requeue allowed, one log across its starts."""
+    limit = time_seconds(args.time)
+    if args.signal_before < 1:
+        raise UserError(f"--signal-before {args.signal_before}: give at least 1 second")
+    if limit is None or limit <= args.signal_before:
+        raise UserError(
+            f"--requeue with --time {args.time}: the time limit must be longer than --signal-before "
+            f"{args.signal_before} s, or the job would be signalled before it trains"
+        )
+    return [
+        f"#SBATCH --signal=B:{REQUEUE_SIGNAL.name.removeprefix('SIG')}@{args.signal_before}",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+    ]
+
+
+def requeue_lines(cfg, launch: str) -> list[str]:
+    """Run ``launch`` in the background (a trap runs only while the shell waits), pass SLURM's signal on
+    to it, and requeue the job when the run stopped on it (exit ``REQUEUE_EXIT``). A start after a
+    requeue resumes: ``--resume`` once the run directory holds a checkpoint."""
+    sig = REQUEUE_SIGNAL.name.removeprefix("SIG")
+    if cfg.out is None:  # a directory every start of the job finds: named after the job, not the step
+        out, launch = f'runs/{cfg.strategy}-"$SLURM_JOB_ID"', f'{launch} --out "$out"'
+    else:
+        out = shlex.quote(cfg.out)
+    return [
+        f"out={out}",
+        "resume=",
+        'if [[ -e "$out/checkpoints/last.pt" ]]; then resume=--resume; fi',
+        'echo "parambox: job $SLURM_JOB_ID, start ${SLURM_RESTART_COUNT:-0}, $SLURM_NTASKS tasks${resume:+, '
+        'resuming $out}"',
+        "step= signalled=",
+        f'trap \'signalled=1; echo "parambox: {sig} before the time limit: checkpointing"; '
+        f'[[ -z $step ]] || kill -{sig} "$step" 2>/dev/null || true\' {sig}',
+        f"{launch} $resume &",
+        "step=$!",
+        f'[[ -z $signalled ]] || kill -{sig} "$step" 2>/dev/null || true  # heard before $step was set',
+        "code=0",
+        'wait "$step" || code=$?',
+        "# a trapped signal ends `wait` early (code 128+N): wait again for the run's own exit code",
+        'while (( code > 128 )) && [[ -n $signalled ]]; do signalled= code=0; wait "$step" || code=$?; done',
+        f"if (( code == {REQUEUE_EXIT} )); then",
+        '  echo "parambox: checkpoint saved; requeueing job $SLURM_JOB_ID"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$code"',
+    ]
+
+
+TIME_FORMS = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
+
+
+def time_seconds(text: str) -> int | None:
+    """A SLURM time limit in seconds (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``); None for
+    none (``UNLIMITED``, ``INFINITE``).
+
+    >>> time_seconds("01:00:00"), time_seconds("5"), time_seconds("2-12"), time_seconds("UNLIMITED")
+    (3600, 300, 216000, None)
+    """
+    if text.upper() in ("UNLIMITED", "INFINITE", "-1"):
+        return None
+    m = TIME_FORMS.fullmatch(text)
+    if m is None:
+        raise UserError(f"--time {text!r}: not a SLURM time (MM, MM:SS, HH:MM:SS or D-HH:MM:SS)")
+    days, a, b, c = (int(g) if g else None for g in m.groups())
+    if days is not None:  # D-HH, D-HH:MM, D-HH:MM:SS
+        return days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
+    if c is not None:
+        return a * 3600 + b * 60 + c
+    return a * 60 + (b or 0)
 
 
 HEADER_FIELD = re.compile(r"[^\s\x00-\x1f\x7f]+")  # one token: no whitespace, no control character
@@ -90,16 +194,20 @@ def output_path(args: argparse.Namespace) -> str:
     return str(Path(args.script).resolve().parent / name) if args.script else name
 
 
-def uses_mpi(train_args: list[str]) -> bool:
-    """The run's box lives in MPI windows (``--box rma``, a config or ``--set box.backend=rma``)."""
+def train_config(train_args: list[str]):
+    """The run's config, as ``parambox train`` will read it from these arguments."""
     from parambox.commands.train import config_from_args, configure
 
     parser = argparse.ArgumentParser(add_help=False)
     configure(parser)
     try:
-        cfg = config_from_args(parser.parse_args(train_args))
+        return config_from_args(parser.parse_args(train_args))
     except SystemExit:
         raise UserError(f"cannot read the train arguments: {' '.join(train_args)}") from None
+
+
+def uses_mpi(cfg) -> bool:
+    """The run's box lives in MPI windows (``--box rma``, a config or ``--set box.backend=rma``)."""
     from parambox.strategies import strategy_class
 
     return cfg.box.needs_mpi or strategy_class(cfg.strategy, cfg.strategy_options()).needs_mpi

@@ -96,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from parambox.errors import REQUEUE_EXIT, Preempted
     from parambox.run.execute import RunFailed, launch, prepare
     from parambox.run.plan import CLI
     from parambox.run.worker import run_worker
@@ -112,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
     except RunFailed as e:
         print(e.line, file=sys.stderr)
         return e.code
+    except Preempted:
+        print("parambox: stopped for a requeue (SIGUSR1); workers stopped", file=sys.stderr)
+        return REQUEUE_EXIT
     except KeyboardInterrupt:
         print("parambox: interrupted; workers stopped", file=sys.stderr)
         return 130

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import BaseModel
+
 from parambox.config import RunConfig, build_config
 from parambox.errors import UserError, validation_message, warn
 from parambox.run import rundir
@@ -224,7 +226,9 @@ def continue_recorded(cfg: RunConfig, caller: Caller) -> RunConfig:
         raise UserError(f"{caller.field('resume')}: {last} does not exist")
     recorded = load_recorded(Path(cfg.out))
     rundir.check_trust(Path(cfg.out).resolve(), recorded, None)
-    changed = [f for f in sorted(cfg.model_fields_set - RESUMABLE) if getattr(cfg, f) != getattr(recorded, f)]
+    changed = [
+        f for f in sorted(cfg.model_fields_set - RESUMABLE) if _differs(getattr(cfg, f), getattr(recorded, f))
+    ]
     if changed:
         f = changed[0]
         raise UserError(
@@ -233,6 +237,14 @@ def continue_recorded(cfg: RunConfig, caller: Caller) -> RunConfig:
             f"(it may change only {', '.join(sorted(RESUMABLE - {'out'}))})"
         )
     return recorded.model_copy(update={f: getattr(cfg, f) for f in cfg.model_fields_set & RESUMABLE})
+
+
+def _differs(given: Any, recorded: Any) -> bool:
+    """A given value that changes the recorded one; of a table (the box) only the keys given count: the
+    plan fills the others (``--box rma`` records its memory ranks), and the same flags must resume."""
+    if isinstance(given, BaseModel) and type(given) is type(recorded):
+        return any(getattr(given, k) != getattr(recorded, k) for k in given.model_fields_set)
+    return given != recorded
 
 
 def _check_external(plan: Plan) -> None:

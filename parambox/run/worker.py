@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from parambox.errors import CommTimeout, UserError, validation_message
+from parambox.errors import REQUEUE_EXIT, CommTimeout, Preempted, UserError, validation_message
 from parambox.runtime.world import World
 
 SYS_PATH_ENV = "PARAMBOX_SYS_PATH"  # the caller's sys.path entries a worker lacks, os.pathsep-joined
@@ -110,10 +110,16 @@ def run_worker(cfg, world: World, run_dir: Path, resume: bool) -> int:
     spawn.name_this_process(spawn.rank_name(world.rank))  # ps shows parambox-r3
     try:
         summary = train_rank(cfg, world, run_dir, resume)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if world.world_size == 1:
             raise
-        code = 130  # stopped (Ctrl-C, or the launcher ending a straggler), its checkpoint saved: no traceback
+        # stopped (Ctrl-C, or the launcher ending a straggler), its checkpoint saved: no traceback
+        code = 130
+        if isinstance(e, Preempted):  # SIGUSR1: every rank exits "requeue me", rank 0 says where
+            code = REQUEUE_EXIT
+            if world.rank == 0:
+                where = "before its first step" if e.step is None else f"at step {e.step}"
+                print(f"parambox: stopped {where} for a requeue (SIGUSR1)", file=sys.stderr)
     except SystemExit:
         raise
     except BaseException as e:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from parambox.config import RunConfig
 from parambox.data import BatchSource
-from parambox.errors import UserError, warn
+from parambox.errors import REQUEUE_REQUESTED, REQUEUE_SIGNAL, Preempted, UserError, warn
 from parambox.numerics import is_finite
 from parambox.runtime import dist as pbdist
 from parambox.runtime.control import SPARE_ENV, current_life
@@ -72,16 +72,48 @@ def train(
         pbdist.destroy_distributed()
 
 
+class StopRequest(threading.Event):
+    """Set by a signal: the loop checkpoints at the next step boundary and stops. ``requeue``: the
+    signal was a batch system's before its time limit (SIGUSR1), so the rank exits with REQUEUE_EXIT."""
+
+    requeue = False
+    at_once: int | None = None  # inside ``requeue_at_once``: the step to name when the signal ends the rank
+
+    def set_by(self, signum: int) -> None:
+        self.requeue = self.requeue or signum == REQUEUE_SIGNAL
+        self.set()
+        if self.requeue and self.at_once is not None:
+            raise Preempted(self.at_once)
+
+    @contextlib.contextmanager
+    def requeue_at_once(self, step: int, idle: bool) -> Iterator[None]:
+        """A requeue signal ends the code inside at once: ``Strategy.finish()``, where a memory rank
+        serves the box until the run's end and has no step boundary to stop at (its box's close waits
+        for the workers' checkpoints). ``idle``: the rank took no step in this life, so a request it
+        heard before ends it too (a worker that heard it during its last step finishes the run)."""
+        if self.requeue and idle:
+            raise Preempted(step)
+        self.at_once = step
+        try:
+            yield
+        finally:
+            self.at_once = None
+
+
 @contextlib.contextmanager
-def stop_on_signal() -> Iterator[threading.Event]:
-    """SIGTERM (the launcher stopping the run: Ctrl-C) or SIGINT sets the event; the loop checkpoints at
-    the next step boundary and raises ``KeyboardInterrupt``, so ``--resume`` has where to continue from.
+def stop_on_signal() -> Iterator[StopRequest]:
+    """SIGTERM (the launcher stopping the run: Ctrl-C), SIGINT or SIGUSR1 (a batch system's warning
+    before its time limit) sets the request; the loop checkpoints at the next step boundary and raises
+    ``KeyboardInterrupt`` (``Preempted`` after SIGUSR1), so ``--resume`` has where to continue from.
     Only in the main thread (signal handlers can be set nowhere else)."""
-    stop = threading.Event()
+    stop = StopRequest()
+    if REQUEUE_REQUESTED.is_set():  # heard while this rank started: stop at the first step boundary
+        stop.set_by(REQUEUE_SIGNAL)
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
-    old = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    signals = (signal.SIGTERM, signal.SIGINT, REQUEUE_SIGNAL)
+    old = {sig: signal.signal(sig, lambda signum, _: stop.set_by(signum)) for sig in signals}
     try:
         yield stop
     finally:
@@ -89,7 +121,7 @@ def stop_on_signal() -> Iterator[threading.Event]:
             signal.signal(sig, handler)
 
 
-def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | None:
+def _loop(run: Run, resume: bool, stop: StopRequest) -> dict[str, Any] | None:
     cfg, world = run.cfg, run.world
     log = MetricsLogger(run.run_dir, world.rank, cfg.tensorboard)
     try:
@@ -101,12 +133,13 @@ def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | Non
         if resized is not None:
             log.write(dict(resized))  # (write adds its time to what it is given)
         bar = Progress(cfg.steps, enabled=cfg.progress and world.rank == 0, start=step)
+        first = step
         samples = 0
         cadence = checkpoint_cadence(run)
         while not run.strategy.should_stop(step):
             if stop.is_set() and _stops_here(run, step):
                 save_checkpoint(run, step, barrier=False)
-                raise KeyboardInterrupt
+                raise Preempted(step) if stop.requeue else KeyboardInterrupt
             run.board.post(step)
             run.rates.apply(step)
             batch = run.batches.batch(step)
@@ -129,7 +162,8 @@ def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | Non
             if step < cfg.steps and cadence.due(step):
                 save_checkpoint(run, step)
                 cadence.saved()
-        run.strategy.finish()
+        with stop.requeue_at_once(step, idle=step == first):
+            run.strategy.finish()
         wall = log.elapsed()
         bar.close()
         final = evaluate(run)
