@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -80,9 +81,14 @@ class PortionFarm:
         self.eval_id = 0
         self.busy: set[int] = set()  # workers computing a portion (maybe of an evaluation that is over)
         self.version: dict[int, int] = {}  # worker -> evaluation whose weights it holds
-        # Sends per rank, kept alive until delivered: gloo's sends cannot be polled either, but a
-        # result from a rank proves it has received everything sent to it before.
-        self.sends: dict[int, list[tuple[dist.Work, torch.Tensor]]] = {r: [] for r in remote}
+        # Sends per rank, numbered from 1 and kept alive until delivered. gloo's sends cannot be polled
+        # either (a send's work says it is completed only once waited on), but an answer from a rank
+        # proves it has received the message it answers and every one before: those are waited on
+        # then, at no cost. Unreleased, they piled up over the run, and each result's look at them
+        # slowed the coordinator to a crawl (a run of a few hundred steps seemed to hang).
+        self.sends: dict[int, list[tuple[int, dist.Work, torch.Tensor]]] = {r: [] for r in remote}
+        self.sent: dict[int, int] = {r: 0 for r in remote}  # messages sent per rank
+        self.computing: dict[int, int] = {}  # rank -> the number of the message with its portion in hand
         self.queued: dict[int, list[torch.Tensor]] = {r: [] for r in remote}  # deferred tasks per rank
         self.portion_time: dict[int, list[float]] = {}  # rank -> [seconds, portions] after its first
         self.bytes_in = 0  # message bytes the coordinator received (results, operation replies), over the run
@@ -157,6 +163,7 @@ class PortionFarm:
                 self.local.submit(self.eval_id, portion, weights if fresh else None, batch)
                 continue
             self.send_task(r, [COMPUTE, self.eval_id, portion])
+            self.computing[r] = self.sent[r]  # its result answers this message
 
     def _collect(
         self, sched: PortionScheduler, total: torch.Tensor, free: list[int], winners: dict[int, int]
@@ -175,7 +182,8 @@ class PortionFarm:
             if src < 0:
                 raise CommTimeout(f"sandblaster: a worker's result was lost: {str(buf).splitlines()[0]}")
             block = False
-            self._delivered(src)
+            if src in self.computing:  # a worker computes one portion at a time: its result is this one's
+                self._delivered(src, self.computing.pop(src))
             self.busy.discard(src)
             free.append(src)
             self._record(sched, total, winners, src, int(buf[0]), int(buf[1]), buf[HEADER:])
@@ -222,15 +230,20 @@ class PortionFarm:
             self._send(msg, dst, TASK)
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        self.sends[dst].append((dist.isend(tensor, dst, tag=tag, group=self.group), tensor))
+        self.sent[dst] += 1
+        self.sends[dst].append((self.sent[dst], dist.isend(tensor, dst, tag=tag, group=self.group), tensor))
 
     def delivered(self, r: int) -> None:
-        """A message from ``r`` came: it has received everything sent to it before."""
-        self._delivered(r)
+        """A reply from ``r`` came to the last message sent to it (the coordinator sends ``r`` nothing
+        more until the reply is in): ``r`` has received everything sent to it."""
+        self._delivered(r, self.sent[r])
 
-    def _delivered(self, r: int) -> None:
-        # Polled, not waited: a wait on each send cost about 0.4 ms of the step's critical path.
-        self.sends[r] = [(work, t) for work, t in self.sends.get(r, []) if not work.is_completed()]
+    def _delivered(self, r: int, through: int) -> None:
+        """``r`` has received the messages numbered up to ``through``: their sends are over, and go."""
+        sends = self.sends[r]
+        while sends and sends[0][0] <= through:
+            _, work, _ = sends.pop(0)
+            work.wait(timedelta(seconds=self.timeout_s))  # received already: returns at once
 
     def end_step(self, loss: float) -> None:
         """Tell every rank the step is over (a busy one reads it after its current portion)."""
@@ -243,8 +256,8 @@ class PortionFarm:
     def close(self) -> None:
         """After the last step, once every rank has sent its bye (collective with the workers)."""
         for r in self.remote:
-            for work, _ in self.sends[r]:
-                work.wait()
+            for _, work, _ in self.sends[r]:
+                work.wait(timedelta(seconds=self.timeout_s))
             self.sends[r] = []
         if self.receiver is not None:
             self.receiver.join(self.timeout_s)
