@@ -91,7 +91,7 @@ def train_here(
 
 
 def launch(plan: Plan, run_dir: Path, callables: dict[str, Callable] | None = None) -> dict[str, Any]:
-    """Spawn the run's local processes on the one worker entry, supervise them; rank 0's summary.
+    """Spawn the run's local processes on the one worker entry, supervise them; the leader's summary.
     The run directory's lock (taken by ``prepare``) is released when it returns."""
     try:
         with _caller_env(callables or {}):
@@ -105,9 +105,11 @@ def launch(plan: Plan, run_dir: Path, callables: dict[str, Callable] | None = No
             raise RunFailed(f"{reason} (worker rank {rank})", code)
         raise RunFailed(f"parambox: error: worker rank {rank} failed: {reason} (log: {run_dir / 'logs'})", 1)
     summary_file = run_dir / "summary.json"
-    if not summary_file.exists():  # under ULFM mpiexec may end 0 though rank 0, which writes it, died
+    if not summary_file.exists():  # under ULFM mpiexec may end 0 though the rank that writes it died
         raise RunFailed(
-            f"parambox: error: the run ended without a result: rank 0 died (log: {run_dir / 'logs'})", 1
+            f"parambox: error: the run ended without a result: the rank that writes it (rank 0) died "
+            f"(log: {run_dir / 'logs'})",
+            1,
         )
     if result.lost or result.restarts:
         mark_lost(run_dir, result.lost, result.restarts, result.earlier_lives_s)
@@ -171,7 +173,7 @@ def _survives_in_place(plan: Plan, use_mpi: bool) -> bool:
 
 
 def mark_lost(run_dir: Path, lost: list[int], restarts: int = 0, earlier_lives_s: float = 0.0) -> None:
-    """What only the launcher knows, into rank 0's summary: ranks lost, restarts made, and the time of
+    """What only the launcher knows, into the leader's summary: ranks lost, restarts made, and the time of
     the lives of the whole group before its last restart (rank 0 measured its last life only): added
     to ``wall_time_s`` and said as ``earlier_lives_s``. ``samples_per_s`` stays the last life's rate."""
     path = run_dir / "summary.json"

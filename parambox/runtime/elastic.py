@@ -209,8 +209,9 @@ class ElasticGroup:
     """The current generation of a run's process group, and how it goes on without lost ranks.
 
     ``rank`` is this process's rank at launch (its data shard, its logs); ``group_rank`` and
-    ``group_size`` are its place in the current generation (rank 0 of the launch is always a member:
-    its death is not survived in place)."""
+    ``group_size`` are its place in the current generation, oldest members first: group rank 0 leads
+    the run (rank 0 of the launch until it dies, then the oldest survivor: the lowest-ranked one of
+    the launch, where no replacement joined)."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float, backend: str):
         self.store, self.rank, self.timeout_s, self.backend = store, rank, timeout_s, backend
@@ -309,7 +310,9 @@ class ElasticGroup:
 
     def admit(self, plan: dict) -> None:
         """Every member at the start of the planned step: the named replacements come in (generation + 1)."""
-        members = sorted(set(self.members) | set(plan["ranks"]))
+        # the newcomers last: group rank 0, the leader, stays the oldest member (a replacement of
+        # rank 0 joins as any other rank)
+        members = self.members + [r for r in sorted(plan["ranks"]) if r not in self.members]
         gen = self.generation + 1
         if self.group_rank == 0:
             word = json.dumps({"members": members, "generation": gen, "step": plan["step"]})

@@ -9,12 +9,13 @@ Every 50 ms it polls the workers. What it does when one exits non-zero depends o
   restart left fails the run; so does rank 0 writing no progress for ``--timeout`` once the others
   have ended (with restarts left it is killed and replaced).
 - synchronous, surviving in place (``shrink_store``: ``on_failure = "shrink"``, ``runtime/elastic.py``):
-  once every rank had joined the group, a dead rank other than 0 is marked dead on the board and listed
-  as lost, and the others regroup without it (with restarts left, a replacement is started instead:
+  once every rank had joined the group, a dead rank (rank 0 too: the oldest survivor then leads and
+  writes the result) is marked dead on the board and listed as lost, and the others regroup without it (with restarts left, a replacement is started instead:
   it joins at a step boundary and receives its state from a live rank); a rank the survivors fenced
   out (it stalled past their timeout) is SIGKILLed, and so is a rank the kernel shows stopped
   (SIGSTOP, a suspended job) for ``--timeout``: its death then ends the survivors' wait at once,
-  where a stopped rank left alive costs them the decider's grace on top of their timeout. A death before the group formed, or of rank 0, falls back to the next case.
+  where a stopped rank left alive costs them the decider's grace on top of their timeout. A death
+  before the group formed falls back to the next case.
   An asynchronous run's rank stopped for ``--timeout`` is SIGKILLed too (and replaced, or lost): it
   may hold a lock of the box that its peers wait for.
 - synchronous: every worker is stopped. With restarts left the whole group starts again from the
@@ -265,7 +266,7 @@ class Supervisor:
 
     def _shrink(self, rank: int, code: int) -> bool:
         """True if the others go on without ``rank`` (see the module docstring)."""
-        if self.shrink_store is None or code == USER_ERROR or rank == 0:
+        if self.shrink_store is None or code == USER_ERROR:
             return False
         from parambox.runtime.elastic import FORMED_KEY
 
@@ -291,15 +292,15 @@ class Supervisor:
 
     def _checked_ranks(self, value: Any) -> list[int]:
         """Ranks read from the run's store: any local user can write it (torch's TCPStore has no
-        password), so only a list of ranks of this run other than 0 (never fenced) is taken."""
+        password), so only a list of ranks of this run is taken."""
         if not isinstance(value, list):
             return []
-        return [r for r in value if type(r) is int and 0 < r < len(self.procs)]
+        return [r for r in value if type(r) is int and 0 <= r < len(self.procs)]
 
     def _kill_stopped(self, codes: list[int | None]) -> None:
         """A rank that the kernel shows stopped for ``--timeout`` (``stall_s``) is SIGKILLed, in a run
-        that survives in place (a rank other than 0: stalled past the others' timeout, it would be
-        fenced out anyway) and in an asynchronous one (any rank while a replacement can be made, else
+        that survives in place (any rank: stalled past the others' timeout, it would be fenced out
+        anyway) and in an asynchronous one (any rank while a replacement can be made, else
         one other than 0). A stopped process keeps the box's locks it held (an ``fcntl`` lock goes
         only with its process): every peer that needed one ran into its own timeout, died and was
         replaced, and its replacement again, for as long as the stop lasted (``bench chaos``, 27 Nov:
@@ -310,7 +311,7 @@ class Supervisor:
         if not watched or not self.stall_s or now - self._stopped_at < STOPPED_EVERY_S:
             return
         self._stopped_at = now
-        first = 0 if self.tolerate_loss and self._restarts_left() else 1
+        first = 0 if self.shrink_store is not None or self._restarts_left() else 1
         for rank in range(len(self.procs)):
             if (
                 rank < first

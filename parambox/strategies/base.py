@@ -165,6 +165,12 @@ class Strategy:
         # (state_dict, load_state_dict, load_model_state, next_exchange, catch_up).
         self.survival = InPlace(self, ctx.world.rank, ctx.world.world_size, ctx.board)
 
+    @property
+    def leads(self) -> bool:
+        """This rank holds the run's result and writes it (:attr:`InPlace.leads`): rank 0, or the
+        oldest surviving member of a run that survives in place."""
+        return self.survival.leads
+
     def collective(self, phase: str) -> AbstractContextManager[None]:
         """Wrap blocking communication (:meth:`InPlace.collective`): a timeout names the phase and the
         missing ranks; in a run that survives in place, a lost peer regroups in :meth:`exchange`."""
@@ -342,8 +348,8 @@ class Strategy:
 
     # -- evaluation and checkpoints -------------------------------------------------------------
     def eval_model(self) -> nn.Module | None:
-        """The model whose weights are the run's result, on rank 0 (None elsewhere). Collective."""
-        return self.model if self.world.rank == 0 else None
+        """The model whose weights are the run's result, on the leader (None elsewhere). Collective."""
+        return self.model if self.leads else None
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's resume state beyond the model weights (optimizer, counters)."""
@@ -362,9 +368,9 @@ class Strategy:
         self.survival.count_step(samples)
 
     def total_samples(self, local: int) -> float:
-        """Samples every worker consumed, given this rank's (the value on rank 0 counts). Collective
-        here: an allreduce over the workers; in a run that survives in place, rank 0's count of every
-        member's (an allreduce would miss the lost ranks' lives)."""
+        """Samples every worker consumed, given this rank's (the value on the leader counts).
+        Collective here: an allreduce over the workers; in a run that survives in place, the count of
+        every member's (an allreduce would miss the lost ranks' lives)."""
         counted = self.survival.group_samples()
         if counted is not None:
             return counted

@@ -54,7 +54,8 @@ def train(
     resume: bool = False,
     callables: dict[str, Callable] | None = None,
 ) -> dict[str, Any] | None:
-    """Train on this rank; returns the summary on rank 0. ``callables``: the user's model, data, loss,
+    """Train on this rank; returns the summary on the leader (rank 0, or the oldest survivor of a run
+    that survives in place). ``callables``: the user's model, data, loss,
     metrics or collate functions handed in by the library API in this process (else the config's
     names and references are used)."""
     try:
@@ -90,7 +91,7 @@ def stop_on_signal() -> Iterator[threading.Event]:
 
 def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | None:
     cfg, world = run.cfg, run.world
-    log = MetricsLogger(run.run_dir, world.rank, cfg.tensorboard)
+    log = MetricsLogger(run.run_dir, world.rank, cfg.tensorboard, leads=run.strategy.leads)
     try:
         step = run.strategy.rejoin_step()  # a replacement carries on where its predecessor was
         if step is None:
@@ -110,6 +111,8 @@ def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | Non
             result = run.strategy.step(map_tensors(lambda t: t.to(world.device), batch), step)
             step, samples = step + 1, samples + result.samples
             run.strategy.count_step(result.samples)
+            if run.strategy.leads and not log.leads:  # the leader died: this rank writes the result
+                log.lead({"kind": "leader", "step": step, "rank": world.rank, "lost": _lost_in_place(world)})
             if step % cfg.log_every == 0:
                 rec = step_record(step, result, log.elapsed(), samples * run.batches.sampler.world_size)
                 if run.rates.schedule.active:
@@ -264,7 +267,7 @@ def step_record(step: int, result, elapsed: float, global_samples: int) -> dict[
 
 
 def evaluate(run: Run) -> dict[str, float]:
-    """``test_<metric>`` of the strategy's result model on rank 0 (empty elsewhere, and without a test
+    """``test_<metric>`` of the strategy's result model on the leader (empty elsewhere, and without a test
     set): the user's metrics or the default (loss, and accuracy for class logits)."""
     model = run.strategy.eval_model()  # collective: every rank calls it
     if model is None or not run.workload.data.has_test:
@@ -274,21 +277,21 @@ def evaluate(run: Run) -> dict[str, float]:
 
 
 def save_checkpoint(run: Run, step: int, barrier: bool = True) -> None:
-    """Synchronous runs: every rank's state at one step, committed by rank 0's ``last.pt`` after a
+    """Synchronous runs: every rank's state at one step, committed by the leader's ``last.pt`` after a
     barrier. Asynchronous runs: each rank at its own pace (no barrier: a dead peer must not block it).
     ``barrier=False`` (a stopped run): each rank at the step it stopped at, no waiting on the others."""
     ckpt_dir = run.run_dir / "checkpoints"
     state = checkpoint.rank_state(run.strategy.model.state_dict(), run.strategy.state_dict(), loop_state(run))
     model = run.strategy.eval_model()
     own_pace = run.strategy.tolerates_worker_loss
-    if run.world.rank != 0:
+    if not run.strategy.leads:
         checkpoint.save_rank_state(ckpt_dir, run.world.rank, step, state, prune=own_pace)
     if run.world.world_size > 1 and not own_pace and barrier:
         with pbdist.collective("checkpoint barrier", run.board):
             # nccl: this rank's GPU named (torch otherwise warns that it guesses it, on every rank)
             cuda = run.world.device.type == "cuda"
             dist.barrier(device_ids=[torch.cuda.current_device()] if cuda else None)
-    if run.world.rank == 0:
+    if run.strategy.leads:
         weights = model.state_dict()
         # The parameters: a buffer of -inf (a causal mask) is a constant of the model, not a divergence.
         if not all(is_finite(p.detach()) for p in model.parameters()):
@@ -350,7 +353,7 @@ def load_loop_state(run: Run, state: dict[str, Any]) -> None:
 
 def write_summary(run: Run, step: int, wall: float, samples: int, final: dict[str, float]) -> dict | None:
     total = run.strategy.total_samples(samples)
-    if run.world.rank != 0:
+    if not run.strategy.leads:
         return None
     wall = run.strategy.wall_time(wall)
     cfg = run.cfg
