@@ -119,6 +119,34 @@ def test_rank0_is_replaced_too(tmp_path):
     assert s["final_test_accuracy"] >= 0.8
 
 
+@pytest.mark.timeout(170)
+def test_rank0_killed_without_restarts_the_others_finish_and_one_writes_the_result(tmp_path):
+    """Asynchronous downpour over the shm box (pull and push every step), each rank's gradient a
+    constant 2**rank: rank 0 SIGKILLed at step 5 of 30, no --max-restarts. The others finish, one of
+    them takes rank 0's part (waits for the others, takes the center, writes last.pt, metrics.jsonl and
+    the summary): exit 0, rank 0 lost, and the center holds every pushed step, rank 0's five included."""
+    w, lr, steps, at = "tests/workloads/constant_gradient.py", 0.01, 30, 5
+    out = tmp_path / "run"
+    before = _shm()
+    run_cli(
+        "train", "--strategy", "downpour", "--workers", "3", "--steps", str(steps), "--lr", str(lr),
+        "--model", f"{w}:make_model", "--data", f"{w}:make_data", "--loss", f"{w}:loss",
+        "--metrics", f"{w}:metrics", "--momentum", "0", "--batch-size", "4", "--eval-every", "0",
+        "--set", "downpour.n_fetch=1", "--set", "downpour.n_push=1", "--no-progress", "--threads", "1",
+        "--timeout", "30", "--out", str(out), env={"PARAMBOX_FAULT": f"0:{at}:kill"},
+    )  # fmt: skip
+    s = summary(out)
+    assert (s["lost_workers"], s["worker_steps"], s["restarts"]) == ([0], [at, steps, steps], 0), s
+    expected = -lr * (at * 1 + steps * 2 + steps * 4)
+    weight = final_weights(out)["weight"]
+    assert (weight - expected).abs().max().item() < 1e-5, (weight, expected)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    (took_over,) = [r for r in rows if r["kind"] == "leader"]
+    assert took_over["rank"] in (1, 2) and took_over["lost"] == [0]  # the first done to find it lost
+    assert rows[-1]["kind"] == "eval"
+    assert _shm() <= before
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_sync_restart_resumes_from_the_checkpoint_bit_exact(tmp_path):

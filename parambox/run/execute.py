@@ -138,6 +138,7 @@ def _launch_local(plan: Plan, run_dir: Path):
         cfg.threads,
         use_mpi=use_mpi,
         tolerate_loss=cls.tolerates_worker_loss,
+        lose_rank0=cls.tolerates_rank0_loss and not use_mpi,
         module=WORKER_MODULE,
         cluster=cfg.cluster if cfg.cluster.enabled else None,
         max_restarts=0 if use_mpi else cfg.max_restarts,

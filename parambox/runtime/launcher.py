@@ -50,6 +50,7 @@ def launch_local(
     stall_timeout_s: float = 0.0,
     shrink: bool = False,
     mpi_windows: bool = False,
+    lose_rank0: bool = False,
 ) -> LaunchResult:
     """Run ``python -m <module> <argv>`` as ``num_workers`` ranks and supervise them.
 
@@ -59,7 +60,8 @@ def launch_local(
     ``checkpoint`` exists. Not under MPI (one job). ``stall_timeout_s``: how long rank 0 may write
     nothing to ``metrics.jsonl`` (beside ``log_dir``) once it is the last rank running. ``shrink``: a
     synchronous run whose survivors go on in place (``runtime/elastic.py``) over a store hosted here.
-    ``mpi_windows``: the job puts MPI windows across the emulated nodes (``box.server=false``), which
+    ``lose_rank0`` (with ``tolerate_loss``): rank 0 dead with no restart left is lost as any other
+    rank (another worker takes its part), not the end of the run. ``mpi_windows``: the job puts MPI windows across the emulated nodes (``box.server=false``), which
     Open MPI's TCP progress thread must serve (``cluster.WINDOWS_MCA``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     prefix = spawn.new_prefix()
@@ -74,6 +76,7 @@ def launch_local(
         env["TMPDIR"] = stack.enter_context(spawn.segments_guarded(prefix, tmpdir=True))
         net = stack.enter_context(cluster.build(num_workers)) if cluster is not None else None
         watch = {"heartbeat": log_dir.parent / "metrics.jsonl", "stall_s": stall_timeout_s}
+        watch["lose_rank0"] = lose_rank0 and tolerate_loss
         env[HEARTBEAT_ENV] = str(watch["heartbeat"])  # rank 0 touches it as it steps, the others theirs
         if use_mpi:
             mca = WINDOWS_MCA if mpi_windows else None

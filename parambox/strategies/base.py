@@ -84,6 +84,9 @@ class Strategy:
     Options: ClassVar[type[Options]] = Options
     # Asynchronous strategies carry on when a worker dies; the launcher then does not stop the others.
     tolerates_worker_loss: ClassVar[bool] = False
+    # ... rank 0 included: another worker then takes its part (the result) at the end. Not where rank 0
+    # holds what the others need to train (dogwild's master).
+    tolerates_rank0_loss: ClassVar[bool] = False
     # Every rank's steps wait for every other's (a collective each step or each period): no rank can
     # train ahead of rank 0. False where the ranks do not wait for each other (the box, a master).
     lockstep: ClassVar[bool] = True

@@ -111,8 +111,7 @@ def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | Non
             result = run.strategy.step(map_tensors(lambda t: t.to(world.device), batch), step)
             step, samples = step + 1, samples + result.samples
             run.strategy.count_step(result.samples)
-            if run.strategy.leads and not log.leads:  # the leader died: this rank writes the result
-                log.lead({"kind": "leader", "step": step, "rank": world.rank, "lost": _lost_in_place(world)})
+            _follow_lead(run, log, step)
             if step % cfg.log_every == 0:
                 rec = step_record(step, result, log.elapsed(), samples * run.batches.sampler.world_size)
                 if run.rates.schedule.active:
@@ -124,6 +123,7 @@ def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | Non
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
                 save_checkpoint(run, step)
         run.strategy.finish()
+        _follow_lead(run, log, step)
         wall = log.elapsed()
         bar.close()
         final = evaluate(run)
@@ -132,6 +132,14 @@ def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | Non
         return write_summary(run, step, wall, samples, final)
     finally:
         log.close()
+
+
+def _follow_lead(run: Run, log: MetricsLogger, step: int) -> None:
+    """Where the leader died and this rank took its part (in place after a step; an asynchronous run's
+    at the end): it writes ``metrics.jsonl`` from now on, first saying so."""
+    if run.strategy.leads and not log.leads:
+        lost = _lost_in_place(run.world) or [0]
+        log.lead({"kind": "leader", "step": step, "rank": run.world.rank, "lost": lost})
 
 
 STOP_KEY = "stop_at"  # on the run's board: the step at which a stopped synchronous run leaves
