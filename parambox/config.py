@@ -35,7 +35,23 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     strategy: str = "allreduce"
-    workers: int = Field(2, ge=1, le=4096, description="worker processes (local launcher)")
+    workers: int = Field(
+        2,
+        ge=1,
+        le=4096,
+        description="worker processes (local launcher); MIN:MAX: start_workers=MIN, workers=MAX",
+    )
+    start_workers: int | None = Field(
+        None,
+        ge=1,
+        description="local launcher: the run starts with this many workers and the others, up to workers, "
+        "join it once up (synchronous: at a step boundary, with on_failure=shrink; asynchronous: on the box)",
+    )
+    resize: Literal["keep-global-batch", "scale-batch"] = Field(
+        "keep-global-batch",
+        description="when the workers change (a join): keep the global batch (batch_size x workers, each "
+        "worker's batch the global batch over the workers in the step) or keep each worker's batch_size",
+    )
     model: str = Field(
         "lenet", description="zoo model, or a model factory REF (module:function, file.py:function)"
     )
@@ -128,6 +144,24 @@ class RunConfig(BaseModel):
     @classmethod
     def _backend_alone(cls, v: Any) -> Any:
         return {"backend": v} if isinstance(v, str) else v  # --box rma
+
+    @model_validator(mode="before")
+    @classmethod
+    def _workers_range(cls, data: Any) -> Any:
+        """``workers = "MIN:MAX"`` (``--workers 2:4``): start with MIN, up to MAX join the running job."""
+        value = data.get("workers") if isinstance(data, dict) else None
+        if isinstance(value, str) and ":" in value:
+            low, _, high = value.partition(":")
+            if not (low.strip().isdigit() and high.strip().isdigit()):
+                raise ValueError(f"workers {value!r}: expected a count or MIN:MAX")
+            data = {**data, "workers": int(high), "start_workers": int(low)}
+        return data
+
+    @model_validator(mode="after")
+    def _start_within_workers(self) -> RunConfig:
+        if self.start_workers is not None and self.start_workers > self.workers:
+            raise ValueError(f"start_workers {self.start_workers} is more than workers {self.workers}")
+        return self
 
     @model_validator(mode="after")
     def _workers_fill_nodes(self) -> RunConfig:

@@ -125,16 +125,10 @@ def test_rank0_killed_without_restarts_the_others_finish_and_one_writes_the_resu
     constant 2**rank: rank 0 SIGKILLed at step 5 of 30, no --max-restarts. The others finish, one of
     them takes rank 0's part (waits for the others, takes the center, writes last.pt, metrics.jsonl and
     the summary): exit 0, rank 0 lost, and the center holds every pushed step, rank 0's five included."""
-    w, lr, steps, at = "tests/workloads/constant_gradient.py", 0.01, 30, 5
+    lr, steps, at = 0.01, 30, 5
     out = tmp_path / "run"
     before = _shm()
-    run_cli(
-        "train", "--strategy", "downpour", "--workers", "3", "--steps", str(steps), "--lr", str(lr),
-        "--model", f"{w}:make_model", "--data", f"{w}:make_data", "--loss", f"{w}:loss",
-        "--metrics", f"{w}:metrics", "--momentum", "0", "--batch-size", "4", "--eval-every", "0",
-        "--set", "downpour.n_fetch=1", "--set", "downpour.n_push=1", "--no-progress", "--threads", "1",
-        "--timeout", "30", "--out", str(out), env={"PARAMBOX_FAULT": f"0:{at}:kill"},
-    )  # fmt: skip
+    _downpour(out, lr, steps, "3", "make_model", f"0:{at}:kill")
     s = summary(out)
     assert (s["lost_workers"], s["worker_steps"], s["restarts"]) == ([0], [at, steps, steps], 0), s
     expected = -lr * (at * 1 + steps * 2 + steps * 4)
@@ -145,6 +139,37 @@ def test_rank0_killed_without_restarts_the_others_finish_and_one_writes_the_resu
     assert took_over["rank"] in (1, 2) and took_over["lost"] == [0]  # the first done to find it lost
     assert rows[-1]["kind"] == "eval"
     assert _shm() <= before
+
+
+def _downpour(out: Path, lr: float, steps: int, workers: str, model: str, fault: str) -> None:
+    """Downpour over the shm box, pull and push every step, each rank's gradient a constant 2**rank."""
+    w = "tests/workloads/constant_gradient.py"
+    run_cli(
+        "train", "--strategy", "downpour", "--workers", workers, "--steps", str(steps), "--lr", str(lr),
+        "--model", f"{w}:{model}", "--data", f"{w}:make_data", "--loss", f"{w}:loss",
+        "--metrics", f"{w}:metrics", "--momentum", "0", "--batch-size", "4", "--eval-every", "0",
+        "--set", "downpour.n_fetch=1", "--set", "downpour.n_push=1", "--no-progress", "--threads", "1",
+        "--timeout", "30", "--out", str(out), env={"PARAMBOX_FAULT": fault},
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(170)
+def test_a_worker_joins_an_asynchronous_run_on_the_box(tmp_path):
+    """``--workers 2:3`` asynchronous: ranks 0 and 1 train from the start (rank 0 at 0.2 s a step),
+    rank 2 (3 s slower to build its model) attaches to the box later, pulls the center and does its
+    steps; the center holds every worker's pushes."""
+    lr, steps = 0.01, 30
+    out = tmp_path / "run"
+    _downpour(out, lr, steps, "2:3", "make_model_late_on_rank_2", "0:0:slow")
+    s = summary(out)
+    assert (s["lost_workers"], s["worker_steps"], s["workers"]) == ([], [steps] * 3, 3), s
+    weight = final_weights(out)["weight"]
+    assert (weight - -lr * steps * (1 + 2 + 4)).abs().max().item() < 1e-5, weight
+    first = {
+        r: json.loads((out / f"metrics.rank{r}.jsonl").read_text().splitlines()[0])["epoch"] for r in (1, 2)
+    }
+    assert first[2] - first[1] > 2.0  # it came while the others trained
 
 
 @pytest.mark.slow

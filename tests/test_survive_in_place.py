@@ -382,6 +382,79 @@ def test_a_diloco_replacement_joins_at_a_rounds_start_with_the_outer_momentum(tm
     _check_rejoined(out, expected, at)
 
 
+def _run_with_a_joiner(tmp_path: Path, strategy: str, extra: tuple = (), steps: int = 40) -> tuple[Path, int]:
+    """``--workers 2:3``: ranks 0 and 1 start the run, rank 2 (3 s slower to build its model) joins it
+    at a step boundary; rank 0 sleeps 0.2 s a step. The run's directory and the joiner's first step."""
+    out = tmp_path / strategy
+    args = [a for a in ARGS if a not in ("--workers", "3")]
+    run_cli(
+        "train", "--strategy", strategy, *args, "--workers", "2:3", "--model", f"{W}:make_model_late_on_rank_2",
+        "--steps", str(steps), "--timeout", "20", *extra, "--out", str(out), env={"PARAMBOX_FAULT": "0:0:slow"},
+    )  # fmt: skip
+    lines = (out / "metrics.rank2.jsonl").read_text().splitlines()
+    at = [json.loads(x) for x in lines if '"world"' in x][-1]["step"]
+    assert 5 <= at < steps - 5, at  # it joined mid-run: the others trained ~3 s without it
+    return out, at
+
+
+@pytest.mark.timeout(170)
+def test_a_worker_that_joins_allreduce_gets_a_live_ranks_state_and_the_global_batch_is_kept(tmp_path):
+    """``--workers 2:3``: the weights are 2 ranks' mean gradient, then 3 ranks' from the step rank 2
+    joined (momentum SGD: it received rank 0's momentum); its state at the end equals rank 1's; the
+    global batch (4 x 3) was cut over 2, then 3 ranks (keep-global-batch), which metrics.jsonl says."""
+    steps, momentum = 40, 0.5
+    out, at = _run_with_a_joiner(tmp_path, "allreduce", ("--momentum", str(momentum)), steps)
+    phases = [(at, [0, 1]), (steps - at, [0, 1, 2])]
+    weight = final_weights(out)["weight"]
+    expected = weight_after(LR, phases, momentum)
+    assert (weight - expected).abs().max().item() < 1e-6, (weight, expected, at)
+    states = {
+        r: torch.load(next((out / "checkpoints").glob(f"rank{r}-*.pt")), weights_only=True) for r in (1, 2)
+    }
+    for key in ("replica", "strategy"):
+        assert json.dumps(_flat(states[1][key])) == json.dumps(_flat(states[2][key]))
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    (resized,) = [r for r in rows if r["kind"] == "resize"]
+    assert resized["step"] == at and resized["workers"] == 3 and resized["members"] == [0, 1, 2]
+    assert (resized["rule"], resized["global_batch"]) == ("keep-global-batch", 3 * BATCH)
+    s = summary(out)
+    assert (s["lost_workers"], s["restarts"]) == ([], 0)
+    assert s["samples_per_s"] * s["wall_time_s"] == pytest.approx(steps * 3 * BATCH, rel=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(170)
+def test_a_worker_joins_synchronous_easgd_and_diloco_to_the_closed_form(tmp_path):
+    """The joiner comes in at a period's start with the center (easgd) or theta and the outer momentum
+    (diloco) of a live rank; resize=scale-batch: each worker keeps its batch, the global batch grows."""
+    easgd = ("--set", "easgd.sync=true", "--set", "easgd.tau=2", "--set", "easgd.alpha=0.2")
+    out, at = _run_with_a_joiner(tmp_path, "easgd", (*easgd, "--set", "resize=scale-batch"), STEPS * 2)
+    assert at % 2 == 0
+    x, c = {0: 0.0, 1: 0.0}, 0.0
+    for step in range(STEPS * 2):
+        if step == at:
+            x[2] = x[0]  # the leader's replica (the replicas differ: each rank's gradient does)
+        for r in x:
+            x[r] -= LR * gradient_of(r)
+        if (step + 1) % 2 == 0:
+            d = {r: x[r] - c for r in x}
+            for r in x:
+                x[r] -= 0.2 * d[r]
+            c += 0.2 * sum(d.values())
+    weight = final_weights(out)["weight"]
+    assert (weight - c).abs().max().item() < 1e-6, (weight, c, at)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    (resized,) = [r for r in rows if r["kind"] == "resize"]
+    assert (resized["rule"], resized["global_batch"]) == ("scale-batch", 3 * BATCH)
+    h = 2
+    out, at = _run_with_a_joiner(tmp_path, "diloco", ("--set", f"diloco.inner_steps={h}"))
+    assert at % h == 0
+    rounds = [(at // h, [0, 1]), ((40 - at) // h, [0, 1, 2])]
+    expected = diloco_after(LR, h, rounds, outer_lr=0.7, mu=0.9)
+    weight = final_weights(out)["weight"]
+    assert (weight - expected).abs().max().item() < 1e-6 * max(1.0, abs(expected)), (weight, expected, at)
+
+
 def _check_rejoined(out: Path, expected: float, at: int) -> None:
     """The weights are ``expected``; the replacement's replica and strategy state at the end are a
     survivor's, exactly; one restart, nobody lost."""

@@ -127,6 +127,7 @@ def _launch_local(plan: Plan, run_dir: Path):
             "is lost, the others carry on"
         )
     shrink = _survives_in_place(plan, use_mpi)
+    _check_joiners(plan, use_mpi, shrink)
     if cfg.cluster.enabled and cfg.data == "mnist" and cfg.data_path is None:
         from parambox.data.mnist import fetch_mnist
 
@@ -139,6 +140,7 @@ def _launch_local(plan: Plan, run_dir: Path):
         use_mpi=use_mpi,
         tolerate_loss=cls.tolerates_worker_loss,
         lose_rank0=cls.tolerates_rank0_loss and not use_mpi,
+        start_workers=cfg.start_workers if shrink or cls.tolerates_worker_loss else None,
         module=WORKER_MODULE,
         cluster=cfg.cluster if cfg.cluster.enabled else None,
         max_restarts=0 if use_mpi else cfg.max_restarts,
@@ -171,6 +173,28 @@ def _survives_in_place(plan: Plan, use_mpi: bool) -> bool:
         warn("on_failure=shrink works under the local launcher on one host; a lost worker ends this run")
         return False
     return True
+
+
+def _check_joiners(plan: Plan, use_mpi: bool, shrink: bool) -> None:
+    """``workers = "MIN:MAX"``: workers join a running job under the local launcher on one host; a
+    synchronous run takes them in place (``on_failure = "shrink"``). An asynchronous run waits for no
+    worker anyway: each of the MAX attaches to the box when it is up."""
+    from parambox.training.joining import check_cuts
+
+    cfg, cls = plan.cfg, plan.strategy_cls
+    if cfg.start_workers is None or cfg.start_workers == cfg.workers:
+        return
+    check_cuts(cfg)
+    if use_mpi or cfg.cluster.enabled:
+        raise UserError(
+            f"workers {cfg.start_workers}:{cfg.workers}: workers join a running job under the local "
+            "launcher on one host"
+        )
+    if not cls.tolerates_worker_loss and not shrink:
+        raise UserError(
+            f"workers {cfg.start_workers}:{cfg.workers}: a synchronous run takes workers that join in "
+            "place: add --set on_failure=shrink"
+        )
 
 
 def mark_lost(run_dir: Path, lost: list[int], restarts: int = 0, earlier_lives_s: float = 0.0) -> None:

@@ -61,7 +61,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401  isort: skip
 
 from parambox.errors import CommTimeout
-from parambox.runtime.control import WorkerBoard, current_life, rejoining
+from parambox.runtime.control import WorkerBoard, current_life, joins_from, rejoining
 
 STORE_ENV = "PARAMBOX_GROUP_STORE"  # host:port of the launcher's store in a run that survives in place
 GROUP_LIFE_ENV = "PARAMBOX_GROUP_LIFE"  # restarts of the whole group so far: each runs the protocol afresh
@@ -216,7 +216,8 @@ class ElasticGroup:
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float, backend: str):
         self.store, self.rank, self.timeout_s, self.backend = store, rank, timeout_s, backend
         self.world_size = world_size
-        self.members = list(range(world_size))
+        # Generation 0: every rank of the launch, or those below JOIN_FROM_ENV (the others join later).
+        self.members = list(range(joins_from(world_size)))
         self.generation = 0
         self.board = WorkerBoard.from_env()
         # How long the decider waits for members still on their way: --timeout and a quarter (at least
@@ -270,9 +271,15 @@ class ElasticGroup:
     def _lives(self) -> dict[int, int]:
         return {r: self.board.life(r) if self.board is not None else 0 for r in self.members}
 
+    @property
+    def joins_late(self) -> bool:
+        """This process joins a running group: a replacement, or a rank beyond the group's start."""
+        return rejoining() or self.rank not in self.members
+
     def join(self) -> None:
-        """Generation 0: every rank of the launch; a replacement waits to be admitted instead."""
-        if rejoining():
+        """Generation 0: every rank of the launch; a replacement (or a rank beyond the group's start)
+        waits to be admitted instead."""
+        if self.joins_late:
             self._join_late()
             return
         self._init(0)

@@ -93,6 +93,7 @@ class Supervisor:
         shrink_store: Any = None,
         job_dir: Path | None = None,
         lose_rank0: bool = False,
+        formed_at: int | None = None,
     ):
         self.procs, self.log_dir, self.tolerate_loss = procs, log_dir, tolerate_loss
         self.board, self.starters = board, starters
@@ -107,6 +108,7 @@ class Supervisor:
         self.heartbeat, self.stall_s = heartbeat, stall_s
         self.shrink_store = shrink_store  # the elastic group's store (a run that survives in place)
         self.lose_rank0 = lose_rank0  # asynchronous: rank 0 may be lost (another worker takes its part)
+        self.formed_at = formed_at  # in place: the ranks that form the group (the others join later)
         self.job_dir = job_dir  # an MPI job's run directory: its ranks' metrics files are its heartbeat
         self._job_beat: tuple[Any, float] = ((), time.monotonic())
         self._job_polled = self._job_moved = False  # looked at its files yet; seen them change since
@@ -275,7 +277,7 @@ class Supervisor:
             return False
         from parambox.runtime.elastic import FORMED_KEY
 
-        if self._life_store().add(FORMED_KEY, 0) < len(self.procs):
+        if self._life_store().add(FORMED_KEY, 0) < (self.formed_at or len(self.procs)):
             return False  # a rank died before every rank had joined: nobody can regroup (gloo#520)
         _kill_session(self.procs[rank])  # its loader processes hold its sockets: the peers see it gone now
         if self._restarts_left():  # a replacement joins at a step boundary, state from a live rank

@@ -56,6 +56,7 @@ class InPlace:
         self._group_samples, self._pending_samples = 0.0, 0  # every member's samples (count_step)
         self._exchanges = self._counted = 0  # exchanges passed, and up to which the samples count
         self._awaits_state = self.joining  # a replacement, until share_state has given it a peer's state
+        self._admitted_at: int | None = None  # the step admit last ran at
         self._fault = FaultPlan.from_env().exchange_fault(rank) if self.group is not None else None
 
     @property
@@ -120,9 +121,12 @@ class InPlace:
                 continue
 
     def admit(self, step: int) -> None:
-        """At the start of ``step`` (``--max-restarts``): replacements that asked to join come in, and
-        receive the model and the rule's state from group rank 0 (the leader)."""
-        if self.group is not None:
+        """At the start of ``step`` (``--max-restarts``, ``workers = "MIN:MAX"``): replacements and
+        workers that asked to join come in, and receive the model and the rule's state from group rank
+        0 (the leader). Once a step: the loop calls it before it draws the step's batch (the batch is
+        cut over the members), the rule's ``begin_step`` again (a user's own loop)."""
+        if self.group is not None and step != self._admitted_at:
+            self._admitted_at = step
             plan = self.group.admission(step, self.rule.next_exchange(step))
             if plan is not None:
                 self.group.admit(plan)

@@ -192,6 +192,10 @@ class Strategy:
         model and :meth:`state_dict` cannot: it raises (the run falls back to a restart)."""
         raise CommTimeout(why)
 
+    def admit(self, step: int) -> None:
+        """At the start of ``step``: workers that join come in (:meth:`InPlace.admit`)."""
+        self.survival.admit(step)
+
     def next_exchange(self, step: int) -> int:
         """The first step from ``step`` on whose exchange every rank takes part (every step here;
         ``period_end`` where the exchange comes every few steps): where a replacement is admitted."""

@@ -24,7 +24,7 @@ from parambox.runtime.heap import keep_freed_memory
 from parambox.runtime.world import World
 from parambox.strategies import Context, Strategy, build_strategy, strategy_class
 from parambox.strategies.base import map_tensors
-from parambox.training import checkpoint
+from parambox.training import checkpoint, joining
 from parambox.training.faults import FaultPlan
 from parambox.training.metrics import MetricsLogger
 from parambox.training.progress import Progress
@@ -98,13 +98,16 @@ def _loop(run: Run, resume: bool, stop: threading.Event) -> dict[str, Any] | Non
             step = restore(run) if resume else 0
         log.write({"kind": "world", "step": step, **world_record(world), "epoch": round(log.epoch, 6)})
         bar = Progress(cfg.steps, enabled=cfg.progress and world.rank == 0, start=step)
-        samples = 0
+        samples, joins = 0, joining.Joins(cfg, run.strategy)
         while not run.strategy.should_stop(step):
             if stop.is_set() and _stops_here(run, step):
                 save_checkpoint(run, step, barrier=False)
                 raise KeyboardInterrupt
             run.board.post(step)
             run.rates.apply(step)
+            run.strategy.admit(step)  # workers that join come in here: the batch is cut over the members
+            if (resized := joins.follow(step, run.batches)) and run.strategy.leads:
+                log.write(resized)
             batch = run.batches.batch(step)
             if run.faults:
                 batch = run.faults.inject(world.rank, step, batch)
@@ -198,9 +201,9 @@ def setup(cfg: RunConfig, world: World, run_dir: Path, callables: dict[str, Call
         # loading took ~0.5 s of that stall on MNIST, 27 Nov; a user's data set could take minutes).
         pbdist.finish_rejoin()
         strategy = build_strategy(cfg.strategy, ctx, cfg.strategy_options())
-        dp_rank, dp_size = strategy.data_partition()
+        dp_rank, dp_size, batch_size = _slice(cfg, strategy)
         try:
-            check_batch_fits(workload.data, cfg.batch_size, dp_size)
+            check_batch_fits(workload.data, batch_size, dp_size)
         except BaseException:
             strategy.close()  # its box, groups and threads
             raise
@@ -209,8 +212,18 @@ def setup(cfg: RunConfig, world: World, run_dir: Path, callables: dict[str, Call
         raise
     torch.manual_seed(cfg.seed * 1000 + world.rank + 1)  # per-rank stream for dropout and the like
     pin = world.device.type == "cuda"  # page-locked host batches copy to the GPU asynchronously
-    batches = workload.data.batch_source(cfg.batch_size, dp_rank, dp_size, cfg.seed, cfg.augment, pin)
+    batches = workload.data.batch_source(batch_size, dp_rank, dp_size, cfg.seed, cfg.augment, pin)
     return Run(cfg, world, run_dir, workload, strategy, batches, board, FaultPlan.from_env(), rates)
+
+
+def _slice(cfg: RunConfig, strategy: Strategy) -> tuple[int, int, int]:
+    """This rank's slice of the global batch: (data-parallel rank, ranks, batch size); in a run that
+    workers join, cut over the group's members (``training/joining.py``)."""
+    dp_rank, dp_size = strategy.data_partition()
+    group = strategy.survival.group
+    if group is None:
+        return dp_rank, dp_size, cfg.batch_size
+    return joining.cut(cfg, dp_rank, dp_size, group.group_rank, group.group_size)
 
 
 def make_context(
