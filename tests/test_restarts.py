@@ -141,7 +141,9 @@ def test_rank0_killed_without_restarts_the_others_finish_and_one_writes_the_resu
     assert _shm() <= before
 
 
-def _downpour(out: Path, lr: float, steps: int, workers: str, model: str, fault: str) -> None:
+def _downpour(
+    out: Path, lr: float, steps: int, workers: str, model: str, fault: str, extra: tuple = (), env=None
+) -> None:
     """Downpour over the shm box, pull and push every step, each rank's gradient a constant 2**rank."""
     w = "tests/workloads/constant_gradient.py"
     run_cli(
@@ -149,8 +151,26 @@ def _downpour(out: Path, lr: float, steps: int, workers: str, model: str, fault:
         "--model", f"{w}:{model}", "--data", f"{w}:make_data", "--loss", f"{w}:loss",
         "--metrics", f"{w}:metrics", "--momentum", "0", "--batch-size", "4", "--eval-every", "0",
         "--set", "downpour.n_fetch=1", "--set", "downpour.n_push=1", "--no-progress", "--threads", "1",
-        "--timeout", "30", "--out", str(out), env={"PARAMBOX_FAULT": fault},
+        "--timeout", "30", *extra, "--out", str(out), env={"PARAMBOX_FAULT": fault, **(env or {})},
     )  # fmt: skip
+
+
+@pytest.mark.slow  # mpiexec's start and end: ~40 s of wall time, ~12 s of CPU
+@pytest.mark.timeout(170)
+def test_rank0_killed_over_the_rma_box_the_others_finish_and_one_writes_the_result(tmp_path):
+    """The same over the rma box (mpiexec --with-ft ulfm, the box on a memory rank): the memory rank
+    marks rank 0 lost and keeps serving until another worker has taken the center."""
+    from tests.conftest import MPI_ENV
+
+    if spawn.find_mpiexec() is None:
+        pytest.skip("no mpiexec found")
+    lr, steps, at = 0.01, 30, 5
+    out = tmp_path / "run"
+    _downpour(out, lr, steps, "3", "make_model", f"0:{at}:kill", ("--box", "rma"), MPI_ENV)
+    s = summary(out)
+    assert (s["lost_workers"], s["worker_steps"], s["memory_ranks"]) == ([0], [at, steps, steps], 1), s
+    weight = final_weights(out)["weight"]
+    assert (weight - -lr * (at * 1 + steps * 2 + steps * 4)).abs().max().item() < 1e-5, weight
 
 
 @pytest.mark.slow

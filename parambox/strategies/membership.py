@@ -201,13 +201,15 @@ class Membership:
 
     def serve(self) -> None:
         """A memory rank: drive MPI's progress and failure detection, and mark dead workers LOST in
-        the box (rank 0 reads it), until rank 0 has taken the center (or is gone)."""
+        the box (the leader reads it), until the leader has taken the center (``FINAL``: rank 0, or
+        the worker that took over from a lost rank 0) or every worker is lost."""
         marks = self.rank == self.num_workers  # the first memory rank: one writer of LOST bits
         while True:
             for r in self.box.failed_ranks():
                 if r < self.num_workers and marks:
                     self.set_status(r, LOST)
-            if self.box.read_counter(self.m.status(0)) & (FINAL | LOST):
+            status = self.box.read_counter(self.m.status(0))
+            if status & FINAL or (status & LOST and self._all_lost()):
                 return
             time.sleep(_SERVE_POLL_S)
 
@@ -243,6 +245,9 @@ class Membership:
         lost: a stall past ``lost_after_s``); only one of them writes the result. Rank 0's claims
         count apart (``_RANK0_CLAIM``): a replacement of a rank 0 that claimed, then died, leads."""
         return self.box.add_counter(self.m.lead, _RANK0_CLAIM) % _RANK0_CLAIM == 0
+
+    def _all_lost(self) -> bool:
+        return all(self.box.read_counter(self.m.status(r)) & LOST for r in range(self.num_workers))
 
     def await_final(self) -> None:
         """A worker whose box shard lives in its own process: until rank 0 has read the center."""
