@@ -192,6 +192,8 @@ class AsyncStrategy(Strategy):
         if self.rejoined:
             self.client.pull(self.x)
             self.membership.reached = self.membership.steps_done >= self.ctx.steps
+            # a replacement of a rank 0 that another worker took for lost, and whose result it took
+            self.halted = self.world.rank == 0 and self.membership.result_taken()
 
     def data_partition(self) -> tuple[int, int]:
         # Memory ranks read no data; they get a valid shard all the same.

@@ -240,6 +240,11 @@ class Membership:
             return self.board.dead(0)
         return bool(identity_gone(self.box.read_counter(self.m.ident(0))))
 
+    def result_taken(self) -> bool:
+        """Another worker took rank 0's part (rank 0 was lost): a replacement of rank 0 has nothing left
+        to do."""
+        return self.box.read_counter(self.m.lead) % _RANK0_CLAIM != 0
+
     def claim_lead(self) -> bool:
         """Rank 0 at its end: True unless another worker claimed its part first (rank 0 was taken for
         lost: a stall past ``lost_after_s``); only one of them writes the result. Rank 0's claims
