@@ -235,6 +235,20 @@ def test_sync_run_without_restarts_left_fails_naming_the_rank(tmp_path):
     assert proc.returncode == 1 and "worker rank 1 failed: killed by signal SIGKILL" in proc.stderr
 
 
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("strategy", ["allreduce", "dogwild"])
+def test_rank0_killed_without_restarts_or_shrink_fails_the_run_naming_it(tmp_path, strategy):
+    """Where nothing survives rank 0's death: a synchronous run without on_failure=shrink, and dogwild
+    (its master, which holds the weights, is rank 0)."""
+    proc = run_cli(
+        "train", "--strategy", strategy, "--steps", "100000", *FAST, "--timeout", "20",
+        "--out", str(tmp_path / "r"), env={"PARAMBOX_FAULT": "0:10:kill"}, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1 and "worker rank 0 failed: killed by signal SIGKILL" in proc.stderr, (
+        proc.stderr
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sync_easgd_is_not_loss_tolerant(tmp_path):
