@@ -141,6 +141,34 @@ def test_rank0_killed_without_restarts_the_others_finish_and_one_writes_the_resu
     assert _shm() <= before
 
 
+@pytest.mark.slow  # mpiexec's start and end: ~40 s of wall time
+@pytest.mark.timeout(170)
+def test_the_memory_rank_killed_on_one_host_the_workers_finish(tmp_path):
+    """On one host Open MPI's windows live in shared memory, which outlives the memory rank that
+    allocated them: SIGKILLed while the workers train, they finish and the result is written."""
+    from tests.conftest import MPI_ENV
+
+    if spawn.find_mpiexec() is None:
+        pytest.skip("no mpiexec found")
+    out = tmp_path / "run"
+    args = ["train", "--strategy", "downpour", "--box", "rma", "--steps", "2000", *FAST, "--timeout", "10"]
+    launcher = start(*args, "--out", str(out), env=MPI_ENV)
+    try:
+        mine = out / "metrics.rank1.jsonl"
+        deadline = time.monotonic() + 120
+        while not (mine.exists() and mine.stat().st_size > 20_000) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        worker(launcher, 2).kill()  # the memory rank (2 workers, then it)
+        logged = mine.stat().st_size
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, err
+    s = summary(out)
+    assert (s["worker_steps"], s["memory_ranks"]) == ([2000, 2000], 1), s
+    assert mine.stat().st_size > logged  # they trained on after it died
+
+
 def _downpour(
     out: Path, lr: float, steps: int, workers: str, model: str, fault: str, extra: tuple = (), env=None
 ) -> None:
