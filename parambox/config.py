@@ -150,18 +150,18 @@ class RunConfig(BaseModel):
     def _workers_range(cls, data: Any) -> Any:
         """``workers = "MIN:MAX"`` (``--workers 2:4``): start with MIN, up to MAX join the running job."""
         value = data.get("workers") if isinstance(data, dict) else None
-        if isinstance(value, str) and ":" in value:
-            low, _, high = value.partition(":")
-            if not (low.strip().isdigit() and high.strip().isdigit()):
-                raise ValueError(f"workers {value!r}: expected a count or MIN:MAX")
+        low, colon, high = value.partition(":") if isinstance(value, str) else ("", "", "")
+        if colon and low.strip().isdigit() and high.strip().isdigit():
             data = {**data, "workers": int(high), "start_workers": int(low)}
-        return data
+        return data  # anything else is the int field's to refuse
 
-    @model_validator(mode="after")
-    def _start_within_workers(self) -> RunConfig:
-        if self.start_workers is not None and self.start_workers > self.workers:
-            raise ValueError(f"start_workers {self.start_workers} is more than workers {self.workers}")
-        return self
+    @field_validator("start_workers")
+    @classmethod
+    def _start_within_workers(cls, v: int | None, info: Any) -> int | None:
+        workers = info.data.get("workers")
+        if v is not None and workers is not None and v > workers:
+            raise ValueError(f"the run starts with {v} workers, more than workers = {workers}")
+        return v
 
     @model_validator(mode="after")
     def _workers_fill_nodes(self) -> RunConfig:
