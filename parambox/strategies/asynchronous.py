@@ -23,7 +23,8 @@ API (kept stable; the asynchronous strategies build on it)
     ``halt(what, step)`` and ``step_result(loss, samples)`` (counts the step, reports comm times,
     ``staleness`` and ``nonfinite``). Through its membership it aligns termination (``should_stop``) and
     waits for the others at the end, finding lost workers (``finish``; override ``flush`` to push
-    what is left); it gives the result model (the center, on rank 0), resume state and
+    what is left); it gives the result model (the center, on rank 0 or the worker that took over
+    from a lost rank 0), resume state and
     ``summary_extra`` (``lost_workers``, ``nonfinite_workers``, ``worker_steps``).
 
 Who is in the run (start, counted steps, status, termination alignment, lost peers) is
@@ -36,7 +37,10 @@ never stop. Resume: every rank restores its own last checkpoint (they checkpoint
 rank 0 puts its saved center back and bumps ``ready`` again.
 
 Memory ranks (``rma``, ``box.memory_ranks``, default 1 here): the last ranks of the run hold the
-box and train nothing; they serve until rank 0 has taken the final center, marking dead workers.
+box and train nothing; they serve until the leader has taken the final center, marking dead workers.
+
+Rank 0 lost (``Membership.await_leader``): the others, done, wait for rank 0 to take the center; where
+it is lost first, the first to claim its part takes the center and writes the result.
 
 A subclass implements ``end_step`` (and ``begin_step`` where the rule acts before the forward
 pass, calling ``super().begin_step(step)``); e.g. the asynchronous EASGD update::
