@@ -35,7 +35,18 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     strategy: str = "allreduce"
-    workers: int = Field(2, ge=1, le=4096, description="worker processes (local launcher)")
+    workers: int = Field(
+        2,
+        ge=1,
+        le=4096,
+        description="worker processes (local launcher); MIN:MAX: start_workers=MIN, workers=MAX",
+    )
+    start_workers: int | None = Field(
+        None,
+        ge=1,
+        description="local launcher: the run starts with this many workers and the others, up to workers, "
+        "join it once up (synchronous: at a step boundary, with on_failure=shrink; asynchronous: on the box)",
+    )
     model: str = Field(
         "lenet", description="zoo model, or a model factory REF (module:function, file.py:function)"
     )
@@ -100,8 +111,9 @@ class RunConfig(BaseModel):
     )
     resize: Literal["keep-global-batch", "scale-batch"] = Field(
         "keep-global-batch",
-        description="a resume at another worker count: keep the global batch (each worker's batch is the "
-        "global batch over the new count, uneven slices weighted exactly) or keep each worker's batch_size",
+        description="when the workers change (a resume at another count, a worker that joins): keep the "
+        "global batch (each worker's batch is the global batch over the workers, uneven slices weighted "
+        "exactly on resume) or keep each worker's batch_size",
     )
     init_from: str | None = Field(
         None,
@@ -148,6 +160,24 @@ class RunConfig(BaseModel):
     @classmethod
     def _backend_alone(cls, v: Any) -> Any:
         return {"backend": v} if isinstance(v, str) else v  # --box rma
+
+    @model_validator(mode="before")
+    @classmethod
+    def _workers_range(cls, data: Any) -> Any:
+        """``workers = "MIN:MAX"`` (``--workers 2:4``): start with MIN, up to MAX join the running job."""
+        value = data.get("workers") if isinstance(data, dict) else None
+        low, colon, high = value.partition(":") if isinstance(value, str) else ("", "", "")
+        if colon and low.strip().isdigit() and high.strip().isdigit():
+            data = {**data, "workers": int(high), "start_workers": int(low)}
+        return data  # anything else is the int field's to refuse
+
+    @field_validator("start_workers")
+    @classmethod
+    def _start_within_workers(cls, v: int | None, info: Any) -> int | None:
+        workers = info.data.get("workers")
+        if v is not None and workers is not None and v > workers:
+            raise ValueError(f"the run starts with {v} workers, more than workers = {workers}")
+        return v
 
     @model_validator(mode="after")
     def _workers_fill_nodes(self) -> RunConfig:

@@ -77,6 +77,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PARAMBOX_LIFE": ("the local launcher", "0 in a worker's first life, k in its k-th replacement"),
     "PARAMBOX_REJOIN": ("the local launcher", "`1` in a replacement joining a run in progress"),
     "PARAMBOX_FROM_SPARE": ("the local launcher", "`1` in a replacement that was a warm spare"),
+    "PARAMBOX_JOIN_FROM": (
+        "the local launcher",
+        "`workers = \"MIN:MAX\"`: MIN; the ranks from it on join the run once it is under way",
+    ),
     "PARAMBOX_GROUP_STORE": ("the local launcher", "host:port of its store, in a run that survives in place"),
     "PARAMBOX_GROUP_LIFE": ("the local launcher", "restarts of the whole group so far"),
     "PARAMBOX_MAIN_SCRIPT": ("parambox.train", "the launching script, imported by workers as `__mp_main__`"),

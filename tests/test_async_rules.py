@@ -193,7 +193,7 @@ def test_adagrad_sums_do_not_count_as_pushes(box):
 
 def test_counter_map_is_disjoint():
     m = CounterMap(3, extra=2)
-    idx = [m.version, m.total, m.reached, m.samples, m.ready, m.started]
+    idx = [m.version, m.total, m.reached, m.samples, m.ready, m.started, m.lead]
     idx += [f(r) for f in (m.steps, m.status, m.ident) for r in range(3)]
     idx += [m.extra(k) for k in range(2)]
     assert sorted(idx) == list(range(m.num_counters))

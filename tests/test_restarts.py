@@ -119,6 +119,107 @@ def test_rank0_is_replaced_too(tmp_path):
     assert s["final_test_accuracy"] >= 0.8
 
 
+@pytest.mark.timeout(170)
+def test_rank0_killed_without_restarts_the_others_finish_and_one_writes_the_result(tmp_path):
+    """Asynchronous downpour over the shm box (pull and push every step), each rank's gradient a
+    constant 2**rank: rank 0 SIGKILLed at step 5 of 30, no --max-restarts. The others finish, one of
+    them takes rank 0's part (waits for the others, takes the center, writes last.pt, metrics.jsonl and
+    the summary): exit 0, rank 0 lost, and the center holds every pushed step, rank 0's five included."""
+    lr, steps, at = 0.01, 30, 5
+    out = tmp_path / "run"
+    before = _shm()
+    _downpour(out, lr, steps, "3", "make_model", f"0:{at}:kill")
+    s = summary(out)
+    assert (s["lost_workers"], s["worker_steps"], s["restarts"]) == ([0], [at, steps, steps], 0), s
+    expected = -lr * (at * 1 + steps * 2 + steps * 4)
+    weight = final_weights(out)["weight"]
+    assert (weight - expected).abs().max().item() < 1e-5, (weight, expected)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    (took_over,) = [r for r in rows if r["kind"] == "leader"]
+    assert took_over["rank"] in (1, 2) and took_over["lost"] == [0]  # the first done to find it lost
+    assert rows[-1]["kind"] == "eval"
+    assert _shm() <= before
+
+
+@pytest.mark.slow  # mpiexec's start and end: ~40 s of wall time
+@pytest.mark.timeout(170)
+def test_the_memory_rank_killed_on_one_host_the_workers_finish(tmp_path):
+    """On one host Open MPI's windows live in shared memory, which outlives the memory rank that
+    allocated them: SIGKILLed while the workers train, they finish and the result is written."""
+    from tests.conftest import MPI_ENV
+
+    if spawn.find_mpiexec() is None:
+        pytest.skip("no mpiexec found")
+    out = tmp_path / "run"
+    args = ["train", "--strategy", "downpour", "--box", "rma", "--steps", "2000", *FAST, "--timeout", "10"]
+    launcher = start(*args, "--out", str(out), env=MPI_ENV)
+    try:
+        mine = out / "metrics.rank1.jsonl"
+        deadline = time.monotonic() + 120
+        while not (mine.exists() and mine.stat().st_size > 20_000) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        worker(launcher, 2).kill()  # the memory rank (2 workers, then it)
+        logged = mine.stat().st_size
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, err
+    s = summary(out)
+    assert (s["worker_steps"], s["memory_ranks"]) == ([2000, 2000], 1), s
+    assert mine.stat().st_size > logged  # they trained on after it died
+
+
+def _downpour(
+    out: Path, lr: float, steps: int, workers: str, model: str, fault: str, extra: tuple = (), env=None
+) -> None:
+    """Downpour over the shm box, pull and push every step, each rank's gradient a constant 2**rank."""
+    w = "tests/workloads/constant_gradient.py"
+    run_cli(
+        "train", "--strategy", "downpour", "--workers", workers, "--steps", str(steps), "--lr", str(lr),
+        "--model", f"{w}:{model}", "--data", f"{w}:make_data", "--loss", f"{w}:loss",
+        "--metrics", f"{w}:metrics", "--momentum", "0", "--batch-size", "4", "--eval-every", "0",
+        "--set", "downpour.n_fetch=1", "--set", "downpour.n_push=1", "--no-progress", "--threads", "1",
+        "--timeout", "30", *extra, "--out", str(out), env={"PARAMBOX_FAULT": fault, **(env or {})},
+    )  # fmt: skip
+
+
+@pytest.mark.slow  # mpiexec's start and end: ~40 s of wall time, ~12 s of CPU
+@pytest.mark.timeout(170)
+def test_rank0_killed_over_the_rma_box_the_others_finish_and_one_writes_the_result(tmp_path):
+    """The same over the rma box (mpiexec --with-ft ulfm, the box on a memory rank): the memory rank
+    marks rank 0 lost and keeps serving until another worker has taken the center."""
+    from tests.conftest import MPI_ENV
+
+    if spawn.find_mpiexec() is None:
+        pytest.skip("no mpiexec found")
+    lr, steps, at = 0.01, 30, 5
+    out = tmp_path / "run"
+    _downpour(out, lr, steps, "3", "make_model", f"0:{at}:kill", ("--box", "rma"), MPI_ENV)
+    s = summary(out)
+    assert (s["lost_workers"], s["worker_steps"], s["memory_ranks"]) == ([0], [at, steps, steps], 1), s
+    weight = final_weights(out)["weight"]
+    assert (weight - -lr * (at * 1 + steps * 2 + steps * 4)).abs().max().item() < 1e-5, weight
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(170)
+def test_a_worker_joins_an_asynchronous_run_on_the_box(tmp_path):
+    """``--workers 2:3`` asynchronous: ranks 0 and 1 train from the start (rank 0 at 0.2 s a step),
+    rank 2 (3 s slower to build its model) attaches to the box later, pulls the center and does its
+    steps; the center holds every worker's pushes."""
+    lr, steps = 0.01, 30
+    out = tmp_path / "run"
+    _downpour(out, lr, steps, "2:3", "make_model_late_on_rank_2", "0:0:slow")
+    s = summary(out)
+    assert (s["lost_workers"], s["worker_steps"], s["workers"]) == ([], [steps] * 3, 3), s
+    weight = final_weights(out)["weight"]
+    assert (weight - -lr * steps * (1 + 2 + 4)).abs().max().item() < 1e-5, weight
+    first = {
+        r: json.loads((out / f"metrics.rank{r}.jsonl").read_text().splitlines()[0])["epoch"] for r in (1, 2)
+    }
+    assert first[2] - first[1] > 2.0  # it came while the others trained
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_sync_restart_resumes_from_the_checkpoint_bit_exact(tmp_path):
@@ -160,6 +261,18 @@ def test_sync_run_without_restarts_left_fails_naming_the_rank(tmp_path):
         check=False,
     )
     assert proc.returncode == 1 and "worker rank 1 failed: killed by signal SIGKILL" in proc.stderr
+
+
+@pytest.mark.timeout(170)
+def test_dogwild_fails_naming_rank_0_when_it_dies(tmp_path):
+    """Dogwild's master, which holds the weights, is rank 0: nothing survives its death (no restarts)."""
+    proc = run_cli(
+        "train", "--strategy", "dogwild", "--steps", "100000", *FAST, "--timeout", "20",
+        "--out", str(tmp_path / "r"), env={"PARAMBOX_FAULT": "0:10:kill"}, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1 and "worker rank 0 failed: killed by signal SIGKILL" in proc.stderr, (
+        proc.stderr
+    )
 
 
 @pytest.mark.slow

@@ -17,10 +17,9 @@ Setups (``SETUPS``): ``easgd`` and ``diloco-async`` (asynchronous over the shm b
 replaced by a new process that pulls the center and trains on; the run ends once the workers' steps
 add up to ``workers x --steps``, ``termination=average``), ``allreduce``
 (``on_failure=shrink``: the survivors go on in place over a new process group, and the replacement
-joins at a step boundary with its state from rank 0); those three by default, and ``box-sync`` (the
-same as allreduce's, through the shm box's slots) on request. Rank 0 of the synchronous setups is
-never hit: its death is not survived in place (it falls back to a restart of all from the last
-checkpoint).
+joins at a step boundary with its state from the leader); those three by default, and ``box-sync``
+(the same as allreduce's, through the shm box's slots) on request. Any rank may be hit, rank 0 too
+(a synchronous run's oldest survivor then leads).
 
 Reported per setup: ``throughput_retained`` (both runs do the same training, every rank's
 ``--steps``: the clean run's time over the chaos run's, each from the launcher's start to its exit,
@@ -77,14 +76,12 @@ SETUPS = {
         ("--strategy", "allreduce", "--set", "on_failure=shrink", "--checkpoint-every", "500"),
         40_000,
         800,
-        hits_rank0=False,
     ),
     # On request (--setups box-sync): synchronous through the shm box, surviving in place as allreduce.
     "box-sync": ChaosSetup(
         ("--strategy", "box-sync", "--set", "on_failure=shrink", "--checkpoint-every", "500"),
         55_000,
         800,
-        hits_rank0=False,
     ),
 }
 DEFAULT_SETUPS = ("easgd", "diloco-async", "allreduce")  # torchft's chaos run's kinds of rule
@@ -275,17 +272,22 @@ def _run(
 
 
 def _logged_steps(out: Path) -> int:
-    """Steps every life of every rank logged (one ``step`` record each: ``log_every`` is 1)."""
+    """Steps every life of every rank logged (one ``step`` record each: ``log_every`` is 1). A rank that
+    took over the lead (rank 0 died) copies its records into ``metrics.jsonl`` after a ``leader``
+    record: counted once, in its own file."""
     count = 0
     for path in out.glob("metrics*.jsonl"):
         with open(path, "rb") as f:
-            count += sum(1 for line in f if b'"kind": "step"' in line)
+            for line in f:
+                if b'"kind": "leader"' in line:
+                    break
+                count += b'"kind": "step"' in line
     return count
 
 
 def _recovery_s(out: Path, fault: dict[str, Any]) -> float | None:
     """Seconds from ``fault`` to its rank's next logged step (any life), on the metrics' wall clock."""
-    path = out / ("metrics.jsonl" if fault["rank"] == 0 else f"metrics.rank{fault['rank']}.jsonl")
+    path = _metrics_of(out, fault["rank"])
     epoch = None
     try:
         lines = path.read_text().splitlines()
@@ -301,6 +303,13 @@ def _recovery_s(out: Path, fault: dict[str, Any]) -> float | None:
         elif rec.get("kind") == "step" and epoch is not None and epoch + rec["time"] > fault["t"]:
             return epoch + rec["time"] - fault["t"]
     return None
+
+
+def _metrics_of(out: Path, rank: int) -> Path:
+    """The file a rank logs its steps to: rank 0's ``metrics.jsonl``, unless a replacement of rank 0
+    joined a synchronous run led by another rank (then ``metrics.rank0.jsonl``: it does not lead)."""
+    own = out / f"metrics.rank{rank}.jsonl"
+    return own if rank != 0 or own.exists() else out / "metrics.jsonl"
 
 
 def _hit_one(
@@ -349,7 +358,7 @@ def _rank_of(child: psutil.Process) -> int:
 
 def _last_step(out: Path, rank: int) -> tuple[float, int]:
     """(when, which) the last step this rank logged (every life of a rank appends to one file)."""
-    path = out / ("metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl")
+    path = _metrics_of(out, rank)
     try:
         with open(path, "rb") as f:
             logged = os.fstat(f.fileno()).st_mtime

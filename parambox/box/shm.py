@@ -31,7 +31,7 @@ import torch
 
 from parambox.box.base import DONE, Handle, ParameterBox, wait_until
 from parambox.errors import CommTimeout, UserError
-from parambox.runtime.control import RUNNING, WorkerBoard, rejoining
+from parambox.runtime.control import RUNNING, WorkerBoard, joins_from, rejoining
 from parambox.runtime.spawn import (  # noqa: F401  (re-exported)
     PREFIX_ENV,
     check_prefix,
@@ -325,10 +325,12 @@ def _create(
 
 def _missing(hdr: memoryview, board: WorkerBoard | None) -> list[int]:
     """Local ranks that have not attached yet and still may: not known dead or exited (the launcher's
-    board)."""
+    board), nor ranks that join the run once it is under way (``workers = "MIN:MAX"``, one node: they
+    attach by the name, which the launcher keeps, as replacements do)."""
+    expected = hdr[_H_EXPECTED] if board is None else joins_from(hdr[_H_EXPECTED])
     return [
         r
-        for r in range(1, hdr[_H_EXPECTED])
+        for r in range(1, expected)
         if not hdr[_H_ATTACH0 + r] and not (board is not None and board.state(r) != RUNNING)
     ]
 

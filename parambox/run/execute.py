@@ -91,7 +91,7 @@ def train_here(
 
 
 def launch(plan: Plan, run_dir: Path, callables: dict[str, Callable] | None = None) -> dict[str, Any]:
-    """Spawn the run's local processes on the one worker entry, supervise them; rank 0's summary.
+    """Spawn the run's local processes on the one worker entry, supervise them; the leader's summary.
     The run directory's lock (taken by ``prepare``) is released when it returns."""
     try:
         with _caller_env(callables or {}):
@@ -105,9 +105,11 @@ def launch(plan: Plan, run_dir: Path, callables: dict[str, Callable] | None = No
             raise RunFailed(f"{reason} (worker rank {rank})", code)
         raise RunFailed(f"parambox: error: worker rank {rank} failed: {reason} (log: {run_dir / 'logs'})", 1)
     summary_file = run_dir / "summary.json"
-    if not summary_file.exists():  # under ULFM mpiexec may end 0 though rank 0, which writes it, died
+    if not summary_file.exists():  # under ULFM mpiexec may end 0 though the rank that writes it died
         raise RunFailed(
-            f"parambox: error: the run ended without a result: rank 0 died (log: {run_dir / 'logs'})", 1
+            f"parambox: error: the run ended without a result: the rank that writes it (rank 0) died "
+            f"(log: {run_dir / 'logs'})",
+            1,
         )
     if result.lost or result.restarts:
         mark_lost(run_dir, result.lost, result.restarts, result.earlier_lives_s)
@@ -125,6 +127,7 @@ def _launch_local(plan: Plan, run_dir: Path):
             "is lost, the others carry on"
         )
     shrink = _survives_in_place(plan, use_mpi)
+    _check_joiners(plan, use_mpi, shrink)
     if cfg.cluster.enabled and cfg.data == "mnist" and cfg.data_path is None:
         from parambox.data.mnist import fetch_mnist
 
@@ -136,6 +139,8 @@ def _launch_local(plan: Plan, run_dir: Path):
         cfg.threads,
         use_mpi=use_mpi,
         tolerate_loss=cls.tolerates_worker_loss,
+        lose_rank0=cls.tolerates_rank0_loss and not use_mpi,
+        start_workers=cfg.start_workers if shrink or cls.tolerates_worker_loss else None,
         module=WORKER_MODULE,
         cluster=cfg.cluster if cfg.cluster.enabled else None,
         max_restarts=0 if use_mpi else cfg.max_restarts,
@@ -170,8 +175,30 @@ def _survives_in_place(plan: Plan, use_mpi: bool) -> bool:
     return True
 
 
+def _check_joiners(plan: Plan, use_mpi: bool, shrink: bool) -> None:
+    """``workers = "MIN:MAX"``: workers join a running job under the local launcher on one host; a
+    synchronous run takes them in place (``on_failure = "shrink"``). An asynchronous run waits for no
+    worker anyway: each of the MAX attaches to the box when it is up."""
+    from parambox.training.joining import check_cuts
+
+    cfg, cls = plan.cfg, plan.strategy_cls
+    if cfg.start_workers is None or cfg.start_workers == cfg.workers:
+        return
+    check_cuts(cfg)
+    if use_mpi or cfg.cluster.enabled:
+        raise UserError(
+            f"workers {cfg.start_workers}:{cfg.workers}: workers join a running job under the local "
+            "launcher on one host"
+        )
+    if not cls.tolerates_worker_loss and not shrink:
+        raise UserError(
+            f"workers {cfg.start_workers}:{cfg.workers}: a synchronous run takes workers that join in "
+            "place: add --set on_failure=shrink"
+        )
+
+
 def mark_lost(run_dir: Path, lost: list[int], restarts: int = 0, earlier_lives_s: float = 0.0) -> None:
-    """What only the launcher knows, into rank 0's summary: ranks lost, restarts made, and the time of
+    """What only the launcher knows, into the leader's summary: ranks lost, restarts made, and the time of
     the lives of the whole group before its last restart (rank 0 measured its last life only): added
     to ``wall_time_s`` and said as ``earlier_lives_s``. ``samples_per_s`` stays the last life's rate."""
     path = run_dir / "summary.json"

@@ -34,6 +34,7 @@ from collections.abc import Mapping
 BOARD_ENV = "PARAMBOX_BOARD_FD"  # the board's descriptor in a worker
 LIFE_ENV = "PARAMBOX_LIFE"  # 0 in a worker's first life, k in its k-th replacement (or group restart)
 REJOIN_ENV = "PARAMBOX_REJOIN"  # "1" in a replacement that joins a run in progress
+JOIN_FROM_ENV = "PARAMBOX_JOIN_FROM"  # workers = "MIN:MAX": MIN; the ranks from it on join the running run
 SPARE_FLAG = "--spare"  # the worker entry waits, warmed up, to be told which dead rank it replaces
 SPARE_ENV = "PARAMBOX_FROM_SPARE"  # "1" in a replacement that was a warm spare
 HEARTBEAT_ENV = "PARAMBOX_HEARTBEAT"  # the file rank 0 touches as it steps (runtime/dist.py)
@@ -122,6 +123,12 @@ _OPEN: dict[int, WorkerBoard] = {}
 def current_life(env: Mapping[str, str] | None = None) -> int:
     """0 in a worker's first life; k in its k-th replacement (fault injection fires in life 0 only)."""
     return int((os.environ if env is None else env).get(LIFE_ENV) or 0)
+
+
+def joins_from(world_size: int, env: Mapping[str, str] | None = None) -> int:
+    """The first rank that joins the run once it is under way (``workers = "MIN:MAX"``: MIN); the world
+    size where every rank starts it."""
+    return min(world_size, int((os.environ if env is None else env).get(JOIN_FROM_ENV) or world_size))
 
 
 def rejoining(env: Mapping[str, str] | None = None) -> bool:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from parambox.errors import CommTimeout
-from parambox.runtime.control import HEARTBEAT_ENV, rejoining
+from parambox.runtime.control import HEARTBEAT_ENV
 from parambox.runtime.elastic import ElasticGroup, destroy_default_group
 from parambox.runtime.spawn import free_port
 from parambox.runtime.world import World
@@ -82,7 +82,7 @@ def init_distributed(
             group = ElasticGroup.under_mpi(world, timeout_s)
     if group is not None:
         _ELASTIC = group
-        if not (defer_rejoin and rejoining()):
+        if not (defer_rejoin and group.joins_late):
             group.join()
         return
     addr, port = rendezvous_address(world, timeout_s)
@@ -106,7 +106,7 @@ def init_distributed(
 def finish_rejoin() -> None:
     """A replacement's admission, deferred by ``init_distributed(defer_rejoin=True)``: asks to join
     and waits to be admitted at a step boundary (a no-op anywhere else)."""
-    if _ELASTIC is not None and rejoining() and not dist.is_initialized():
+    if _ELASTIC is not None and _ELASTIC.joins_late and not dist.is_initialized():
         _ELASTIC.join()
 
 

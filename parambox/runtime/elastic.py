@@ -61,7 +61,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401  isort: skip
 
 from parambox.errors import CommTimeout
-from parambox.runtime.control import WorkerBoard, current_life, rejoining
+from parambox.runtime.control import WorkerBoard, current_life, joins_from, rejoining
 
 STORE_ENV = "PARAMBOX_GROUP_STORE"  # host:port of the launcher's store in a run that survives in place
 GROUP_LIFE_ENV = "PARAMBOX_GROUP_LIFE"  # restarts of the whole group so far: each runs the protocol afresh
@@ -209,13 +209,15 @@ class ElasticGroup:
     """The current generation of a run's process group, and how it goes on without lost ranks.
 
     ``rank`` is this process's rank at launch (its data shard, its logs); ``group_rank`` and
-    ``group_size`` are its place in the current generation (rank 0 of the launch is always a member:
-    its death is not survived in place)."""
+    ``group_size`` are its place in the current generation, oldest members first: group rank 0 leads
+    the run (rank 0 of the launch until it dies, then the oldest survivor: the lowest-ranked one of
+    the launch, where no replacement joined)."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float, backend: str):
         self.store, self.rank, self.timeout_s, self.backend = store, rank, timeout_s, backend
         self.world_size = world_size
-        self.members = list(range(world_size))
+        # Generation 0: every rank of the launch, or those below JOIN_FROM_ENV (the others join later).
+        self.members = list(range(joins_from(world_size)))
         self.generation = 0
         self.board = WorkerBoard.from_env()
         # How long the decider waits for members still on their way: --timeout and a quarter (at least
@@ -269,9 +271,15 @@ class ElasticGroup:
     def _lives(self) -> dict[int, int]:
         return {r: self.board.life(r) if self.board is not None else 0 for r in self.members}
 
+    @property
+    def joins_late(self) -> bool:
+        """This process joins a running group: a replacement, or a rank beyond the group's start."""
+        return rejoining() or self.rank not in self.members
+
     def join(self) -> None:
-        """Generation 0: every rank of the launch; a replacement waits to be admitted instead."""
-        if rejoining():
+        """Generation 0: every rank of the launch; a replacement (or a rank beyond the group's start)
+        waits to be admitted instead."""
+        if self.joins_late:
             self._join_late()
             return
         self._init(0)
@@ -309,7 +317,9 @@ class ElasticGroup:
 
     def admit(self, plan: dict) -> None:
         """Every member at the start of the planned step: the named replacements come in (generation + 1)."""
-        members = sorted(set(self.members) | set(plan["ranks"]))
+        # the newcomers last: group rank 0, the leader, stays the oldest member (a replacement of
+        # rank 0 joins as any other rank)
+        members = self.members + [r for r in sorted(plan["ranks"]) if r not in self.members]
         gen = self.generation + 1
         if self.group_rank == 0:
             word = json.dumps({"members": members, "generation": gen, "step": plan["step"]})

@@ -23,7 +23,16 @@ from pathlib import Path
 
 from parambox.runtime import elastic, spawn
 from parambox.runtime.cluster import WINDOWS_MCA, ClusterConfig
-from parambox.runtime.control import HEARTBEAT_ENV, LIFE_ENV, REJOIN_ENV, RUNNING, SPARE_FLAG, WorkerBoard
+from parambox.runtime.control import (
+    HEARTBEAT_ENV,
+    JOIN_FROM_ENV,
+    LIFE_ENV,
+    REJOIN_ENV,
+    RUNNING,
+    SPARE_FLAG,
+    WorkerBoard,
+    joins_from,
+)
 from parambox.runtime.supervisor import LaunchResult, Starters, Supervisor, worker_error
 
 __all__ = ["LaunchResult", "launch_local", "threads_per_worker", "worker_error"]
@@ -50,6 +59,8 @@ def launch_local(
     stall_timeout_s: float = 0.0,
     shrink: bool = False,
     mpi_windows: bool = False,
+    lose_rank0: bool = False,
+    start_workers: int | None = None,
 ) -> LaunchResult:
     """Run ``python -m <module> <argv>`` as ``num_workers`` ranks and supervise them.
 
@@ -59,6 +70,10 @@ def launch_local(
     ``checkpoint`` exists. Not under MPI (one job). ``stall_timeout_s``: how long rank 0 may write
     nothing to ``metrics.jsonl`` (beside ``log_dir``) once it is the last rank running. ``shrink``: a
     synchronous run whose survivors go on in place (``runtime/elastic.py``) over a store hosted here.
+    ``lose_rank0`` (with ``tolerate_loss``): rank 0 dead with no restart left is lost as any other
+    rank (another worker takes its part), not the end of the run. ``start_workers``: the run starts
+    with the ranks below it; the others join it once up (``shrink``: at a step boundary; asynchronous:
+    they attach to the box as replacements do).
     ``mpi_windows``: the job puts MPI windows across the emulated nodes (``box.server=false``), which
     Open MPI's TCP progress thread must serve (``cluster.WINDOWS_MCA``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -74,7 +89,10 @@ def launch_local(
         env["TMPDIR"] = stack.enter_context(spawn.segments_guarded(prefix, tmpdir=True))
         net = stack.enter_context(cluster.build(num_workers)) if cluster is not None else None
         watch = {"heartbeat": log_dir.parent / "metrics.jsonl", "stall_s": stall_timeout_s}
+        watch["lose_rank0"] = lose_rank0 and tolerate_loss
         env[HEARTBEAT_ENV] = str(watch["heartbeat"])  # rank 0 touches it as it steps, the others theirs
+        if start_workers is not None:
+            env[JOIN_FROM_ENV] = str(start_workers)  # the ranks from it on join the run once it is under way
         if use_mpi:
             mca = WINDOWS_MCA if mpi_windows else None
             mpi_command = functools.partial(net.mpi_launch, mca=mca) if net is not None else None
@@ -86,6 +104,7 @@ def launch_local(
             store, address = elastic.host_store()  # lives as long as this process holds it
             watch["shrink_store"] = store
             env[elastic.STORE_ENV] = address
+            watch["formed_at"] = start_workers
         return _launch_processes(
             cmd, num_workers, env, log_dir, tolerate_loss, restart, prefix, placement, watch
         )
@@ -200,6 +219,8 @@ class _Ranks:
 
     def start(self, cmd: list[str], rank: int, env: dict[str, str], fds: list[int]) -> subprocess.Popen:
         # Rank 0 owns the terminal (progress bar, summary); the others are prefixed with their rank.
+        if rank >= joins_from(self.n, env):  # it joins the run under way, as a replacement does
+            env = dict(env, **{REJOIN_ENV: "1"})
         renv = spawn.rank_env(env, rank, self.n, local_launcher=True)
         if self.placement is not None:
             cmd, renv = self.placement(rank, list(cmd), renv)

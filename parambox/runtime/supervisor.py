@@ -6,15 +6,18 @@ Every 50 ms it polls the workers. What it does when one exits non-zero depends o
   rank is started again at once (a *replacement*: it attaches to the box, pulls the center and
   does its remaining steps); otherwise it is marked dead on the :class:`WorkerBoard`, so the others
   stop waiting for it, and listed as lost. Rank 0 (the one that collects the result) dead with no
-  restart left fails the run; so does rank 0 writing no progress for ``--timeout`` once the others
-  have ended (with restarts left it is killed and replaced).
+  restart left fails the run, except where the strategy's center lives in the box
+  (``lose_rank0``): it is lost then, and another worker takes its part at the end (the result). So
+  does rank 0 writing no progress for ``--timeout`` once the others have ended (with restarts left,
+  or ``lose_rank0``, it is killed and replaced or lost).
 - synchronous, surviving in place (``shrink_store``: ``on_failure = "shrink"``, ``runtime/elastic.py``):
-  once every rank had joined the group, a dead rank other than 0 is marked dead on the board and listed
-  as lost, and the others regroup without it (with restarts left, a replacement is started instead:
+  once every rank had joined the group, a dead rank (rank 0 too: the oldest survivor then leads and
+  writes the result) is marked dead on the board and listed as lost, and the others regroup without it (with restarts left, a replacement is started instead:
   it joins at a step boundary and receives its state from a live rank); a rank the survivors fenced
   out (it stalled past their timeout) is SIGKILLed, and so is a rank the kernel shows stopped
   (SIGSTOP, a suspended job) for ``--timeout``: its death then ends the survivors' wait at once,
-  where a stopped rank left alive costs them the decider's grace on top of their timeout. A death before the group formed, or of rank 0, falls back to the next case.
+  where a stopped rank left alive costs them the decider's grace on top of their timeout. A death
+  before the group formed falls back to the next case.
   An asynchronous run's rank stopped for ``--timeout`` is SIGKILLed too (and replaced, or lost): it
   may hold a lock of the box that its peers wait for.
 - synchronous: every worker is stopped. With restarts left the whole group starts again from the
@@ -89,6 +92,8 @@ class Supervisor:
         stall_s: float = 0.0,
         shrink_store: Any = None,
         job_dir: Path | None = None,
+        lose_rank0: bool = False,
+        formed_at: int | None = None,
     ):
         self.procs, self.log_dir, self.tolerate_loss = procs, log_dir, tolerate_loss
         self.board, self.starters = board, starters
@@ -102,6 +107,8 @@ class Supervisor:
         # otherwise hold the run forever, since no peer is left to time out on it).
         self.heartbeat, self.stall_s = heartbeat, stall_s
         self.shrink_store = shrink_store  # the elastic group's store (a run that survives in place)
+        self.lose_rank0 = lose_rank0  # asynchronous: rank 0 may be lost (another worker takes its part)
+        self.formed_at = formed_at  # in place: the ranks that form the group (the others join later)
         self.job_dir = job_dir  # an MPI job's run directory: its ranks' metrics files are its heartbeat
         self._job_beat: tuple[Any, float] = ((), time.monotonic())
         self._job_polled = self._job_moved = False  # looked at its files yet; seen them change since
@@ -188,8 +195,8 @@ class Supervisor:
         self.procs[0].kill()
         self.procs[0].wait()
         self._beat = (self._beat[0], time.monotonic())
-        if self.tolerate_loss and self._restarts_left():
-            return False  # treated as dead: replaced below, like a killed one
+        if self.tolerate_loss and (self._restarts_left() or self.lose_rank0):
+            return False  # treated as dead: replaced or lost below, like a killed one
         why = f"rank 0 wrote no progress for {self.stall_s:g} s after the other workers ended (timeout)"
         self.result.failed[0] = (1, f"parambox: error: {why}")
         self.result.returncode = 1
@@ -236,7 +243,7 @@ class Supervisor:
         if self._restarts_left() and self._rank0_running(rank):
             self._start_replacement(rank)
             return True
-        if rank == 0:
+        if rank == 0 and not self.lose_rank0:
             return False
         self._finished(rank, DEAD)
         self.result.lost.append(rank)
@@ -250,8 +257,9 @@ class Supervisor:
         self.result.restarts += 1
 
     def _rank0_running(self, rank: int) -> bool:
-        # Once rank 0 has written the result, a replacement would train for nothing.
-        return rank == 0 or self.procs[0].poll() is None
+        # Once rank 0 has written the result, a replacement would train for nothing (a lost rank 0
+        # left it to another worker).
+        return rank == 0 or self.procs[0].poll() is None or 0 in self.result.lost
 
     def _restarts_left(self) -> bool:
         return self.result.restarts < self.max_restarts
@@ -265,11 +273,11 @@ class Supervisor:
 
     def _shrink(self, rank: int, code: int) -> bool:
         """True if the others go on without ``rank`` (see the module docstring)."""
-        if self.shrink_store is None or code == USER_ERROR or rank == 0:
+        if self.shrink_store is None or code == USER_ERROR:
             return False
         from parambox.runtime.elastic import FORMED_KEY
 
-        if self._life_store().add(FORMED_KEY, 0) < len(self.procs):
+        if self._life_store().add(FORMED_KEY, 0) < (self.formed_at or len(self.procs)):
             return False  # a rank died before every rank had joined: nobody can regroup (gloo#520)
         _kill_session(self.procs[rank])  # its loader processes hold its sockets: the peers see it gone now
         if self._restarts_left():  # a replacement joins at a step boundary, state from a live rank
@@ -291,15 +299,15 @@ class Supervisor:
 
     def _checked_ranks(self, value: Any) -> list[int]:
         """Ranks read from the run's store: any local user can write it (torch's TCPStore has no
-        password), so only a list of ranks of this run other than 0 (never fenced) is taken."""
+        password), so only a list of ranks of this run is taken."""
         if not isinstance(value, list):
             return []
-        return [r for r in value if type(r) is int and 0 < r < len(self.procs)]
+        return [r for r in value if type(r) is int and 0 <= r < len(self.procs)]
 
     def _kill_stopped(self, codes: list[int | None]) -> None:
         """A rank that the kernel shows stopped for ``--timeout`` (``stall_s``) is SIGKILLed, in a run
-        that survives in place (a rank other than 0: stalled past the others' timeout, it would be
-        fenced out anyway) and in an asynchronous one (any rank while a replacement can be made, else
+        that survives in place (any rank: stalled past the others' timeout, it would be fenced out
+        anyway) and in an asynchronous one (any rank while a replacement can be made, else
         one other than 0). A stopped process keeps the box's locks it held (an ``fcntl`` lock goes
         only with its process): every peer that needed one ran into its own timeout, died and was
         replaced, and its replacement again, for as long as the stop lasted (``bench chaos``, 27 Nov:
@@ -310,7 +318,7 @@ class Supervisor:
         if not watched or not self.stall_s or now - self._stopped_at < STOPPED_EVERY_S:
             return
         self._stopped_at = now
-        first = 0 if self.tolerate_loss and self._restarts_left() else 1
+        first = 0 if self.shrink_store is not None or self._restarts_left() or self.lose_rank0 else 1
         for rank in range(len(self.procs)):
             if (
                 rank < first

@@ -51,11 +51,12 @@ class InPlace:
     """
 
     def __init__(self, rule: Survivor, rank: int, world_size: int, board: ProgressBoard | None):
-        self.rule, self.world_size, self.board = rule, world_size, board
+        self.rule, self.rank, self.world_size, self.board = rule, rank, world_size, board
         self.group = elastic_group()  # set when the run survives a lost worker in place
         self._group_samples, self._pending_samples = 0.0, 0  # every member's samples (count_step)
         self._exchanges = self._counted = 0  # exchanges passed, and up to which the samples count
         self._awaits_state = self.joining  # a replacement, until share_state has given it a peer's state
+        self._admitted_at: int | None = None  # the step admit last ran at
         self._fault = FaultPlan.from_env().exchange_fault(rank) if self.group is not None else None
 
     @property
@@ -67,6 +68,15 @@ class InPlace:
     def group_size(self) -> int:
         """Ranks in the exchange now: the launch's, less those lost in a run that survives in place."""
         return self.group.group_size if self.group is not None else self.world_size
+
+    @property
+    def leads(self) -> bool:
+        """This rank leads the run (evaluates, writes ``last.pt``, ``metrics.jsonl`` and the summary):
+        rank 0, or in a run that survives in place the group's rank 0, its oldest member (rank 0 of
+        the launch until it dies; then the oldest survivor, and so on)."""
+        if self.group is not None:
+            return self.group.group_rank == 0
+        return self.rank == 0
 
     def rejoin_step(self) -> int | None:
         """Where a replacement starts; None: a fresh start or a resume."""
@@ -111,9 +121,12 @@ class InPlace:
                 continue
 
     def admit(self, step: int) -> None:
-        """At the start of ``step`` (``--max-restarts``): replacements that asked to join come in, and
-        receive the model and the rule's state from group rank 0."""
-        if self.group is not None:
+        """At the start of ``step`` (``--max-restarts``, ``workers = "MIN:MAX"``): replacements and
+        workers that asked to join come in, and receive the model and the rule's state from group rank
+        0 (the leader). Once a step: the loop calls it before it draws the step's batch (the batch is
+        cut over the members), the rule's ``begin_step`` again (a user's own loop)."""
+        if self.group is not None and step != self._admitted_at:
+            self._admitted_at = step
             plan = self.group.admission(step, self.rule.next_exchange(step))
             if plan is not None:
                 self.group.admit(plan)
@@ -124,23 +137,31 @@ class InPlace:
     ) -> None:
         """Group rank ``src``'s weights and resume state (optimizer, counters) to a replacement that
         joined (or, with ``receive``, to the ranks that say so)."""
+        joins = self._awaits_state
         if receive is None:
-            receive = self._awaits_state
+            receive = joins
         self._awaits_state = False
         rule = self.rule
-        mine = {"model": rule.model.state_dict(), "strategy": rule.state_dict()}
+        mine = {
+            "model": rule.model.state_dict(),
+            "strategy": rule.state_dict(),
+            "samples": [self._group_samples, self._pending_samples],
+        }
         with self.collective(phase):
             state = broadcast_state(mine if self.group.group_rank == src else None, src)
         if receive:
             rule.load_model_state(state["model"])
             rule.load_state_dict(state["strategy"])
+        if joins:  # the run's count so far: a replacement may come to lead (count_step)
+            self._group_samples, self._pending_samples = state["samples"]
 
     def count_step(self, samples: int) -> None:
         """After each step, this rank's ``samples`` in it. A run that survives in place counts every
-        member's (rank 0 is a member throughout): the steps since the last exchange once one has
+        member's: the steps since the last exchange once one has
         passed, times the members it had (a rank lost within a round of local steps, found out at
         the round's exchange, trained nothing the survivors kept); so a lost rank's samples count up
-        to its death and a replacement's from its joining."""
+        to its death and a replacement's from its joining. Every member counts the same, so a
+        survivor that comes to lead when the leader dies has the whole count."""
         if self.group is None:
             return
         self._pending_samples += samples

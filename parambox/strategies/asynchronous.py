@@ -23,7 +23,8 @@ API (kept stable; the asynchronous strategies build on it)
     ``halt(what, step)`` and ``step_result(loss, samples)`` (counts the step, reports comm times,
     ``staleness`` and ``nonfinite``). Through its membership it aligns termination (``should_stop``) and
     waits for the others at the end, finding lost workers (``finish``; override ``flush`` to push
-    what is left); it gives the result model (the center, on rank 0), resume state and
+    what is left); it gives the result model (the center, on rank 0 or the worker that took over
+    from a lost rank 0), resume state and
     ``summary_extra`` (``lost_workers``, ``nonfinite_workers``, ``worker_steps``).
 
 Who is in the run (start, counted steps, status, termination alignment, lost peers) is
@@ -36,7 +37,10 @@ never stop. Resume: every rank restores its own last checkpoint (they checkpoint
 rank 0 puts its saved center back and bumps ``ready`` again.
 
 Memory ranks (``rma``, ``box.memory_ranks``, default 1 here): the last ranks of the run hold the
-box and train nothing; they serve until rank 0 has taken the final center, marking dead workers.
+box and train nothing; they serve until the leader has taken the final center, marking dead workers.
+
+Rank 0 lost (``Membership.await_leader``): the others, done, wait for rank 0 to take the center; where
+it is lost first, the first to claim its part takes the center and writes the result.
 
 A subclass implements ``end_step`` (and ``begin_step`` where the rule acts before the forward
 pass, calling ``super().begin_step(step)``); e.g. the asynchronous EASGD update::
@@ -97,6 +101,7 @@ class AsyncStrategy(Strategy):
 
     Options = AsyncOptions
     tolerates_worker_loss = True
+    tolerates_rank0_loss = True  # the center lives in the box; another worker takes the result
     lockstep = False
     # No collective anywhere (the box is the only channel): a dead rank cannot block a rendezvous.
     needs_process_group = False
@@ -123,11 +128,9 @@ class AsyncStrategy(Strategy):
         self.layout = Layout.from_model(self.model)
         self.numel = self.layout.numel
         self.params = list(self.model.parameters())
-        self.result: nn.Module | None = None  # rank 0: a model bound to its own copy of the center
+        self.result: nn.Module | None = None  # the leader's: a model bound to its own copy of the center
         if rank == 0:
-            self.result = copy.deepcopy(self.model)
-            self.result_x = torch.empty(self.numel, device=ctx.world.device)
-            self.layout.bind_params_(self.result, self.result_x)
+            self._make_result()
         self.x, self.g = bind_flat_replica(self.model, self.layout, ctx.world.device)
         self.grad_views = GradViews.of_flat(self.model, self.layout, self.g)
         self.counters = CounterMap(n, extra_counters)
@@ -147,6 +150,7 @@ class AsyncStrategy(Strategy):
         self.rejoined = rejoining() and not self.serves  # a replacement of a dead worker
         self.halted = False
         self._final = False
+        self._leads = rank == 0  # rank 0, or the worker that took over its part at the end (finish)
         # Who is in the run (start, counted steps, status, termination, lost peers): the box's counters.
         self.membership = Membership(
             self.box,
@@ -159,6 +163,16 @@ class AsyncStrategy(Strategy):
         )
         if not self.serves:
             self._join()
+
+    def _make_result(self) -> None:
+        self.result = copy.deepcopy(self.model)
+        self.result_x = torch.empty(self.numel, device=self.world.device)
+        self.layout.bind_params_(self.result, self.result_x)
+
+    @property
+    def leads(self) -> bool:
+        """Rank 0; or, once rank 0 was lost before the end, the worker that claimed its part."""
+        return self._leads and not self.serves
 
     def _place_ranks(self, box: BoxConfig) -> BoxConfig:
         """The box config with its memory ranks decided; which ranks train (``num_workers``), which serve."""
@@ -182,6 +196,8 @@ class AsyncStrategy(Strategy):
         if self.rejoined:
             self.client.pull(self.x)
             self.membership.reached = self.membership.steps_done >= self.ctx.steps
+            # a replacement of a rank 0 that another worker took for lost, and whose result it took
+            self.halted = self.world.rank == 0 and self.membership.result_taken()
 
     def data_partition(self) -> tuple[int, int]:
         # Memory ranks read no data; they get a valid shard all the same.
@@ -237,7 +253,8 @@ class AsyncStrategy(Strategy):
 
     def finish(self) -> None:
         """Push what is left, say DONE; rank 0 waits for the others (or finds them lost) and takes the
-        center; a memory rank serves until then."""
+        center; the others wait for that, and where rank 0 is lost first one of them takes its part
+        (:meth:`Membership.await_leader`); a memory rank serves until then."""
         rank, members = self.world.rank, self.membership
         if self.serves:
             members.serve()
@@ -247,7 +264,10 @@ class AsyncStrategy(Strategy):
             self.flush()
         self.box.sync_levels()  # a node's last update reaches the cross-node box before DONE says so
         members.set_status(rank, DONE)
-        if rank == 0:
+        self._leads = members.claim_lead() if rank == 0 else members.await_leader()
+        if self._leads:
+            if self.result is None:
+                self._make_result()
             members.await_peers()
             self.box.sync_levels()  # and rank 0's node takes the center every node's updates made
             self.box.pull(self.result_x)
@@ -259,8 +279,8 @@ class AsyncStrategy(Strategy):
 
     # -- results, checkpoints, summary ------------------------------------------------------------------
     def eval_model(self) -> nn.Module | None:
-        """Rank 0: a model holding the center weights (the run's result); None elsewhere."""
-        if self.result is None:
+        """The leader: a model holding the center weights (the run's result); None elsewhere."""
+        if self.result is None or not self.leads:
             return None
         if not self._final:
             self.box.pull(self.result_x)
@@ -275,7 +295,7 @@ class AsyncStrategy(Strategy):
         state = super().state_dict()
         self.membership.settle()
         state["steps_done"] = self.membership.steps_done
-        if self.world.rank == 0:
+        if self.leads:
             state["center"] = self.box.pull(torch.empty(self.numel)).clone()
             if self.extra_numel:  # the strategy's own state in the box (Adagrad's sums, diloco's momentum)
                 state["box_extra"] = self.box.pull(torch.empty(self.extra_numel), self.extra_start).clone()
@@ -306,7 +326,7 @@ class AsyncStrategy(Strategy):
         return max(local, time.time() - self.box.read_counter(self.counters.started) / 1e6)
 
     def summary_extra(self) -> dict[str, Any]:
-        """Rank 0: the workers lost or halted on non-finite values, and every worker's step count."""
+        """The leader: the workers lost or halted on non-finite values, and every worker's step count."""
         extra = self.membership.summary()
         if self.memory_ranks:
             extra["memory_ranks"] = self.memory_ranks

@@ -88,6 +88,9 @@ class Strategy:
     Options: ClassVar[type[Options]] = Options
     # Asynchronous strategies carry on when a worker dies; the launcher then does not stop the others.
     tolerates_worker_loss: ClassVar[bool] = False
+    # ... rank 0 included: another worker then takes its part (the result) at the end. Not where rank 0
+    # holds what the others need to train (dogwild's master).
+    tolerates_rank0_loss: ClassVar[bool] = False
     # Every rank's steps wait for every other's (a collective each step or each period): no rank can
     # train ahead of rank 0. False where the ranks do not wait for each other (the box, a master).
     lockstep: ClassVar[bool] = True
@@ -189,6 +192,12 @@ class Strategy:
         # (state_dict, load_state_dict, load_model_state, next_exchange, catch_up).
         self.survival = InPlace(self, ctx.world.rank, ctx.world.world_size, ctx.board)
 
+    @property
+    def leads(self) -> bool:
+        """This rank holds the run's result and writes it (:attr:`InPlace.leads`): rank 0, or the
+        oldest surviving member of a run that survives in place."""
+        return self.survival.leads
+
     def collective(self, phase: str) -> AbstractContextManager[None]:
         """Wrap blocking communication (:meth:`InPlace.collective`): a timeout names the phase and the
         missing ranks; in a run that survives in place, a lost peer regroups in :meth:`exchange`."""
@@ -206,6 +215,10 @@ class Strategy:
         update of that step. Collective over the new group. A strategy whose state is more than its
         model and :meth:`state_dict` cannot: it raises (the run falls back to a restart)."""
         raise CommTimeout(why)
+
+    def admit(self, step: int) -> None:
+        """At the start of ``step``: workers that join come in (:meth:`InPlace.admit`)."""
+        self.survival.admit(step)
 
     def next_exchange(self, step: int) -> int:
         """The first step from ``step`` on whose exchange every rank takes part (every step here;
@@ -368,8 +381,8 @@ class Strategy:
 
     # -- evaluation and checkpoints -------------------------------------------------------------
     def eval_model(self) -> nn.Module | None:
-        """The model whose weights are the run's result, on rank 0 (None elsewhere). Collective."""
-        return self.model if self.world.rank == 0 else None
+        """The model whose weights are the run's result, on the leader (None elsewhere). Collective."""
+        return self.model if self.leads else None
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's resume state beyond the model weights (optimizer, counters)."""
@@ -393,9 +406,9 @@ class Strategy:
         self.survival.count_step(samples)
 
     def total_samples(self, local: int) -> float:
-        """Samples every worker consumed, given this rank's (the value on rank 0 counts). Collective
-        here: an allreduce over the workers; in a run that survives in place, rank 0's count of every
-        member's (an allreduce would miss the lost ranks' lives)."""
+        """Samples every worker consumed, given this rank's (the value on the leader counts).
+        Collective here: an allreduce over the workers; in a run that survives in place, the count of
+        every member's (an allreduce would miss the lost ranks' lives)."""
         counted = self.survival.group_samples()
         if counted is not None:
             return counted

@@ -30,11 +30,12 @@ class CounterMap:
 
     ``total`` steps of all workers, ``reached`` (workers at their target), ``samples`` of all
     workers, ``ready`` (1 once rank 0 has put the initial center in the box, 2 once it has put a
-    resumed one back), ``started`` (the run's start, microseconds since the epoch).
+    resumed one back), ``started`` (the run's start, microseconds since the epoch), ``lead`` (the
+    workers that claimed rank 0's part at the end, rank 0 being lost: the first to claim leads).
 
     >>> m = CounterMap(2, extra=1)
     >>> m.version, m.steps(1), m.status(1), m.ident(1), m.total, m.reached, m.extra(0), m.num_counters
-    (0, 2, 4, 6, 7, 8, 12, 13)
+    (0, 2, 4, 6, 7, 8, 13, 14)
     """
 
     version = VERSION_COUNTER
@@ -42,8 +43,8 @@ class CounterMap:
     def __init__(self, world_size: int, extra: int = 0):
         self.world_size, self.num_extra = world_size, extra
         base = 1 + 3 * world_size
-        self.total, self.reached, self.samples, self.ready, self.started = range(base, base + 5)
-        self.num_counters = 6 + 3 * world_size + extra
+        self.total, self.reached, self.samples, self.ready, self.started, self.lead = range(base, base + 6)
+        self.num_counters = 7 + 3 * world_size + extra
 
     def steps(self, r: int) -> int:
         return 1 + r  # the box's step_counter(r)
@@ -56,7 +57,7 @@ class CounterMap:
 
     def extra(self, k: int) -> int:
         assert 0 <= k < self.num_extra
-        return 6 + 3 * self.world_size + k
+        return 7 + 3 * self.world_size + k
 
 
 class CenterClient:

@@ -214,7 +214,7 @@ class SyncElasticAveraging(Strategy):
     """Synchronous EASGD/EAMSGD over collectives (``--set easgd.sync=true``); every worker holds ``c``.
 
     A worker whose replica turns non-finite contributes zeros from then on (a flag per rank rides
-    along in the allreduce), so ``c`` stays finite and rank 0 can name it in the summary.
+    along in the allreduce), so ``c`` stays finite and the leader can name it in the summary.
     """
 
     name = "easgd"
@@ -247,10 +247,7 @@ class SyncElasticAveraging(Strategy):
             ratio=options.compression_ratio,
         )
         self.halted, self.nonfinite = False, set()
-        self.result: nn.Module | None = None
-        if self.world.rank == 0:
-            self.result = copy.deepcopy(self.model)
-            self.layout.bind_params_(self.result, self.c)
+        self.result: nn.Module | None = None  # the center as a model, made on the leader (eval_model)
         if self.survival.joining:  # a replacement: a survivor's replica, center and optimizer state
             self.survival.share_state()
             self.sums.compressor.forget_error_()  # the error it owes is its own: none yet
@@ -341,6 +338,11 @@ class SyncElasticAveraging(Strategy):
         warn(f"rank {self.world.rank}: non-finite {what} at step {step}; it contributes nothing from now on")
 
     def eval_model(self) -> nn.Module | None:
+        if not self.leads:
+            return None
+        if self.result is None:
+            self.result = copy.deepcopy(self.model)
+            self.layout.bind_params_(self.result, self.c)
         if self.result is not None:
             with torch.no_grad():
                 for dst, src in zip(self.result.buffers(), self.model.buffers()):

@@ -4,7 +4,8 @@ peers are lost. The update rules (``strategies/asynchronous.py`` and its subclas
 exchange; the box is the only channel, so a dead rank blocks nobody.
 
 Start: rank 0 writes the initial center and bumps the ``ready`` counter; the others wait for that
-alone. Lost workers: a worker is lost at once when its launcher says it is dead (the local launcher's
+alone. End: rank 0 waits for the others and takes the center (the run's result); the others wait for
+that, and where rank 0 is lost first, the first of them to claim its part does it instead. Lost workers: a worker is lost at once when its launcher says it is dead (the local launcher's
 board), when MPI says so (a memory rank marks it ``LOST`` in the box), or, with neither, when its
 process on this host is gone; any worker once its step count stood still ``lost_after_s``.
 """
@@ -25,6 +26,7 @@ _POLL_S = 0.01
 # Steps whose counter adds may be under way at once. The others see a step's counts this many steps
 # late at most (heartbeats allow seconds; termination counts this worker's own steps since).
 COUNTS_IN_FLIGHT = 8
+_RANK0_CLAIM = 1 << 20  # rank 0's claim of the lead in the ``lead`` counter; another worker's adds 1
 _SERVE_POLL_S = 0.002  # a memory rank's pace: failures are noticed within a few ms of MPI knowing
 
 Seen = dict[int, tuple[int, float, int]]  # rank -> (its step count, when it last moved, its life)
@@ -182,8 +184,9 @@ class Membership:
 
     # -- the end ---------------------------------------------------------------------------------------
     def await_peers(self) -> None:
-        """Rank 0: until every other worker says DONE or is lost."""
-        pending = set(range(1, self.num_workers))
+        """The leader (rank 0, or the worker that took over from it): until every other worker says
+        DONE or is lost."""
+        pending = set(range(self.num_workers)) - {self.rank} - self.lost
         seen: Seen = {r: (-1, 0.0, 0) for r in pending}
         while pending:
             for r in sorted(pending):
@@ -198,15 +201,58 @@ class Membership:
 
     def serve(self) -> None:
         """A memory rank: drive MPI's progress and failure detection, and mark dead workers LOST in
-        the box (rank 0 reads it), until rank 0 has taken the center (or is gone)."""
+        the box (the leader reads it), until the leader has taken the center (``FINAL``: rank 0, or
+        the worker that took over from a lost rank 0) or every worker is lost."""
         marks = self.rank == self.num_workers  # the first memory rank: one writer of LOST bits
         while True:
             for r in self.box.failed_ranks():
                 if r < self.num_workers and marks:
                     self.set_status(r, LOST)
-            if self.box.read_counter(self.m.status(0)) & (FINAL | LOST):
+            status = self.box.read_counter(self.m.status(0))
+            if status & FINAL or (status & LOST and self._all_lost()):
                 return
             time.sleep(_SERVE_POLL_S)
+
+    def await_leader(self) -> bool:
+        """A worker other than rank 0, done: until rank 0 has taken the center (``FINAL``). True where
+        rank 0 is lost first and this worker claimed its part (the first claim in the box's ``lead``
+        counter): it leads then, and waits for the others itself. Rank 0 waiting for its peers (DONE)
+        counts no steps: only its death (the launcher's word, or its process gone) makes it lost."""
+        seen: Seen = {0: (-1, 0.0, 0)}
+        while True:
+            status = self.box.read_counter(self.m.status(0))
+            if status & FINAL:
+                return False
+            if self._leader_lost(status, seen):
+                if self.box.add_counter(self.m.lead, 1) % _RANK0_CLAIM != 0:
+                    return False  # another worker claimed it first (a claim of rank 0's does not count: it is lost)
+                self.lost.add(0)
+                warn(f"rank 0 is lost (it died or stalled); rank {self.rank} takes the run's result")
+                return True
+            time.sleep(_POLL_S)
+
+    def _leader_lost(self, status: int, seen: Seen) -> bool:
+        if not status & DONE:
+            return self.is_lost(0, seen)
+        if status & LOST or 0 in self.box.failed_ranks():
+            return True
+        if self.board is not None:
+            return self.board.dead(0)
+        return bool(identity_gone(self.box.read_counter(self.m.ident(0))))
+
+    def result_taken(self) -> bool:
+        """Another worker took rank 0's part (rank 0 was lost): a replacement of rank 0 has nothing left
+        to do."""
+        return self.box.read_counter(self.m.lead) % _RANK0_CLAIM != 0
+
+    def claim_lead(self) -> bool:
+        """Rank 0 at its end: True unless another worker claimed its part first (rank 0 was taken for
+        lost: a stall past ``lost_after_s``); only one of them writes the result. Rank 0's claims
+        count apart (``_RANK0_CLAIM``): a replacement of a rank 0 that claimed, then died, leads."""
+        return self.box.add_counter(self.m.lead, _RANK0_CLAIM) % _RANK0_CLAIM == 0
+
+    def _all_lost(self) -> bool:
+        return all(self.box.read_counter(self.m.status(r)) & LOST for r in range(self.num_workers))
 
     def await_final(self) -> None:
         """A worker whose box shard lives in its own process: until rank 0 has read the center."""
@@ -217,7 +263,7 @@ class Membership:
             time.sleep(_POLL_S)
 
     def summary(self) -> dict[str, object]:
-        """Rank 0: the workers lost or halted on non-finite values, and every worker's step count."""
+        """The leader: the workers lost or halted on non-finite values, and every worker's step count."""
         m, n = self.m, self.num_workers
         return {
             "workers": n,

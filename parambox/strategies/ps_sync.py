@@ -8,6 +8,10 @@ Each gathered gradient ends with one flag per parameter ("this rank computed its
 parameter no rank computed a gradient for in a step has ``.grad = None`` on the server, so its
 optimizer leaves it alone, as in one process. Frozen parameters are not exchanged. Buffers
 (batch-norm statistics) are rank 0's, broadcast before each forward pass, as DDP does.
+
+In a run that survives in place the server is the group's leader: when rank 0 dies the oldest
+survivor serves, from the weights of the last broadcast, with an optimizer of its own whose state
+(momentum) starts over.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from parambox.strategies.base import (
 class ParameterServerSync(Strategy):
     name = "ps-sync"
     comm_topology = "ps"  # perfmodel's: rank 0's link carries every gradient in and every copy out (pick)
-    survives_in_place = True  # a worker other than rank 0, the server
+    survives_in_place = True  # the server too: the oldest survivor serves, with a fresh optimizer
 
     def __init__(self, ctx: Context, options: Options):
         super().__init__(ctx, options)
@@ -44,7 +48,7 @@ class ParameterServerSync(Strategy):
             dist.broadcast(self.flat, src=0)
             vector_to_parameters(self.flat, self.params)
             self.sync_buffers()
-        if self.world.rank == 0:  # only the server holds an optimizer
+        if self.leads:  # only the server holds an optimizer
             self.optimizer = ctx.make_optimizer(self.params)
         # The gather runs at the end of backward: the server's .grad is the mean when backward() returns,
         # so a clip between backward and step clips what the server applies, as in one process.
@@ -85,7 +89,7 @@ class ParameterServerSync(Strategy):
         # gather the gradients (each rank's kept), the server steps once, broadcast the weights.
         if self.exchange(fn, step, again=lambda: self._gather_step_broadcast(self.grad)) is CAUGHT_UP:
             self.flat = parameters_to_vector(self.params).detach()  # the leader's, this step's update made
-        elif self.world.rank != 0:
+        elif not self.leads:
             vector_to_parameters(self.flat, self.params)
         return StepResult(loss_value(loss), samples, self.timers.pop())
 
@@ -101,7 +105,7 @@ class ParameterServerSync(Strategy):
 
     def _gather(self, grad: torch.Tensor) -> None:
         """Every rank's gradients to the server, whose ``.grad`` becomes their mean."""
-        server = self.world.rank == 0
+        server = self.leads
         with self.timers.phase("gather"), self.collective("gradient gather"):
             if self.world.world_size > 1:
                 inbox = [torch.empty_like(grad) for _ in range(dist.get_world_size())] if server else None
@@ -118,7 +122,9 @@ class ParameterServerSync(Strategy):
 
     def _step_broadcast(self) -> None:
         """The server steps once; its weights to every rank."""
-        if self.world.rank == 0 and not self.stepped:
+        if self.leads and not self.stepped:
+            if self.optimizer is None:  # the server died: a survivor serves, its momentum starts over
+                self.optimizer = self.ctx.make_optimizer(self.params)
             self.optimizer.step()
             self.stepped = True
             self.flat = parameters_to_vector(self.params).detach()

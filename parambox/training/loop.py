@@ -24,7 +24,7 @@ from parambox.runtime.heap import keep_freed_memory
 from parambox.runtime.world import World
 from parambox.strategies import Context, Strategy, build_strategy, strategy_class
 from parambox.strategies.base import map_tensors
-from parambox.training import checkpoint, resize
+from parambox.training import checkpoint, joining, resize
 from parambox.training.cadence import CheckpointCadence
 from parambox.training.faults import FaultPlan
 from parambox.training.metrics import MetricsLogger
@@ -55,7 +55,8 @@ def train(
     resume: bool = False,
     callables: dict[str, Callable] | None = None,
 ) -> dict[str, Any] | None:
-    """Train on this rank; returns the summary on rank 0. ``callables``: the user's model, data, loss,
+    """Train on this rank; returns the summary on the leader (rank 0, or the oldest survivor of a run
+    that survives in place). ``callables``: the user's model, data, loss,
     metrics or collate functions handed in by the library API in this process (else the config's
     names and references are used)."""
     try:
@@ -123,7 +124,7 @@ def stop_on_signal() -> Iterator[StopRequest]:
 
 def _loop(run: Run, resume: bool, stop: StopRequest) -> dict[str, Any] | None:
     cfg, world = run.cfg, run.world
-    log = MetricsLogger(run.run_dir, world.rank, cfg.tensorboard)
+    log = MetricsLogger(run.run_dir, world.rank, cfg.tensorboard, leads=run.strategy.leads)
     try:
         step = run.strategy.rejoin_step()  # a replacement carries on where its predecessor was
         resized = None
@@ -134,7 +135,7 @@ def _loop(run: Run, resume: bool, stop: StopRequest) -> dict[str, Any] | None:
             log.write(dict(resized))  # (write adds its time to what it is given)
         bar = Progress(cfg.steps, enabled=cfg.progress and world.rank == 0, start=step)
         first = step
-        samples = 0
+        samples, joins = 0, joining.Joins(cfg, run.strategy)
         cadence = checkpoint_cadence(run)
         while not run.strategy.should_stop(step):
             if stop.is_set() and _stops_here(run, step):
@@ -142,12 +143,16 @@ def _loop(run: Run, resume: bool, stop: StopRequest) -> dict[str, Any] | None:
                 raise Preempted(step) if stop.requeue else KeyboardInterrupt
             run.board.post(step)
             run.rates.apply(step)
+            run.strategy.admit(step)  # workers that join come in here: the batch is cut over the members
+            if (joined := joins.follow(step, run.batches)) and run.strategy.leads:
+                log.write(joined)
             batch = run.batches.batch(step)
             if run.faults:
                 batch = run.faults.inject(world.rank, step, batch)
             result = run.strategy.step(map_tensors(lambda t: t.to(world.device), batch), step)
             step, samples = step + 1, samples + result.samples
             run.strategy.count_step(result.samples)
+            _follow_lead(run, log, step)
             if step % cfg.log_every == 0:
                 sampler = run.batches.sampler
                 rec = step_record(
@@ -164,6 +169,7 @@ def _loop(run: Run, resume: bool, stop: StopRequest) -> dict[str, Any] | None:
                 cadence.saved()
         with stop.requeue_at_once(step, idle=step == first):
             run.strategy.finish()
+        _follow_lead(run, log, step)
         wall = log.elapsed()
         bar.close()
         final = evaluate(run)
@@ -172,6 +178,14 @@ def _loop(run: Run, resume: bool, stop: StopRequest) -> dict[str, Any] | None:
         return write_summary(run, step, wall, samples, final, resized)
     finally:
         log.close()
+
+
+def _follow_lead(run: Run, log: MetricsLogger, step: int) -> None:
+    """Where the leader died and this rank took its part (in place after a step; an asynchronous run's
+    at the end): it writes ``metrics.jsonl`` from now on, first saying so."""
+    if run.strategy.leads and not log.leads:
+        lost = _lost_in_place(run.world) or [0]
+        log.lead({"kind": "leader", "step": step, "rank": run.world.rank, "lost": lost})
 
 
 STOP_KEY = "stop_at"  # on the run's board: the step at which a stopped synchronous run leaves
@@ -238,9 +252,9 @@ def setup(
         # loading took ~0.5 s of that stall on MNIST, 27 Nov; a user's data set could take minutes).
         pbdist.finish_rejoin()
         strategy = build_strategy(cfg.strategy, ctx, cfg.strategy_options())
-        dp_rank, dp_size = strategy.data_partition()
+        dp_rank, dp_size, batch_size = _slice(cfg, strategy)
         try:
-            check_batch_fits(workload.data, cfg.batch_size, dp_size)
+            check_batch_fits(workload.data, batch_size, dp_size)
         except BaseException:
             strategy.close()  # its box, groups and threads
             raise
@@ -249,8 +263,18 @@ def setup(
         raise
     torch.manual_seed(cfg.seed * 1000 + world.rank + 1)  # per-rank stream for dropout and the like
     pin = world.device.type == "cuda"  # page-locked host batches copy to the GPU asynchronously
-    batches = workload.data.batch_source(cfg.batch_size, dp_rank, dp_size, cfg.seed, cfg.augment, pin)
+    batches = workload.data.batch_source(batch_size, dp_rank, dp_size, cfg.seed, cfg.augment, pin)
     return Run(cfg, world, run_dir, workload, strategy, batches, board, FaultPlan.from_env(), rates)
+
+
+def _slice(cfg: RunConfig, strategy: Strategy) -> tuple[int, int, int]:
+    """This rank's slice of the global batch: (data-parallel rank, ranks, batch size); in a run that
+    workers join, cut over the group's members (``training/joining.py``)."""
+    dp_rank, dp_size = strategy.data_partition()
+    group = strategy.survival.group
+    if group is None:
+        return dp_rank, dp_size, cfg.batch_size
+    return joining.cut(cfg, dp_rank, dp_size, group.group_rank, group.group_size)
 
 
 def make_context(
@@ -315,7 +339,7 @@ def step_record(step: int, result, elapsed: float, global_samples: int) -> dict[
 
 
 def evaluate(run: Run) -> dict[str, float]:
-    """``test_<metric>`` of the strategy's result model on rank 0 (empty elsewhere, and without a test
+    """``test_<metric>`` of the strategy's result model on the leader (empty elsewhere, and without a test
     set): the user's metrics or the default (loss, and accuracy for class logits)."""
     model = run.strategy.eval_model()  # collective: every rank calls it
     if model is None or not run.workload.data.has_test:
@@ -325,7 +349,7 @@ def evaluate(run: Run) -> dict[str, float]:
 
 
 def save_checkpoint(run: Run, step: int, barrier: bool = True) -> None:
-    """Synchronous runs: every rank's state at one step, committed by rank 0's ``last.pt`` after a
+    """Synchronous runs: every rank's state at one step, committed by the leader's ``last.pt`` after a
     barrier. Asynchronous runs: each rank at its own pace (no barrier: a dead peer must not block it).
     ``barrier=False`` (a stopped run): each rank at the step it stopped at, no waiting on the others."""
     ckpt_dir = run.run_dir / "checkpoints"
@@ -334,14 +358,14 @@ def save_checkpoint(run: Run, step: int, barrier: bool = True) -> None:
     own_pace = run.strategy.tolerates_worker_loss
     # A memory rank trains nothing (rank 0 saves the box): no state of its own that a worker of a
     # resized run taking its rank could mistake for a trained one.
-    if run.world.rank != 0 and not getattr(run.strategy, "serves", False):
+    if not run.strategy.leads and not getattr(run.strategy, "serves", False):
         checkpoint.save_rank_state(ckpt_dir, run.world.rank, step, state, prune=own_pace)
     if run.world.world_size > 1 and not own_pace and barrier:
         with pbdist.collective("checkpoint barrier", run.board):
             # nccl: this rank's GPU named (torch otherwise warns that it guesses it, on every rank)
             cuda = run.world.device.type == "cuda"
             dist.barrier(device_ids=[torch.cuda.current_device()] if cuda else None)
-    if run.world.rank == 0:
+    if run.strategy.leads:
         weights = model.state_dict()
         # The parameters: a buffer of -inf (a causal mask) is a constant of the model, not a divergence.
         if not all(is_finite(p.detach()) for p in model.parameters()):
@@ -440,7 +464,7 @@ def write_summary(
     run: Run, step: int, wall: float, samples: int, final: dict[str, float], resized: dict | None = None
 ) -> dict | None:
     total = run.strategy.total_samples(samples)
-    if run.world.rank != 0:
+    if not run.strategy.leads:
         return None
     wall = run.strategy.wall_time(wall)
     cfg = run.cfg

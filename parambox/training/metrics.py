@@ -1,4 +1,5 @@
-"""Per-step metrics to ``metrics.jsonl`` (rank 0; ``metrics.rank{r}.jsonl`` elsewhere), optional TensorBoard."""
+"""Per-step metrics to ``metrics.jsonl`` (the leader: rank 0, or the oldest survivor of a run that survives
+in place; ``metrics.rank{r}.jsonl`` elsewhere), optional TensorBoard."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ FLUSH_EVERY = 50
 class MetricsLogger:
     """Appends one JSON object per line: ``{"kind": "step" | "eval", "step", "time", ...}``."""
 
-    def __init__(self, run_dir: Path, rank: int, tensorboard: bool = False):
-        name = "metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"
+    def __init__(self, run_dir: Path, rank: int, tensorboard: bool = False, leads: bool | None = None):
+        self.run_dir, self.leads = run_dir, rank == 0 if leads is None else leads
+        name = "metrics.jsonl" if self.leads else f"metrics.rank{rank}.jsonl"
         self.file = open(run_dir / name, "a", buffering=1 << 16)  # noqa: SIM115  (closed in close())
+        self.run_file = None  # metrics.jsonl besides, once this rank took over the lead (lead())
         self.pending = 0
         self.start = time.perf_counter()
         self.epoch = time.time()  # the same moment in Unix time: the ranks' clocks line up by it
@@ -29,12 +32,23 @@ class MetricsLogger:
 
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
 
+    def lead(self, record: dict[str, Any]) -> None:
+        """This rank comes to lead (the leader died): from now on it writes ``metrics.jsonl`` too (its
+        own file goes on: each rank's progress stays in one file), where ``record`` says so first (a
+        leader never hands the role back: nothing to undo)."""
+        self.run_file = open(self.run_dir / "metrics.jsonl", "a", buffering=1 << 16)  # noqa: SIM115
+        self.leads = True
+        self.write(record)
+
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
     def write(self, record: dict[str, Any]) -> None:
         record.setdefault("time", round(self.elapsed(), 6))
-        self.file.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        self.file.write(line)
+        if self.run_file is not None:
+            self.run_file.write(line)
         self.pending += 1
         if self.pending >= FLUSH_EVERY or record["kind"] != "step":
             self.flush()
@@ -57,10 +71,14 @@ class MetricsLogger:
 
     def flush(self) -> None:
         self.file.flush()
+        if self.run_file is not None:
+            self.run_file.flush()
         self.pending = 0
 
     def close(self) -> None:
         self.flush()
         self.file.close()
+        if self.run_file is not None:
+            self.run_file.close()
         if self.tb is not None:
             self.tb.close()

@@ -38,6 +38,14 @@ def make_model_slow_to_replace():
     return make_model()
 
 
+def make_model_late_on_rank_2():
+    """``make_model``, 3 s slower on rank 2: a worker that joins a running job (``workers = "2:3"``) a
+    while after the others started."""
+    if _rank() == 2:
+        time.sleep(3.0)
+    return make_model()
+
+
 def make_layered_model():
     """Three linear layers (six parameters), all zero: with ``loss_of_all`` backward finishes them one
     by one, last to first, each with the constant gradient of ``loss``."""
