@@ -49,6 +49,14 @@ some shards and not in others.) Done by the worker, the same step moved 4.5x the
 block's accumulator and momentum pulled and written back). The companions are read and written for
 checkpoints (``pull_companion``, ``write_companion``). Arrivals stay in ticket order (the strategy's
 ticket lock), so the result is Alg. 3's.
+
+With a quorum (Decoupled DiLoCo: the request's ``counter`` has ``QUORUM`` set beside ``last``; the
+coefficients ``(lr, beta, share)``), ``a`` is the weighted mean of the pending arrivals and theta moves
+only at the arrival that closes the step (which the client decides under its turn)::
+
+    a <- a + share (g - a);  if last:  m <- beta m + a;  theta -= lr (a + beta m);  a <- 0
+
+staged and committed whole in the same way; an arrival that closes nothing gets theta back unchanged.
 """
 
 from __future__ import annotations

@@ -47,6 +47,13 @@ over by the next waiter, and that one arrival's step is lost (``TicketLock``): o
 (``--box rma``) the step commits whole, per shard, once the arrival has landed (``box/server.py``); applied by
 the worker itself (the shm box) a death inside the turn can leave it partly applied. ``theta``, ``m`` and
 the accumulator live in the box, so they outlive any worker (with ``--box rma``, on its memory rank).
+
+With ``quorum`` Q (Decoupled DiLoCo, Google DeepMind 2026; ``QuorumNesterov``), the box is the
+synchroniser: arrivals accumulate, weighted by their round's samples, until Q distinct workers have
+arrived or one arrives ``grace_s`` after the pending step's first; that arrival applies ONE outer
+Nesterov step on their weighted mean. Every push gets the center back at once, and the worker's next
+round starts from it (its own contribution possibly still pending): nobody waits for the quorum. On the
+memory server the step is applied there, whole per shard; on the shm box by the pushing worker.
 """
 
 from __future__ import annotations
