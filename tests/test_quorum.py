@@ -14,6 +14,7 @@ import sys
 import threading
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -132,13 +133,20 @@ def test_a_checkpoint_keeps_the_pending_step(box):
 
 def test_options_that_cannot_apply_are_refused_in_one_line():
     from parambox.errors import UserError
-    from parambox.strategies.diloco import Diloco, DilocoOptions
+    from parambox.strategies.diloco import AsyncDiloco, Diloco, DilocoOptions
 
     with pytest.raises(UserError, match="asynchronous=true"):
         Diloco.resolve(DilocoOptions(quorum=2))
     assert Diloco.resolve(DilocoOptions(quorum=0)) is Diloco  # 0: today's behaviour
     with pytest.raises(ValueError):
         DilocoOptions(asynchronous=True, quorum=2, grace_s=0)
+    four = SimpleNamespace(num_workers=4)
+    AsyncDiloco._check_quorum(four, DilocoOptions(asynchronous=True, quorum=4))
+    with pytest.raises(UserError, match="quorum=5 is more than the 4 workers"):
+        AsyncDiloco._check_quorum(four, DilocoOptions(asynchronous=True, quorum=5))
+    for delayed_nesterov in ({"buffer_size": 2}, {"momentum_activation": 0.1}):
+        with pytest.raises(UserError, match="unset diloco.buffer_size"):
+            AsyncDiloco._check_quorum(four, DilocoOptions(asynchronous=True, quorum=2, **delayed_nesterov))
 
 
 # -- the memory server's fused step (in a process of its own: box/server.py imports mpi4py, see
