@@ -35,18 +35,26 @@ def pseudo_gradient(seed: int) -> torch.Tensor:
     return torch.randn(N, generator=torch.Generator().manual_seed(seed))
 
 
-def reference(theta0: torch.Tensor, q: int, grace_s: float | None) -> tuple[list[torch.Tensor], list[bool]]:
-    """Decoupled DiLoCo's step written out: the pending arrivals' sample-weighted mean, one Nesterov step
-    (torch's SGD) once ``q`` distinct workers are pending or an arrival comes ``grace_s`` after the first."""
+def quorum_reference(
+    theta0: torch.Tensor,
+    arrivals: list[tuple[int, torch.Tensor, float, float]],
+    q: int,
+    lr: float = LR,
+    beta: float = BETA,
+    grace_s: float | None = None,
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """Decoupled DiLoCo's step written out, for ``(rank, g, samples, time s)`` arrivals in order: the pending
+    arrivals' sample-weighted mean, one Nesterov step (torch's SGD) once ``q`` distinct workers are pending
+    or an arrival comes ``grace_s`` after the first; theta after each arrival, and which closed a step."""
     p = torch.nn.Parameter(theta0.clone())
-    outer = torch.optim.SGD([p], lr=LR, momentum=BETA, nesterov=True)
-    pending: list[tuple[int, torch.Tensor, int]] = []
+    outer = torch.optim.SGD([p], lr=lr, momentum=beta, nesterov=True)
+    pending: list[tuple[int, torch.Tensor, float]] = []
     first = 0.0
     history, closed = [], []
-    for rank, seed, w, t in ARRIVALS:
+    for rank, g, w, t in arrivals:
         if not pending:
             first = t
-        pending.append((rank, pseudo_gradient(seed), w))
+        pending.append((rank, g, w))
         late = grace_s is not None and t - first >= grace_s
         close = len({r for r, _, _ in pending}) >= q or late
         if close:
@@ -56,6 +64,11 @@ def reference(theta0: torch.Tensor, q: int, grace_s: float | None) -> tuple[list
         history.append(p.detach().clone())
         closed.append(close)
     return history, closed
+
+
+def reference(theta0: torch.Tensor, q: int, grace_s: float | None) -> tuple[list[torch.Tensor], list[bool]]:
+    arrivals = [(rank, pseudo_gradient(seed), w, t) for rank, seed, w, t in ARRIVALS]
+    return quorum_reference(theta0, arrivals, q, grace_s=grace_s)
 
 
 class Clock:
