@@ -42,21 +42,23 @@ def quorum_reference(
     lr: float = LR,
     beta: float = BETA,
     grace_s: float | None = None,
+    closing: tuple[int, ...] = (),
 ) -> tuple[list[torch.Tensor], list[bool]]:
     """Decoupled DiLoCo's step written out, for ``(rank, g, samples, time s)`` arrivals in order: the pending
     arrivals' sample-weighted mean, one Nesterov step (torch's SGD) once ``q`` distinct workers are pending
-    or an arrival comes ``grace_s`` after the first; theta after each arrival, and which closed a step."""
+    or an arrival comes ``grace_s`` after the first (or it is one of ``closing``); theta after each
+    arrival, and which closed a step."""
     p = torch.nn.Parameter(theta0.clone())
     outer = torch.optim.SGD([p], lr=lr, momentum=beta, nesterov=True)
     pending: list[tuple[int, torch.Tensor, float]] = []
     first = 0.0
     history, closed = [], []
-    for rank, g, w, t in arrivals:
+    for k, (rank, g, w, t) in enumerate(arrivals):
         if not pending:
             first = t
         pending.append((rank, g, w))
         late = grace_s is not None and t - first >= grace_s
-        close = len({r for r, _, _ in pending}) >= q or late
+        close = len({r for r, _, _ in pending}) >= q or late or k in closing
         if close:
             p.grad = sum(w * g for _, g, w in pending) / sum(w for _, _, w in pending)
             outer.step()
@@ -116,6 +118,30 @@ def test_the_quorum_step_is_the_weighted_nesterov_step_of_the_pending_arrivals(b
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=1e-5)
     assert box.read_counter(2) == sum(want_closed)  # steps applied
+
+
+def test_the_quorum_waits_for_live_workers_only_and_a_last_arrival_closes_the_step(box):
+    """Q = 3 with 2 workers still in the run: 2 close the step. A worker's last arrival closes the step
+    (without samples of its own it adds nothing to the mean; with nothing pending it does nothing)."""
+    theta0 = torch.linspace(-1, 1, N)
+    box.write(theta0)
+    lock = TicketLock(box, 0)
+    live = [3]
+    workers = [
+        QuorumNesterov(box, N, N, 2 * N, lock, 2, LR, BETA, 3, r, live=lambda: live[0]) for r in range(3)
+    ]
+    g = [pseudo_gradient(seed) for seed in range(4)]
+    push = lambda u, s: box.push(u, s)  # noqa: E731
+    assert not workers[0].apply_(g[0], push, weight=10)
+    live[0] = 2  # rank 2 is done (or lost)
+    assert workers[1].apply_(g[1], push, weight=30)
+    assert not workers[0].apply_(torch.zeros(N), push, weight=0, last=True)  # nothing pending: nothing
+    assert not workers[0].apply_(g[2], push, weight=20)
+    assert workers[1].apply_(torch.zeros(N), push, weight=0, last=True)  # closes rank 0's alone
+    arrivals = [(0, g[0], 10, 0.0), (1, g[1], 30, 0.0), (0, g[2], 20, 0.0)]
+    want, _ = quorum_reference(theta0, arrivals, 2, closing=(2,))
+    assert torch.allclose(box.pull(torch.empty(N)), want[-1], atol=1e-5)  # steps: [g0, g1] 10:30, [g2]
+    assert box.read_counter(2) == 2 and box.read_counter(3) == 0  # two steps, nothing pending
 
 
 def test_a_checkpoint_keeps_the_pending_step(box):

@@ -629,6 +629,7 @@ class AsyncDiloco(AsyncStrategy):
                 options.quorum,
                 ctx.world.rank,
                 options.grace_s,
+                live=self._active_workers,
             )
         else:
             if options.grace_s is not None:
@@ -646,6 +647,7 @@ class AsyncDiloco(AsyncStrategy):
                 lock,
             )
         self.round_samples = 0  # this round's samples: its weight in a quorum's step
+        self.finishing = False  # the last push: with a quorum it closes the step
         self.pulled = self.x.clone()  # theta as this round started: g = pulled - x
         self.compressor = box_compressor(options, self.numel, self.x.device)
         # overlap: the round's push and pull run in a thread while the next round computes
@@ -737,14 +739,21 @@ class AsyncDiloco(AsyncStrategy):
         h = self.options.inner_steps
         if not self.options.dynamic_inner_steps or self.num_workers == 1:
             return h
-        others = [
-            self.box.read_counter(self._speed(r)) / 1e6
+        others = [self.box.read_counter(self._speed(r)) / 1e6 for r in self._active(others_only=True)]
+        return local_steps(self.s_per_step, others, h)
+
+    def _active(self, others_only: bool = False) -> list[int]:
+        """The workers not done, lost or halted (this one included unless ``others_only``)."""
+        return [
+            r
             for r in range(self.num_workers)
-            if r != self.world.rank
+            if not (others_only and r == self.world.rank)
             and not self.box.read_counter(self.counters.status(r)) & (DONE | LOST | NONFINITE)
             and not (self.membership.board is not None and self.membership.board.dead(r))
         ]
-        return local_steps(self.s_per_step, others, h)
+
+    def _active_workers(self) -> int:
+        return len(self._active())
 
     def _push_pull(self, g: torch.Tensor, out: torch.Tensor) -> None:
         """The outer step with ``g`` and the pull of the new theta (in the background thread: the box
@@ -771,13 +780,16 @@ class AsyncDiloco(AsyncStrategy):
             g,
             lambda u, scale: done.append(push_pull(u, scale)),
             lambda g, k, last: done.append(outer_step(g, k, last)),
-            weight=max(1, self.round_samples),
+            weight=self.round_samples if self.finishing else max(1, self.round_samples),
+            last=self.finishing,
         )
         return bool(done and done[0])
 
     def flush(self) -> None:
-        # The last partial round counts too (as the synchronous form's last outer step does).
-        if self.round_steps > 0:
+        # The last partial round counts too (as the synchronous form's last outer step does); with a
+        # quorum, this last arrival closes the step, also without a round of its own.
+        self.finishing = isinstance(self.outer, QuorumNesterov)
+        if self.round_steps > 0 or self.finishing:
             self._push_round(self.ctx.steps)
         if self.background is not None and self.background.busy:
             self.background.wait()
