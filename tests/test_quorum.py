@@ -120,9 +120,9 @@ def test_the_quorum_step_is_the_weighted_nesterov_step_of_the_pending_arrivals(b
     assert box.read_counter(2) == sum(want_closed)  # steps applied
 
 
-def test_the_quorum_waits_for_live_workers_only_and_a_last_arrival_closes_the_step(box):
-    """Q = 3 with 2 workers still in the run: 2 close the step. A worker's last arrival closes the step
-    (without samples of its own it adds nothing to the mean; with nothing pending it does nothing)."""
+def test_the_quorum_waits_for_live_workers_only(box):
+    """Q = 3 with 2 workers still in the run: 2 close the step; the last worker's push without samples
+    closes the pending step (it adds nothing to the mean); with nothing pending it does nothing."""
     theta0 = torch.linspace(-1, 1, N)
     box.write(theta0)
     lock = TicketLock(box, 0)
@@ -135,9 +135,10 @@ def test_the_quorum_waits_for_live_workers_only_and_a_last_arrival_closes_the_st
     assert not workers[0].apply_(g[0], push, weight=10)
     live[0] = 2  # rank 2 is done (or lost)
     assert workers[1].apply_(g[1], push, weight=30)
-    assert not workers[0].apply_(torch.zeros(N), push, weight=0, last=True)  # nothing pending: nothing
+    assert not workers[0].apply_(torch.zeros(N), push, weight=0)  # nothing pending: nothing
     assert not workers[0].apply_(g[2], push, weight=20)
-    assert workers[1].apply_(torch.zeros(N), push, weight=0, last=True)  # closes rank 0's alone
+    live[0] = 1  # rank 0 is done too
+    assert workers[1].apply_(torch.zeros(N), push, weight=0)  # closes rank 0's alone
     arrivals = [(0, g[0], 10, 0.0), (1, g[1], 30, 0.0), (0, g[2], 20, 0.0)]
     want, _ = quorum_reference(theta0, arrivals, 2, closing=(2,))
     assert torch.allclose(box.pull(torch.empty(N)), want[-1], atol=1e-5)  # steps: [g0, g1] 10:30, [g2]

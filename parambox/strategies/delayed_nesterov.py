@@ -148,8 +148,9 @@ class QuorumNesterov:
     the center as of its push (its own contribution still pending). A worker that arrives twice before
     the step counts once towards the quorum (both arrivals weigh in). The grace window is checked at
     arrivals: it bounds how long a step waits when fewer than ``quorum`` workers are alive. Where ``live``
-    counts the workers still in the run (not done, lost or halted), the quorum is at most that count; and
-    a worker's last arrival (``last``) closes the step, so nothing pushed is left pending at the end.
+    counts the workers still in the run (not done, lost or halted), the quorum is at most that count: the
+    last worker's last push (weight 0 if it has no round left) closes the step, so nothing pushed is left
+    pending at the end.
 
     Arrivals take turns in ticket order (``TicketLock``), as Delayed Nesterov's. The quorum's counters
     (``base``: steps applied, workers pending, samples pending ``W``, the first arrival's time in us; then
@@ -191,20 +192,13 @@ class QuorumNesterov:
     state = DelayedNesterov.state
     load_state = DelayedNesterov.load_state
 
-    def apply_(
-        self,
-        g: torch.Tensor,
-        push_theta: Any,
-        outer_step: Any = None,
-        weight: float = 1.0,
-        last: bool = False,
-    ) -> bool:
+    def apply_(self, g: torch.Tensor, push_theta: Any, outer_step: Any = None, weight: float = 1.0) -> bool:
         """One arrival of weight ``weight`` (its samples); returns whether it applied the outer step.
         ``push_theta(u, scale)`` pushes theta's update (and pulls the new theta); not called for an arrival
         that closes no step (the caller pulls theta). Where the box fuses the step, ``outer_step(g,
-        coefficients, flags)`` is called instead and brings theta back. ``last``: the worker's last arrival,
-        which closes the step (nothing it pushed is left pending); with weight 0 and nothing pending it
-        does nothing."""
+        coefficients, flags)`` is called instead and brings theta back. An arrival of weight 0 (a worker's
+        last push without a round of its own) adds nothing to the mean but may close the step; with
+        nothing pending it does nothing."""
         t = self.last_ticket = self.lock.acquire()
         if t is None:  # stalled past the lock's patience: the turn went on without this arrival
             return False
@@ -214,13 +208,13 @@ class QuorumNesterov:
                 h.wait()
                 for h in [box.add_counter_async(i, 0) for i in (b, b + 1, b + 2, b + 3, b + 4 + self.rank)]
             )
-            if total + weight <= 0:  # a last arrival without samples, and nothing pending
+            if total + weight <= 0:  # an arrival without samples, and nothing pending
                 return False
             new = joined != step + 1
             now = int(self.clock() * 1e6)
             late = self.grace_s is not None and first > 0 and now - first >= self.grace_s * 1e6
             quorum = self.quorum if self.live is None else min(self.quorum, max(1, self.live()))
-            close = count + new >= quorum or late or last
+            close = count + new >= quorum or late
             share = weight / (total + weight)
             if outer_step is not None and self.fused:
                 outer_step(g, (self.lr, self.beta, share, 0.0, 0.0), QUORUM_FLAG | int(close))

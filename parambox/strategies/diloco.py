@@ -647,7 +647,7 @@ class AsyncDiloco(AsyncStrategy):
                 lock,
             )
         self.round_samples = 0  # this round's samples: its weight in a quorum's step
-        self.finishing = False  # the last push: with a quorum it closes the step
+        self.finishing = False  # the last push: with a quorum, made also without a round (weight 0)
         self.pulled = self.x.clone()  # theta as this round started: g = pulled - x
         self.compressor = box_compressor(options, self.numel, self.x.device)
         # overlap: the round's push and pull run in a thread while the next round computes
@@ -781,13 +781,12 @@ class AsyncDiloco(AsyncStrategy):
             lambda u, scale: done.append(push_pull(u, scale)),
             lambda g, k, last: done.append(outer_step(g, k, last)),
             weight=self.round_samples if self.finishing else max(1, self.round_samples),
-            last=self.finishing,
         )
         return bool(done and done[0])
 
     def flush(self) -> None:
         # The last partial round counts too (as the synchronous form's last outer step does); with a
-        # quorum, this last arrival closes the step, also without a round of its own.
+        # quorum, a last push also without a round of its own: the last worker's closes the pending step.
         self.finishing = isinstance(self.outer, QuorumNesterov)
         if self.round_steps > 0 or self.finishing:
             self._push_round(self.ctx.steps)
