@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import run_cli, summary
 
-SLOW_RANK, STEPS = 3, 300
+SLOW_RANK, STEPS = 3, 400
 ARGS = ["train", "--preset", "digits-diloco-async", "--workers", "4", "--steps", str(STEPS)]
 ARGS += ["--set", "diloco.quorum=3", "--set", "diloco.outer_lr=0.35", "--set", "diloco.termination=fastest"]
 ARGS += ["--loss", "tests.workloads.paced:loss", "--eval-every", "0", "--no-progress", "--threads", "1"]
@@ -51,5 +51,5 @@ def test_a_worker_5x_slower_does_not_hold_the_others_up(tmp_path):
         f"fast workers' steps/s, a 5x slower worker / none: {ratio:.3f} (it at {slowed:.2f}); accuracy {accuracy:.3f}"
     )
     assert slowed < 0.25, "the slow worker was not 5x slower"
-    assert ratio >= 0.85, ratio  # measured 1.00 (the Must show: >= 0.9); a margin for the loaded suite
-    assert accuracy >= 0.85, accuracy  # measured 0.90-0.93
+    assert ratio >= 0.85, ratio  # measured 0.99-1.01 (the Must show: >= 0.9); a margin for the loaded suite
+    assert accuracy >= 0.85, accuracy  # measured 0.93-0.94
