@@ -53,3 +53,30 @@ def test_a_worker_5x_slower_does_not_hold_the_others_up(tmp_path):
     assert slowed < 0.25, "the slow worker was not 5x slower"
     assert ratio >= 0.85, ratio  # measured 0.99-1.01 (the Must show: >= 0.9); a margin for the loaded suite
     assert accuracy >= 0.85, accuracy  # measured 0.93-0.94
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_dead_worker_does_not_stop_the_steps(tmp_path):
+    """Quorum 4 of 4, rank 1 killed at step 60: the quorum counts the workers still in the run, so the
+    other three go on taking outer steps (the pending step's counters in the checkpoint say how many)."""
+    import torch
+
+    out = tmp_path / "run"
+    args = ["train", "--preset", "digits-diloco-async", "--model", "mlp", "--workers", "4", "--steps", "200"]
+    args += [
+        "--set",
+        "diloco.quorum=4",
+        "--set",
+        "diloco.outer_lr=0.35",
+        "--eval-every",
+        "0",
+        "--no-progress",
+    ]
+    run_cli(*args, "--threads", "1", "--out", str(out), env={"PARAMBOX_FAULT": "1:60:kill"})
+    s = summary(out)
+    assert s["lost_workers"] == [1] and s["worker_steps"] == [200, 60, 200, 200]
+    state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)["rank0"]["strategy"]
+    steps, joined_by_rank1 = state["quorum"][0], state["quorum"][4 + 1]
+    assert steps >= joined_by_rank1 + 10, state["quorum"]  # 20 rounds each after the kill
+    assert s["final_test_accuracy"] >= 0.8, s["final_test_accuracy"]
