@@ -772,9 +772,11 @@ class AsyncDiloco(AsyncStrategy):
         self.box.add_counter(self.counters.version, 1)
 
     def _outer_step(self, g: torch.Tensor, push_pull: Any, outer_step: Any) -> bool:
-        """The outer step with ``g`` (Delayed Nesterov's, or the quorum's, weighted by the round's samples): its push of theta made by ``push_pull(u, scale)``
-        (which pulls the new theta too), or where the box applies the step, ``outer_step(g,
-        coefficients, last)`` (which brings theta back); False if the push was refused (nothing pulled)."""
+        """The outer step with ``g`` (Delayed Nesterov's, or the quorum's, weighted by the round's
+        samples): its push of theta made by ``push_pull(u, scale)`` (which pulls the new theta too), or
+        where the box applies the step, ``outer_step(g, coefficients, last)`` (which brings theta back);
+        False if nothing was pushed into theta (refused, or a quorum's arrival that closed no step): the
+        caller pulls theta."""
         done = []
         self.outer.apply_(
             g,
