@@ -49,6 +49,14 @@ some shards and not in others.) Done by the worker, the same step moved 4.5x the
 block's accumulator and momentum pulled and written back). The companions are read and written for
 checkpoints (``pull_companion``, ``write_companion``). Arrivals stay in ticket order (the strategy's
 ticket lock), so the result is Alg. 3's.
+
+With a quorum (Decoupled DiLoCo: the request's ``counter`` has ``QUORUM`` set beside ``last``; the
+coefficients ``(lr, beta, share)``), ``a`` is the weighted mean of the pending arrivals and theta moves
+only at the arrival that closes the step (which the client decides under its turn)::
+
+    a <- a + share (g - a);  if last:  m <- beta m + a;  theta -= lr (a + beta m);  a <- 0
+
+staged and committed whole in the same way; an arrival that closes nothing gets theta back unchanged.
 """
 
 from __future__ import annotations
@@ -84,6 +92,7 @@ _FIRST_TAG = 16
 CHUNK = 1 << 16
 PUSH, PULL, WRITE, COUNTER, PUSH_PULL = 1, 2, 3, 4, 5
 OUTER, COMPANION_PULL, COMPANION_WRITE = 6, 7, 8  # asynchronous DiLoCo's outer step, and its state
+QUORUM = 2  # an OUTER request's flag (``counter`` field, beside bit 0, ``last``): the quorum rule
 PULL_WHEN = 9  # a pull parked until the pushes of a key have landed (see the module's docstring)
 _HEADER = 10
 _NAP_S = 5e-4  # the longest nap while requests are under way
@@ -453,7 +462,7 @@ class ServerBox(ParameterBox):
         the outer step with pseudo-gradient ``src`` (OUTER)."""
         op, floats = int(header[0]), header[5:].view(np.float64)
         if op == OUTER:
-            self._outer(lo, hi, src, bool(header[4]), *floats)
+            self._outer(lo, hi, src, int(header[4]), *floats)
             return
         with self.lock:
             if (
@@ -485,13 +494,17 @@ class ServerBox(ParameterBox):
                 self._companion = np.zeros((2, len(self.shard)), dtype=np.float32)
             return self._companion
 
-    def _outer(self, lo: int, hi: int, g: np.ndarray, last: bool, lr, beta, inv_n, k, k_last) -> None:
+    def _outer(self, lo: int, hi: int, g: np.ndarray, flags: int, lr, beta, inv_n, k, k_last) -> None:
         """The outer step on ``[lo, hi)`` at once (this rank's own arrival: no message to be cut)."""
         with self.lock:
-            self._commit(lo, hi, self._outer_values(lo, hi, g, last, lr, beta, inv_n, k, k_last))
+            self._commit(lo, hi, self._outer_values(lo, hi, g, flags, lr, beta, inv_n, k, k_last))
 
-    def _outer_values(self, lo, hi, g, last, lr, beta, inv_n, k, k_last) -> np.ndarray:
-        """The outer step's new ``[theta, m, a]`` on ``[lo, hi)``, computed aside (a scratch, not the shard)."""
+    def _outer_values(self, lo, hi, g, flags, lr, beta, inv_n, k, k_last) -> np.ndarray:
+        """The outer step's new ``[theta, m, a]`` on ``[lo, hi)``, computed aside (a scratch, not the shard);
+        ``flags``: bit 0 the arrival closes a block (a step), bit 1 the quorum rule (``_quorum_values``)."""
+        last = bool(flags & 1)
+        if flags & QUORUM:
+            return self._quorum_values(lo, hi, g, last, lr, beta, inv_n)
         m, a = self.companion()[:, lo:hi]
         out = np.empty((3, hi - lo), dtype=np.float32)
         new_theta, new_m, new_a = out
@@ -509,6 +522,28 @@ class ServerBox(ParameterBox):
         np.subtract(self.shard[lo:hi], np.float32(lr) * step, out=new_theta)
         return out
 
+    def _quorum_values(self, lo, hi, g, last, lr, beta, share) -> np.ndarray:
+        """The quorum rule's ``[theta, m, a]`` (``strategies/delayed_nesterov.py``, ``QuorumNesterov``):
+        ``a`` the weighted mean of the pending arrivals, ``a + share (g - a)``; a closing arrival applies
+        the Nesterov step on it, ``m <- beta m + a; theta -= lr (a + beta m); a <- 0``; theta stays put
+        otherwise."""
+        m, a = self.companion()[:, lo:hi]
+        out = np.empty((3, hi - lo), dtype=np.float32)
+        new_theta, new_m, new_a = out
+        np.subtract(g, a, out=new_a)
+        new_a *= np.float32(share)
+        new_a += a
+        if not last:
+            new_theta[:] = self.shard[lo:hi]
+            new_m[:] = m
+            return out
+        np.multiply(m, np.float32(beta), out=new_m)
+        new_m += new_a
+        new_a += np.float32(beta) * new_m  # the step's direction
+        np.subtract(self.shard[lo:hi], np.float32(lr) * new_a, out=new_theta)
+        new_a[:] = 0
+        return out
+
     def _commit(self, lo: int, hi: int, values: np.ndarray) -> None:
         self.shard[lo:hi] = values[0]
         self.companion()[:, lo:hi] = values[1:]
@@ -517,7 +552,7 @@ class ServerBox(ParameterBox):
         """A remote arrival's outer step on one chunk, computed aside: its ``[theta, m, a]``."""
         floats = header[5:].view(np.float64)
         with self.lock:
-            return self._outer_values(lo, hi, g, bool(header[4]), *floats)
+            return self._outer_values(lo, hi, g, int(header[4]), *floats)
 
     def commit_outer(self, staged: list[tuple[int, int, np.ndarray]]) -> None:
         """Every chunk of an arrival's outer step into the shard and its companions, at once: an arrival
@@ -641,7 +676,8 @@ class ServerBox(ParameterBox):
     ) -> Handle:
         """Start the outer step of one arrival with pseudo-gradient ``g`` on ``box[start:start + n]``;
         ``out`` holds the new theta once the handle's ``wait()`` returns. ``coefficients``: ``(lr,
-        beta, 1 / N, k, k_last)``; ``last``: the arrival closes its block (the momentum moves)."""
+        beta, 1 / N, k, k_last)``; ``last``: the arrival closes its block (the momentum moves). With the
+        quorum rule (``last`` with ``QUORUM`` set, bit 0 still closing): ``(lr, beta, share, 0, 0)``."""
         src = _host_flat(g)
         self._span(src.numel(), start)
         got = out.view(-1) if _is_host_flat(out) else torch.empty(out.numel())

@@ -69,8 +69,9 @@ class DelayedNesterov:
         n, c, beta = self.n, self.c, self.beta
         return (self.lr, beta, 1.0 / n, c * beta, (1 - c * n + c) * beta)
 
-    def apply_(self, g: torch.Tensor, push_theta: Any, outer_step: Any = None) -> bool:
-        """One arrival; returns whether this arrival updated the momentum (it held a block's last ticket).
+    def apply_(self, g: torch.Tensor, push_theta: Any, outer_step: Any = None, weight: float = 1.0) -> bool:
+        """One arrival (``weight``: unused, every arrival weighs ``1 / N``); returns whether this arrival
+        updated the momentum (it held a block's last ticket).
         ``push_theta(u, scale)`` pushes theta's update; where the box fuses the step, ``outer_step(g,
         coefficients, last)`` is called instead (given: the caller brings the new theta back with it)."""
         n, beta = self.n, self.beta
@@ -126,6 +127,135 @@ class DelayedNesterov:
             update.add_(self.box.pull(self._m, self.m_start), alpha=self.c * beta)
         push_theta(update, -self.lr)
         return False
+
+
+QUORUM_FLAG = 2  # ``last`` of the fused outer step with this bit set: the quorum rule (``box/server.py``)
+QUORUM_COUNTERS = 4  # steps applied, workers pending, samples pending, first arrival (us); then one per rank
+
+
+class QuorumNesterov:
+    """The outer step of asynchronous DiLoCo with a quorum (Decoupled DiLoCo, Google DeepMind 2026).
+
+    Arrivals accumulate at the synchroniser (the box) until ``quorum`` distinct workers have arrived
+    since the last step, or an arrival comes ``grace_s`` or more after the pending step's first one;
+    that arrival applies ONE outer Nesterov step on the sample-weighted mean of the pending arrivals::
+
+        a <- a + (w / (W + w)) (g - a);  W <- W + w          (a: the weighted mean so far)
+        if closing:  m <- beta m + a;  theta -= lr (a + beta m);  a <- 0;  W <- 0
+
+    (``torch.optim.SGD(nesterov=True)`` with ``theta.grad = a``.) An arrival that does not close a step
+    leaves theta as it is and gets it back at once: a worker never waits for the quorum, and goes on from
+    the center as of its push (its own contribution still pending). A worker that arrives twice before
+    the step counts once towards the quorum (both arrivals weigh in). The grace window is checked at
+    arrivals: it bounds how long a step waits when fewer than ``quorum`` workers are alive. Where ``live``
+    counts the workers still in the run (not done, lost or halted), the quorum is at most that count: the
+    last worker's last push (weight 0 if it has no round left) closes the step, so nothing pushed is left
+    pending at the end.
+
+    Arrivals take turns in ticket order (``TicketLock``), as Delayed Nesterov's. The quorum's counters
+    (``base``: steps applied, workers pending, samples pending ``W``, the first arrival's time in us; then
+    rank ``r``'s last step joined + 1 at ``base + 4 + r``) are updated after the arrival's step landed, so
+    a worker that dies before that loses only its own arrival. On a box that applies the step itself (the
+    memory server, ``fuses_outer_step``) the arrival commits whole, per shard; one that dies in the few
+    counter updates after the commit leaves the next step's weights off (still a convex mean).
+
+    >>> q = QuorumNesterov(box, 4, 4, 8, lock, base=2, lr=0.7, momentum=0.9, quorum=3, rank=0)  # doctest: +SKIP
+    >>> q.apply_(g, push_theta=lambda u, scale: box.push(u, scale), weight=320)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        box: Any,
+        numel: int,
+        m_start: int,
+        a_start: int,
+        lock: TicketLock,
+        base: int,
+        lr: float,
+        momentum: float,
+        quorum: int,
+        rank: int,
+        grace_s: float | None = None,
+        clock: Any = time.time,
+        live: Any = None,
+    ):
+        self.box, self.numel, self.m_start, self.a_start, self.lock = box, numel, m_start, a_start, lock
+        self.base, self.lr, self.beta, self.quorum, self.rank = base, lr, momentum, quorum, rank
+        self.grace_s, self.clock = grace_s, clock
+        self.live = live  # () -> the workers still in the run (a quorum above that count waits for them)
+        self._m = torch.empty(numel)
+        self._a = torch.empty(numel)
+        self.last_ticket = -1
+        self.steps_applied = 0  # by this worker's arrivals
+
+    fused = DelayedNesterov.fused
+    state = DelayedNesterov.state
+    load_state = DelayedNesterov.load_state
+
+    def apply_(self, g: torch.Tensor, push_theta: Any, outer_step: Any = None, weight: float = 1.0) -> bool:
+        """One arrival of weight ``weight`` (its samples); returns whether it applied the outer step.
+        ``push_theta(u, scale)`` pushes theta's update (and pulls the new theta); not called for an arrival
+        that closes no step (the caller pulls theta). Where the box fuses the step, ``outer_step(g,
+        coefficients, flags)`` is called instead and brings theta back. An arrival of weight 0 (a worker's
+        last push without a round of its own) adds nothing to the mean but may close the step; with
+        nothing pending it does nothing."""
+        t = self.last_ticket = self.lock.acquire()
+        if t is None:  # stalled past the lock's patience: the turn went on without this arrival
+            return False
+        try:
+            box, b = self.box, self.base
+            step, count, total, first, joined = (
+                h.wait()
+                for h in [box.add_counter_async(i, 0) for i in (b, b + 1, b + 2, b + 3, b + 4 + self.rank)]
+            )
+            if total + weight <= 0:  # an arrival without samples, and nothing pending
+                return False
+            new = joined != step + 1
+            now = int(self.clock() * 1e6)
+            late = self.grace_s is not None and first > 0 and now - first >= self.grace_s * 1e6
+            quorum = self.quorum if self.live is None else min(self.quorum, max(1, self.live()))
+            close = count + new >= quorum or late
+            share = weight / (total + weight)
+            if outer_step is not None and self.fused:
+                outer_step(g, (self.lr, self.beta, share, 0.0, 0.0), QUORUM_FLAG | int(close))
+            else:
+                self._step(g, share, close, push_theta)
+            if close:  # the next step starts empty
+                for i, v in ((b + 1, -count), (b + 2, -total), (b + 3, -first), (b, 1)):
+                    box.add_counter(i, v)
+                self.steps_applied += 1
+            else:
+                box.add_counter(b + 1, int(new))
+                box.add_counter(b + 2, int(weight))
+                if first == 0:
+                    box.add_counter(b + 3, now)
+                box.add_counter(b + 4 + self.rank, step + 1 - joined)
+            return close
+        finally:
+            self.lock.release(t)
+
+    def _step(self, g: torch.Tensor, share: float, close: bool, push_theta: Any) -> None:
+        """The arrival's step, applied by this worker with box operations (the caller holds the turn)."""
+        a = self.box.pull(self._a, self.a_start)
+        a.add_(g - a, alpha=share)
+        if not close:
+            self.box.write(a, self.a_start)
+            return
+        m = self.box.pull(self._m, self.m_start).mul_(self.beta).add_(a)
+        self.box.write(m, self.m_start)
+        self.box.write(torch.zeros_like(a), self.a_start)
+        push_theta(a.add_(m, alpha=self.beta), -self.lr)
+
+    def counters(self, ranks: int) -> list[int]:
+        """The pending step's counters (for a checkpoint; the first arrival's time as 0: the grace window
+        starts again at the next arrival after a resume)."""
+        got = [self.box.read_counter(self.base + i) for i in range(QUORUM_COUNTERS + ranks)]
+        got[3] = 0
+        return got
+
+    def load_counters(self, values: list[int]) -> None:
+        for i, v in enumerate(values):
+            self.box.set_counter(self.base + i, int(v))
 
 
 class TicketLock:

@@ -47,6 +47,13 @@ over by the next waiter, and that one arrival's step is lost (``TicketLock``): o
 (``--box rma``) the step commits whole, per shard, once the arrival has landed (``box/server.py``); applied by
 the worker itself (the shm box) a death inside the turn can leave it partly applied. ``theta``, ``m`` and
 the accumulator live in the box, so they outlive any worker (with ``--box rma``, on its memory rank).
+
+With ``quorum`` Q (Decoupled DiLoCo, Google DeepMind 2026; ``QuorumNesterov``), the box is the
+synchroniser: arrivals accumulate, weighted by their round's samples, until Q distinct workers have
+arrived or one arrives ``grace_s`` after the pending step's first; that arrival applies ONE outer
+Nesterov step on their weighted mean. Every push gets the center back at once, and the worker's next
+round starts from it (its own contribution possibly still pending): nobody waits for the quorum. On the
+memory server the step is applied there, whole per shard; on the shm box by the pushing worker.
 """
 
 from __future__ import annotations
@@ -74,7 +81,13 @@ from parambox.strategies.base import (
     trainable,
 )
 from parambox.strategies.center import DONE, LOST, NONFINITE
-from parambox.strategies.delayed_nesterov import DelayedNesterov, TicketLock, local_steps
+from parambox.strategies.delayed_nesterov import (
+    QUORUM_COUNTERS,
+    DelayedNesterov,
+    QuorumNesterov,
+    TicketLock,
+    local_steps,
+)
 from parambox.strategies.exchange import (
     Background,
     DeltaAverager,
@@ -97,6 +110,18 @@ class DilocoOptions(AsyncOptions, ExchangeOptions):
         0.0, ge=0, description="asynchronous: c in [0, 1/N], momentum applied between updates (0: plain DN)"
     )
     dynamic_inner_steps: bool = Field(True, description="asynchronous: DyLU, each worker's H from its speed")
+    quorum: int | None = Field(
+        None,
+        ge=0,
+        description="asynchronous: Q, one outer step when Q workers' rounds have arrived, on their "
+        "sample-weighted mean (Decoupled DiLoCo; 0 or unset: Delayed Nesterov, every arrival on its own)",
+    )
+    grace_s: float | None = Field(
+        None,
+        gt=0,
+        description="asynchronous with quorum: an arrival this long after the pending step's first one "
+        "applies the step with fewer than Q (unset: wait for Q)",
+    )
     fragments: int = Field(
         1,
         ge=1,
@@ -135,7 +160,14 @@ class DilocoOptions(AsyncOptions, ExchangeOptions):
         return self.fragments > 1 or self.fragment_sync_delay > 0 or self.fragment_update_alpha > 0
 
 
-ASYNC_ONLY = {"buffer_size", "momentum_activation", "dynamic_inner_steps", "termination", "lost_after_s"}
+ASYNC_ONLY = {
+    "buffer_size",
+    "momentum_activation",
+    "dynamic_inner_steps",
+    "termination",
+    "lost_after_s",
+    "grace_s",
+}
 
 
 class Diloco(Strategy):
@@ -167,6 +199,11 @@ class Diloco(Strategy):
             raise UserError(
                 "diloco: overlap and Streaming DiLoCo (fragments, fragment_sync_delay, fragment_update_alpha) are "
                 "exclusive: use fragment_sync_delay to hide the exchange"
+            )
+        if options.quorum and not options.asynchronous:
+            raise UserError(
+                "diloco.quorum is a rule of the box's outer step: set diloco.asynchronous=true (the synchronous "
+                "form waits for every worker each round)"
             )
         if options.asynchronous:
             return AsyncDiloco
@@ -560,32 +597,58 @@ class AsyncDiloco(AsyncStrategy):
         numel = Layout.from_model(ctx.model).numel
         # extra counters: the ticket lock (ticket, served), each rank's microseconds per inner step
         # (DyLU), then the ticket each rank holds (the lock's slots)
+        # (with a quorum, then the quorum's counters: QuorumNesterov)
         size = ctx.world.world_size
-        super().__init__(ctx, options, extra_numel=2 * numel, extra_counters=2 + 2 * size)
+        quorum = QUORUM_COUNTERS + size if options.quorum else 0
+        super().__init__(ctx, options, extra_numel=2 * numel, extra_counters=2 + 2 * size + quorum)
         self.optimizer = ctx.make_optimizer(self.params)
         n = options.buffer_size or self.num_workers
         if options.momentum_activation > 1 / n:
             raise UserError(f"diloco.momentum_activation must be at most 1 / buffer_size = {1 / n:g}")
-        self.outer = DelayedNesterov(
+        lock = TicketLock(
             self.box,
-            self.numel,
-            self.extra_start,
-            self.extra_start + self.numel,
             self.counters.extra(0),
-            options.outer_lr,
-            options.outer_momentum,
-            n,
-            options.momentum_activation,
-            TicketLock(
-                self.box,
-                self.counters.extra(0),
-                self.counters.extra(1),
-                self.counters.extra(2 + size),
-                ctx.world.rank,
-                self.num_workers,
-                self.membership.lost_after_s,
-            ),
+            self.counters.extra(1),
+            self.counters.extra(2 + size),
+            ctx.world.rank,
+            self.num_workers,
+            self.membership.lost_after_s,
         )
+        m_start, a_start = self.extra_start, self.extra_start + self.numel
+        self.outer: DelayedNesterov | QuorumNesterov
+        if options.quorum:
+            self._check_quorum(options)
+            self.outer = QuorumNesterov(
+                self.box,
+                self.numel,
+                m_start,
+                a_start,
+                lock,
+                self.counters.extra(2 + 2 * size),
+                options.outer_lr,
+                options.outer_momentum,
+                options.quorum,
+                ctx.world.rank,
+                options.grace_s,
+                live=self._active_workers,
+            )
+        else:
+            if options.grace_s is not None:
+                warn("diloco.grace_s applies with diloco.quorum only: ignored")
+            self.outer = DelayedNesterov(
+                self.box,
+                self.numel,
+                m_start,
+                a_start,
+                self.counters.extra(0),
+                options.outer_lr,
+                options.outer_momentum,
+                n,
+                options.momentum_activation,
+                lock,
+            )
+        self.round_samples = 0  # this round's samples: its weight in a quorum's step
+        self.finishing = False  # the last push: with a quorum, made also without a round (weight 0)
         self.pulled = self.x.clone()  # theta as this round started: g = pulled - x
         self.compressor = box_compressor(options, self.numel, self.x.device)
         # overlap: the round's push and pull run in a thread while the next round computes
@@ -598,6 +661,16 @@ class AsyncDiloco(AsyncStrategy):
         self.step_s: list[float] = []  # this round's seconds per step, end to end (DyLU's speed)
         self.s_per_step = 0.0
 
+    def _check_quorum(self, options: DilocoOptions) -> None:
+        """A quorum's options that cannot apply: one line each."""
+        if options.quorum > self.num_workers:
+            raise UserError(f"diloco.quorum={options.quorum} is more than the {self.num_workers} workers")
+        if options.buffer_size is not None or options.momentum_activation > 0:
+            raise UserError(
+                "diloco.quorum replaces Delayed Nesterov's buffer: unset diloco.buffer_size and "
+                "diloco.momentum_activation"
+            )
+
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         now = time.perf_counter()
         self.step_s.append(now - self.step_end)
@@ -605,6 +678,7 @@ class AsyncDiloco(AsyncStrategy):
         if self.guard(loss, step):
             self.optimizer.step()
             self.round_steps += 1
+            self.round_samples += samples
             if self.round_steps >= self.round_target:
                 self._push_round(step)
         extra = {"inner_steps": float(self.round_target), "exchange_wait_s": self.waited}
@@ -642,7 +716,7 @@ class AsyncDiloco(AsyncStrategy):
             self.background.start(lambda: self._push_pull(g, self.theta_next))
         self.waited += time.perf_counter() - t0
         self.pulled.copy_(self.x)
-        self.round_steps = 0
+        self.round_steps = self.round_samples = 0
         self.round_target = self._next_target()
         self.step_end = time.perf_counter()
 
@@ -666,14 +740,21 @@ class AsyncDiloco(AsyncStrategy):
         h = self.options.inner_steps
         if not self.options.dynamic_inner_steps or self.num_workers == 1:
             return h
-        others = [
-            self.box.read_counter(self._speed(r)) / 1e6
+        others = [self.box.read_counter(self._speed(r)) / 1e6 for r in self._active(others_only=True)]
+        return local_steps(self.s_per_step, others, h)
+
+    def _active(self, others_only: bool = False) -> list[int]:
+        """The workers not done, lost or halted (this one included unless ``others_only``)."""
+        return [
+            r
             for r in range(self.num_workers)
-            if r != self.world.rank
+            if not (others_only and r == self.world.rank)
             and not self.box.read_counter(self.counters.status(r)) & (DONE | LOST | NONFINITE)
             and not (self.membership.board is not None and self.membership.board.dead(r))
         ]
-        return local_steps(self.s_per_step, others, h)
+
+    def _active_workers(self) -> int:
+        return len(self._active())
 
     def _push_pull(self, g: torch.Tensor, out: torch.Tensor) -> None:
         """The outer step with ``g`` and the pull of the new theta (in the background thread: the box
@@ -687,24 +768,30 @@ class AsyncDiloco(AsyncStrategy):
             self.box.outer_step_async(g, out, k, last).wait()
             return True
 
-        self._outer_step(g, push_pull, outer_step)
+        if not self._outer_step(g, push_pull, outer_step):  # no step of theta by this arrival: fetch it
+            self.box.pull(out)
         self.box.add_counter(self.counters.version, 1)
 
     def _outer_step(self, g: torch.Tensor, push_pull: Any, outer_step: Any) -> bool:
-        """Delayed Nesterov's outer step with ``g``: its push of theta made by ``push_pull(u, scale)``
-        (which pulls the new theta too), or where the box applies the step, ``outer_step(g,
-        coefficients, last)`` (which brings theta back); False if the push was refused (nothing pulled)."""
+        """The outer step with ``g`` (Delayed Nesterov's, or the quorum's, weighted by the round's
+        samples): its push of theta made by ``push_pull(u, scale)`` (which pulls the new theta too), or
+        where the box applies the step, ``outer_step(g, coefficients, last)`` (which brings theta back);
+        False if nothing was pushed into theta (refused, or a quorum's arrival that closed no step): the
+        caller pulls theta."""
         done = []
         self.outer.apply_(
             g,
             lambda u, scale: done.append(push_pull(u, scale)),
             lambda g, k, last: done.append(outer_step(g, k, last)),
+            weight=self.round_samples if self.finishing else max(1, self.round_samples),
         )
         return bool(done and done[0])
 
     def flush(self) -> None:
-        # The last partial round counts too (as the synchronous form's last outer step does).
-        if self.round_steps > 0:
+        # The last partial round counts too (as the synchronous form's last outer step does); with a
+        # quorum, a last push also without a round of its own: the last worker's closes the pending step.
+        self.finishing = isinstance(self.outer, QuorumNesterov)
+        if self.round_steps > 0 or self.finishing:
             self._push_round(self.ctx.steps)
         if self.background is not None and self.background.busy:
             self.background.wait()
@@ -722,10 +809,19 @@ class AsyncDiloco(AsyncStrategy):
         state = super().state_dict()
         if self.serves:
             return state
-        state.update(pulled=self.pulled.clone(), round_steps=self.round_steps, round_target=self.round_target)
+        state.update(
+            pulled=self.pulled.clone(),
+            round_steps=self.round_steps,
+            round_target=self.round_target,
+            round_samples=self.round_samples,
+        )
         if self.world.rank == 0:
             state["outer_state"] = self.outer.state()
             state["ticket"] = self.box.read_counter(self.counters.extra(0))
+            if isinstance(
+                self.outer, QuorumNesterov
+            ):  # the pending step: its arrivals' mean is in outer_state
+                state["quorum"] = self.outer.counters(self.world.world_size)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -733,8 +829,11 @@ class AsyncDiloco(AsyncStrategy):
             # before super() bumps `ready`: nobody pushes before the momentum is back
             self.outer.load_state(state["outer_state"])
             self.outer.lock.reset(int(state.get("ticket", 0)))  # no turn in flight
+            if isinstance(self.outer, QuorumNesterov) and "quorum" in state:
+                self.outer.load_counters(state["quorum"])
         super().load_state_dict(state)
         if not self.serves and "pulled" in state:
             self.pulled.copy_(state["pulled"])
             self.round_steps = int(state.get("round_steps", 0))
             self.round_target = int(state.get("round_target", self.options.inner_steps))
+            self.round_samples = int(state.get("round_samples", 0))
