@@ -146,7 +146,7 @@ RUN_FILES: dict[str, tuple[str, dict[str, str]]] = {
             ),
             "world: life, from_spare": "which life of the rank, and whether it was a warm spare",
             "world: epoch": "the Unix time the rank's clock starts",
-            "step: loss": "mean loss over this worker's batch",
+            "step: loss": "mean loss over this worker's batch (null where it is not finite: JSON has no NaN)",
             "step: samples_per_s": "this worker's pace",
             "step: comm": "seconds per communication phase in the step",
             "step: staleness, exchange_wait_s, exchange_bytes, inner_steps": "where the strategy reports them",

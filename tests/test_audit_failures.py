@@ -46,6 +46,13 @@ def _strict_json(path):
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
+def _strict_json_line(line):
+    def refuse(constant):
+        raise AssertionError(f"metrics.jsonl holds a bare {constant}: not JSON: {line}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
 def test_a_diverged_run_fails_naming_its_last_good_checkpoint(tmp_path, capsys, monkeypatch):
     """Before: exit 0, ``summary.json`` with a bare NaN, ``last.pt`` silently at step 4 of 8."""
     monkeypatch.setenv("PARAMBOX_FAULT", "0:5:nan")  # NaN batches from step 5: the weights go NaN
@@ -55,6 +62,10 @@ def test_a_diverged_run_fails_naming_its_last_good_checkpoint(tmp_path, capsys, 
     assert last.startswith("parambox: error: ") and "diverged" in last and "step 4" in last, last
     summary = _strict_json(out / "summary.json")
     assert summary["final_test_loss"] is None and summary["last_good_step"] == 4
+    # metrics.jsonl too (before: bare NaN losses from step 5 on): a diverged step's loss is null
+    steps = [_strict_json_line(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in steps if r["kind"] == "step"}
+    assert losses[5] is not None and losses[6] is None and losses[8] is None, losses
 
 
 def test_summary_json_is_json_whatever_it_holds(tmp_path):

@@ -9,6 +9,8 @@ from typing import Any
 
 import psutil
 
+from parambox.training.checkpoint import finite_json
+
 FLUSH_EVERY = 50
 
 
@@ -34,7 +36,8 @@ class MetricsLogger:
 
     def write(self, record: dict[str, Any]) -> None:
         record.setdefault("time", round(self.elapsed(), 6))
-        self.file.write(json.dumps(record) + "\n")
+        # JSON has no NaN: a diverged step's loss is null, as in summary.json
+        self.file.write(json.dumps(finite_json(record), allow_nan=False) + "\n")
         self.pending += 1
         if self.pending >= FLUSH_EVERY or record["kind"] != "step":
             self.flush()
