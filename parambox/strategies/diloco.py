@@ -53,15 +53,7 @@ from parambox.box import Layout
 from parambox.errors import UserError, warn
 from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
-from parambox.strategies.base import (
-    Context,
-    StepResult,
-    Strategy,
-    averaged_buffers,
-    loss_value,
-    period_end,
-    trainable,
-)
+from parambox.strategies.base import Context, StepResult, Strategy, averaged_buffers, loss_value, period_end
 from parambox.strategies.center import DONE, LOST, NONFINITE
 from parambox.strategies.delayed_nesterov import DelayedNesterov, TicketLock, local_steps
 from parambox.strategies.exchange import (
@@ -71,6 +63,7 @@ from parambox.strategies.exchange import (
     SumExchange,
     box_compressor,
 )
+from parambox.strategies.tensors import trainable
 
 
 class DilocoOptions(AsyncOptions, ExchangeOptions):
