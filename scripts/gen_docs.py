@@ -78,6 +78,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PARAMBOX_REJOIN": ("the local launcher", "`1` in a replacement joining a run in progress"),
     "PARAMBOX_FROM_SPARE": ("the local launcher", "`1` in a replacement that was a warm spare"),
     "PARAMBOX_GROUP_STORE": ("the local launcher", "host:port of its store, in a run that survives in place"),
+    "PARAMBOX_STORE_SECRET": (
+        "the local launcher",
+        "the run's secret: the values ranks and launcher act on in its store are signed with it",
+    ),
     "PARAMBOX_GROUP_LIFE": ("the local launcher", "restarts of the whole group so far"),
     "PARAMBOX_MAIN_SCRIPT": ("parambox.train", "the launching script, imported by workers as `__mp_main__`"),
     "PARAMBOX_SYS_PATH": ("parambox.train", "the caller's `sys.path` entries a worker lacks"),
