@@ -42,6 +42,14 @@ def _await_metrics(launcher, out: Path, seconds: float = 90) -> None:
         time.sleep(0.2)
 
 
+# (Before the solo tests, which then run one after another under one hold of the exclusive lock.)
+def test_slurm_script_for_the_rma_box_runs_mpiexec_inside_the_allocation():
+    text = run_cli("slurm", "--", "--strategy", "easgd", "--box", "rma").stdout
+    assert '"$mpiexec" --with-ft ulfm -n "$SLURM_NTASKS"' in text and "srun" not in text
+    assert "pb_mpi.XXXXXX" in text and "trap 'rm -rf \"$private\"' EXIT" in text
+    assert "\nsrun " in run_cli("slurm", "--", "--strategy", "easgd").stdout  # shm or collectives: srun
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_rma_box_locally_survives_a_killed_worker(tmp_path):
@@ -170,13 +178,6 @@ def test_srun_with_the_rma_box_says_so_in_one_line(tmp_path):
         proc.stderr
     )
     assert not any(n.startswith("sm_segment") for n in {p.name for p in SHM.iterdir()} - before)
-
-
-def test_slurm_script_for_the_rma_box_runs_mpiexec_inside_the_allocation():
-    text = run_cli("slurm", "--", "--strategy", "easgd", "--box", "rma").stdout
-    assert '"$mpiexec" --with-ft ulfm -n "$SLURM_NTASKS"' in text and "srun" not in text
-    assert "pb_mpi.XXXXXX" in text and "trap 'rm -rf \"$private\"' EXIT" in text
-    assert "\nsrun " in run_cli("slurm", "--", "--strategy", "easgd").stdout  # shm or collectives: srun
 
 
 @pytest.mark.solo  # looks at /dev/shm or /tmp
