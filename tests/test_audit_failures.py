@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from parambox.cli import main
+from parambox.runtime import zygote
 from tests.conftest import one_line
 
 TRAIN = ["train", "--strategy", "single", "--steps", "2", "--eval-every", "0", "--no-progress"]
@@ -83,6 +84,7 @@ def test_a_diverged_synchronous_run_leaves_no_pile_of_rank_files(tmp_path):
     out = tmp_path / "run"
     argv = [*TRAIN[:2], "allreduce", "--workers", "2", *TRAIN[3:4], "8", *TRAIN[5:]]
     env = {**os.environ, "PARAMBOX_FAULT": "0:5:nan", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env |= zygote.shared_env()  # the workers fork warm from this session's zygote
     proc = subprocess.run(
         [sys.executable, "-m", "parambox", *argv, "--checkpoint-every", "2", "--out", str(out)],
         env=env,
@@ -193,6 +195,7 @@ def test_a_group_restart_says_its_cause_and_keeps_its_logs(tmp_path):
     out = tmp_path / "run"
     argv = [*TRAIN[:2], "allreduce", "--workers", "2", *TRAIN[3:4], "8", *TRAIN[5:], "--max-restarts", "1"]
     env = {**os.environ, "PARAMBOX_FAULT": "1:3:kill", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env |= zygote.shared_env()  # both lives' workers fork warm from this session's zygote
     proc = subprocess.run(
         [sys.executable, "-m", "parambox", *argv, "--checkpoint-every", "2", "--out", str(out)],
         env=env,
