@@ -45,7 +45,8 @@ from parambox.errors import UserError, warn
 from parambox.runtime import dist as pbdist
 from parambox.runtime.world import World
 from parambox.strategies import Context, StepResult, Strategy, strategy_class
-from parambox.strategies.base import broadcast_tensors_, trainable
+from parambox.strategies.base import broadcast_tensors_
+from parambox.strategies.tensors import trainable
 
 NO_TARGET = 2**62  # steps=None: no step target, so no worker stops for the others before close()
 

@@ -88,22 +88,35 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: -slow[item.fspath.strpath])  # stable: a file's tests keep their order
 
 
+_KEPT: dict[str, io.TextIOWrapper] = {}  # the rw lock a solo test hands to the solo test after it
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """A readers-writer lock over the xdist workers: a ``solo`` test (set-up, call and tear-down) holds
-    it alone, every other test shares it. A turnstile keeps a waiting solo test from starving. Then the
-    test's named locks (``lock(NAME)``), each held alone."""
+    it alone, every other test shares it. A turnstile keeps a waiting solo test from starving. A solo
+    test followed by another keeps the lock for it: each new acquisition would first wait for the other
+    worker's test under way to end (a file of 6 solo tests in a row waited 6 times). Then the test's
+    named locks (``lock(NAME)``), each held alone."""
     where = os.environ.get(LOCKS) if os.environ.get("PYTEST_XDIST_WORKER") else None
     if not where:
         yield
         return
     solo = item.get_closest_marker("solo") is not None
+    keep = solo and nextitem is not None and nextitem.get_closest_marker("solo") is not None
     named = [m.args[0] for m in item.iter_markers("lock")]
     with contextlib.ExitStack() as held:
-        turnstile, rw = (held.enter_context(open(os.path.join(where, n), "a")) for n in ("turnstile", "rw"))
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(rw, fcntl.LOCK_EX if solo else fcntl.LOCK_SH)
-        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        rw = _KEPT.pop("rw", None)  # held alone already, by the solo test before this one
+        if rw is None:
+            turnstile = held.enter_context(open(os.path.join(where, "turnstile"), "a"))
+            rw = open(os.path.join(where, "rw"), "a")  # noqa: SIM115  (closed below, or by the next test)
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
+            fcntl.flock(rw, fcntl.LOCK_EX if solo else fcntl.LOCK_SH)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        if keep:
+            _KEPT["rw"] = rw
+        else:
+            held.enter_context(rw)
         for name in sorted(set(named)):  # always after rw, in one order: no cycle
             fcntl.flock(held.enter_context(open(os.path.join(where, f"lock-{name}"), "a")), fcntl.LOCK_EX)
         yield  # closing the files releases the locks

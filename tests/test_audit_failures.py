@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from parambox.cli import main
+from parambox.runtime import zygote
 from tests.conftest import one_line
 
 TRAIN = ["train", "--strategy", "single", "--steps", "2", "--eval-every", "0", "--no-progress"]
@@ -46,6 +47,13 @@ def _strict_json(path):
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
+def _strict_json_line(line):
+    def refuse(constant):
+        raise AssertionError(f"metrics.jsonl holds a bare {constant}: not JSON: {line}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
 def test_a_diverged_run_fails_naming_its_last_good_checkpoint(tmp_path, capsys, monkeypatch):
     """Before: exit 0, ``summary.json`` with a bare NaN, ``last.pt`` silently at step 4 of 8."""
     monkeypatch.setenv("PARAMBOX_FAULT", "0:5:nan")  # NaN batches from step 5: the weights go NaN
@@ -55,6 +63,10 @@ def test_a_diverged_run_fails_naming_its_last_good_checkpoint(tmp_path, capsys, 
     assert last.startswith("parambox: error: ") and "diverged" in last and "step 4" in last, last
     summary = _strict_json(out / "summary.json")
     assert summary["final_test_loss"] is None and summary["last_good_step"] == 4
+    # metrics.jsonl too (before: bare NaN losses from step 5 on): a diverged step's loss is null
+    steps = [_strict_json_line(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in steps if r["kind"] == "step"}
+    assert losses[5] is not None and losses[6] is None and losses[8] is None, losses
 
 
 def test_summary_json_is_json_whatever_it_holds(tmp_path):
@@ -72,6 +84,7 @@ def test_a_diverged_synchronous_run_leaves_no_pile_of_rank_files(tmp_path):
     out = tmp_path / "run"
     argv = [*TRAIN[:2], "allreduce", "--workers", "2", *TRAIN[3:4], "8", *TRAIN[5:]]
     env = {**os.environ, "PARAMBOX_FAULT": "0:5:nan", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env |= zygote.shared_env()  # the workers fork warm from this session's zygote
     proc = subprocess.run(
         [sys.executable, "-m", "parambox", *argv, "--checkpoint-every", "2", "--out", str(out)],
         env=env,
@@ -182,6 +195,7 @@ def test_a_group_restart_says_its_cause_and_keeps_its_logs(tmp_path):
     out = tmp_path / "run"
     argv = [*TRAIN[:2], "allreduce", "--workers", "2", *TRAIN[3:4], "8", *TRAIN[5:], "--max-restarts", "1"]
     env = {**os.environ, "PARAMBOX_FAULT": "1:3:kill", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env |= zygote.shared_env()  # both lives' workers fork warm from this session's zygote
     proc = subprocess.run(
         [sys.executable, "-m", "parambox", *argv, "--checkpoint-every", "2", "--out", str(out)],
         env=env,

@@ -257,6 +257,17 @@ def test_bad_environment_variables_are_one_line(name, value, piece, tmp_path, ca
     assert name in line and piece in line, line
 
 
+@pytest.mark.parametrize("name,value", [("LOCAL_RANK", "z"), ("WORLD_SIZE", "two"), ("MASTER_PORT", "99999")])
+def test_a_bad_launcher_variable_is_one_line(name, value, tmp_path, capsys, monkeypatch):
+    """Before: ``ValueError: invalid literal for int()``, a traceback and exit 1, from torchrun's
+    variables (the rest of its environment is a valid rank 0 of 2)."""
+    for key, good in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, good)
+    monkeypatch.setenv(name, value)
+    assert main([*TRAIN, "--out", str(tmp_path / "run")]) == 2
+    assert name in one_line(capsys)
+
+
 @pytest.mark.parametrize("seed", [2**60 + 1, 2**64 + 1])
 def test_a_seed_too_large_for_torch_is_one_line(seed, tmp_path, capsys):
     """Before: ``ValueError: Overflow when unpacking long long`` from ``torch.manual_seed``."""

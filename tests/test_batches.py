@@ -8,8 +8,8 @@ from torch import nn
 
 from parambox.runtime.world import World
 from parambox.strategies import Context, build_strategy
-from parambox.strategies.base import batch_size, map_tensors
 from parambox.strategies.sandblaster.portions import compute_portion
+from parambox.strategies.tensors import batch_size, map_tensors
 from parambox.training.faults import FaultPlan
 
 

@@ -125,7 +125,7 @@ def test_stepping_bucket_by_bucket_during_backward_is_one_step(make):
     from torch import nn
 
     from parambox.box import Layout
-    from parambox.strategies.base import FinishedTail, GradViews, bind_flat_replica, step_only
+    from parambox.strategies.grads import FinishedTail, GradViews, bind_flat_replica, step_only
 
     def build():
         torch.manual_seed(0)

@@ -25,9 +25,9 @@ from parambox.runtime import dist as pbdist
 from parambox.runtime.dist import free_port
 from parambox.runtime.world import World
 from parambox.strategies import Context, build_strategy
-from parambox.strategies.base import split_batch
 from parambox.strategies.downpour import AdagradRates
 from parambox.strategies.easgd import NesterovStep
+from parambox.strategies.microsteps import split_batch
 from parambox.training.schedule import Schedule, ScheduledRates, lr_factor
 from tests.conftest import NUMERICS, final_weights, max_abs_diff, run_cli, summary
 

@@ -22,7 +22,7 @@ from torch import nn
 import parambox
 from parambox.errors import UserError
 from parambox.strategies import STRATEGIES, strategy_class
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 from tests.realloop_worker import build, reference
 
 # Deterministic rules: a resumed run is its uninterrupted run bit for bit; the synchronous gradient
@@ -246,10 +246,10 @@ def test_a_compiled_model_trains_as_the_plain_one(strategy, recwarn):
 def test_the_gpt_with_a_mask_buffer_trains_from_the_cli(tmp_path, strategy):
     """Must show (issue 48): a transformer whose causal mask is a -inf buffer trains (bits per byte fall
     from the untrained model's 7.7) and its checkpoint is written: nothing reads the mask as a divergence."""
-    cmd = [sys.executable, "-m", "parambox", "train", "--strategy", strategy, "--workers", "2"]
-    cmd += ["--steps", "12", "--batch-size", "4", "--data", "text", "--out", str(tmp_path / "run")]
-    cmd += ["--model", "parambox.models.gpt:gpt_with_mask_buffer", "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=ROOT)
+    args = ["train", "--strategy", strategy, "--workers", "2", "--steps", "12", "--batch-size", "4"]
+    args += ["--data", "text", "--out", str(tmp_path / "run"), "--no-progress"]
+    args += ["--model", "parambox.models.gpt:gpt_with_mask_buffer"]
+    proc = run_cli(*args, check=False)  # in this process: its workers fork warm from the session's zygote
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "not finite" not in proc.stderr and "non-finite" not in proc.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from parambox.errors import UserError
 from parambox.runtime.world import World, first_host, under_external_launcher
 
 
@@ -146,3 +149,37 @@ def test_more_ranks_on_a_node_than_gpus_is_refused_in_one_line(monkeypatch):
     monkeypatch.delenv("PARAMBOX_DEVICE")
     monkeypatch.setenv("NCCL_HOSTID", "a-host-of-its-own")  # scripts/gpu_check.py's one-GPU check
     check_gpus(2)
+
+
+BAD_LAUNCHER_ENVS = [
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "z"}, "LOCAL_RANK='z'"),
+    ({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "RANK='x'"),
+    ({"RANK": "", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "RANK is empty"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "http"}, "MASTER_PORT='http'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "70000"}, "MASTER_PORT 70000"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "rank 2 of 2"),
+    ({"RANK": "0", "WORLD_SIZE": "0", "LOCAL_RANK": "0"}, "world size of 0"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "local rank -1"),
+    ({"SLURM_PROCID": "x", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2"}, "SLURM_PROCID='x'"),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "q"}, "OMPI_COMM_WORLD_SIZE='q'"),
+    ({"PMI_RANK": "3", "PMI_SIZE": "2"}, "rank 3 of 2"),
+    (
+        {
+            "PARAMBOX_LOCAL_LAUNCHER": "1",
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "PARAMBOX_NODE_RANK": "1",
+        },
+        "node 1 of 1",
+    ),
+]
+
+
+@pytest.mark.parametrize("env,piece", BAD_LAUNCHER_ENVS)
+def test_a_bad_launcher_environment_is_a_user_error(env, piece):
+    """Before: ``ValueError: invalid literal for int()`` (a traceback, exit 1), or a rank outside its
+    world that hung at the rendezvous."""
+    with pytest.raises(UserError) as e:
+        World.from_env(env)
+    assert piece in str(e.value) and "\n" not in str(e.value)

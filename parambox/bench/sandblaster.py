@@ -114,7 +114,9 @@ def _run(plan: dict[str, Any], backup: bool, out: Path) -> dict[str, Any]:
         "copies_stopped": summary.get("sandblaster_copies_stopped", 0),
         "bytes_to_coordinator_per_step": med("bytes_to_coordinator"),
         "slow_portion_over_fast": _slow_over_fast(every),
-        "losses": [round(float(r["loss"]), 6) for r in steps],
+        "losses": [
+            None if r["loss"] is None else round(float(r["loss"]), 6) for r in steps
+        ],  # null: diverged
     }
 
 

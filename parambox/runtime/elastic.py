@@ -61,6 +61,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401  isort: skip
 
 from parambox.errors import CommTimeout
+from parambox.runtime import signed
 from parambox.runtime.control import WorkerBoard, current_life, joins_from, rejoining
 
 STORE_ENV = "PARAMBOX_GROUP_STORE"  # host:port of the launcher's store in a run that survives in place
@@ -169,7 +170,14 @@ def host_store() -> tuple[dist.TCPStore, str]:
 
     # Bound to loopback alone, as the run's own stores (torch's would listen on every interface).
     store = listening_store("127.0.0.1", 0, 1, timedelta(seconds=300), wait=False)
+    signed.host_secret(store)  # the workers get it in signed.SECRET_ENV (store_env)
     return store, f"127.0.0.1:{store.port}"
+
+
+def store_env(store: dist.TCPStore, address: str) -> dict[str, str]:
+    """What a worker needs in its environment to use the launcher's ``store`` at ``address``: the
+    address, and the run's secret that signs the values the ranks and the launcher act on."""
+    return {STORE_ENV: address, signed.SECRET_ENV: signed.secret_of(store) or ""}
 
 
 def connect_store(address: str, timeout_s: float) -> dist.TCPStore:
@@ -201,7 +209,8 @@ def fenced_ranks(store: dist.Store) -> list[int]:
     """The ranks the survivors left out so far (the launcher's view); [] before any."""
     with suppress(Exception):
         if store.check([FENCED_KEY]):
-            return json.loads(store.get(FENCED_KEY))
+            value = signed.read(store, FENCED_KEY)  # None: not written by the run, ignored
+            return json.loads(value) if value is not None else []
     return []
 
 
@@ -288,7 +297,7 @@ class ElasticGroup:
     # -- replacements: admitted at a step boundary --------------------------------------------------
     def _join_late(self) -> None:
         key = f"admit/{self.rank}/{current_life()}"
-        self.store.set(f"join/{self.rank}", str(current_life()))
+        signed.put(self.store, f"join/{self.rank}", str(current_life()))
         self.store.add(JOINS_KEY, 1)
         # The survivors admit at a step boundary after they regrouped; a warm start may ask first.
         word = json.loads(self._get(key, wait_s=2 * self.timeout_s))
@@ -309,7 +318,8 @@ class ElasticGroup:
             if asked > self.admitted and not any(r in self.members for r in asking):
                 self.admitted = asked
                 if asking:
-                    self.store.set("admit_at", json.dumps({"step": next_exchange + 1, "ranks": asking}))
+                    plan = {"step": next_exchange + 1, "ranks": asking}
+                    signed.put(self.store, "admit_at", json.dumps(plan))
         if not self.store.check(["admit_at"]):
             return None
         plan = json.loads(self._get("admit_at"))
@@ -324,7 +334,7 @@ class ElasticGroup:
         if self.group_rank == 0:
             word = json.dumps({"members": members, "generation": gen, "step": plan["step"]})
             for r in plan["ranks"]:
-                self.store.set(f"admit/{r}/{self._get(f'join/{r}')}", word)
+                signed.put(self.store, f"admit/{r}/{self._get(f'join/{r}')}", word)
                 self.store.delete_key(f"join/{r}")  # answered: a later death of r asks anew
         destroy_default_group()
         self.members, self.generation = members, gen
@@ -365,7 +375,7 @@ class ElasticGroup:
         destroy_default_group()  # closes our sockets: peers blocked on us fail now
         gen = self.generation + 1
         prefix = f"gen{gen}/"
-        self.store.set(f"{prefix}in/{self.rank}", str(step))
+        signed.put(self.store, f"{prefix}in/{self.rank}", str(step))
         if self.store.add(f"{prefix}ticket", 1) == 1:
             self._decide(prefix)
         decided = json.loads(self._get(f"{prefix}members"))
@@ -397,9 +407,11 @@ class ElasticGroup:
             time.sleep(_POLL_S)
         fenced = [r for r in waiting if r not in arrived]
         if fenced:
-            self.store.set(FENCED_KEY, json.dumps(sorted(set(fenced_ranks(self.store)) | set(fenced))))
-        self.store.set(f"{prefix}fenced", json.dumps(fenced))
-        self.store.set(f"{prefix}members", json.dumps(arrived))
+            signed.put(
+                self.store, FENCED_KEY, json.dumps(sorted(set(fenced_ranks(self.store)) | set(fenced)))
+            )
+        signed.put(self.store, f"{prefix}fenced", json.dumps(fenced))
+        signed.put(self.store, f"{prefix}members", json.dumps(arrived))
 
     def gone(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` that the launcher's board (or ULFM) shows dead or replaced: what a wait on
@@ -415,9 +427,12 @@ class ElasticGroup:
         try:  # the decider may take its grace, then the store its round trip
             wait_s = self.grace_s + self.timeout_s if wait_s is None else wait_s
             self.store.wait([key], timedelta(seconds=wait_s))
-            return self.store.get(key).decode()
+            value = signed.read(self.store, key)
         except RuntimeError as e:  # the store's own timeout: the decider died too
             raise CommTimeout(f"regrouping: no word on {key!r} within {wait_s:g} s") from e
+        if value is None:  # a process without the run's secret wrote it: not obeyed
+            raise CommTimeout(f"regrouping: {key!r} in the run's store is not signed with the run's secret")
+        return value
 
     def close(self) -> None:
         self.store = None

@@ -103,7 +103,7 @@ def launch_local(
         if shrink:
             store, address = elastic.host_store()  # lives as long as this process holds it
             watch["shrink_store"] = store
-            env[elastic.STORE_ENV] = address
+            env.update(elastic.store_env(store, address))
             watch["formed_at"] = start_workers
         return _launch_processes(
             cmd, num_workers, env, log_dir, tolerate_loss, restart, prefix, placement, watch

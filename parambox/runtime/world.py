@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from parambox.errors import UserError
+
 # Set by parambox's own local launcher on the workers it spawns.
 LOCAL_LAUNCHER_ENV = "PARAMBOX_LOCAL_LAUNCHER"
 # cpu | cuda: where the workers run; unset, a GPU per local rank where torch sees one, else the CPU.
@@ -56,19 +58,15 @@ class World:
         for reader in (_local, _torchrun, _slurm, _openmpi, _pmi):
             world = reader(env)
             if world is not None:
-                return world
+                return _checked(world)
         return cls()
 
 
 def _wants_gpu() -> bool:
     wanted = os.environ.get(DEVICE_ENV, "").strip().lower()
     if wanted not in ("", "cpu", "cuda"):
-        from parambox.errors import UserError
-
         raise UserError(f"{DEVICE_ENV}={wanted!r}: choose cpu or cuda (unset: a GPU where there is one)")
     if wanted == "cuda" and not torch.cuda.is_available():
-        from parambox.errors import UserError
-
         raise UserError(f"{DEVICE_ENV}=cuda, but torch sees no GPU (torch {torch.__version__})")
     return wanted != "cpu" and torch.cuda.is_available()
 
@@ -82,8 +80,6 @@ def check_gpus(ranks_per_node: int) -> None:
         return
     gpus = torch.cuda.device_count()
     if ranks_per_node > gpus:
-        from parambox.errors import UserError
-
         raise UserError(
             f"{ranks_per_node} ranks on this node share {gpus} GPU{'s' * (gpus != 1)}, and NCCL takes one "
             f"GPU per rank: run at most {gpus} per node, or on the CPU with {DEVICE_ENV}=cpu"
@@ -97,10 +93,44 @@ def under_external_launcher(env: Mapping[str, str] | None = None) -> bool:
 
 
 def _int(env: Mapping[str, str], *keys: str, default: int | None = None) -> int | None:
+    """The first of ``keys`` set (and not empty) in ``env`` as an int; a launcher's value that is not
+    one is a ``UserError`` naming the variable."""
     for k in keys:
-        if env.get(k, "") != "":
-            return int(env[k])
+        value = env.get(k, "")
+        if value != "":
+            try:
+                return int(value)
+            except ValueError:
+                raise UserError(f"{k}={value!r} in the environment is not an integer") from None
     return default
+
+
+def _need(env: Mapping[str, str], key: str) -> int:
+    """``key``, which the launcher must set, as an int."""
+    value = _int(env, key)
+    if value is None:
+        raise UserError(f"{key} is empty in the environment: the launcher must set it to an integer")
+    return value
+
+
+def _checked(world: World) -> World:
+    """``world`` if its numbers can be a run's; else a ``UserError`` naming the first that cannot."""
+    port = world.master_port
+    problems = [
+        (world.world_size < 1, f"a world size of {world.world_size}"),
+        (not 0 <= world.rank < world.world_size, f"rank {world.rank} of {world.world_size}"),
+        (world.local_world_size < 1, f"a local world size of {world.local_world_size}"),
+        (world.local_rank < 0, f"local rank {world.local_rank}"),
+        (
+            world.num_nodes < 1 or not 0 <= world.node_rank < world.num_nodes,
+            f"node {world.node_rank} of {world.num_nodes}",
+        ),
+        (port is not None and not 0 < port < 65536, f"MASTER_PORT {port}"),
+    ]
+    for bad, what in problems:
+        if bad:
+            raise UserError(f"the {world.launcher} launcher's environment gives {what}: not a place in a run")
+    return world
 
 
 def _nodes(world_size: int, local_world_size: int) -> int:
@@ -110,12 +140,12 @@ def _nodes(world_size: int, local_world_size: int) -> int:
 def _local(env):
     if LOCAL_LAUNCHER_ENV not in env:
         return None
-    n = int(env["WORLD_SIZE"])
+    n = _need(env, "WORLD_SIZE")
     # On an emulated cluster (--emulate-nodes) the launcher places ranks on nodes and says where.
     return World(
-        int(env["RANK"]),
+        _need(env, "RANK"),
         n,
-        int(env["LOCAL_RANK"]),
+        _need(env, "LOCAL_RANK"),
         _int(env, "LOCAL_WORLD_SIZE", default=n),
         _int(env, "PARAMBOX_NODE_RANK", default=0),
         _int(env, "PARAMBOX_NUM_NODES", default=1),
@@ -133,7 +163,7 @@ def _torchrun(env):
         and "LOCAL_RANK" not in env
     ):
         return None
-    rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    rank, size = _need(env, "RANK"), _need(env, "WORLD_SIZE")
     local_size = _int(env, "LOCAL_WORLD_SIZE", default=size)
     node = _int(env, "GROUP_RANK", default=rank // max(1, local_size))
     return World(
@@ -160,7 +190,7 @@ def _slurm(env):
     job = _int(env, "SLURM_JOB_ID", default=0)
     port = _int(env, "MASTER_PORT", default=20000 + (job * 7 + _int(env, "SLURM_STEP_ID", default=0)) % 20000)
     return World(
-        int(env["SLURM_PROCID"]),
+        _need(env, "SLURM_PROCID"),
         size,
         _int(env, "SLURM_LOCALID", default=0),
         local_size,
@@ -189,14 +219,14 @@ def _slurm_tasks_on_node(env, size: int, nodes: int) -> int:
 def _openmpi(env):
     if "OMPI_COMM_WORLD_RANK" not in env:
         return None
-    size = int(env["OMPI_COMM_WORLD_SIZE"])
+    size = _need(env, "OMPI_COMM_WORLD_SIZE")
     local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", default=size)
     return World(
-        int(env["OMPI_COMM_WORLD_RANK"]),
+        _need(env, "OMPI_COMM_WORLD_RANK"),
         size,
         _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", default=0),
         local_size,
-        int(env["OMPI_COMM_WORLD_RANK"]) // max(1, local_size),
+        _need(env, "OMPI_COMM_WORLD_RANK") // max(1, local_size),
         _nodes(size, local_size),
         "mpi",
         env.get("MASTER_ADDR"),
@@ -207,9 +237,9 @@ def _openmpi(env):
 def _pmi(env):
     if "PMI_RANK" not in env:
         return None
-    size = int(env.get("PMI_SIZE", "1"))
+    size = _int(env, "PMI_SIZE", default=1)
     local_size = _int(env, "MPI_LOCALNRANKS", default=size)
-    rank = int(env["PMI_RANK"])
+    rank = _need(env, "PMI_RANK")
     return World(
         rank,
         size,

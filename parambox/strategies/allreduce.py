@@ -30,17 +30,10 @@ import torch.distributed as dist
 from pydantic import Field
 
 from parambox.runtime.elastic import PeerLost
-from parambox.strategies.base import (
-    CAUGHT_UP,
-    BackwardPasses,
-    Context,
-    GradViews,
-    Options,
-    StepResult,
-    Strategy,
-    loss_value,
-    trainable,
-)
+from parambox.runtime.survival import CAUGHT_UP
+from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
+from parambox.strategies.grads import BackwardPasses, GradViews
+from parambox.strategies.tensors import trainable
 
 
 class AllReduceOptions(Options):

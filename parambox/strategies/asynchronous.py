@@ -11,7 +11,7 @@ API (kept stable; the asynchronous strategies build on it)
     (``strategies/center.py``): where the box's counters are, and one worker's handle on the center
     ``c = box[start:start + numel]`` (``pull``, ``push`` refusing non-finite updates, the fused elastic
     exchange ``elastic_``, ``staleness``).
-:func:`~parambox.strategies.base.bind_flat_replica`
+:func:`~parambox.strategies.grads.bind_flat_replica`
     ``x, g = bind_flat_replica(model, layout, device)``: parameters become views into the flat
     ``x``, their ``.grad`` views into ``g`` (also for strategies without a box, e.g. sync EASGD).
 :class:`AsyncStrategy`
@@ -69,16 +69,9 @@ from parambox.box.node_cache import open_center_box
 from parambox.errors import CommTimeout, UserError, warn
 from parambox.numerics import is_finite
 from parambox.runtime.control import rejoining
-from parambox.strategies.base import (
-    Context,
-    GradViews,
-    Options,
-    StepResult,
-    Strategy,
-    bind_flat_replica,
-    loss_value,
-)
+from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
 from parambox.strategies.center import DONE, FINAL, NONFINITE, CenterClient, CounterMap
+from parambox.strategies.grads import GradViews, bind_flat_replica
 from parambox.strategies.membership import Membership
 
 

@@ -1,10 +1,12 @@
-"""The protocol every strategy implements, and the forward/backward they share.
+"""The protocol every strategy implements: the update rule's interface, and the helpers the rules share.
 
 A strategy owns one training step, ``step(batch, step) -> StepResult`` (pipeline parallelism and
 L-BFGS must own forward and backward), so the loop in ``parambox.training.loop`` never branches on the
 strategy. A batch is any structure of tensors (a tensor, or tuples, lists and dicts of them) already
 on the device; the loss is the user's ``loss_fn(model, batch) -> scalar tensor`` (the default,
-``parambox.workload.losses.default_loss``, is the cross-entropy of ``model(x)`` against ``y``).
+``parambox.workload.losses.default_loss``, is the cross-entropy of ``model(x)`` against ``y``). The
+shared step's forward/backward with the loop's features (micro-batches, autocast, the loss scaler,
+clipping) is :mod:`parambox.strategies.microsteps`.
 """
 
 from __future__ import annotations
@@ -13,19 +15,22 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from parambox.box import BoxConfig, Layout
+from parambox.box import BoxConfig
 from parambox.errors import CommTimeout, UserError
 from parambox.runtime.dist import ProgressBoard
-from parambox.runtime.elastic import PeerLost
-from parambox.runtime.survival import CAUGHT_UP, InPlace
+from parambox.runtime.survival import InPlace
 from parambox.runtime.world import World
+from parambox.strategies.microsteps import run_step
+
+if TYPE_CHECKING:
+    from parambox.strategies.grads import BackwardPasses
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]  # (model, batch) -> scalar loss, the user's style
@@ -234,103 +239,9 @@ class Strategy:
     def step(self, batch: Any, step: int) -> StepResult:
         """One training step on this worker's ``batch`` (already on the device): ``begin_step``, the
         forward and backward passes of its ``ctx.grad_accum`` micro-batches, unscaling (fp16) and
-        clipping (``ctx.grad_clip``), then ``end_step`` with the batch's mean loss and all its samples.
-        The gradient is the batch's mean gradient, as one backward of the whole batch would give it."""
-        self.begin_step(step)
-        n = batch_size(batch)
-        loss = self._forward_backward(batch, n)
-        finite, extra = self._before_update(step)
-        pause = self.ctx.pause_rates
-        with pause() if not finite and pause is not None else nullcontext():
-            result = self.end_step(loss, n, step)
-        result.extra.update(extra)
-        return result
-
-    def _forward_backward(self, batch: Any, n: int) -> torch.Tensor:
-        """Each micro-batch's forward and loss (under :meth:`autocast`) and the backward of its share
-        of the loss (scaled, fp16), inside :meth:`no_sync` but for the last; the batch's mean loss."""
-        ctx = self.ctx
-        parts = split_batch(batch, ctx.grad_accum, n)
-        # Nothing may run between the last backward and the update when a strategy updates during
-        # backward (downpour's buckets): it gets before_backward only when there is nothing to run.
-        direct = not ctx.grad_clip and ctx.scaler is None
-        total: torch.Tensor | None = None  # the batch's mean loss: the parts' losses by their shares
-        for i, (part, share) in enumerate(parts):
-            last = i == len(parts) - 1
-            with self.no_sync() if not last else nullcontext():
-                with self.autocast():
-                    loss = ctx.loss_fn(self.model, part)
-                if len(parts) == 1:
-                    total = loss.detach()
-                else:
-                    loss = loss * share
-                    total = loss.detach().float() if total is None else total + loss.detach().float()
-                if last and direct:
-                    self.before_backward(total)
-                if ctx.loss_weight != 1.0:
-                    loss = loss * ctx.loss_weight
-                (ctx.scaler.scale(loss) if ctx.scaler is not None else loss).backward()
-        return total
-
-    def _before_update(self, step: int) -> tuple[bool, dict[str, float]]:
-        """Between the last backward and the update: the loss scaler's unscaling and overflow check, and
-        clipping. (Whether the update may go ahead, the step record's additions.)"""
-        ctx = self.ctx
-        extra: dict[str, float] = {}
-        if ctx.scaler is not None:
-            extra["loss_scale"] = float(ctx.scaler.get_scale())
-            grads = _Grads(trainable(self.model))
-            self._agree_on_overflow(grads.params, step)
-            ctx.scaler.unscale_(grads)
-        if ctx.grad_clip:
-            extra["grad_norm"] = float(self.clip_grad_norm_(ctx.grad_clip))
-        if ctx.scaler is None:
-            return True, extra
-        finite = ctx.scaler.step(grads) is not None  # None: an inf or NaN, the scaler skips the step
-        ctx.scaler.update()
-        if not finite:  # the update runs (its exchanges too) with zero gradients at rate 0
-            extra["skipped"] = 1.0
-            for p in grads.params:
-                if p.grad is not None:
-                    p.grad.zero_()
-        return finite, extra
-
-    def _agree_on_overflow(self, params: list[nn.Parameter], step: int) -> None:
-        """fp16, a strategy whose ranks run in lockstep over several ranks: an inf or NaN in any rank's
-        gradient skips the step on every rank, as DDP's averaged gradient makes it (one allreduce of a
-        flag; a rank whose own gradients are finite gets a NaN in one, for its scaler to find), so the
-        replicas and the loss scales stay the same everywhere."""
-        if not (self.lockstep and self.world.world_size > 1 and dist.is_initialized()):
-            return
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return
-        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
-
-        def agree() -> bool:
-            flag = torch.tensor([0.0 if finite else 1.0], device=grads[0].device)
-            with self.collective("loss scaler's overflow check"):
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True).wait()
-            return bool(flag.item())
-
-        overflow = self.exchange(agree, step)
-        if overflow is not CAUGHT_UP and overflow and finite:
-            grads[0].fill_(float("nan"))
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale the trainable parameters' ``.grad`` so that their global L2 norm is at most
-        ``max_norm`` (``torch.nn.utils.clip_grad_norm_``); returns the norm before clipping. It clips
-        what ``.grad`` holds after the last backward: the averaged gradient where the strategy has
-        averaged it by then, the local one in strategies that step locally."""
-        return torch.nn.utils.clip_grad_norm_(trainable(self.model), max_norm)
-
-    def autocast(self) -> AbstractContextManager[Any]:
-        """Forward and loss at ``ctx.precision``: autocast to bf16 or fp16 (the weights, gradients and
-        every exchange stay fp32); nothing for fp32."""
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.ctx.precision)
-        if dtype is None:
-            return nullcontext()
-        return torch.autocast(self.world.device.type, dtype=dtype)
+        clipping (``ctx.grad_clip``), then ``end_step`` with the batch's mean loss and all its samples
+        (:func:`parambox.strategies.microsteps.run_step`)."""
+        return run_step(self, batch, step)
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Around the backward of every micro-batch but the last (gradient accumulation, DDP's name):
@@ -435,66 +346,6 @@ class Strategy:
         """Release process groups, shared memory and threads. Must not raise."""
 
 
-class BackwardPasses:
-    """A step's backward passes, for the rules whose ``.grad`` is averaged when ``backward()`` returns
-    (DDP's contract: clipping, ``GradScaler.unscale_`` and inf checks between backward and the step see
-    the averaged gradient).
-
-    A pass communicates (``syncs``) unless it runs inside :meth:`no_sync` or is one of the first
-    ``backward_passes_per_step - 1`` of the step; those accumulate locally. ``on_end(syncs)`` runs at
-    the end of every pass (an autograd callback, queued by the pass's first gradient: the hooks are
-    registered before any other on the parameters, so ``syncs`` is known when theirs run). A peer lost
-    while a pass communicates is kept (``lost``) for the step's exchange to answer by regrouping:
-    raised from a callback it would surface from the user's ``backward()``.
-    """
-
-    def __init__(self, owner: Strategy, params: list[nn.Parameter], on_end: Callable[[bool], None]):
-        self.owner, self.on_end = owner, on_end
-        self.local_only = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._first_gradient) for p in params]
-        self.reset()
-
-    def reset(self) -> None:
-        """A new step: no pass yet."""
-        self.passes = 0  # passes finished
-        self.syncs: bool | None = None  # whether the pass under way communicates (None: none under way)
-        self.synced = False  # a pass of this step communicated
-        self.lost: PeerLost | None = None
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        before, self.local_only = self.local_only, True
-        try:
-            yield
-        finally:
-            self.local_only = before
-
-    def _first_gradient(self, p: torch.Tensor) -> None:
-        if self.syncs is None:
-            self.syncs = not self.local_only and self.passes + 1 >= self.owner.backward_passes_per_step
-            torch.autograd.Variable._execution_engine.queue_callback(self._end)
-
-    def _end(self) -> None:
-        syncs, self.syncs = self.syncs, None
-        self.passes += 1
-        try:
-            self.on_end(bool(syncs))
-        except PeerLost as e:
-            self.lost = e
-        self.synced = self.synced or bool(syncs)
-
-    def raise_lost(self) -> None:
-        """In the step's exchange: a peer lost during the last pass's communication, if any."""
-        lost, self.lost = self.lost, None
-        if lost is not None:
-            raise lost
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-
 class PhaseTimers:
     """Accumulates wall time per communication phase over one step."""
 
@@ -528,80 +379,6 @@ def loss_value(loss: torch.Tensor | None) -> float:
     return float("nan") if loss is None else float(loss)
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
-    """``batch`` with ``fn`` applied to every tensor in it (tuples, lists and dicts are walked).
-
-    >>> map_tensors(lambda t: t * 2, {"x": torch.ones(1), "n": 3})
-    {'x': tensor([2.]), 'n': 3}
-    """
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, dict):
-        return {k: map_tensors(fn, v) for k, v in batch.items()}
-    if isinstance(batch, tuple | list):
-        return type(batch)(map_tensors(fn, v) for v in batch)
-    return batch
-
-
-def split_batch(batch: Any, k: int, n: int | None = None) -> list[tuple[Any, float]]:
-    """``batch`` in ``k`` micro-batches along dim 0 (as equal as they come: ``torch.tensor_split``),
-    each with its share of the samples; tensors whose first dimension is not the batch's ``n``
-    samples go whole into every part. Fewer parts where the batch has fewer than ``k`` samples.
-
-    >>> [(x.tolist(), s) for (x, _), s in split_batch((torch.arange(4), torch.zeros(())), 2)]
-    [([0, 1], 0.5), ([2, 3], 0.5)]
-    """
-    n = batch_size(batch) if n is None else n
-    k = max(1, min(k, n))
-    if k == 1:
-        return [(batch, 1.0)]
-    sizes = [len(r) for r in torch.arange(n).tensor_split(k)]
-    starts = [sum(sizes[:i]) for i in range(k)]
-
-    def part(i: int) -> Any:
-        def cut(t: torch.Tensor) -> torch.Tensor:
-            return t.narrow(0, starts[i], sizes[i]) if t.dim() > 0 and len(t) == n else t
-
-        return map_tensors(cut, batch)
-
-    return [(part(i), sizes[i] / n) for i in range(k)]
-
-
-class _Grads(torch.optim.Optimizer):
-    """The trainable parameters as an optimizer that moves nothing: what a ``GradScaler`` unscales
-    and checks. ``scaler.step(_Grads(...))`` is True where the gradients are finite, None where the
-    scaler skips the step."""
-
-    def __init__(self, params: list[nn.Parameter]):
-        self.params = params
-        super().__init__(params, {})
-
-    def step(self, closure: Any = None) -> bool:  # type: ignore[override]
-        return True
-
-
-def batch_size(batch: Any) -> int:
-    """Samples in ``batch``: the length of its first tensor.
-
-    >>> batch_size((torch.zeros(8, 3), torch.zeros(8)))
-    8
-    """
-    if isinstance(batch, torch.Tensor):
-        return len(batch)
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, tuple | list) else ()
-    for value in values:
-        try:
-            return batch_size(value)
-        except ValueError:
-            continue
-    raise ValueError(f"a batch needs at least one tensor, got {type(batch).__name__}")
-
-
-def trainable(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters an optimizer may move: ``requires_grad`` ones, each once (tied weights once)."""
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 def averaged_buffers(model: nn.Module) -> list[torch.Tensor]:
     """The float buffers a weight-averaging rule averages: those that hold finite values. A buffer of
     ``-inf`` (a causal mask registered as a buffer) is a constant of the model, not state that
@@ -612,154 +389,6 @@ def averaged_buffers(model: nn.Module) -> list[torch.Tensor]:
     [torch.Size([2]), torch.Size([2])]
     """
     return [b for b in model.buffers() if b.is_floating_point() and bool(torch.isfinite(b).all())]
-
-
-def bind_flat_replica(
-    model: nn.Module, layout: Layout, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Make the parameters views into one flat buffer ``x`` and their ``.grad`` views into ``g``.
-
-    Pulls, pushes and elastic updates are then single flat operations; backward accumulates
-    straight into ``g`` (zero it, not the optimizer's ``zero_grad``, which would drop the views).
-    Frozen parameters (``requires_grad=False``) get no ``.grad``: an optimizer never moves them,
-    not even by weight decay; their part of ``g`` stays zero.
-    """
-    x = torch.empty(layout.numel, device=device)
-    layout.bind_params_(model, x, copy_values=True)
-    g = torch.zeros_like(x)
-    GradViews.of_flat(model, layout, g)
-    return x, g
-
-
-class GradViews:
-    """The trainable parameters' ``.grad`` as views into a strategy's buffers.
-
-    Backward then accumulates straight into the buffers. ``rebind_()`` (in ``begin_step``) restores
-    the views a user's ``optimizer.zero_grad(set_to_none=True)`` dropped. With ``track``, a
-    post-accumulate hook per parameter notes which parameters got a gradient this step (``used``),
-    moves a gradient that autograd put elsewhere into its view, and calls ``on_ready(i, first)``;
-    ``close()`` removes the hooks, since a user's model outlives the strategy.
-
-    >>> lin = nn.Linear(2, 1); flat = torch.zeros(3)
-    >>> gv = GradViews(list(lin.parameters()), [flat[:2].view(1, 2), flat[2:]], track=True)
-    >>> lin(torch.ones(1, 2)).sum().backward(); flat.tolist(), gv.used
-    ([1.0, 1.0, 1.0], [True, True])
-    >>> gv.close()
-    """
-
-    def __init__(
-        self,
-        params: list[nn.Parameter],
-        views: list[torch.Tensor],
-        track: bool = False,
-        on_ready: Callable[[int, bool], None] | None = None,
-    ):
-        self.params, self.views, self.on_ready = params, views, on_ready
-        self.used = [False] * len(params)
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params) if track
-        ]
-        self.rebind_()
-
-    @classmethod
-    def of_flat(cls, model: nn.Module, layout: Layout, flat: torch.Tensor, **kw: Any) -> GradViews:
-        """Views into ``flat`` laid out as ``layout`` (every parameter), bound for the trainable ones."""
-        pairs = [(p, v) for p, v in zip(model.parameters(), layout.views(flat).values()) if p.requires_grad]
-        return cls([p for p, _ in pairs], [v for _, v in pairs], **kw)
-
-    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        def ready(p: torch.Tensor) -> None:
-            first = not self.used[i]
-            self.used[i] = True
-            view = self.views[i]
-            if p.grad is not view:  # the .grad was dropped after begin_step: autograd made a new one
-                if first:
-                    view.copy_(p.grad)
-                else:
-                    view.add_(p.grad)
-                p.grad = view
-            if self.on_ready is not None:
-                self.on_ready(i, first)
-
-        return ready
-
-    def rebind_(self) -> None:
-        """Every trainable parameter's ``.grad`` is its view again; ``used`` starts over."""
-        self.used = [False] * len(self.params)
-        for p, view in zip(self.params, self.views):
-            if p.grad is not view:
-                p.grad = view
-
-    def drop_unused_(self, got_gradient: list[bool] | list[float]) -> None:
-        """``.grad = None`` where no gradient came (plain PyTorch then skips the parameter)."""
-        for p, got in zip(self.params, got_gradient):
-            if not got:
-                p.grad = None
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        for p in self.params:
-            p.grad = None
-
-
-class FinishedTail:
-    """The finished tail of a flat buffer during backward, handed out in buckets of at least ``bucket``.
-
-    The parameters sit in the buffer in order (``offsets[i]``: parameter ``i``'s start, the last entry
-    the buffer's end) and backward finishes them roughly last to first, so the finished tail grows
-    down; ``finish(i)`` returns the next bucket once it holds ``bucket`` elements: ``(params, lo,
-    hi)``, the indices of its parameters and the buffer's ``[lo, hi)``.
-
-    >>> t = FinishedTail([0, 4, 6, 10], bucket=4)
-    >>> t.finish(2), t.finish(0), t.finish(1), t.cut
-    ((range(2, 3), 6, 10), None, (range(0, 2), 0, 6), 0)
-    """
-
-    def __init__(self, offsets: list[int], bucket: int):
-        self.offsets, self.bucket = offsets, bucket
-        self.reset()
-
-    def reset(self) -> None:
-        """A new backward: nothing finished; ``cut``: where the buckets handed out so far begin."""
-        n = len(self.offsets) - 1
-        self.finished, self.tail, self.cut, self.cut_param = [False] * n, n, self.offsets[-1], n
-
-    def finish(self, i: int) -> tuple[range, int, int] | None:
-        self.finished[i] = True
-        while self.tail > 0 and self.finished[self.tail - 1]:
-            self.tail -= 1
-        lo = self.offsets[self.tail]
-        if self.cut - lo < self.bucket:
-            return None
-        bucket = (range(self.tail, self.cut_param), lo, self.cut)
-        self.cut, self.cut_param = lo, self.tail
-        return bucket
-
-
-def step_only(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], chosen: range) -> None:
-    """``optimizer``'s step of ``params[j]`` for ``j`` in ``chosen`` alone: the others' ``.grad`` are
-    hidden meanwhile. Every optimizer of ``torch.optim`` but LBFGS is elementwise and skips a
-    parameter without a gradient, so stepping a model bucket by bucket is one step; inside backward
-    too (PyTorch's optimizer-in-backward), on the parameters whose gradients are done.
-
-    >>> a, b = nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(1))
-    >>> a.grad, b.grad = torch.ones(1), torch.ones(1)
-    >>> step_only(torch.optim.SGD([a, b], lr=0.5), [a, b], range(1, 2))
-    >>> float(a), float(b)
-    (1.0, 0.5)
-    """
-    if not chosen:
-        return
-    hidden = [(p, p.grad) for j, p in enumerate(params) if j not in chosen and p.grad is not None]
-    for p, _ in hidden:
-        p.grad = None
-    try:
-        optimizer.step()
-    finally:
-        for p, grad in hidden:
-            p.grad = grad
 
 
 def broadcast_tensors_(tensors: list[torch.Tensor], src: int = 0, group: Any = None) -> None:

@@ -33,17 +33,9 @@ from parambox.box.base import step_counter, wait_until
 from parambox.box.levels import BoxMean
 from parambox.errors import UserError
 from parambox.runtime.elastic import PeerLost
-from parambox.strategies.base import (
-    CAUGHT_UP,
-    BackwardPasses,
-    Context,
-    FinishedTail,
-    GradViews,
-    Options,
-    StepResult,
-    Strategy,
-    loss_value,
-)
+from parambox.runtime.survival import CAUGHT_UP
+from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
+from parambox.strategies.grads import BackwardPasses, FinishedTail, GradViews
 
 
 class BoxSyncOptions(Options):

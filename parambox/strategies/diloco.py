@@ -71,15 +71,7 @@ from parambox.box import Layout
 from parambox.errors import UserError, warn
 from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
-from parambox.strategies.base import (
-    Context,
-    StepResult,
-    Strategy,
-    averaged_buffers,
-    loss_value,
-    period_end,
-    trainable,
-)
+from parambox.strategies.base import Context, StepResult, Strategy, averaged_buffers, loss_value, period_end
 from parambox.strategies.center import DONE, LOST, NONFINITE
 from parambox.strategies.delayed_nesterov import (
     QUORUM_COUNTERS,
@@ -96,6 +88,7 @@ from parambox.strategies.exchange import (
     box_compressor,
 )
 from parambox.strategies.streaming import Fragment, cut, read_slice, write_slice_
+from parambox.strategies.tensors import trainable
 
 
 class DilocoOptions(AsyncOptions, ExchangeOptions):

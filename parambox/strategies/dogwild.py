@@ -73,7 +73,8 @@ from parambox.box import Layout
 from parambox.errors import CommTimeout, warn
 from parambox.numerics import is_finite
 from parambox.runtime.spawn import identity_gone, process_identity
-from parambox.strategies.base import Context, GradViews, Options, StepResult, Strategy, loss_value
+from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
+from parambox.strategies.grads import GradViews
 
 GRAD, FINAL, HALT = 0.0, 1.0, 2.0  # message kinds (the first element after the gradient)
 HEADER, BCAST_HEADER = 5, 4

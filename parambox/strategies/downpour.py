@@ -21,7 +21,7 @@ by the local optimizer and push-pulled at once, while backward goes on with the 
 DDP's allreduce starts during backward. DistBelief's parameter server is sharded and its shards act
 independently of one another (Dean et al. 2012, Sec. 4.1), so a worker's exchanges with different
 parts of the model need not happen at one moment; each bucket is one whole push-pull. The optimizer
-steps each bucket's parameters alone (``strategies/base.py: step_only``); a bucket whose update is
+steps each bucket's parameters alone (``strategies/grads.py: step_only``); a bucket whose update is
 not finite is not pushed, and the worker halts at the step's end (the buckets pushed before it were
 finite). Only in the steps parambox drives (``before_backward`` saw a finite loss): a
 ``DistributedOptimizer`` user's backward pushes after it.
@@ -46,9 +46,10 @@ from parambox.box.node_cache import NodeCachedBox
 from parambox.errors import CommTimeout, warn
 from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
-from parambox.strategies.base import Context, FinishedTail, GradViews, StepResult, step_only
+from parambox.strategies.base import Context, StepResult
 from parambox.strategies.center import CenterClient
 from parambox.strategies.exchange import Background
+from parambox.strategies.grads import FinishedTail, GradViews, step_only
 
 ADAGRAD_EPS = 1e-10
 

@@ -30,16 +30,9 @@ from parambox.box import Layout
 from parambox.errors import UserError, warn
 from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
-from parambox.strategies.base import (
-    Context,
-    GradViews,
-    StepResult,
-    Strategy,
-    bind_flat_replica,
-    loss_value,
-    period_end,
-)
+from parambox.strategies.base import Context, StepResult, Strategy, loss_value, period_end
 from parambox.strategies.exchange import ExchangeOptions, SumExchange, box_compressor
+from parambox.strategies.grads import GradViews, bind_flat_replica
 
 DEFAULT_ALPHA = 0.1
 

@@ -21,16 +21,10 @@ import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from parambox.errors import UserError
-from parambox.strategies.base import (
-    CAUGHT_UP,
-    BackwardPasses,
-    Context,
-    Options,
-    StepResult,
-    Strategy,
-    loss_value,
-    trainable,
-)
+from parambox.runtime.survival import CAUGHT_UP
+from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
+from parambox.strategies.grads import BackwardPasses
+from parambox.strategies.tensors import trainable
 
 
 class ParameterServerSync(Strategy):

@@ -19,16 +19,9 @@ import torch.distributed as dist
 from pydantic import Field
 from torch.nn.utils import parameters_to_vector
 
-from parambox.strategies.base import (
-    Context,
-    StepResult,
-    Strategy,
-    averaged_buffers,
-    loss_value,
-    period_end,
-    trainable,
-)
+from parambox.strategies.base import Context, StepResult, Strategy, averaged_buffers, loss_value, period_end
 from parambox.strategies.exchange import DeltaAverager, ExchangeOptions, SumExchange
+from parambox.strategies.tensors import trainable
 
 
 class WeightAvgOptions(ExchangeOptions):

@@ -137,7 +137,9 @@ def rank_losses(run_dir: Path, workers: int) -> torch.Tensor:
         name = "metrics.jsonl" if r == 0 else f"metrics.rank{r}.jsonl"
         records = [json.loads(line) for line in (run_dir / name).read_text().splitlines() if line.strip()]
         columns.append(
-            torch.tensor([rec["loss"] for rec in records if rec["kind"] == "step"], dtype=torch.float64)
+            torch.tensor(  # a diverged step's loss is null in the file
+                [_nan_if_none(rec["loss"]) for rec in records if rec["kind"] == "step"], dtype=torch.float64
+            )
         )
     return torch.stack(columns, dim=1)
 
@@ -288,3 +290,7 @@ def print_results(results: dict[str, Any], out: Path) -> int:
         )
     print(f"results in {out / 'results.json'}")
     return 0 if not check or check["agrees"] else 1
+
+
+def _nan_if_none(value: float | None) -> float:
+    return float("nan") if value is None else value

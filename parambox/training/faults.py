@@ -24,7 +24,7 @@ import torch
 
 from parambox.runtime import faults
 from parambox.runtime.faults import partition_seconds
-from parambox.strategies.base import map_tensors
+from parambox.strategies.tensors import map_tensors
 
 __all__ = ["FaultPlan", "partition", "partition_seconds"]
 

@@ -23,7 +23,7 @@ from parambox.runtime.control import SPARE_ENV, current_life
 from parambox.runtime.heap import keep_freed_memory
 from parambox.runtime.world import World
 from parambox.strategies import Context, Strategy, build_strategy, strategy_class
-from parambox.strategies.base import map_tensors
+from parambox.strategies.tensors import map_tensors
 from parambox.training import checkpoint, joining, resize
 from parambox.training.cadence import CheckpointCadence
 from parambox.training.faults import FaultPlan

@@ -10,6 +10,8 @@ from typing import Any
 
 import psutil
 
+from parambox.training.checkpoint import finite_json
+
 FLUSH_EVERY = 50
 
 
@@ -45,7 +47,8 @@ class MetricsLogger:
 
     def write(self, record: dict[str, Any]) -> None:
         record.setdefault("time", round(self.elapsed(), 6))
-        line = json.dumps(record) + "\n"
+        # JSON has no NaN: a diverged step's loss is null, as in summary.json
+        line = json.dumps(finite_json(record), allow_nan=False) + "\n"
         self.file.write(line)
         if self.run_file is not None:
             self.run_file.write(line)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parambox.errors import UserError
-from parambox.strategies.base import batch_size, map_tensors
+from parambox.strategies.tensors import batch_size, map_tensors
 from parambox.workload import refs
 from parambox.workload.losses import default_loss, sequence_loss
 

@@ -26,8 +26,9 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from parambox.errors import UserError
-from parambox.strategies.base import Context, Options, PhaseTimers, StepResult, Strategy, batch_size
+from parambox.strategies.base import Context, Options, PhaseTimers, StepResult, Strategy
 from parambox.strategies.pipeline import stages, tracing
+from parambox.strategies.tensors import batch_size
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parambox.strategies.base import map_tensors
+from parambox.strategies.tensors import map_tensors
 
 
 class PortionScheduler:

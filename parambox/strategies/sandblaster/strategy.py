@@ -45,7 +45,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from parambox.box.layout import shard_range
 from parambox.errors import CommTimeout, UserError
-from parambox.strategies.base import Context, Options, StepResult, Strategy, batch_size, map_tensors
+from parambox.strategies.base import Context, Options, StepResult, Strategy
 from parambox.strategies.sandblaster.farm import (
     BYE,
     COMPUTE,
@@ -71,6 +71,7 @@ from parambox.strategies.sandblaster.shards import (
     sharded_lbfgs_iteration,
 )
 from parambox.strategies.sandblaster.worker import PortionGrads, PortionWorker
+from parambox.strategies.tensors import batch_size, map_tensors
 
 
 def parse_slow_worker(spec: str) -> tuple[int, float]:
