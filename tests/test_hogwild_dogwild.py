@@ -204,6 +204,22 @@ def test_dogwild_killed_worker_is_found_lost(tmp_path):
     assert torch.equal(torch.tensor(res[0]["weights"]), expected)
 
 
+@pytest.mark.timeout(90)
+def test_dogwild_killed_worker_of_three_leaves_the_others_running(tmp_path):
+    """Three ranks, rank 1 killed at its step 1: rank 0 and rank 2 do all their steps, rank 1 is lost,
+    and the weights hold exactly the gradients rank 0 counted. (Receiving from any source, one dead
+    peer's reset used to end rank 0's only receiver: rank 2 was declared lost too, or failed.)"""
+    steps = 12
+    make = maker(Dogwild, DogwildOptions(), steps=steps)
+    res = run_forked(make, tmp_path, n=3, faults={1: ("kill", 3)})
+    assert set(res) == {0, 2} and res[0]["lost_workers"] == [1], res.get(0)
+    got = res[0]["worker_steps"]
+    assert got[0] == steps and got[2] == steps and got[1] in (2, 3), got
+    expected = W0.flatten() - LR * (steps * (grad(0) + grad(2)) + got[1] * grad(1))
+    assert torch.equal(torch.tensor(res[0]["weights"]), expected)
+    assert torch.equal(torch.tensor(res[2]["replica"]), expected)
+
+
 @pytest.mark.timeout(60)
 def test_dogwild_master_shares_every_update_with_all_workers(tmp_path):
     """Three ranks, equal constant gradients g, plain SGD: after v arrivals w = w0 - lr v g, whatever

@@ -28,8 +28,9 @@ go out from two alternating message buffers (backward accumulates straight into 
 overlaps the next step's computation; a worker waits only when rank 0 has not yet taken the
 gradient it sent two steps ago (back-pressure, which bounds staleness when the master falls behind).
 
-Rank 0 serves in threads. One blocks in ``irecv(src=None)`` (receive from any source; gloo cannot
-poll a pending receive) and applies each gradient with the optimizer (``optimizer.step()`` on ``w``,
+Rank 0 serves in threads. One per worker blocks in ``irecv(src=r)`` (gloo cannot poll a pending
+receive, and a receive from any source fails with any one peer's reset, so a dead worker would take
+the others down with it) and applies each gradient with the optimizer (``optimizer.step()`` on ``w``,
 the version goes up). One sender per worker shares the weights: whenever the version moved, it copies
 ``w`` (under the lock) and sends it, with the version and the staleness of that worker's last
 applied gradient. Updates that land while a send is in flight are coalesced: the next send carries
@@ -276,17 +277,22 @@ class _Master:
         self.halted: set[int] = set()
         self.lost: set[int] = set()
         self.heard = {r: time.monotonic() for r in self.workers}
-        self.inbox = torch.empty(numel + HEADER)
+        self.inboxes = {r: torch.empty(numel + HEADER) for r in self.workers}
         self.staged = None if self.w.device.type == "cpu" else torch.empty_like(self.w)
         self.used_version = 0  # the version rank 0's own replica holds
-        self.error: str | None = None
-        self.thread = threading.Thread(target=self._serve, name="dogwild-server", daemon=True)
+        # One receiver per worker, not one receive from any source: gloo fails a pending any-source
+        # receive when any one peer's connection resets, which lost every worker with the dead one.
+        self.receivers = {
+            r: threading.Thread(target=self._serve, args=(r,), name=f"dogwild-recv-{r}", daemon=True)
+            for r in self.workers
+        }
         self.senders = {
             r: threading.Thread(target=self._broadcast_to, args=(r,), name=f"dogwild-send-{r}", daemon=True)
             for r in self.workers
         }
         if self.workers:
-            self.thread.start()
+            for t in self.receivers.values():
+                t.start()
             for t in self.senders.values():
                 t.start()
 
@@ -314,8 +320,8 @@ class _Master:
                 self._find_lost()  # a dead worker must not hold rank 0 up: it stops counting
                 if min(self.progress()) >= needed:
                     break
-                if self.error is not None or time.monotonic() > deadline:
-                    why = self.error or f"none came in {self.owner.ctx.timeout_s:.0f} s"
+                if time.monotonic() > deadline:
+                    why = f"none came in {self.owner.ctx.timeout_s:.0f} s"
                     raise CommTimeout(f"dogwild: rank 0 waiting for the slowest worker's gradients ({why})")
                 self.changed.wait(_POLL_S)
             self.max_lag = max(self.max_lag, self.taken[0] - int(min(self.progress())))
@@ -351,18 +357,21 @@ class _Master:
                 self._mark_lost(r)
 
     # -- the receiving thread ---------------------------------------------------------------------------
-    def _serve(self) -> None:
+    def _serve(self, r: int) -> None:
+        """Worker ``r``'s messages, until it is done or lost (silent ``lost_after_s``, or its
+        connection broke: it died)."""
         try:
-            while self.workers - self.done - self.lost:
-                work = dist.irecv(self.inbox, src=None, group=self.owner.pg)
+            while r not in self.done and r not in self.lost:
+                work = dist.irecv(self.inboxes[r], src=r, group=self.owner.pg)
                 # One wait per receive: a gloo receive that timed out cannot be posted again safely.
                 work.wait(timeout=timedelta(seconds=self.owner.lost_after_s))
-                self._handle(work._source_rank())
-        except Exception as e:  # a timeout (every live worker silent) or a broken connection
-            self.error = _first_line(e)
+                self._handle(r)
+        except Exception:  # a timeout (the worker silent) or a broken connection: it is lost
+            with self.lock:
+                self._mark_lost(r)
 
     def _handle(self, src: int) -> None:
-        numel, msg = self.owner.layout.numel, self.inbox
+        numel, msg = self.owner.layout.numel, self.inboxes[src]
         kind, used = float(msg[numel]), int(msg[numel + 1])
         self.steps[src] = max(self.steps[src], int(msg[numel + 4]))
         self.heard[src] = time.monotonic()
@@ -441,12 +450,12 @@ class _Master:
             self.own_done = True  # rank 0's steps no longer hold the workers' bounded wait
             self.announce()
         while self.workers - self.done - self.lost:
-            self.thread.join(_POLL_S)
-            now, gave_up = time.monotonic(), not self.thread.is_alive()
+            time.sleep(_POLL_S)
+            now = time.monotonic()
             with self.lock:
                 for r in sorted(self.workers - self.done - self.lost):
                     if (
-                        gave_up
+                        not self.receivers[r].is_alive()
                         or identity_gone(self.idents[r])
                         or now - self.heard[r] > self.owner.lost_after_s
                     ):
