@@ -61,7 +61,7 @@ def _worker(rank: int, n: int, make, port: int, out_dir: str, faults: dict) -> N
     kind, at = faults.get(rank, ("", 1 << 30))
     if kind == "slow_broadcast":  # rank 0's every weights message leaves `at` seconds late
         send = dogwild._Master._send
-        dogwild._Master._send = lambda self, buf, r: (time.sleep(at), send(self, buf, r))[1]
+        dogwild._Master._send = lambda self, *args: (time.sleep(at), send(self, *args))[1]
     strategy = make(ctx)
     x = batch(0 if make.same_data else rank)
     peer = getattr(strategy, "peer", None)  # a dogwild worker: the weights it adopted, step by step
@@ -309,4 +309,19 @@ def test_dogwild_sigkilled_worker_run_ends_with_code_0(tmp_path):
     s = summary(out)
     assert s["lost_workers"] == [1] and s["worker_steps"][0] == 200
     assert "lost" in proc.stderr
+    assert all(torch.isfinite(w).all() for w in final_weights(out).values())
+
+
+@pytest.mark.timeout(170)
+def test_dogwild_killed_worker_is_replaced_with_max_restarts(tmp_path):
+    """Three ranks, rank 1 SIGKILLed at step 30, --max-restarts 1: its replacement meets rank 0 over a
+    pair group of its own and does the steps its predecessor had not; nobody is lost. (It used to
+    wait forever to join the run's process group, and rank 1 ended lost.)"""
+    out = tmp_path / "run"
+    args = ["--strategy", "dogwild", "--workers", "3", "--model", "mlp", "--steps", "150"]
+    args += ["--eval-every", "0", "--threads", "1", "--max-restarts", "1", "--timeout", "60"]
+    proc = run_cli("train", *args, "--out", str(out), "--no-progress", env={"PARAMBOX_FAULT": "1:30:kill"})
+    s = summary(out)
+    assert (s["restarts"], s["lost_workers"], s["worker_steps"]) == (1, [], [150, 150, 150]), proc.stderr
+    assert "replaced" in proc.stderr
     assert all(torch.isfinite(w).all() for w in final_weights(out).values())
