@@ -180,6 +180,8 @@ class AsyncStrategy(Strategy):
         wait for that alone; a replacement then starts from the center."""
         self.membership.join(lambda: self.box.write(self.x))  # every rank starts from the same weights
         if self.rejoined:
+            if self.ctx.resuming and self.membership.resumed():  # (else it restores: resume waits)
+                self.membership.await_ready(2)  # the saved center, not the initial one
             self.client.pull(self.x)
             self.membership.reached = self.membership.steps_done >= self.ctx.steps
 
