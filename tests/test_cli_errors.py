@@ -186,13 +186,15 @@ def test_a_ranks_c10d_complaint_waits_for_the_supervisor_to_mute_it():
     (the supervisor polls; a zygote reports an exit after its SIGCHLD). Plain lines pass at once."""
     import io
     import os
+    import pathlib
     import threading
 
-    from parambox.runtime.launcher import _pump
+    from parambox.runtime.launcher import _Life, _pump
 
     r, w = os.pipe()
     sink, muted = io.StringIO(), threading.Event()
-    pump = threading.Thread(target=_pump, args=(os.fdopen(r, "rb"), sink, ["1"], muted))
+    life = _Life(pathlib.Path("unused"))  # (a life that goes on: never written)
+    pump = threading.Thread(target=_pump, args=(os.fdopen(r, "rb"), sink, ["1"], muted, life))
     pump.start()
     os.write(w, b"step 1 of rank 1\n")
     os.write(w, b"[W1125 TCPStore.cpp:106] [c10d] recvValue failed on SocketImpl(fd=3): Connection reset\n")
@@ -200,3 +202,35 @@ def test_a_ranks_c10d_complaint_waits_for_the_supervisor_to_mute_it():
     os.close(w)
     pump.join(5)
     assert sink.getvalue() == "[rank 1] step 1 of rank 1\n"
+
+
+@pytest.mark.timeout(30)
+def test_a_stopped_life_prints_into_its_log_not_onto_the_console(tmp_path):
+    """A group restart: what the old life's ranks print while they are stopped (a closed peer's C++
+    frames) goes to logs/life{k}/console.txt; the console of the run that goes on stays clean."""
+    import io
+    import os
+    import sys
+    import threading
+    import time
+    from unittest import mock
+
+    from parambox.runtime.launcher import _Life, _Ranks
+
+    life = _Life(tmp_path / "life0")
+    ranks = _Ranks(2, None, threading.Event(), life)
+    frames = "".join(f"frame #{i}: c10::Error\\n" for i in range(16))
+    script = (
+        f"import sys, time; print('step 1'); sys.stdout.flush(); time.sleep(1); sys.stderr.write('{frames}')"
+    )
+    sink = io.StringIO()
+    with mock.patch.object(sys, "stderr", sink), mock.patch.object(sys, "stdout", sink):
+        proc = ranks._piped([sys.executable, "-c", script], dict(os.environ), [], ["1"])
+        deadline = time.monotonic() + 10
+        while "step 1" not in sink.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        life.ended.set()  # what stop_life does before it stops the processes
+        proc.wait(10)
+        time.sleep(0.3)  # the pumps drain
+    assert sink.getvalue() == "[rank 1] step 1\n"
+    assert (tmp_path / "life0" / "console.txt").read_text().count("frame #") == 16

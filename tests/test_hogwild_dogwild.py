@@ -61,7 +61,7 @@ def _worker(rank: int, n: int, make, port: int, out_dir: str, faults: dict) -> N
     kind, at = faults.get(rank, ("", 1 << 30))
     if kind == "slow_broadcast":  # rank 0's every weights message leaves `at` seconds late
         send = dogwild._Master._send
-        dogwild._Master._send = lambda self, buf, r: (time.sleep(at), send(self, buf, r))[1]
+        dogwild._Master._send = lambda self, *args: (time.sleep(at), send(self, *args))[1]
     strategy = make(ctx)
     x = batch(0 if make.same_data else rank)
     peer = getattr(strategy, "peer", None)  # a dogwild worker: the weights it adopted, step by step
@@ -204,6 +204,22 @@ def test_dogwild_killed_worker_is_found_lost(tmp_path):
     assert torch.equal(torch.tensor(res[0]["weights"]), expected)
 
 
+@pytest.mark.timeout(90)
+def test_dogwild_killed_worker_of_three_leaves_the_others_running(tmp_path):
+    """Three ranks, rank 1 killed at its step 1: rank 0 and rank 2 do all their steps, rank 1 is lost,
+    and the weights hold exactly the gradients rank 0 counted. (Receiving from any source, one dead
+    peer's reset used to end rank 0's only receiver: rank 2 was declared lost too, or failed.)"""
+    steps = 12
+    make = maker(Dogwild, DogwildOptions(), steps=steps)
+    res = run_forked(make, tmp_path, n=3, faults={1: ("kill", 3)})
+    assert set(res) == {0, 2} and res[0]["lost_workers"] == [1], res.get(0)
+    got = res[0]["worker_steps"]
+    assert got[0] == steps and got[2] == steps and got[1] in (2, 3), got
+    expected = W0.flatten() - LR * (steps * (grad(0) + grad(2)) + got[1] * grad(1))
+    assert torch.equal(torch.tensor(res[0]["weights"]), expected)
+    assert torch.equal(torch.tensor(res[2]["replica"]), expected)
+
+
 @pytest.mark.timeout(60)
 def test_dogwild_master_shares_every_update_with_all_workers(tmp_path):
     """Three ranks, equal constant gradients g, plain SGD: after v arrivals w = w0 - lr v g, whatever
@@ -293,4 +309,19 @@ def test_dogwild_sigkilled_worker_run_ends_with_code_0(tmp_path):
     s = summary(out)
     assert s["lost_workers"] == [1] and s["worker_steps"][0] == 200
     assert "lost" in proc.stderr
+    assert all(torch.isfinite(w).all() for w in final_weights(out).values())
+
+
+@pytest.mark.timeout(170)
+def test_dogwild_killed_worker_is_replaced_with_max_restarts(tmp_path):
+    """Three ranks, rank 1 SIGKILLed at step 30, --max-restarts 1: its replacement meets rank 0 over a
+    pair group of its own and does the steps its predecessor had not; nobody is lost. (It used to
+    wait forever to join the run's process group, and rank 1 ended lost.)"""
+    out = tmp_path / "run"
+    args = ["--strategy", "dogwild", "--workers", "3", "--model", "mlp", "--steps", "150"]
+    args += ["--eval-every", "0", "--threads", "1", "--max-restarts", "1", "--timeout", "60"]
+    proc = run_cli("train", *args, "--out", str(out), "--no-progress", env={"PARAMBOX_FAULT": "1:30:kill"})
+    s = summary(out)
+    assert (s["restarts"], s["lost_workers"], s["worker_steps"]) == (1, [], [150, 150, 150]), proc.stderr
+    assert "replaced" in proc.stderr
     assert all(torch.isfinite(w).all() for w in final_weights(out).values())

@@ -412,3 +412,30 @@ def test_worker_killed_during_startup_stalls_nobody(tmp_path, undisturbed_s, del
         assert proc.returncode == 0, err[-3000:]
         assert "lost worker ranks [2]" in err, err[-3000:]
         assert took < undisturbed_s + 30, (took, undisturbed_s)
+
+
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_replaced_while_resuming_restores_its_checkpoint(rank, tmp_path):
+    """A rank of a resumed asynchronous run dies as it restores its checkpoint (rank 0: after putting
+    the initial center in the box, before the saved one): its replacement restores the checkpoint (and
+    puts the saved center back). Rank 0's used to train from the initial weights at step 0, with the
+    others declared lost."""
+    out = tmp_path / "run"
+    args = ["train", "--strategy", "downpour", *FAST, "--out", str(out)]
+    run_cli(*args, "--steps", "40", "--checkpoint-every", "20")
+    proc = run_cli(
+        *args,
+        "--resume",
+        "--steps",
+        "80",
+        "--max-restarts",
+        "1",
+        env={"PARAMBOX_FAULT": f"{rank}:0:kill-resume"},
+    )
+    s = summary(out)
+    assert (s["restarts"], s["lost_workers"], s["worker_steps"]) == (1, [], [80, 80]), proc.stderr
+    metrics = out / ("metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl")
+    lives = [json.loads(line) for line in metrics.read_text().splitlines()]
+    starts = [r["step"] for r in lives if r.get("kind") == "world"]
+    assert starts[-1] == 40, starts  # the replacement carried on from its checkpoint

@@ -189,7 +189,7 @@ def check_variables() -> None:
 
 
 # The kinds of fault parambox.training.faults injects (its docstring says what each does)
-FAULT_KINDS = ("kill", "nan", "slow", "hang", "stop", "partition", "lose-exchange")
+FAULT_KINDS = ("kill", "nan", "slow", "hang", "stop", "partition", "lose-exchange", "kill-resume")
 
 
 # What a resume may change: how long it runs, how it waits, what it logs, and how many workers it has

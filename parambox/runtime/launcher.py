@@ -18,7 +18,8 @@ import os
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from parambox.runtime import elastic, spawn
@@ -149,9 +150,10 @@ def _launch_processes(
     # Set once a rank failed: what the others print then (a closed store's C++ warnings, "connection
     # closed") are symptoms, and the one line naming the cause is what the user should see.
     muted = threading.Event()
-    ranks = _Ranks(n, placement, muted)
+    ranks = _Ranks(n, placement, muted, _Life(log_dir / "life0"))
 
     def group(life: int, resume: bool) -> list[subprocess.Popen]:
+        ranks.life = _Life(log_dir / f"life{life}")
         spawn.remove_segments(prefix)  # the stopped group's boxes
         for err in log_dir.glob("rank*.err"):  # (a restart's supervisor moved its cause's to logs/life{k})
             err.unlink(missing_ok=True)  # a new life: old errors are no longer the run's
@@ -169,7 +171,7 @@ def _launch_processes(
             ranks.keep_spare(cmd, env, [board.fd])  # the next one warms up while this one works
         return proc
 
-    starters = Starters(group, one, spawn.stop, lambda: checkpoint is not None and checkpoint.exists())
+    starters = Starters(group, one, ranks.stop_life, lambda: checkpoint is not None and checkpoint.exists())
     procs = ranks.start_all(cmd, env, [board.fd])
     warm_spare = warm_spare and bool(max_restarts) and tolerate_loss and placement is None
     if warm_spare:
@@ -205,6 +207,7 @@ class _Ranks:
     n: int
     placement: spawn.Placement | None
     muted: threading.Event
+    life: _Life  # the group's life whose ranks are starting
     spare: tuple[subprocess.Popen, list[str]] | None = None  # the process, and its output's label
 
     def start_all(self, cmd: list[str], env: dict[str, str], fds: list[int]) -> list[subprocess.Popen]:
@@ -233,8 +236,15 @@ class _Ranks:
     ) -> subprocess.Popen:
         p = spawn.start(cmd, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=fds, **popen)
         for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-            threading.Thread(target=_pump, args=(stream, sink, label, self.muted), daemon=True).start()
+            args = (stream, sink, label, self.muted, self.life)
+            threading.Thread(target=_pump, args=args, daemon=True).start()
         return p
+
+    def stop_life(self, procs: list[subprocess.Popen]) -> None:
+        """Stop the group for a restart: what its dying ranks print from now on (a closed peer's C++
+        frames) goes to that life's log, not to the console of the run that goes on."""
+        self.life.ended.set()
+        spawn.stop(procs)
 
     def keep_spare(self, cmd: list[str], env: dict[str, str], fds: list[int]) -> None:
         if self.spare is None or self.spare[0].poll() is not None:
@@ -300,10 +310,30 @@ _SYMPTOMS = (b"TCPStore", b"c10d", b"ProcessGroupGloo", b"gloo/transport")
 SYMPTOM_HOLD_S = 2.0
 
 
-def _pump(stream, sink, label: list[str], muted: threading.Event) -> None:
+@dataclass
+class _Life:
+    """One life of a group of ranks; ``ended`` once it is stopped for a restart, its output then
+    appended to ``log_dir/console.txt``."""
+
+    log_dir: Path
+    ended: threading.Event = field(default_factory=threading.Event)
+
+    def keep(self, line: str) -> None:
+        with contextlib.suppress(OSError):
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.log_dir / "console.txt", "a") as f:
+                f.write(line)
+
+
+def _pump(stream, sink, label: list[str], muted: threading.Event, life: _Life) -> None:
     for raw in iter(stream.readline, b""):
         if not muted.is_set() and any(m in raw for m in _SYMPTOMS):
-            muted.wait(SYMPTOM_HOLD_S)
+            deadline = time.monotonic() + SYMPTOM_HOLD_S
+            while not (muted.is_set() or life.ended.is_set()) and time.monotonic() < deadline:
+                life.ended.wait(0.05)
+        if life.ended.is_set():
+            life.keep(f"[rank {label[0]}] {raw.decode(errors='replace')}")
+            continue
         if muted.is_set():
             continue  # keep draining, so the rank never blocks on a full pipe
         sink.write(f"[rank {label[0]}] {raw.decode(errors='replace')}")

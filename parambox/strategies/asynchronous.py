@@ -187,6 +187,8 @@ class AsyncStrategy(Strategy):
         wait for that alone; a replacement then starts from the center."""
         self.membership.join(lambda: self.box.write(self.x))  # every rank starts from the same weights
         if self.rejoined:
+            if self.ctx.resuming and self.membership.resumed():  # (else it restores: resume waits)
+                self.membership.await_ready(2)  # the saved center, not the initial one
             self.client.pull(self.x)
             self.membership.reached = self.membership.steps_done >= self.ctx.steps
             # a replacement of a rank 0 that another worker took for lost, and whose result it took
@@ -197,8 +199,11 @@ class AsyncStrategy(Strategy):
         return min(self.world.rank, self.num_workers - 1), self.num_workers
 
     def rejoin_step(self) -> int | None:
-        """A replacement's first step: the dead worker's count in the box (its steps are not redone)."""
-        if not self.rejoined:
+        """A replacement's first step: the dead worker's count in the box (its steps are not redone).
+        None (it restores its checkpoint) in a resumed run whose predecessor died before it had
+        resumed: before its steps were counted again, or, rank 0, before it put the saved center back
+        (the box still holds the initial weights)."""
+        if not self.rejoined or (self.ctx.resuming and not self.membership.resumed()):
             return None
         return self.box.read_counter(self.counters.steps(self.world.rank))
 

@@ -64,6 +64,7 @@ class Context:
     box: BoxConfig = field(default_factory=BoxConfig)  # the run's box: open_box(ctx.box, ...)
     seed: int = 0
     board: ProgressBoard | None = None  # where ranks post their step, so timeouts name who is missing
+    resuming: bool = False  # a --resume life: every rank's state comes from the run's checkpoints
     # The loop's training features (``parambox.training.loop.make_context`` sets them from the config),
     # run by the shared :meth:`Strategy.step`:
     grad_accum: int = 1  # micro-batches per step: the batch split in K, one backward each, one update

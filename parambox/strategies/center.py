@@ -22,7 +22,7 @@ from parambox.strategies.base import PhaseTimers
 
 # Status bits, each set once with add_counter: DONE, NONFINITE, FINAL by the worker itself, LOST by
 # the memory rank that MPI told of the worker's death.
-DONE, NONFINITE, FINAL, LOST = 1, 2, 4, 8
+DONE, NONFINITE, FINAL, LOST, RESUMED = 1, 2, 4, 8, 16
 
 
 class CounterMap:

@@ -28,8 +28,9 @@ go out from two alternating message buffers (backward accumulates straight into 
 overlaps the next step's computation; a worker waits only when rank 0 has not yet taken the
 gradient it sent two steps ago (back-pressure, which bounds staleness when the master falls behind).
 
-Rank 0 serves in threads. One blocks in ``irecv(src=None)`` (receive from any source; gloo cannot
-poll a pending receive) and applies each gradient with the optimizer (``optimizer.step()`` on ``w``,
+Rank 0 serves in threads. One per worker blocks in ``irecv(src=r)`` (gloo cannot poll a pending
+receive, and a receive from any source fails with any one peer's reset, so a dead worker would take
+the others down with it) and applies each gradient with the optimizer (``optimizer.step()`` on ``w``,
 the version goes up). One sender per worker shares the weights: whenever the version moved, it copies
 ``w`` (under the lock) and sends it, with the version and the staleness of that worker's last
 applied gradient. Updates that land while a send is in flight are coalesced: the next send carries
@@ -46,6 +47,13 @@ weights to every worker that is still there, so every replica ends equal to the 
 ``finish`` waits for them (up to ``--timeout``). A worker whose loss or gradient is not finite sends
 ``HALT`` instead of the gradient and leaves the run; rank 0 checks every gradient again before
 applying it, so ``w`` stays finite.
+
+Replacements (``--max-restarts``, local launcher): a new process of a lost worker cannot join the
+run's process group, so it meets rank 0 over a gloo pair group of its own (its life's keys on the
+run's store, which rank 0 serves and watches for it), takes the dead worker's step and gradient
+counts, waits for the newest weights and carries on; rank 0 waits for a replacement under way (up to
+``lost_after_s``) before it ends, and the worker is not listed lost. Its gradient count is treated as
+caught up with the others' for the staleness bound (it starts from the newest weights).
 
 Messages (float32, host memory): ``[gradient | kind, version used, loss, samples, steps done]``;
 broadcasts ``[weights | version, staleness, final, gradients taken from this worker, then per rank
@@ -72,6 +80,8 @@ from torch import nn
 from parambox.box import Layout
 from parambox.errors import CommTimeout, warn
 from parambox.numerics import is_finite
+from parambox.runtime import dist as pbdist
+from parambox.runtime.control import WorkerBoard, current_life, rejoining
 from parambox.runtime.spawn import identity_gone, process_identity
 from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
 from parambox.strategies.grads import GradViews
@@ -108,6 +118,9 @@ class Dogwild(Strategy):
     Options = DogwildOptions
     tolerates_worker_loss = True
     lockstep = False  # workers step on their newest weights, never waiting for each other
+    # It starts the process group itself: a replacement (--max-restarts) cannot join the run's, and
+    # talks to rank 0 over a pair group of its own instead.
+    needs_process_group = False
     # Rank 0's one optimizer takes every worker's gradient as a step of its own, stale, with momentum: at
     # the run's default rate 0.03, 6 of 12 digits runs ended at 0.62-0.93 (seed 3: 0.20); at half, seed 9
     # of 10 still ended at 0.933; at a third, seeds 0-9 reached 0.955-0.978 (two runs of each).
@@ -124,13 +137,23 @@ class Dogwild(Strategy):
         self.lost_after_s = options.lost_after_s or ctx.timeout_s
         self.halted = False
         self.staleness = 0.0
+        self.start_step: int | None = None  # a replacement's first step
+        if rejoining() and self.world.rank != 0:
+            self.pg = None
+            self.peer = _rejoin(self)
+            return
+        pbdist.init_distributed(self.world, ctx.timeout_s)
         with self.collective("dogwild start-up"):
             self.pg = _message_group(self.world.world_size)
             idents = _identities(self.world.world_size, self.pg)
         if self.world.rank == 0:
             self.master = _Master(self, idents)
         else:
-            self.peer = _Peer(self, idents[0])
+            self.peer = _Peer(self, idents[0], _Link(0, self.pg))
+
+    def rejoin_step(self) -> int | None:
+        """A replacement carries on at its predecessor's step count (rank 0's word on it)."""
+        return self.start_step
 
     def begin_step(self, step: int) -> None:
         if self.world.rank == 0:
@@ -246,6 +269,59 @@ def _first_line(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
+class _Link:
+    """Rank 0 and one worker: the run's message group (``group``, the other end's rank ``peer``), or
+    for a replacement a pair group of its own (``pair``)."""
+
+    def __init__(self, peer: int, group: dist.ProcessGroup | None = None, pair: Any = None):
+        self.peer, self.group, self.pair = peer, group, pair
+
+    def send(self, buf: torch.Tensor) -> dist.Work:
+        if self.pair is not None:
+            return self.pair.send([buf], 1 - self.pair.rank(), 0)
+        return dist.isend(buf, dst=self.peer, group=self.group)
+
+    def recv(self, buf: torch.Tensor) -> dist.Work:
+        if self.pair is not None:
+            return self.pair.recv([buf], 1 - self.pair.rank(), 0)
+        return dist.irecv(buf, src=self.peer, group=self.group)
+
+
+def _store(world) -> dist.Store:
+    """The run's rendezvous store (rank 0 serves it: the same one its process group started on)."""
+    timeout = timedelta(seconds=_STORE_TIMEOUT_S)
+    return pbdist.rendezvous_store(world, world.master_addr, world.master_port, timeout)
+
+
+_STORE_TIMEOUT_S = 60.0
+
+
+def _pair(store: dist.Store, r: int, life: int, rank: int, timeout_s: float) -> Any:
+    prefix = dist.PrefixStore(f"dogwild/{r}/{life}/pair", store)
+    return dist.ProcessGroupGloo(prefix, rank, 2, timedelta(seconds=timeout_s))
+
+
+def _rejoin(owner: Dogwild) -> _Peer:
+    """A replacement of worker ``r``: meet rank 0 over a pair group of this life, carry on at the dead
+    worker's step count and gradient count, from the newest weights (waits for them)."""
+    r, life, timeout_s = owner.world.rank, current_life(), owner.ctx.timeout_s
+    store = _store(owner.world)
+    store.set(f"dogwild/{r}/{life}/ident", str(process_identity()))
+    store.set(f"dogwild/rejoin/{r}", str(life))
+    with owner.collective("dogwild rejoin"):
+        pair = _pair(store, r, life, 1, timeout_s)
+    start, taken, master = (int(store.get(f"dogwild/{r}/{life}/{k}")) for k in ("start", "taken", "master"))
+    owner.start_step = start
+    peer = _Peer(owner, master, _Link(0, pair=pair), sent=taken)
+    deadline = time.monotonic() + timeout_s
+    while peer.newest is None and peer.error is None and time.monotonic() < deadline:
+        peer.arrived.wait(_POLL_S)
+    if peer.newest is None:
+        raise CommTimeout(f"dogwild rejoin: no weights from rank 0 ({peer.error or 'none came'})")
+    peer._adopt()
+    return peer
+
+
 class _Master:
     """Rank 0's side: the weights ``w``, the optimizer, the receiving thread, one sender per worker."""
 
@@ -277,19 +353,66 @@ class _Master:
         self.halted: set[int] = set()
         self.lost: set[int] = set()
         self.heard = {r: time.monotonic() for r in self.workers}
-        self.inbox = torch.empty(numel + HEADER)
+        self.inboxes = {r: torch.empty(numel + HEADER) for r in self.workers}
+        self.links = {r: _Link(r, owner.pg) for r in self.workers}
+        self.lives = dict.fromkeys(self.workers, 0)  # the life of each worker's process rank 0 talks to
+        self.skew = dict.fromkeys(range(n), 0)  # a replacement's gradients counted as caught up
+        self.lost_at: dict[int, float] = {}
+        self.board = WorkerBoard.from_env()  # the local launcher's: replacements under way
         self.staged = None if self.w.device.type == "cpu" else torch.empty_like(self.w)
         self.used_version = 0  # the version rank 0's own replica holds
-        self.error: str | None = None
-        self.thread = threading.Thread(target=self._serve, name="dogwild-server", daemon=True)
-        self.senders = {
-            r: threading.Thread(target=self._broadcast_to, args=(r,), name=f"dogwild-send-{r}", daemon=True)
-            for r in self.workers
-        }
-        if self.workers:
-            self.thread.start()
-            for t in self.senders.values():
-                t.start()
+        # One receiver per worker, not one receive from any source: gloo fails a pending any-source
+        # receive when any one peer's connection resets, which lost every worker with the dead one.
+        self.receivers: dict[int, threading.Thread] = {}
+        self.senders: dict[int, threading.Thread] = {}
+        for r in sorted(self.workers):
+            self._start_threads(r)
+        world = owner.world
+        if self.workers and self.board is not None and world.master_addr and world.master_port:
+            # replacements can come (--max-restarts under the local launcher)
+            threading.Thread(target=self._admit, name="dogwild-admit", daemon=True).start()
+
+    def _start_threads(self, r: int) -> None:
+        link = self.links[r]
+        self.receivers[r] = threading.Thread(target=self._serve, args=(r, link), daemon=True)
+        self.senders[r] = threading.Thread(target=self._broadcast_to, args=(r, link), daemon=True)
+        self.receivers[r].start()
+        self.senders[r].start()
+
+    def _admit(self) -> None:
+        """Replacements of lost workers: each meets rank 0 over a pair group of its life, and carries
+        on from the dead worker's step and gradient counts."""
+        store = None
+        while not self.closing:
+            time.sleep(_POLL_S)
+            for r in sorted(self.lost):
+                store = store or _store(self.owner.world)
+                if not store.check([f"dogwild/rejoin/{r}"]):
+                    continue
+                life = int(store.get(f"dogwild/rejoin/{r}"))
+                if life > self.lives[r]:
+                    self._admit_one(store, r, life)
+
+    def _admit_one(self, store: dist.Store, r: int, life: int) -> None:
+        with self.lock:
+            ident = int(store.get(f"dogwild/{r}/{life}/ident"))
+            store.set(f"dogwild/{r}/{life}/start", str(self.steps[r]))
+            store.set(f"dogwild/{r}/{life}/taken", str(self.taken[r]))
+            store.set(f"dogwild/{r}/{life}/master", str(self.idents[0]))
+            self.lives[r] = life
+        try:
+            pair = _pair(store, r, life, 0, self.owner.ctx.timeout_s)
+        except RuntimeError:
+            return  # it died too: still lost
+        with self.lock:
+            self.links[r], self.idents[r] = _Link(1, pair=pair), ident
+            live = [self.taken[q] + self.skew[q] for q in self.taken if q not in self.done | self.lost]
+            self.skew[r] = max(0, max(live, default=0) - self.taken[r])
+            self.lost.discard(r)
+            self.heard[r] = time.monotonic()
+            self.announce()
+            self._start_threads(r)
+        warn(f"worker rank {r} replaced; it carries on from step {self.steps[r]}")
 
     def publish(self) -> None:
         """``w`` changed: the senders share it (the caller holds the lock)."""
@@ -305,7 +428,9 @@ class _Master:
         """Per rank, how many of its gradients ``w`` holds; inf where the rank no longer counts for
         bounded staleness (done, halted, lost). The caller holds the lock."""
         gone = self.done | self.lost | ({0} if self.own_done or self.owner.halted else set())
-        return [float("inf") if r in gone else float(self.taken[r]) for r in range(len(self.taken))]
+        return [
+            float("inf") if r in gone else float(self.taken[r] + self.skew[r]) for r in range(len(self.taken))
+        ]
 
     def await_progress(self, needed: int) -> None:
         """Rank 0, before a step: until ``w`` holds every rank's gradients up to ``needed``."""
@@ -315,8 +440,8 @@ class _Master:
                 self._find_lost()  # a dead worker must not hold rank 0 up: it stops counting
                 if min(self.progress()) >= needed:
                     break
-                if self.error is not None or time.monotonic() > deadline:
-                    why = self.error or f"none came in {self.owner.ctx.timeout_s:.0f} s"
+                if time.monotonic() > deadline:
+                    why = f"none came in {self.owner.ctx.timeout_s:.0f} s"
                     raise CommTimeout(f"dogwild: rank 0 waiting for the slowest worker's gradients ({why})")
                 self.changed.wait(_POLL_S)
             self.max_lag = max(self.max_lag, self.taken[0] - int(min(self.progress())))
@@ -352,18 +477,22 @@ class _Master:
                 self._mark_lost(r)
 
     # -- the receiving thread ---------------------------------------------------------------------------
-    def _serve(self) -> None:
+    def _serve(self, r: int, link: _Link) -> None:
+        """Worker ``r``'s messages, until it is done or lost (silent ``lost_after_s``, or its
+        connection broke: it died)."""
         try:
-            while self.workers - self.done - self.lost:
-                work = dist.irecv(self.inbox, src=None, group=self.owner.pg)
+            while r not in self.done and r not in self.lost and self.links[r] is link:
+                work = link.recv(self.inboxes[r])
                 # One wait per receive: a gloo receive that timed out cannot be posted again safely.
                 work.wait(timeout=timedelta(seconds=self.owner.lost_after_s))
-                self._handle(work._source_rank())
-        except Exception as e:  # a timeout (every live worker silent) or a broken connection
-            self.error = _first_line(e)
+                self._handle(r)
+        except Exception:  # a timeout (the worker silent) or a broken connection: it is lost
+            with self.lock:
+                if self.links[r] is link:  # (not a replacement's: it has a link of its own)
+                    self._mark_lost(r)
 
     def _handle(self, src: int) -> None:
-        numel, msg = self.owner.layout.numel, self.inbox
+        numel, msg = self.owner.layout.numel, self.inboxes[src]
         kind, used = float(msg[numel]), int(msg[numel + 1])
         self.steps[src] = max(self.steps[src], int(msg[numel + 4]))
         self.heard[src] = time.monotonic()
@@ -390,7 +519,7 @@ class _Master:
             self.taken[src] += 1
 
     # -- one sender per worker ------------------------------------------------------------------------------
-    def _broadcast_to(self, r: int) -> None:
+    def _broadcast_to(self, r: int, link: _Link) -> None:
         """Send worker ``r`` the newest weights whenever they moved (one message in flight: updates
         that land meanwhile are coalesced into the next); after the end, the final weights once."""
         numel = self.owner.layout.numel
@@ -398,31 +527,32 @@ class _Master:
         sent = 0  # every rank starts from the same weights: news 0 need not travel
 
         def news() -> bool:
-            if r in self.lost or self.closing:
+            if r in self.lost or self.closing or self.links[r] is not link:
                 return True
             return r not in self.done and self.news != sent
 
         while True:
             with self.changed:
                 self.changed.wait_for(news)
-                if r in self.lost:
+                if r in self.lost or self.links[r] is not link:
                     return
                 final = self.closing
                 buf[:numel].copy_(self.w)
                 header = [self.version, self.last_staleness[r], final, self.taken[r], *self.progress()]
                 buf[numel:] = torch.tensor([float(v) for v in header])
                 sent = self.news
-            if not self._send(buf, r) or final:
+            if not self._send(buf, r, link) or final:
                 return
 
-    def _send(self, buf: torch.Tensor, r: int) -> bool:
+    def _send(self, buf: torch.Tensor, r: int, link: _Link) -> bool:
         """One broadcast message to ``r``; False (and ``r`` is lost) if it cannot be delivered."""
         try:
-            work = dist.isend(buf, dst=r, group=self.owner.pg)
+            work = link.send(buf)
             work.wait(timeout=timedelta(seconds=self.owner.lost_after_s))
         except RuntimeError:  # gloo refuses at once when the worker's connection is gone
             with self.lock:
-                self._mark_lost(r)
+                if self.links[r] is link:
+                    self._mark_lost(r)
             return False
         self.broadcasts[r] += 1
         return True
@@ -430,6 +560,7 @@ class _Master:
     def _mark_lost(self, r: int) -> None:
         if r not in self.lost and r not in self.done:
             self.lost.add(r)
+            self.lost_at[r] = time.monotonic()
             self.announce()
             warn(f"worker rank {r} is lost (it died or stalled); finishing without it")
 
@@ -441,13 +572,13 @@ class _Master:
         with self.lock:
             self.own_done = True  # rank 0's steps no longer hold the workers' bounded wait
             self.announce()
-        while self.workers - self.done - self.lost:
-            self.thread.join(_POLL_S)
-            now, gave_up = time.monotonic(), not self.thread.is_alive()
+        while self.workers - self.done - self.lost or self._replacing():
+            time.sleep(_POLL_S)
+            now = time.monotonic()
             with self.lock:
                 for r in sorted(self.workers - self.done - self.lost):
                     if (
-                        gave_up
+                        not self.receivers[r].is_alive()
                         or identity_gone(self.idents[r])
                         or now - self.heard[r] > self.owner.lost_after_s
                     ):
@@ -462,6 +593,19 @@ class _Master:
             if r not in self.lost:
                 t.join(max(0.0, deadline - time.monotonic()))
 
+    def _replacing(self) -> bool:
+        """A lost worker's replacement is under way (the launcher started a newer life of it), and
+        has not been gone ``lost_after_s``."""
+        if self.board is None:
+            return False
+        now = time.monotonic()
+        return any(
+            self.board.life(r) > self.lives[r]
+            and not self.board.dead(r)
+            and now - self.lost_at.get(r, now) < self.owner.lost_after_s
+            for r in list(self.lost)
+        )
+
     def snapshot(self) -> nn.Module:
         with self.lock, torch.no_grad():
             for dst, src in zip(self.result.parameters(), self.server_params):
@@ -474,8 +618,8 @@ class _Master:
 class _Peer:
     """A worker's side: gradients out without waiting, the newest weights in as they come."""
 
-    def __init__(self, owner: Dogwild, master_ident: int):
-        self.owner, self.master_ident = owner, master_ident
+    def __init__(self, owner: Dogwild, master_ident: int, link: _Link, sent: int = 0):
+        self.owner, self.master_ident, self.link = owner, master_ident, link
         numel = owner.layout.numel
         self.msgs = [torch.zeros(numel + HEADER) for _ in range(2)]  # alternate: one may be in flight
         self.sends: list[dist.Work | None] = [None, None]
@@ -488,8 +632,8 @@ class _Peer:
         self.lock = threading.Lock()
         self.final = threading.Event()
         self.arrived = threading.Event()  # a broadcast came since the last look
-        self.sent = 0  # gradients sent
-        self.acked = 0  # of which the newest weights adopted hold (or rank 0 dropped)
+        self.sent = sent  # gradients sent (a replacement: its predecessor's too)
+        self.acked = sent  # of which the newest weights adopted hold (or rank 0 dropped)
         self.progress = [0.0] * owner.world.world_size  # every rank's gradients those weights hold
         self.max_lag = 0  # the most steps this worker ran ahead of the weights it computed on
         # The worker's own updates, applied to x by an optimizer of its own; kept as (number of the
@@ -509,7 +653,7 @@ class _Peer:
         numel, k = self.owner.layout.numel, 0
         try:
             while True:
-                work = dist.irecv(self.inbox[k], src=0, group=self.owner.pg)
+                work = self.link.recv(self.inbox[k])
                 work.wait(timeout=_FOREVER)  # rank 0 is quiet while nothing changes; a dead one errs
                 final = bool(self.inbox[k][numel + 2])
                 with self.lock:
@@ -610,7 +754,7 @@ class _Peer:
         header = [kind, float(self.version), loss_value(loss), float(samples), float(steps)]
         self.msgs[k][numel:] = torch.tensor(header)
         with self.owner.collective("dogwild sending a gradient"):
-            self.sends[k] = dist.isend(self.msgs[k], dst=0, group=self.owner.pg)
+            self.sends[k] = self.link.send(self.msgs[k])
         self.cur = 1 - k
 
     # -- the end -------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from parambox.box.base import Count, wait_until
 from parambox.errors import CommTimeout, warn
 from parambox.runtime.control import WorkerBoard
 from parambox.runtime.spawn import identity_gone, process_identity
-from parambox.strategies.center import DONE, FINAL, LOST, NONFINITE, CounterMap
+from parambox.strategies.center import DONE, FINAL, LOST, NONFINITE, RESUMED, CounterMap
 
 _POLL_S = 0.01
 # Steps whose counter adds may be under way at once. The others see a step's counts this many steps
@@ -93,20 +93,30 @@ class Membership:
 
     def resume(self, done: int, put_back: Callable[[], None]) -> None:
         """A resumed life: this worker's ``done`` steps counted again; rank 0 puts the saved center
-        back (``put_back``) and bumps ``ready``, the others wait for it."""
+        back (``put_back``) and bumps ``ready``, the others wait for it. A replacement whose
+        predecessor died while resuming does it again: what that one did is not done twice."""
         m = self.m
-        self.box.add_counter(m.steps(self.rank), done)
-        self.steps_done += done
-        self.box.add_counter(m.total, done)
+        counted = self.box.read_counter(m.steps(self.rank))  # a predecessor's count (0: none)
+        if not self.box.read_counter(m.status(self.rank)) & RESUMED:
+            self.box.add_counter(m.steps(self.rank), done - counted)
+            self.box.add_counter(m.total, done - counted)
+        self.steps_done = done
         # The samples counter starts afresh: samples_per_s is over this life's training time.
         if done >= self.steps:
             self.mark_reached()
         if self.rank == 0:
-            put_back()
-            self.box.set_counter(m.started, time.time_ns() // 1000)  # this life's clock
-            self.box.add_counter(m.ready, 1)
+            if self.box.read_counter(m.ready) < 2:
+                put_back()
+                self.box.set_counter(m.started, time.time_ns() // 1000)  # this life's clock
+                self.box.add_counter(m.ready, 1)
+            self.set_status(0, RESUMED)
         else:
+            self.set_status(self.rank, RESUMED)
             self.await_ready(2)
+
+    def resumed(self) -> bool:
+        """This rank has been resumed in this run (its count carried on; rank 0: the center put back)."""
+        return bool(self.box.read_counter(self.m.status(self.rank)) & RESUMED)
 
     def mark_reached(self) -> None:
         if not self.reached:

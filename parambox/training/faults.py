@@ -7,7 +7,9 @@ connections open and answers nothing, until its launcher kills it), ``partition=
 node: take the node's link down for T seconds, then up again; the process trains on, its messages
 wait in TCP's retransmissions) or ``lose-exchange`` (a run that survives in place: the step's
 exchange fails on this rank after it finished on the others, as when a peer dies at the very end of
-a collective and this rank's last send to it fails: the others go on to the next step). The plan is
+a collective and this rank's last send to it fails: the others go on to the next step); in a
+``--resume`` life, ``kill-resume`` (SIGKILL this worker as it restores its checkpoint; STEP is
+ignored). The plan is
 read once, in set-up, and handed to the loop (``lose-exchange`` to the strategy).
 """
 
@@ -35,6 +37,11 @@ class FaultPlan(faults.FaultPlan):
     >>> plan = FaultPlan.parse("1:20:nan"); bool(plan), plan.faults
     (True, ((1, 20, 'nan'),))
     """
+
+    def before_restore(self, rank: int) -> None:
+        """A resumed life: ``kill-resume`` SIGKILLs this worker before it loads its checkpoint."""
+        if any(r == rank and kind == "kill-resume" for r, _, kind in self.faults):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def inject(self, rank: int, step: int, batch: Any) -> Any:
         """Apply this rank's faults due at ``step`` to its ``batch`` (or to the process itself)."""

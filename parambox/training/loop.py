@@ -60,7 +60,9 @@ def train(
     metrics or collate functions handed in by the library API in this process (else the config's
     names and references are used)."""
     try:
-        run = setup(cfg, world, run_dir, callables, init_from=None if resume else cfg.init_from)
+        run = setup(
+            cfg, world, run_dir, callables, init_from=None if resume else cfg.init_from, resume=resume
+        )
         try:
             with stop_on_signal() as stop:
                 return _loop(run, resume, stop)
@@ -129,6 +131,8 @@ def _loop(run: Run, resume: bool, stop: StopRequest) -> dict[str, Any] | None:
         step = run.strategy.rejoin_step()  # a replacement carries on where its predecessor was
         resized = None
         if step is None:
+            if resume and run.faults:
+                run.faults.before_restore(world.rank)
             step, resized = restore(run) if resume else (0, None)
         log.write({"kind": "world", "step": step, **world_record(world), "epoch": round(log.epoch, 6)})
         if resized is not None:
@@ -227,6 +231,7 @@ def setup(
     run_dir: Path,
     callables: dict[str, Callable] | None = None,
     init_from: str | None = None,
+    resume: bool = False,
 ) -> Run:
     torch.set_num_threads(
         cfg.threads or int(os.environ.get("PARAMBOX_THREADS", "0")) or torch.get_num_threads()
@@ -245,6 +250,7 @@ def setup(
             make_optimizer_factory(cfg), Schedule(cfg.lr_schedule, cfg.warmup_steps, cfg.steps)
         )
         ctx = make_context(cfg, world, run_dir, workload, board, rates)
+        ctx.resuming = resume
         if init_from:  # a new run from another run's weights, before the strategy copies them
             checkpoint.load_init_weights(ctx.model, init_from)
         # A replacement in a run that survives in place asks to join only now, its data and model
