@@ -29,6 +29,10 @@ def samples(rank: int, i: int) -> int:
 
 
 def worker() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's tests
     import torch
     from mpi4py import MPI
 
