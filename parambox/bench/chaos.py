@@ -87,8 +87,8 @@ SETUPS = {
 DEFAULT_SETUPS = ("easgd", "diloco-async", "allreduce")  # torchft's chaos run's kinds of rule
 KINDS = ("kill", "stop")  # the fault loop's kinds, in turn; kill-at-start comes from PARAMBOX_FAULT
 # A fault every 30 s (torchft's CPU chaos run). --timeout 3: a step here takes milliseconds, and a stopped
-# rank (stop_s 25) is far past it; a synchronous run's stall costs about --timeout (allreduce, 27 Nov,
-# 30,000 steps: 0.74 of the clean throughput with --timeout 10, 0.88 with 3).
+# rank (stop_s 25) is far past it; a synchronous run's stall costs about --timeout (allreduce, 30,000
+# steps: 0.74 of the clean throughput with --timeout 10, 0.88 with 3; docs/results/chaos.md).
 FULL = {"model": "lenet", "data": "mnist", "fault_every_s": 30.0, "stop_s": 25.0, "timeout": 3.0}
 QUICK = {
     "model": "mlp",

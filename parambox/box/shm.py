@@ -361,9 +361,8 @@ def _finish_rendezvous(box: ShmBox, path: str, timeout: float, board: WorkerBoar
         _unlink_quietly(path)
     # Under parambox's launcher the name stays until the run ends (the launcher removes the run's
     # segments then, or its reaper if it is SIGKILLed): a replacement attaches by it, also when no
-    # live process holds the box any more (27 Nov: a run whose rank 0 died a tenth of a second after
-    # the rendezvous, the others finishing before the launcher had kept a descriptor of the box: the
-    # replacement made a new, empty box and waited for a rank that had exited).
+    # live process holds the box any more (a rank 0 that dies just after the rendezvous, the others
+    # finishing at once: its replacement must find this box, not make a new, empty one).
     if hdr[_H_REJECTED]:
         hdr[_H_STATE] = _FAILED
         error = UserError(f"box {box.name!r} ({_describe(hdr)}): a local process asked for a different one")

@@ -21,8 +21,8 @@ shape, and a rack's). A message waits the link's latency, then flows over its se
 receiver's downlink; the flows on a link share it max-min fairly (TCP's steady state), recomputed
 whenever a flow starts or ends. Payload moves at ``LINK_EFFICIENCY`` of the link rate: what
 ``bench box --emulate-nodes 2`` measured for the memory server's push and pull over ``tc``'s rate
-limit (0.954-0.957 at 1 and 0.1 Gbit/s, 25 Nov, with 1.001 wire bytes per payload byte: the bytes
-counted here are payload).
+limit (0.954-0.957 at 1 and 0.1 Gbit/s, with 1.001 wire bytes per payload byte: the bytes counted
+here are payload; docs/results/cluster-throughput.md).
 
 Not modelled: the CPU the exchange itself takes (serving threads, summing), and compute slowed or
 sped up by the exchange's use of the cores. Both matter on an oversubscribed machine.

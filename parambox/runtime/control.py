@@ -13,10 +13,9 @@ and stops waiting for a rank the launcher has declared dead.
 A replacement worker attaches to the run's shared-memory boxes by name: under this launcher a
 box's name stays in /dev/shm while the run lasts (``box/shm.py``), and the launcher removes the
 run's segments when it ends, or its reaper when the launcher itself is SIGKILLed (its workers die
-with it: ``PR_SET_PDEATHSIG``). Until 27 Nov the launcher instead kept a descriptor of each segment,
-found by scanning its workers' descriptors every 0.5 s, and handed those to a replacement: a run
-whose workers all let go of a box before a scan (a short run under load) left its replacement
-without the box.
+with it: ``PR_SET_PDEATHSIG``). Keeping descriptors of the segments instead (found by scanning the
+workers' descriptors) would miss a box that every worker let go of between two scans, leaving its
+replacement without it.
 
 >>> board = WorkerBoard.create(3)          # the launcher
 >>> board.set_state(2, DEAD); board.dead(2), board.dead(1)

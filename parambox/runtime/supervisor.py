@@ -310,8 +310,8 @@ class Supervisor:
         anyway) and in an asynchronous one (any rank while a replacement can be made, else
         one other than 0). A stopped process keeps the box's locks it held (an ``fcntl`` lock goes
         only with its process): every peer that needed one ran into its own timeout, died and was
-        replaced, and its replacement again, for as long as the stop lasted (``bench chaos``, 27 Nov:
-        a 25 s SIGSTOP of an asynchronous diloco worker, 15 lives of ranks 0 and 2 in 25 s). The
+        replaced, and its replacement again, for as long as the stop lasted (a 25 s SIGSTOP in
+        ``bench chaos`` cost an asynchronous diloco run 15 lives of its other ranks). The
         peers' lock waits outlast ``--timeout`` (``box/shm.py``), so this kill comes first."""
         now = time.monotonic()
         watched = self.shrink_store is not None or self.tolerate_loss

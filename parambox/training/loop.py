@@ -255,7 +255,7 @@ def setup(
             checkpoint.load_init_weights(ctx.model, init_from)
         # A replacement in a run that survives in place asks to join only now, its data and model
         # ready: the members stall from its admission until it has their state (its data set's
-        # loading took ~0.5 s of that stall on MNIST, 27 Nov; a user's data set could take minutes).
+        # loading is ~0.5 s on MNIST; a user's data set could take minutes).
         pbdist.finish_rejoin()
         strategy = build_strategy(cfg.strategy, ctx, cfg.strategy_options())
         dp_rank, dp_size, batch_size = _slice(cfg, strategy)

@@ -7,8 +7,8 @@ scored on a fresh run, beside the model's own first (``predicted_top_pick_vs_bes
 Each validated setup is trained to the target ``validate_runs`` times (default 3) and its measured
 time is their median: one run's time to the target is noisy at the level the scores judge. The test
 accuracy of these workloads wanders by about 0.01 from one evaluation to the next near the target, so
-the first evaluation at it comes 140-210 steps in, for one asynchronous setup and seed (29 Nov, six
-runs of downpour: 0.27-0.41 s); a single run would score the prediction against that draw. The
+the first evaluation at it comes 140-210 steps in, for one asynchronous setup and seed (six runs of
+downpour: 0.27-0.41 s; docs/results/pick-validation.md); a single run would score the prediction against that draw. The
 runs' own spread is reported (``measurement_spread``).
 
 Which candidates: every one ranked (``num_validated`` None: a faster strategy ranked low is measured
