@@ -19,11 +19,20 @@ its gradient", summed by the same allreduce: a parameter no rank computed a grad
 (an unused branch) has ``.grad = None`` when the optimizer steps, so momentum and weight decay leave
 it alone, as in one process. Buffers (batch-norm statistics) are rank 0's, broadcast before each
 forward pass, as DDP does.
+
+``compression`` (int8, topk, sign, ..., or powersgd with ``powersgd_rank``): the buckets still gather the
+gradients during backward, but nothing is sent then; at the end of a pass that communicates, the flat
+gradient (every bucket, then the flags, which ride along exact) is exchanged once, compressed with error
+feedback (:class:`~parambox.strategies.exchange.SumExchange`'s gather-and-sum, or
+:class:`~parambox.strategies.powersgd.PowerSGD`'s two allreduces), and decoded into the buckets: when
+``backward()`` returns ``.grad`` holds the averaged, decompressed gradient, as without. The error a rank
+owes is its own and is in its checkpoint (``compression.error``); PowerSGD's Q is the run's.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,12 +40,14 @@ from pydantic import Field
 
 from parambox.runtime.elastic import PeerLost
 from parambox.runtime.survival import CAUGHT_UP
-from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
+from parambox.strategies.base import Context, StepResult, Strategy, loss_value
+from parambox.strategies.exchange import CompressionOptions, SumExchange
 from parambox.strategies.grads import BackwardPasses, GradViews
+from parambox.strategies.powersgd import PowerSGD
 from parambox.strategies.tensors import trainable
 
 
-class AllReduceOptions(Options):
+class AllReduceOptions(CompressionOptions):
     bucket_mb: float = Field(25.0, gt=0, description="bucket size in MB")
     first_bucket_mb: float = Field(1.0, gt=0, description="a small first bucket starts communication early")
 
@@ -80,6 +91,7 @@ class AllReduce(Strategy):
     name = "allreduce"
     Options = AllReduceOptions
     survives_in_place = True
+    per_rank_state = ("compression.error",)  # the error feedback a rank owes is its own
 
     def __init__(self, ctx: Context, options: AllReduceOptions):
         super().__init__(ctx, options)
@@ -93,8 +105,38 @@ class AllReduce(Strategy):
         for b in self.buckets:
             b.grads = GradViews(b.params, b.views, track=True, on_ready=self._ready_in(b))
         self.optimizer = ctx.make_optimizer(params)
+        self.compressed = self._compression(options) if self.distributed else None
+        self.sent_bytes = 0  # this step's compressed messages
         if self.survival.joining:
             self.survival.share_state()  # a replacement: the survivors' weights and optimizer state
+            if self._owed() is not None:
+                self._owed().zero_()  # the error it owes is its own: none yet
+
+    def _owed(self) -> torch.Tensor | None:
+        """The error feedback this rank owes (None without compression)."""
+        if isinstance(self.compressed, PowerSGD):
+            return self.compressed.error
+        return None if self.compressed is None else self.compressed.compressor.error
+
+    def _compression(self, options: AllReduceOptions) -> PowerSGD | SumExchange | None:
+        """The encoder of the flat gradient (the buckets' gradients, then their flags), or None."""
+        flags = sum(len(b.params) for b in self.buckets)
+        device = self.buckets[0].buffer.device if self.buckets else None
+        if options.compression == "powersgd":
+            shapes = [p.shape for b in self.buckets for p in b.params]
+            return PowerSGD(shapes, options.powersgd_rank, device)
+        if options.compression == "none":
+            return None
+        numel = sum(b.buffer.numel() - len(b.params) for b in self.buckets)
+        return SumExchange(
+            numel,
+            flags,
+            self.world.world_size,
+            options.compression,
+            options.compression_block,
+            device,
+            ratio=options.compression_ratio,
+        )
 
     def _ready_in(self, b: _Bucket):
         def on_ready(i: int, first: bool) -> None:
@@ -102,7 +144,12 @@ class AllReduce(Strategy):
                 return
             b.this_pass[i] = True
             b.ready += 1
-            if b.ready == len(b.params) and self.passes.syncs and self.distributed:
+            if (
+                b.ready == len(b.params)
+                and self.passes.syncs
+                and self.distributed
+                and self.compressed is None
+            ):
                 self._start(b)
 
         return on_ready
@@ -122,6 +169,7 @@ class AllReduce(Strategy):
             b.ready, b.work, b.this_pass = 0, None, [False] * len(b.params)
             b.grads.rebind_()
         self.passes.reset()
+        self.sent_bytes = 0
         self.survival.admit(step)
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
@@ -137,7 +185,10 @@ class AllReduce(Strategy):
             for b in partial:  # a rank whose every parameter got a gradient has no flag to read
                 b.grads.drop_unused_(b.flags.tolist() if self.distributed else b.grads.used)
             self.optimizer.step()
-        return StepResult(loss_value(loss), samples, self.timers.pop())
+        result = StepResult(loss_value(loss), samples, self.timers.pop())
+        if self.compressed is not None and self.sent_bytes:
+            result.extra["exchange_bytes"] = float(self.sent_bytes)
+        return result
 
     def _start(self, b: _Bucket) -> None:
         # "this rank computed the gradient", per parameter, over every pass of the step so far
@@ -149,6 +200,9 @@ class AllReduce(Strategy):
         b.work = dist.all_reduce(b.buffer, async_op=True)
 
     def _wait_all(self) -> None:
+        if self.compressed is not None:
+            self._exchange_compressed()
+            return
         try:
             with self.collective("gradient allreduce"):
                 for b in self.buckets:
@@ -169,8 +223,45 @@ class AllReduce(Strategy):
             b.buffer.div_(self.survival.group_size)
         self.sync_buffers()
 
+    def _exchange_compressed(self, again: bool = False) -> None:
+        """The flat gradient summed over the group, compressed, decoded into the buckets and averaged;
+        ``again``: the kept round once more, over the survivors."""
+        keep = self.survival.group is not None
+        flat = torch.cat([b.buffer[: b.buffer.numel() - len(b.params)] for b in self.buckets])
+        flags = torch.cat([torch.tensor(b.grads.used, dtype=torch.float32) for b in self.buckets]).to(
+            flat.device
+        )
+        with self.collective("gradient allreduce"):
+            if isinstance(self.compressed, PowerSGD):
+                reduce = lambda t: dist.all_reduce(t, async_op=True).wait()  # noqa: E731
+                n = self.survival.group_size
+                if again:
+                    total, flags = self.compressed.redo(flags, reduce, n)
+                else:
+                    total, flags = self.compressed.reduce(flat, flags, reduce, n, keep=keep)
+                sent = self.compressed.bytes_sent
+            else:
+                if again:
+                    self.compressed.redo()
+                else:
+                    self.compressed.start(flat, flags, keep=keep)
+                total, flags = self.compressed.wait()
+                sent = self.compressed.bytes_sent
+        self.sent_bytes += sent
+        offset = cut = 0
+        for b in self.buckets:
+            n = b.buffer.numel() - len(b.params)
+            b.buffer[:n].copy_(total[offset : offset + n])
+            b.flags.copy_(flags[cut : cut + len(b.params)])
+            b.buffer.div_(self.survival.group_size)
+            offset, cut = offset + n, cut + len(b.params)
+        self.sync_buffers()
+
     def _reduce_again(self) -> None:
         """The step's allreduce once more, over the survivors, from the gradients each rank kept."""
+        if self.compressed is not None:
+            self._exchange_compressed(again=True)
+            return
         with self.collective("gradient allreduce"):
             for b in self.buckets:
                 b.buffer.copy_(b.local)
@@ -180,7 +271,27 @@ class AllReduce(Strategy):
         self.sync_buffers()
 
     def catch_up(self, src: int, behind: bool, why: str) -> None:
+        owed = self._owed()
+        kept = None if owed is None else owed.clone()
         self.survival.share_state(src, receive=behind, phase="state to a rank a step behind")
+        if owed is not None:  # the leader's state, but this rank's own error feedback
+            owed.copy_(kept)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if isinstance(self.compressed, PowerSGD):
+            state["compression"] = self.compressed.state_dict()
+        elif self._owed() is not None:
+            state["compression"] = {"error": self._owed().clone()}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        saved = state.get("compression", {})
+        if isinstance(self.compressed, PowerSGD):
+            self.compressed.load_state_dict(saved)
+        elif self._owed() is not None and "error" in saved:
+            self._owed().copy_(saved["error"])
 
     def close(self) -> None:
         self.passes.close()

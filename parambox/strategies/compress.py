@@ -1,6 +1,6 @@
 """Compressed exchanges of a flat float32 tensor, with error feedback.
 
-``compression = none | bf16 | int8 | int4 | int2 | sign | topk``. The error each encoding makes is
+``compression = none | bf16 | int8 | int4 | int2 | sign | topk | powersgd``. The error each encoding makes is
 kept by the sender and added to its next message (error feedback), so nothing is lost over rounds,
 only late: the sum of what was sent plus the error still owed is the sum of what was meant.
 
@@ -21,8 +21,11 @@ decodes and sums them in float32; uncompressed ones go through ``all_reduce`` as
 
 Over a box (``round_trip``) the sender quantizes the pushed update with its own error feedback and
 the box stores float32: the "server-side" error feedback of 1-bit schemes (a second compression of
-the box's reply, with the box's own error) is not in scope. PowerSGD is not one of these: it needs
-two allreduces and a shared Q per round, not a gather-and-sum of per-rank messages.
+the box's reply, with the box's own error) is not in scope.
+
+``powersgd`` (:mod:`parambox.strategies.powersgd`) is not a per-rank message: it needs two allreduces
+and a Q shared by the ranks per round, so it compresses allreduce's gradients only; this module's
+:class:`Compressor` takes the other modes.
 
 >>> c = Compressor("bf16", numel=4)
 >>> msg = c.encode(torch.tensor([1.0, -0.5, 0.25, 0.0]))
@@ -41,9 +44,10 @@ from typing import Literal
 
 import torch
 
-Compression = Literal["none", "bf16", "int8", "int4", "int2", "sign", "topk"]
+Compression = Literal["none", "bf16", "int8", "int4", "int2", "sign", "topk", "powersgd"]
 DEFAULT_BLOCK = 256  # elements per scale: the scales cost 4/256 bytes per element
 DEFAULT_RATIO = 0.01  # topk: the share of elements sent
+DEFAULT_POWERSGD_RANK = 4  # powersgd: the rank of each matrix's approximation
 _F32 = 4
 _QMAX = {"int8": 127, "int4": 7, "int2": 1}  # symmetric codes in [-qmax, qmax]
 _BITS = {"int8": 8, "int4": 4, "int2": 2, "sign": 1}  # bits per element on the wire
@@ -136,6 +140,7 @@ class Compressor:
         ratio: float = DEFAULT_RATIO,
     ):
         assert 0 < ratio <= 1, "ratio in (0, 1]"
+        assert mode != "powersgd", "powersgd is parambox.strategies.powersgd.PowerSGD, not a per-rank message"
         self.mode, self.numel, self.block, self.ratio = mode, numel, block, ratio
         self.num_blocks = -(-numel // block)
         self.k = topk_count(ratio, numel)

@@ -1,6 +1,7 @@
 """The periodic exchanges of weight-avg, diloco and synchronous easgd: compressed, and hidden behind compute.
 
-:class:`ExchangeOptions` adds ``overlap`` and ``compression`` to a strategy's options.
+:class:`ExchangeOptions` adds ``overlap`` and ``compression`` to a strategy's options
+(:class:`CompressionOptions`: ``compression`` alone, for allreduce's gradients).
 
 :class:`SumExchange` sums one flat float32 tensor over the ranks (plus an exact float32 tail for
 counts and flags), encoded by a :class:`~parambox.strategies.compress.Compressor`. ``start`` begins
@@ -37,23 +38,27 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from parambox.errors import CommTimeout, warn
 from parambox.strategies.base import Options
-from parambox.strategies.compress import DEFAULT_BLOCK, DEFAULT_RATIO, Compression, Compressor
+from parambox.strategies.compress import (
+    DEFAULT_BLOCK,
+    DEFAULT_POWERSGD_RANK,
+    DEFAULT_RATIO,
+    Compression,
+    Compressor,
+)
 
 
-class ExchangeOptions(Options):
-    overlap: bool = Field(
-        False,
-        description="exchange in the background; go on from the delayed global weights (the round's mean applied "
-        "one round late) plus this worker's own progress",
-    )
+class CompressionOptions(Options):
+    """The encoding of a strategy's exchange: ``compression`` and its parameters."""
+
     compression: Compression = Field(
         "none",
         description="the exchange's encoding, with error feedback: none (float32), bf16, int8, int4 or int2 "
-        "(per-block scales), sign (1 bit per element and a per-block scale) or topk (the largest entries)",
+        "(per-block scales), sign (1 bit per element and a per-block scale), topk (the largest entries) or "
+        "powersgd (a rank-r approximation of each weight matrix's gradient: allreduce only)",
     )
     compression_block: int = Field(
         DEFAULT_BLOCK, ge=1, description="int8, int4, int2, sign: elements per scale"
@@ -64,6 +69,28 @@ class ExchangeOptions(Options):
         le=1,
         description="topk: the share of elements each message sends (0 < ratio <= 1)",
     )
+    powersgd_rank: int = Field(
+        DEFAULT_POWERSGD_RANK,
+        ge=1,
+        description="powersgd: the rank r of each matrix's approximation (P: rows x r, Q: columns x r)",
+    )
+
+
+class ExchangeOptions(CompressionOptions):
+    overlap: bool = Field(
+        False,
+        description="exchange in the background; go on from the delayed global weights (the round's mean applied "
+        "one round late) plus this worker's own progress",
+    )
+
+    @field_validator("compression")
+    @classmethod
+    def _gathered(cls, mode: str) -> str:
+        if mode == "powersgd":
+            raise ValueError(
+                "powersgd compresses allreduce's gradients (two allreduces per step), not a periodic exchange"
+            )
+        return mode
 
 
 def box_compressor(options: ExchangeOptions, numel: int, device: torch.device) -> Compressor | None:
