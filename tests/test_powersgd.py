@@ -4,7 +4,7 @@ Tier (a): PowerSGD on plain tensors: exact on a matrix of rank r, its error feed
 was sent plus what every rank still owes is the sum of the gradients) over two ranks in threads, its
 bytes, the options. Tier (b): two gloo workers on loopback, a tiny MLP, allreduce with int8, topk and
 powersgd: every rank ends with the same weights, the same closed form holds for the gradients the
-optimizer saw, and each step sends the stated bytes. Tier (c): the CLI on digits.
+optimizer saw, and each step sends the stated bytes, and a strategy rebuilt from its state mid-run ends where it would have. Tier (c): the CLI on digits.
 """
 
 from __future__ import annotations
@@ -118,38 +118,54 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 6))
 
 
+def _train(world: World, options: dict, resume_at: int | None = None, keep: bool = True) -> dict:
+    """STEPS steps of allreduce; with ``resume_at`` the strategy is rebuilt after that step from its
+    state (``keep``: with its compression state, as a checkpoint holds it; else without)."""
+    rank = world.rank
+    model = _model()
+    params = list(reversed(list(model.parameters())))  # the buckets' order
+    raw = torch.zeros(sum(p.numel() for p in params))
+
+    def loss_fn(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        loss = (m(x) - x[:, :6].sin()).pow(2).mean()
+        grads = torch.autograd.grad(loss, params, retain_graph=True)  # this rank's own gradient
+        raw.add_(torch.cat([g.reshape(-1) for g in grads]))
+        return loss
+
+    ctx = Context(world, model, lambda p: torch.optim.SGD(p, lr=LR), loss_fn, STEPS, 30.0)
+    s = build_strategy("allreduce", ctx, AllReduceOptions(**options))
+    applied, nbytes = torch.zeros_like(raw), []
+    gen = torch.Generator().manual_seed(10 + rank)
+    for step in range(STEPS):
+        r = s.step(torch.randn(16, 12, generator=gen), step)
+        applied += torch.cat([p.grad.reshape(-1) for p in params])  # the averaged gradient
+        nbytes.append(r.extra.get("exchange_bytes", 0.0))
+        if step == resume_at:
+            state = s.state_dict()
+            if not keep:
+                del state["compression"]
+            s.close()
+            s = build_strategy("allreduce", ctx, AllReduceOptions(**options))
+            s.load_state_dict(state)
+    error = s.state_dict()["compression"]["error"]
+    s.close()
+    return {
+        "w": torch.cat([p.detach().reshape(-1) for p in params]).tolist(),
+        "raw": raw.tolist(),
+        "applied": applied.tolist(),
+        "error": error.tolist(),
+        "bytes": nbytes,
+    }
+
+
 def _worker(rank: int, port: int, out: str, options: dict) -> None:
     torch.set_num_threads(1)
     world = World(rank, 2, rank, 2, launcher="local", master_addr="127.0.0.1", master_port=port)
     pbdist.init_distributed(world, 30.0)
     try:
-        model = _model()
-        params = list(reversed(list(model.parameters())))  # the buckets' order
-        raw = torch.zeros(sum(p.numel() for p in params))
-
-        def loss_fn(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            loss = (m(x) - x[:, :6].sin()).pow(2).mean()
-            grads = torch.autograd.grad(loss, params, retain_graph=True)  # this rank's own gradient
-            raw.add_(torch.cat([g.reshape(-1) for g in grads]))
-            return loss
-
-        ctx = Context(world, model, lambda p: torch.optim.SGD(p, lr=LR), loss_fn, STEPS, 30.0)
-        s = build_strategy("allreduce", ctx, AllReduceOptions(**options))
-        applied, nbytes = torch.zeros_like(raw), []
-        gen = torch.Generator().manual_seed(10 + rank)
-        for step in range(STEPS):
-            r = s.step(torch.randn(16, 12, generator=gen), step)
-            applied += torch.cat([p.grad.reshape(-1) for p in params])  # the averaged gradient
-            nbytes.append(r.extra.get("exchange_bytes", 0.0))
-        error = s.state_dict()["compression"]["error"]
-        data = {
-            "w": torch.cat([p.detach().reshape(-1) for p in params]).tolist(),
-            "raw": raw.tolist(),
-            "applied": applied.tolist(),
-            "error": error.tolist(),
-            "bytes": nbytes,
-        }
-        s.close()
+        data = _train(world, options)
+        data["w_resumed"] = _train(world, options, resume_at=3)["w"]
+        data["w_forgot"] = _train(world, options, resume_at=3, keep=False)["w"]
         Path(out, f"{rank}.json").write_text(json.dumps(data))
     finally:
         pbdist.destroy_distributed()
@@ -184,7 +200,7 @@ CASES = {
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("mode", list(CASES))
-def test_two_workers_agree_and_owe_what_they_did_not_send(tmp_path, mode):
+def test_two_workers_agree_owe_what_they_did_not_send_and_resume(tmp_path, mode):
     options, stated = CASES[mode]
     res = run_two(tmp_path, {**options, "bucket_mb": 0.001, "first_bucket_mb": 0.001})  # several buckets
     assert res[0]["w"] == res[1]["w"]  # every rank decoded the same sum
@@ -196,6 +212,10 @@ def test_two_workers_agree_and_owe_what_they_did_not_send(tmp_path, mode):
     assert torch.allclose(2 * torch.tensor(res[0]["applied"]) + owed, raw, atol=1e-4)
     assert res[0]["bytes"] == [float(stated)] * STEPS
     assert stated < 0.6 * 4 * (NUMEL + FLAGS)
+    # rebuilt from its state after step 3 (as from a checkpoint), it ends where it would have: the error
+    # feedback (and PowerSGD's Q) are in the state; without them it does not
+    assert res[0]["w_resumed"] == res[0]["w"]
+    assert res[0]["w_forgot"] != res[0]["w"]
 
 
 # -- tier (c): the CLI --------------------------------------------------------------------------------------
