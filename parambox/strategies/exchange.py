@@ -44,7 +44,6 @@ from parambox.errors import CommTimeout, warn
 from parambox.strategies.base import Options
 from parambox.strategies.compress import (
     DEFAULT_BLOCK,
-    DEFAULT_POWERSGD_RANK,
     DEFAULT_RATIO,
     Compression,
     Compressor,
@@ -68,11 +67,6 @@ class CompressionOptions(Options):
         gt=0,
         le=1,
         description="topk: the share of elements each message sends (0 < ratio <= 1)",
-    )
-    powersgd_rank: int = Field(
-        DEFAULT_POWERSGD_RANK,
-        ge=1,
-        description="powersgd: the rank r of each matrix's approximation (P: rows x r, Q: columns x r)",
     )
 
 
