@@ -132,14 +132,19 @@ def _train(world: World, options: dict, resume_at: int | None = None, keep: bool
         raw.add_(torch.cat([g.reshape(-1) for g in grads]))
         return loss
 
+    options = dict(options)
+    accum = options.pop("grad_accum", 1)  # and a clip that never bites: the norm it saw is recorded
     ctx = Context(world, model, lambda p: torch.optim.SGD(p, lr=LR), loss_fn, STEPS, 30.0)
+    ctx.grad_accum, ctx.grad_clip = accum, 1e6 if accum > 1 else None
     s = build_strategy("allreduce", ctx, AllReduceOptions(**options))
-    applied, nbytes = torch.zeros_like(raw), []
+    applied, nbytes, norms = torch.zeros_like(raw), [], []
     gen = torch.Generator().manual_seed(10 + rank)
     for step in range(STEPS):
         r = s.step(torch.randn(16, 12, generator=gen), step)
-        applied += torch.cat([p.grad.reshape(-1) for p in params])  # the averaged gradient
+        grad = torch.cat([p.grad.reshape(-1) for p in params])  # the averaged gradient
+        applied += grad
         nbytes.append(r.extra.get("exchange_bytes", 0.0))
+        norms.append([r.extra.get("grad_norm", 0.0), float(grad.norm())])
         if step == resume_at:
             state = s.state_dict()
             if not keep:
@@ -151,7 +156,8 @@ def _train(world: World, options: dict, resume_at: int | None = None, keep: bool
     s.close()
     return {
         "w": torch.cat([p.detach().reshape(-1) for p in params]).tolist(),
-        "raw": raw.tolist(),
+        "raw": (raw / accum).tolist(),  # each micro-batch's loss counts 1 / accum
+        "norms": norms,
         "applied": applied.tolist(),
         "error": error.tolist(),
         "bytes": nbytes,
@@ -191,11 +197,19 @@ def run_two(tmp_path: Path, options: dict) -> list[dict]:
 NUMEL = 12 * 32 + 32 + 32 * 6 + 6  # 614
 FLAGS = 4
 CASES = {
-    "int8": ({"compression": "int8", "compression_block": 64}, Compressor("int8", NUMEL, 64).message_bytes(FLAGS)),
+    "int8": (
+        {"compression": "int8", "compression_block": 64},
+        Compressor("int8", NUMEL, 64).message_bytes(FLAGS),
+    ),
     "topk": ({"compression": "topk", "compression_ratio": 0.05}, 8 * 31 + 4 * FLAGS),
     # the 32 x 12 and 6 x 32 matrices at rank 2, the biases whole
-    "powersgd": ({"compression": "powersgd", "powersgd_rank": 2}, 4 * ((32 + 12) * 2 + (6 + 32) * 2 + 32 + 6 + FLAGS)),
-}  # fmt: skip
+    "powersgd": (
+        {"compression": "powersgd", "powersgd_rank": 2},
+        4 * ((32 + 12) * 2 + (6 + 32) * 2 + 32 + 6 + FLAGS),
+    ),
+}
+# two micro-batches a step: one exchange a step, after the last backward, before the clipping
+CASES["powersgd-accum"] = ({**CASES["powersgd"][0], "grad_accum": 2}, CASES["powersgd"][1])  # fmt: skip
 
 
 @pytest.mark.timeout(90)
@@ -216,6 +230,10 @@ def test_two_workers_agree_owe_what_they_did_not_send_and_resume(tmp_path, mode)
     # feedback (and PowerSGD's Q) are in the state; without them it does not
     assert res[0]["w_resumed"] == res[0]["w"]
     assert res[0]["w_forgot"] != res[0]["w"]
+    if "grad_accum" in options:  # the clipping saw the averaged, decompressed gradient, on both ranks
+        seen = [[n[0] for n in r["norms"]] for r in res]
+        assert seen[0] == seen[1]
+        assert seen[0] == pytest.approx([n[1] for n in res[0]["norms"]], rel=1e-5)
 
 
 # -- tier (c): the CLI --------------------------------------------------------------------------------------
