@@ -19,10 +19,11 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
+from parambox.errors import UserError
 from parambox.runtime import dist as pbdist
 from parambox.runtime.dist import free_port
 from parambox.runtime.world import World
-from parambox.strategies import build_strategy
+from parambox.strategies import build_strategy, strategy_class
 from parambox.strategies.allreduce import AllReduceOptions
 from parambox.strategies.base import Context
 from parambox.strategies.compress import Compressor
@@ -105,7 +106,7 @@ def test_options():
     with pytest.raises(ValidationError, match="powersgd_rank"):
         AllReduceOptions(compression="powersgd", powersgd_rank=0)
     with pytest.raises(ValidationError, match="(?s)compression.*allreduce"):
-        DilocoOptions(compression="powersgd")
+        strategy_class("easgd").Options(compression="powersgd")
 
 
 # -- tier (b): two gloo workers, a tiny MLP -------------------------------------------------------------------
@@ -119,7 +120,7 @@ def _model() -> nn.Module:
 
 
 def _train(world: World, options: dict, resume_at: int | None = None, keep: bool = True) -> dict:
-    """STEPS steps of allreduce; with ``resume_at`` the strategy is rebuilt after that step from its
+    """STEPS steps of allreduce (or ``options["strategy"]``); with ``resume_at`` the strategy is rebuilt after that step from its
     state (``keep``: with its compression state, as a checkpoint holds it; else without)."""
     rank = world.rank
     model = _model()
@@ -133,10 +134,11 @@ def _train(world: World, options: dict, resume_at: int | None = None, keep: bool
         return loss
 
     options = dict(options)
+    name = options.pop("strategy", "allreduce")
     accum = options.pop("grad_accum", 1)  # and a clip that never bites: the norm it saw is recorded
     ctx = Context(world, model, lambda p: torch.optim.SGD(p, lr=LR), loss_fn, STEPS, 30.0)
     ctx.grad_accum, ctx.grad_clip = accum, 1e6 if accum > 1 else None
-    s = build_strategy("allreduce", ctx, AllReduceOptions(**options))
+    s = build_strategy(name, ctx, strategy_class(name).Options(**options))
     applied, nbytes, norms = torch.zeros_like(raw), [], []
     gen = torch.Generator().manual_seed(10 + rank)
     for step in range(STEPS):
@@ -148,11 +150,12 @@ def _train(world: World, options: dict, resume_at: int | None = None, keep: bool
         if step == resume_at:
             state = s.state_dict()
             if not keep:
-                del state["compression"]
+                owed = state["compression"] if name == "allreduce" else state["averager"]
+                owed.pop("error"), owed.pop("q", None)
             s.close()
-            s = build_strategy("allreduce", ctx, AllReduceOptions(**options))
+            s = build_strategy(name, ctx, strategy_class(name).Options(**options))
             s.load_state_dict(state)
-    error = s.state_dict()["compression"]["error"]
+    error = s.state_dict()["compression" if name == "allreduce" else "averager"]["error"]
     s.close()
     return {
         "w": torch.cat([p.detach().reshape(-1) for p in params]).tolist(),
@@ -217,7 +220,11 @@ CASES["powersgd-accum"] = ({**CASES["powersgd"][0], "grad_accum": 2}, CASES["pow
 def test_two_workers_agree_owe_what_they_did_not_send_and_resume(tmp_path, mode):
     options, stated = CASES[mode]
     res = run_two(tmp_path, {**options, "bucket_mb": 0.001, "first_bucket_mb": 0.001})  # several buckets
+    # rebuilt from its state after step 3 (as from a checkpoint), it ends where it would have: the error
+    # feedback (and PowerSGD's Q) are in the state; without them it does not
     assert res[0]["w"] == res[1]["w"]  # every rank decoded the same sum
+    assert res[0]["w_resumed"] == res[0]["w"]
+    assert res[0]["w_forgot"] != res[0]["w"]
     assert res[0]["applied"] == res[1]["applied"]
     raw = torch.tensor(res[0]["raw"]) + torch.tensor(res[1]["raw"])
     owed = torch.tensor(res[0]["error"]) + torch.tensor(res[1]["error"])
@@ -226,14 +233,31 @@ def test_two_workers_agree_owe_what_they_did_not_send_and_resume(tmp_path, mode)
     assert torch.allclose(2 * torch.tensor(res[0]["applied"]) + owed, raw, atol=1e-4)
     assert res[0]["bytes"] == [float(stated)] * STEPS
     assert stated < 0.6 * 4 * (NUMEL + FLAGS)
-    # rebuilt from its state after step 3 (as from a checkpoint), it ends where it would have: the error
-    # feedback (and PowerSGD's Q) are in the state; without them it does not
-    assert res[0]["w_resumed"] == res[0]["w"]
-    assert res[0]["w_forgot"] != res[0]["w"]
     if "grad_accum" in options:  # the clipping saw the averaged, decompressed gradient, on both ranks
         seen = [[n[0] for n in r["norms"]] for r in res]
         assert seen[0] == seen[1]
         assert seen[0] == pytest.approx([n[1] for n in res[0]["norms"]], rel=1e-5)
+
+
+@pytest.mark.timeout(90)
+def test_two_diloco_workers_send_low_rank_outer_gradients(tmp_path):
+    """diloco with powersgd (rounds of 2 steps): the same theta on both ranks, the stated bytes at each
+    round's end (the two matrices at rank 2, the biases and two flags whole), resumed as uninterrupted."""
+    options = {"strategy": "diloco", "inner_steps": 2, "compression": "powersgd", "powersgd_rank": 2}
+    res = run_two(tmp_path, options)
+    assert res[0]["w"] == res[1]["w"]
+    assert res[0]["w_resumed"] == res[0]["w"] and res[0]["w_forgot"] != res[0]["w"]
+    stated = 4 * ((32 + 12) * 2 + (6 + 32) * 2 + 32 + 6 + 2)
+    assert res[0]["bytes"] == [0.0, float(stated)] * (STEPS // 2)
+    assert float(torch.tensor(res[0]["error"]).abs().max()) > 1e-5
+
+
+def test_powersgd_where_it_cannot_go_is_refused():
+    for options in ({"overlap": True}, {"asynchronous": True}, {"fragments": 2}):
+        with pytest.raises(UserError, match="diloco.compression=powersgd"):
+            strategy_class("diloco").resolve(DilocoOptions(compression="powersgd", **options))
+    with pytest.raises(ValidationError, match="(?s)compression.*allreduce"):
+        strategy_class("weight-avg").Options(compression="powersgd")
 
 
 # -- tier (c): the CLI --------------------------------------------------------------------------------------
@@ -255,7 +279,7 @@ def test_cli_trains_allreduce_with_powersgd(tmp_path):
 
 def test_cli_refuses_powersgd_where_it_does_not_apply(tmp_path):
     proc = run_cli(
-        "train", "--strategy", "diloco", "--set", "diloco.compression=powersgd", "--steps", "2",
+        "train", "--strategy", "weight-avg", "--set", "weight-avg.compression=powersgd", "--steps", "2",
         "--out", str(tmp_path / "run"), check=False,
     )  # fmt: skip
     assert proc.returncode == 2

@@ -41,20 +41,13 @@ from pydantic import Field
 from parambox.runtime.elastic import PeerLost
 from parambox.runtime.survival import CAUGHT_UP
 from parambox.strategies.base import Context, StepResult, Strategy, loss_value
-from parambox.strategies.compress import DEFAULT_POWERSGD_RANK
-from parambox.strategies.exchange import CompressionOptions, SumExchange
+from parambox.strategies.exchange import CompressionOptions, LowRankOptions, SumExchange
 from parambox.strategies.grads import BackwardPasses, GradViews
 from parambox.strategies.powersgd import PowerSGD
 from parambox.strategies.tensors import trainable
 
 
-class AllReduceOptions(CompressionOptions):
-    powersgd_rank: int = Field(
-        DEFAULT_POWERSGD_RANK,
-        ge=1,
-        description="compression=powersgd: the rank r of each weight matrix's approximation (P: rows x r, "
-        "Q: columns x r)",
-    )
+class AllReduceOptions(CompressionOptions, LowRankOptions):
     bucket_mb: float = Field(25.0, gt=0, description="bucket size in MB")
     first_bucket_mb: float = Field(1.0, gt=0, description="a small first bucket starts communication early")
 

@@ -24,7 +24,7 @@ the box stores float32: the "server-side" error feedback of 1-bit schemes (a sec
 the box's reply, with the box's own error) is not in scope.
 
 ``powersgd`` (:mod:`parambox.strategies.powersgd`) is not a per-rank message: it needs two allreduces
-and a Q shared by the ranks per round, so it compresses allreduce's gradients only; this module's
+and a Q shared by the ranks per round, so it compresses allreduce's gradients and synchronous diloco's outer gradients only; this module's
 :class:`Compressor` takes the other modes.
 
 >>> c = Compressor("bf16", numel=4)

@@ -84,6 +84,8 @@ from parambox.strategies.exchange import (
     Background,
     DeltaAverager,
     ExchangeOptions,
+    LowRankExchange,
+    LowRankOptions,
     SumExchange,
     box_compressor,
 )
@@ -91,7 +93,8 @@ from parambox.strategies.streaming import Fragment, cut, read_slice, write_slice
 from parambox.strategies.tensors import trainable
 
 
-class DilocoOptions(AsyncOptions, ExchangeOptions):
+class DilocoOptions(AsyncOptions, ExchangeOptions, LowRankOptions):
+    takes_powersgd = True  # the synchronous form's outer gradients, without fragments or overlap
     inner_steps: int = Field(20, ge=1, description="H: inner optimizer steps per round (the paper: 500)")
     outer_lr: float = Field(0.7, gt=0, description="outer SGD learning rate")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer Nesterov momentum (0: plain SGD)")
@@ -193,6 +196,13 @@ class Diloco(Strategy):
                 "diloco: overlap and Streaming DiLoCo (fragments, fragment_sync_delay, fragment_update_alpha) are "
                 "exclusive: use fragment_sync_delay to hide the exchange"
             )
+        if options.compression == "powersgd" and (
+            options.asynchronous or options.streaming or options.overlap
+        ):
+            raise UserError(
+                "diloco.compression=powersgd is for the synchronous form without fragments or overlap (its two "
+                "allreduces need the whole model's shapes, at once)"
+            )
         if options.quorum and not options.asynchronous:
             raise UserError(
                 "diloco.quorum is a rule of the box's outer step: set diloco.asynchronous=true (the synchronous "
@@ -215,16 +225,21 @@ class Diloco(Strategy):
         # torch refuses nesterov=True without momentum: momentum 0 is plain SGD.
         self.outer = torch.optim.SGD([self.theta], lr=options.outer_lr, momentum=mu, nesterov=mu > 0)
         n = self.world.world_size
-        exchange = SumExchange(
-            flat.numel(),
-            n,
-            n,
-            options.compression,
-            options.compression_block,
-            flat.device,
-            lambda: self.collective("diloco outer step"),
-            ratio=options.compression_ratio,
-        )
+        guard = lambda: self.collective("diloco outer step")  # noqa: E731
+        if options.compression == "powersgd":
+            shapes = [t.shape for t in [*self.params, *self.buffers]]
+            exchange: SumExchange = LowRankExchange(shapes, n, n, options.powersgd_rank, flat.device, guard)
+        else:
+            exchange = SumExchange(
+                flat.numel(),
+                n,
+                n,
+                options.compression,
+                options.compression_block,
+                flat.device,
+                guard,
+                ratio=options.compression_ratio,
+            )
         self.averager = DeltaAverager(flat, self._outer_step_, exchange, options.overlap, self.world.rank)
         self.round_steps = 0
         self.nonfinite: set[int] = set()

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -44,10 +44,12 @@ from parambox.errors import CommTimeout, warn
 from parambox.strategies.base import Options
 from parambox.strategies.compress import (
     DEFAULT_BLOCK,
+    DEFAULT_POWERSGD_RANK,
     DEFAULT_RATIO,
     Compression,
     Compressor,
 )
+from parambox.strategies.powersgd import PowerSGD
 
 
 class CompressionOptions(Options):
@@ -57,7 +59,7 @@ class CompressionOptions(Options):
         "none",
         description="the exchange's encoding, with error feedback: none (float32), bf16, int8, int4 or int2 "
         "(per-block scales), sign (1 bit per element and a per-block scale), topk (the largest entries) or "
-        "powersgd (a rank-r approximation of each weight matrix's gradient: allreduce only)",
+        "powersgd (a rank-r approximation of each weight matrix's gradient: allreduce and synchronous diloco)",
     )
     compression_block: int = Field(
         DEFAULT_BLOCK, ge=1, description="int8, int4, int2, sign: elements per scale"
@@ -70,7 +72,22 @@ class CompressionOptions(Options):
     )
 
 
+class LowRankOptions(Options):
+    """``powersgd_rank``, for the strategies that take ``compression=powersgd``."""
+
+    powersgd_rank: int = Field(
+        DEFAULT_POWERSGD_RANK,
+        ge=1,
+        description="compression=powersgd: the rank r of each weight matrix's approximation (P: rows x r, "
+        "Q: columns x r)",
+    )
+
+
 class ExchangeOptions(CompressionOptions):
+    # Whether the strategy's exchange takes compression=powersgd (diloco's synchronous outer gradients,
+    # through :class:`LowRankExchange`); the others refuse it, naming the field.
+    takes_powersgd: ClassVar[bool] = False
+
     overlap: bool = Field(
         False,
         description="exchange in the background; go on from the delayed global weights (the round's mean applied "
@@ -80,9 +97,10 @@ class ExchangeOptions(CompressionOptions):
     @field_validator("compression")
     @classmethod
     def _gathered(cls, mode: str) -> str:
-        if mode == "powersgd":
+        if mode == "powersgd" and not cls.takes_powersgd:
             raise ValueError(
-                "powersgd compresses allreduce's gradients (two allreduces per step), not a periodic exchange"
+                "powersgd compresses allreduce's gradients and synchronous diloco's outer gradients (two "
+                "allreduces per exchange), not this exchange"
             )
         return mode
 
@@ -204,6 +222,50 @@ class SumExchange:
         return out
 
 
+class LowRankExchange(SumExchange):
+    """:class:`SumExchange`'s interface over :class:`~parambox.strategies.powersgd.PowerSGD` (its
+    ``compressor``): ``x`` laid out as ``shapes``; ``start`` runs both allreduces at once (no
+    background), so ``wait`` only hands the result over.
+    """
+
+    def __init__(
+        self,
+        shapes: list[torch.Size],
+        tail: int,
+        world_size: int,
+        rank: int,
+        device: torch.device | None = None,
+        guard: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    ):
+        super().__init__(sum(s.numel() for s in shapes), tail, world_size, "none", device=device, guard=guard)
+        self.compressor = PowerSGD(shapes, rank, device)  # type: ignore[assignment]
+        self._tail: torch.Tensor | None = None
+
+    def start(self, x: torch.Tensor, tail: torch.Tensor | None = None, keep: bool = False) -> None:
+        assert not self.pending, "one exchange at a time"
+        self._tail = torch.zeros(0, device=x.device) if tail is None else tail.reshape(-1).float().clone()
+        self._run(lambda reduce, n: self.compressor.reduce(x, self._tail, reduce, n, keep=keep))
+
+    def redo(self) -> None:
+        self._result = None
+        self._run(lambda reduce, n: self.compressor.redo(self._tail, reduce, n))
+
+    def _run(
+        self, fn: Callable[[Callable[[torch.Tensor], None], int], tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        t0 = time.perf_counter()
+        if self.world_size == 1:
+            self._result = fn(lambda t: None, 1)
+        else:
+            with self.guard():
+                self._result = fn(lambda t: dist.all_reduce(t, async_op=True).wait(), dist.get_world_size())
+        self.wait_s += time.perf_counter() - t0
+        self.bytes_sent = self.compressor.bytes_sent
+
+    def complete(self) -> None:
+        """Nothing in flight: ``start`` ran the exchange."""
+
+
 class DeltaAverager:
     """The mean over the ranks of a round's progress, applied to ``theta`` by ``outer_step(mean)``.
 
@@ -277,6 +339,8 @@ class DeltaAverager:
         state: dict[str, Any] = {"theta": self.theta.clone(), "start_of_round": self.start_of_round.clone()}
         if self.exchange.compressor.error is not None:
             state["error"] = self.exchange.compressor.error.clone()
+        if isinstance(self.exchange, LowRankExchange):
+            state["q"] = [q.clone() for q in self.exchange.compressor.qs]  # the run's, the same everywhere
         pending = self.exchange.peek()
         if pending is not None:
             state["pending"] = [pending[0].clone(), pending[1].clone()]
@@ -288,6 +352,8 @@ class DeltaAverager:
                 dst.copy_(state[key])
         if "error" in state and self.exchange.compressor.error is not None:
             self.exchange.compressor.error.copy_(state["error"])
+        if "q" in state and isinstance(self.exchange, LowRankExchange):
+            self.exchange.compressor.load_state_dict({"q": state["q"]})
         if "pending" in state:
             self.exchange.restore((state["pending"][0], state["pending"][1]))
 
