@@ -613,3 +613,17 @@ def test_a_destroyed_group_is_freed_after_the_first_optimizer():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == "1", out.stdout
+
+
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("compression", ["int8", "powersgd"])
+def test_allreduce_with_compressed_gradients_survives_a_kill_to_the_closed_form(tmp_path, compression):
+    """The compressed exchange at the end of backward fails with the rank killed in step 5; the survivors
+    repeat it among themselves from the kept message (int8) or round (powersgd: the error feedback and
+    Q as before it). A constant-block gradient quantizes exactly, and a one-row weight is rank 1: the
+    closed form holds."""
+    extra = ("--set", f"allreduce.compression={compression}")
+    out, _ = _run(tmp_path, "allreduce", "kill", timeout_s=30, extra=extra)
+    _check_closed_form(out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("exchange_bytes", 0) > 0 for r in rows if r["kind"] == "step")  # it was compressed
