@@ -148,6 +148,25 @@ def test_a_budget_that_runs_out_in_the_race_keeps_its_runs_first(monkeypatch, tm
     assert all(r["confirmed_s"] is None for r in result["ranking"][1:])
 
 
+def test_a_budget_that_runs_out_in_validation_scores_what_it_measured(monkeypatch, tmp_path):
+    """Probes end by 4 s; validation's runs take 2 s each (one a setup): two end, the third is cut."""
+    from dataclasses import replace
+
+    from parambox.studies.pick import run_pick
+
+    fake = FakeRuns(monkeypatch, {"reference": 1.0, "probe": 0.5, "confirm": 2.0})
+    s = replace(settings(tmp_path, 9.0), validate=True, validate_runs=1)
+    result = run_pick(s, lambda _: None)
+    v = result["validation"]
+    assert result["budget"]["spent_in"] == "validation" and result["partial"] and not result["unmeasured"]
+    assert len([c for c in fake.calls if c[0] == "confirm"]) == 3  # the third cut
+    ranked = [r["setup"] for r in result["ranking"] if r["setup"] != "allreduce"]
+    # the first two validated; the reference's own run to the target counts, the rest are listed
+    assert set(v["measured_s"]) == {*ranked[:2], "allreduce"} and v["unvalidated"] == ranked[2:]
+    assert v["top_pick_vs_allreduce"] is not None
+    assert "prediction_error_by_family" in v and v["prediction_error_by_family"]
+
+
 def test_without_a_budget_every_candidate_is_measured_and_the_result_is_whole(monkeypatch, tmp_path):
     from parambox.studies.pick import run_pick
 
