@@ -167,6 +167,26 @@ def test_a_budget_that_runs_out_in_validation_scores_what_it_measured(monkeypatc
     assert "prediction_error_by_family" in v and v["prediction_error_by_family"]
 
 
+def test_an_interrupted_pick_leaves_the_ranking_of_what_it_measured(monkeypatch, tmp_path):
+    """Ctrl-C in the third probe: pick.json holds the reference and the two probes that ended."""
+    from parambox.studies.pick import run_pick
+
+    fake = FakeRuns(monkeypatch, {"reference": 1.0, "probe": 1.0, "confirm": 1.0})
+    probe = fake.run_probe
+
+    def interrupted(cfg, run_dir, *args):
+        if len([c for c in fake.calls if c[0] == "probe"]) == 2:
+            raise KeyboardInterrupt
+        return probe(cfg, run_dir, *args)
+
+    monkeypatch.setattr("parambox.studies.pick.study.runs.run_probe", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_pick(settings(tmp_path / "out", None), lambda _: None)  # its folder made on the way
+    result = json.loads((tmp_path / "out" / "pick.json").read_text())
+    assert result["partial"] is True and len(result["ranking"]) == 3 and result["budget"] is None
+    assert len(result["unmeasured"]) == len(fake.seen[0]["unmeasured"]) - 2 > 0
+
+
 def test_without_a_budget_every_candidate_is_measured_and_the_result_is_whole(monkeypatch, tmp_path):
     from parambox.studies.pick import run_pick
 

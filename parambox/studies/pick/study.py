@@ -255,6 +255,7 @@ class _State:
     def write(self) -> None:
         """The result so far, marked ``partial``, to ``out/pick.json`` (atomically)."""
         result = self.result() | {"budget": self.budget.as_json(), "partial": True}
+        self.s.out.mkdir(parents=True, exist_ok=True)
         write_json(self.s.out / "pick.json", result | {"wall_time_s": time.perf_counter() - self.t0})
 
 
