@@ -299,7 +299,8 @@ def _reference(s: PickSettings, base: dict[str, Any], reference: Candidate, budg
     ref = runs.run_to_target(cfg, s.out / "reference", s.goal, budget.timeout(s.run_timeout_s))
     if ref.error and budget.left() <= 0:
         raise UserError(
-            f"the budget ran out before the reference run ({REFERENCE}) reached test {s.goal}: raise --budget"
+            f"the budget ran out before the reference run ({REFERENCE}) reached test {s.goal} (best "
+            f"{_best(s, ref)}): ease the target or raise --budget"
         )
     if ref.error:
         raise UserError(
@@ -317,16 +318,21 @@ def _reference(s: PickSettings, base: dict[str, Any], reference: Candidate, budg
             "name the metric to reach with --target-metric"
         )
     if ref.samples_to(s.target) is None:
-        best = s.goal.best(e.get(s.metric) for e in ref.evals)
         raise UserError(
             f"the reference run ({REFERENCE}) did not reach test {s.goal} in {cfg['steps']} steps (best "
-            f"{best if best is None else format(best, '.3f')}); ease the target or raise --steps"
+            f"{_best(s, ref)}); ease the target or raise --steps"
         )
     if len(ref.curve("test_loss").samples) < 2:
         raise UserError(
             "the reference run reached the target before its second evaluation; lower --eval-every"
         )
     return ref
+
+
+def _best(s: PickSettings, ref: runs.Measured) -> str:
+    """The reference's best evaluation of the target's metric so far, as text."""
+    best = s.goal.best(e.get(s.metric) for e in ref.evals)
+    return "none" if best is None else format(best, ".3f")
 
 
 def _probe(
