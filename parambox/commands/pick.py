@@ -235,8 +235,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_pick_seeds(s, say)
     except KeyboardInterrupt:
-        if (s.out / "pick.json").exists():
-            say(f"interrupted: the ranking so far is in {s.out / 'pick.json'}")
+        so_far = _ranked_so_far(s.out / "pick.json")
+        if so_far:
+            say(f"interrupted: the ranking of the {so_far} measured so far is in {s.out / 'pick.json'}")
         raise
     write_json(s.out / "pick.json", result)
     if args.json:
@@ -245,6 +246,14 @@ def run(args: argparse.Namespace) -> int:
         print_result(result)
         print(f"details: {s.out / 'pick.json'}")
     return 0
+
+
+def _ranked_so_far(path: Path) -> int:
+    """How many candidates the partial ``pick.json`` at ``path`` ranks (0: none, or no file)."""
+    try:
+        return len(json.loads(path.read_text()).get("ranking", []))
+    except (OSError, ValueError):
+        return 0
 
 
 def _target_text(result: dict) -> str:
