@@ -15,11 +15,17 @@ tau between predicted and measured order, the top pick's hit, the median predict
 strategy and family; each validated setup runs --validate-runs R times (default 3), its median the
 measurement. --seeds N repeats it all with N seeds. The runs live in --out (reference/,
 probes/, confirm/, validation/; seed-K/ each with several seeds) beside pick.json.
+pick.json holds the ranking so far after every run ("partial": true, the candidates not yet probed
+under "unmeasured"), so a pick stopped by Ctrl-C has an answer. --budget 10m bounds the whole pick: the
+reference first, then one probe per strategy, then their other options, then the race and validation;
+when the budget runs out, the run under way is stopped (its candidate unmeasured), and pick exits 0 with
+the ranking of what it measured.
 
     parambox pick --workers 2 --target-accuracy 0.95 --validate all --seeds 3 --json
     parambox pick --workers 2 --target-accuracy 0.95 --emulate-nodes 2 --link-gbps 0.1 --validate 3
     parambox pick --workers 2 --target-accuracy 0.9 --target-metric acc --metrics mymod:metrics
     parambox pick --workers 2 --target perplexity=20 --model gpt --data text --steps 400
+    parambox pick --workers 2 --target perplexity=20 --model gpt --data text --budget 10m
 """
 
 from __future__ import annotations
@@ -76,6 +82,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     a("--seeds", type=int, default=1, help="repeat probes and validations with N seeds (default 1)")
     a(
+        "--budget",
+        metavar="DURATION",
+        help="the whole pick's time limit (10m, 90s, 1h30m): it ends then with the ranking of what it "
+        "measured, the rest listed as unmeasured; pick.json holds the ranking so far at every moment",
+    )
+    a(
         "--target-metric",
         help="the evaluations' metric --target-accuracy applies to (test_NAME; default accuracy)",
     )
@@ -104,12 +116,16 @@ def settings_from_args(args: argparse.Namespace):
     from parambox.config import build_config, merge, parse_set
     from parambox.presets import preset
     from parambox.studies.pick import PickSettings
+    from parambox.studies.pick.budget import parse_duration
 
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
     goal = target_of(args)
     if args.seeds < 1:
         raise UserError(f"--seeds must be >= 1, got {args.seeds}")
+    budget_s = None if args.budget is None else parse_duration(args.budget)
+    if budget_s is not None and args.seeds > 1:
+        raise UserError("--budget bounds one seed's pick: drop --seeds or --budget")
     num_validated = _num_validated(args.validate, args.quick)
     if args.confirm is not None and args.confirm < 0:
         raise UserError(f"--confirm must be >= 0, got {args.confirm}")
@@ -158,6 +174,7 @@ def settings_from_args(args: argparse.Namespace):
         seeds=args.seeds,
         target_metric=goal.metric,
         lower_is_better=goal.lower_is_better,
+        budget_s=budget_s,
         **sizes,
     )
 
@@ -197,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
     from parambox.config import build_config
     from parambox.run.plan import check_references
     from parambox.studies.pick import run_pick_seeds
+    from parambox.studies.pick.budget import write_json
 
     s = settings_from_args(args)
     cfg = build_config(s.base)
@@ -214,15 +232,28 @@ def run(args: argparse.Namespace) -> int:
     def say(text: str) -> None:
         print(f"parambox pick: {text}", file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    result = run_pick_seeds(s, say)
-    text = json.dumps(result, indent=2, allow_nan=False)
-    (s.out / "pick.json").write_text(text + "\n")
+    try:
+        result = run_pick_seeds(s, say)
+    except KeyboardInterrupt:
+        so_far = _ranked_so_far(s.out / "pick.json")
+        if so_far:
+            say(f"interrupted: the ranking of the {so_far} measured so far is in {s.out / 'pick.json'}")
+        raise
+    write_json(s.out / "pick.json", result)
     if args.json:
-        print(text)
+        print(json.dumps(result, indent=2, allow_nan=False))
     else:
         print_result(result)
         print(f"details: {s.out / 'pick.json'}")
     return 0
+
+
+def _ranked_so_far(path: Path) -> int:
+    """How many candidates the partial ``pick.json`` at ``path`` ranks (0: none, or no file)."""
+    try:
+        return len(json.loads(path.read_text()).get("ranking", []))
+    except (OSError, ValueError):
+        return 0
 
 
 def _target_text(result: dict) -> str:
@@ -261,6 +292,11 @@ def print_result(result: dict) -> None:
         print(f"{r['rank']}. {r['setup']}: {r['reason']}")
     for x in result["excluded"]:
         print(f"excluded: {x['setup']}: {x['reason']}")
+    budget = result.get("budget") or {}
+    if budget.get("spent"):
+        print(f"the budget of {budget['seconds']:g} s ran out in {budget['spent_in']}: a partial ranking")
+    for x in result.get("unmeasured", []):
+        print(f"not measured: {x['setup']}")
     if not result["confident"]:
         print("note: the top pick's band overlaps the runner-up's: the two are too close to call from probes")
     v = result.get("validation")

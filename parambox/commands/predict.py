@@ -4,6 +4,10 @@ Defaults: global batch 1024 (so every n up to 1024 gets at least one sample: the
 defined on the whole grid), 10 Gbit/s links with 10 us latency, 4 servers / box shards, overlap 0, T_comp
 measured here with 1 thread (the fastest of 5 passes) over the local batch sizes the grid needs (powers of two up to 256, linear above).
 
+``--nodes N`` ranks parambox's setups for a cluster of N nodes (one worker each) at the given links
+(``--bandwidth-gbps``): every setup of ``--simulate`` (default all) simulated at n = N and ranked by samples/s,
+on the model given (a zoo name or your own factory, with ``--data``): ``perfmodel/ranking.py``.
+
 ``--simulate allreduce,ps-sync`` adds curves from ``perfmodel/simulate.py`` (named ``sim:SETUP``): each
 point a flow-level simulation of the setup's steps on n nodes with the same T_comp and network, where
 the analytic model has one formula per topology (bucketed allreduce behind backward, contention
@@ -26,6 +30,7 @@ from parambox.perfmodel.compute import (
     parse_comp_table,
 )
 from parambox.perfmodel.output import plot_speedup, print_report
+from parambox.perfmodel.ranking import rank_setups
 from parambox.perfmodel.sample import Sample, build_measured_model
 from parambox.perfmodel.scaling import DEFAULT_WORKER_COUNTS, ScalingCurve, local_batches, predict_curve
 from parambox.perfmodel.simulate import PATTERNS, SIMULATED_MAX_NODES, simulate_curve
@@ -74,6 +79,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="also simulate these setups (comma list: allreduce, ps-sync, box-sync, downpour, diloco, ...; "
         "a flow-level event simulation of each step, n <= 256): curves named sim:SETUP",
     )
+    a(
+        "--nodes",
+        type=int,
+        metavar="N",
+        help="rank the simulated setups (--simulate, default all) for N nodes by samples per second at n = N",
+    )
     a("--validate", action="store_true", help="measure 1 and 2 workers here and compare with ring")
     a("--validate-batch", type=int, help="global batch of the validation (default min(global batch, 64))")
     a("--emulate-nodes", type=int, help="--validate on 2 emulated nodes (network namespaces; needs root)")
@@ -98,6 +109,10 @@ def _check(args: argparse.Namespace) -> None:
             raise UserError("--measure-bandwidth probes loopback; with --emulate-nodes the link's rate is BW")
     if not 0.0 <= args.overlap <= 1.0:
         raise UserError(f"--overlap must be within 0..1, got {args.overlap}")
+    if args.nodes is not None and not 1 <= args.nodes <= SIMULATED_MAX_NODES:
+        raise UserError(
+            f"--nodes must be within 1..{SIMULATED_MAX_NODES} (the simulator's), got {args.nodes}"
+        )
     _simulated(args)  # names checked before anything is measured
     for name in ("global_batch", "local_batch", "threads", "repeats", "max_measure_batch", "max_workers"):
         if getattr(args, name) < 1:
@@ -192,6 +207,10 @@ def _compute(
 
 
 def _simulated(args: argparse.Namespace) -> list[str]:
+    """The setups to simulate: --simulate's, or all of them (``all``) but the no-communication ceiling and
+    torch's own DDP (a baseline, not a setup of parambox's)."""
+    if args.simulate == "all":
+        return [p for p in PATTERNS if p not in ("ceiling", "ddp")]
     if not args.simulate:
         return []
     names = list(dict.fromkeys(t.strip() for t in args.simulate.split(",") if t.strip()))
@@ -241,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
             curve.topology = f"sim:{setup}"
             curves[scaling].append(curve)
     result = result_json(args, sample, data, parameters, net, source, compute, curves, batches)
+    if args.nodes is not None:
+        result["setups"] = _rank_setups(args, compute, size_bytes, net, batches)
     if validate_batch is not None:
         _say(args, f"validating: 1 and 2 processes x {args.threads} thread(s), global batch {validate_batch}")
         v = _validate(args, sample, validate_batch, compute, size_bytes)
@@ -249,6 +270,20 @@ def run(args: argparse.Namespace) -> int:
         result["validation_bandwidth_gbps"] = v.bandwidth * 8 / 1e9
     _emit(args, result, curves)
     return 0
+
+
+def _rank_setups(args, compute: ComputeProfile, size_bytes: float, net: Network, batches: dict) -> dict:
+    """--nodes N: every setup of --simulate (default all) simulated at n = N alone, ranked."""
+    scaling = "strong" if "strong" in batches else "weak"
+    setups = _simulated(args) or [p for p in PATTERNS if p not in ("ceiling", "ddp")]
+    _say(args, f"ranking {len(setups)} setups on {args.nodes} nodes (simulated)")
+    curves = []
+    for setup in setups:
+        c = simulate_curve(setup, compute, size_bytes, net, batches[scaling], scaling == "weak", [args.nodes])
+        c.topology = f"sim:{setup}"
+        curves.append(c)
+    rows = rank_setups(curves, args.nodes, batches[scaling], scaling == "weak")
+    return {"nodes": args.nodes, "scaling": scaling, "ranking": rows}
 
 
 def _validate(

@@ -36,6 +36,29 @@ def curves_table(curves: list[ScalingCurve], title: str) -> Table:
     return table
 
 
+def setups_table(result: dict) -> Table:
+    """parambox's setups ranked on ``result["setups"]["nodes"]`` nodes (``perfmodel/ranking.py``)."""
+    s, net = result["setups"], result["network"]
+    table = Table(
+        title=f"setups on {s['nodes']} nodes at {net['bandwidth_gbps']:.3g} Gbit/s ({s['scaling']} scaling, "
+        "simulated): samples per second, not time to a target (pick measures convergence)",
+        title_justify="left",
+    )
+    for h in ("#", "setup", "samples/s", "vs fastest", "step ms", "comm ms", "of ceiling"):
+        table.add_column(h, justify="left" if h == "setup" else "right")
+    for r in s["ranking"]:
+        table.add_row(
+            str(r["rank"]),
+            r["setup"],
+            f"{r['samples_per_s']:.4g}",
+            f"{r['vs_fastest']:.2f}",
+            f"{r['step_ms']:.1f}",
+            f"{r['comm_ms']:.1f}",
+            f"{r['of_ceiling']:.0%}",
+        )
+    return table
+
+
 def print_report(result: dict, curves: dict[str, list[ScalingCurve]], console: Console | None = None) -> None:
     if console is None:
         console = Console()
@@ -52,6 +75,8 @@ def print_report(result: dict, curves: dict[str, list[ScalingCurve]], console: C
         batch = result[scaling]["batch"]
         what = f"global batch {batch}" if scaling == "strong" else f"{batch} samples per worker"
         console.print(curves_table(cs, f"{scaling} scaling, {what}"))
+    if "setups" in result:
+        console.print(setups_table(result))
     if "validation" in result:
         v = result["validation"]
         rows = ", ".join(

@@ -7,6 +7,7 @@
 - :mod:`~parambox.studies.pick.study`: the whole pick, once per seed;
 - :mod:`~parambox.studies.pick.validation`: candidates trained to the target against the predictions;
 - :mod:`~parambox.studies.pick.scores`: Kendall's tau, the top pick's hit rate, prediction errors.
+- :mod:`~parambox.studies.pick.budget`: ``--budget``, the probes' order and the partial results.
 """
 
 from parambox.studies.pick.study import PickSettings, run_pick, run_pick_seeds

@@ -29,6 +29,9 @@
    the prediction error per setup and family). ``seeds`` repeats probes and validations with seeds
    ``seed, seed + 1, ...`` (``run_pick_seeds``).
 
+After every run the ranking so far is in ``out/pick.json`` (``partial``), and ``budget_s`` bounds the
+whole pick: :mod:`parambox.studies.pick.budget` (the order of the probes, one per strategy first, is its).
+
 The target is the user's metric (``target_metric``, ``test_<name>`` in the evaluations; accuracy by
 default), reached at or above ``target``, or at or under it where ``lower_is_better`` (perplexity, bits per
 byte, a loss: ``parambox.workload.targets``). Asynchronous candidates count every rank's samples on the aligned clocks (``runs.read_ranks``):
@@ -49,6 +52,7 @@ from typing import Any
 from parambox.errors import UserError
 from parambox.studies.pick import model as pm
 from parambox.studies.pick import runs, scores
+from parambox.studies.pick.budget import Budget, BudgetSpent, breadth_first, write_json
 from parambox.studies.pick.candidates import Candidate, registry_candidates
 from parambox.workload.targets import Target
 
@@ -95,6 +99,7 @@ class PickSettings:
     probe_timeout_s: float = 180.0  # a probe is a few dozen steps: one that hangs is given up soon
     fixed: set[str] = field(default_factory=set)  # run fields the user set: no preset overrides them
     confirm: int = 5  # the top K predictions trained to the target, first in their measured order (0: off)
+    budget_s: float | None = None  # the whole pick's time limit (None: none; ``budget``)
 
     @property
     def probe_workers(self) -> int:
@@ -115,76 +120,143 @@ Say = Callable[[str], None]
 
 
 def run_pick(s: PickSettings, say: Say = print) -> dict[str, Any]:
+    """The pick; the ranking so far is in ``s.out/pick.json`` after every measurement (``partial``:
+    true until the end), and ``s.budget_s`` bounds the whole (``parambox.studies.pick.budget``)."""
     t0 = time.perf_counter()
+    budget = Budget(s.budget_s)
     n = s.probe_workers
     base = _base(s, n)
     candidates = _with_user_options(registry_candidates(n, s.strategies, base), base, s)
     reference = Candidate(REFERENCE).overridden(base["options"].get(REFERENCE, {}), s.fixed)
     if not candidates:
         raise UserError(f"no registered strategy runs {s.workers} workers ({n} probed)")
+    # The reference first (measured already), then one probe per strategy, then the other variants.
+    first = [c for c in candidates if c == reference]
+    rest = [c for c in candidates if c != reference]
+    candidates = first + [rest[i] for i in breadth_first([(c.strategy, c.label) for c in rest])]
+    st = _State(s, n, base, reference, budget, t0, candidates)
+    st.write()
     say(f"reference: {REFERENCE} x{n} until test {s.goal}")
-    ref = _reference(s, base, reference)
+    ref = _reference(s, base, reference, budget)
+    st.ref = ref
     s_ref = ref.samples_to(s.target)
     ref_curve = ref.curve("test_loss")
-    probe_steps = s.probe_steps or max(2 * s.eval_every, math.ceil(s.probe_fraction * ref.steps[-1]["step"]))
-    stop_loss = pm.progress_level(ref_curve, pm.STOP_PROGRESS)
-    entries, excluded = [], []
-    for i, cand in enumerate(candidates, 1):
-        if cand == reference:
-            measured, ratio = ref, pm.Ratio(1.0, 1.0, 1.0, [1.0])
-        else:
-            say(f"probe [{i}/{len(candidates)}] {cand.label}")
-            cand, measured = _probe(s, base, cand, probe_steps, stop_loss)
+    st.probe_steps = s.probe_steps or max(
+        2 * s.eval_every, math.ceil(s.probe_fraction * ref.steps[-1]["step"])
+    )
+    st.stop_loss = pm.progress_level(ref_curve, pm.STOP_PROGRESS)
+    entries, excluded = st.entries, st.excluded
+    try:
+        for i, cand in enumerate(candidates, 1):
+            if cand == reference:
+                measured, ratio = ref, pm.Ratio(1.0, 1.0, 1.0, [1.0])
+            else:
+                budget.check("probes")
+                say(f"probe [{i}/{len(candidates)}] {cand.label}")
+                cand, measured = _probe(s, base, cand, st.probe_steps, st.stop_loss, budget)
+                ratio = (
+                    None if measured.error else pm.convergence_ratio(ref_curve, measured.curve("test_loss"))
+                )
+            st.done(candidates[i - 1])
+            cost = None if measured.error else measured.cost()  # its warmup steps left out
             if measured.error:
                 excluded.append({**_describe(cand), "reason": f"cannot run here: {measured.error}"})
-                continue
-            ratio = pm.convergence_ratio(ref_curve, measured.curve("test_loss"))
-        cost = measured.cost()  # its warmup steps left out
-        if cost is None:
-            excluded.append({**_describe(cand), "reason": "too few steps in its probe to time one"})
-            continue
-        cost = pm.scale_cost(cost, _topology(cand), n, s.workers)
-        entries.append((cand, measured, pm.predict(s_ref, ratio, cost)))
+            elif cost is None:
+                excluded.append({**_describe(cand), "reason": "too few steps in its probe to time one"})
+            else:
+                cost = pm.scale_cost(cost, _topology(cand), n, s.workers)
+                entries.append((cand, measured, pm.predict(s_ref, ratio, cost)))
+                st.order = pm.rank_order([p for _, _, p in entries])
+            st.write()
+    except BudgetSpent:
+        say(f"the budget ran out in the probes: {len(st.unmeasured)} candidates not measured")
     if not entries:
+        if budget.spent_in:
+            raise UserError("the budget ran out before any candidate was probed: raise --budget")
         raise UserError("no candidate could be probed here; see the excluded list (--json)")
-    order, confirmed = pm.rank_order([p for _, _, p in entries]), {}
-    if s.confirm:
-        order, confirmed = _confirm(s, base, entries, order, ref, reference, say)
-    ranking = _rank(entries, order, confirmed)
-    result = {
-        "workers": s.workers,
-        "probe_workers": n,
-        "target_accuracy": None if s.lower_is_better else s.target,  # the value, where it rises to it
-        "target_metric": s.target_metric,
-        "target": s.goal.as_json(),
-        "seed": base.get("seed"),
-        "workload": {
-            k: base.get(k) for k in ("model", "data", "loss", "batch_size", "lr", "optimizer", "momentum")
-        },
-        "cluster": base["cluster"] if (base.get("cluster") or {}).get("nodes") else None,
-        "reference": {
-            "strategy": REFERENCE,
-            "samples_to_target": s_ref,
-            "time_to_target_s": ref.reached_s,
-            "time_to_target_with_evaluations_s": ref.reached_wall_s,
-            "run_dir": str(ref.run_dir),
-        },
-        "model": {"time": "samples to target / samples per second", "assumptions": ASSUMPTIONS},
-        "probe_steps": probe_steps,
-        "probe_stop_test_loss": stop_loss,
-        "eval_every": s.eval_every,
-        "ranking": ranking,
-        "excluded": excluded,
-        "confirmed": len(confirmed),
-        "confident": _confident(sorted(ranking, key=lambda r: r["predicted_rank"]), reference.label)
-        and ranking[0]["predicted_rank"] == 1,
-    }
-    if s.validate:
+    st.order = pm.rank_order([p for _, _, p in entries])
+    if s.confirm and not budget.spent_in:
+        st.order, st.confirmed = _confirm(s, base, entries, st.order, ref, reference, say, st)
+    result = st.result()
+    if s.validate and not budget.spent_in:
         from parambox.studies.pick.validation import validate
 
-        result["validation"] = validate(s, base, ranking, entries, ref, reference, say)
+        result["validation"] = validate(s, base, result["ranking"], entries, ref, reference, say, budget)
+    result["budget"] = budget.as_json()
+    result["partial"] = budget.spent_in is not None
     result["wall_time_s"] = time.perf_counter() - t0
     return result
+
+
+@dataclass
+class _State:
+    """What a pick has measured so far, and its result as it stands (``write``: to ``out/pick.json``)."""
+
+    s: PickSettings
+    n: int
+    base: dict[str, Any]
+    reference: Candidate
+    budget: Budget
+    t0: float
+    candidates: list[Candidate]
+    ref: runs.Measured | None = None
+    probe_steps: int | None = None
+    stop_loss: float | None = None
+    entries: list[tuple[Candidate, runs.Measured, pm.Prediction]] = field(default_factory=list)
+    excluded: list[dict[str, Any]] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)
+    confirmed: dict[int, list[runs.Measured]] = field(default_factory=dict)
+    measured: list[Candidate] = field(default_factory=list)
+
+    @property
+    def unmeasured(self) -> list[Candidate]:
+        return [c for c in self.candidates if c not in self.measured]
+
+    def done(self, cand: Candidate) -> None:
+        self.measured.append(cand)
+
+    def result(self) -> dict[str, Any]:
+        s, base, ref = self.s, self.base, self.ref
+        ranking = _rank(self.entries, self.order, self.confirmed) if self.entries else []
+        by_prediction = sorted(ranking, key=lambda r: r["predicted_rank"])
+        return {
+            "workers": s.workers,
+            "probe_workers": self.n,
+            "target_accuracy": None if s.lower_is_better else s.target,  # the value, where it rises to it
+            "target_metric": s.target_metric,
+            "target": s.goal.as_json(),
+            "seed": base.get("seed"),
+            "workload": {
+                k: base.get(k) for k in ("model", "data", "loss", "batch_size", "lr", "optimizer", "momentum")
+            },
+            "cluster": base["cluster"] if (base.get("cluster") or {}).get("nodes") else None,
+            "reference": None
+            if ref is None
+            else {
+                "strategy": REFERENCE,
+                "samples_to_target": ref.samples_to(s.target),
+                "time_to_target_s": ref.reached_s,
+                "time_to_target_with_evaluations_s": ref.reached_wall_s,
+                "run_dir": str(ref.run_dir),
+            },
+            "model": {"time": "samples to target / samples per second", "assumptions": ASSUMPTIONS},
+            "probe_steps": self.probe_steps,
+            "probe_stop_test_loss": self.stop_loss,
+            "eval_every": s.eval_every,
+            "ranking": ranking,
+            "excluded": self.excluded,
+            "unmeasured": [_describe(c) for c in self.unmeasured],
+            "confirmed": len(self.confirmed),
+            "confident": bool(ranking)
+            and _confident(by_prediction, self.reference.label)
+            and ranking[0]["predicted_rank"] == 1,
+        }
+
+    def write(self) -> None:
+        """The result so far, marked ``partial``, to ``out/pick.json`` (atomically)."""
+        result = self.result() | {"budget": self.budget.as_json(), "partial": True}
+        self.s.out.mkdir(parents=True, exist_ok=True)
+        write_json(self.s.out / "pick.json", result | {"wall_time_s": time.perf_counter() - self.t0})
 
 
 def _base(s: PickSettings, n: int) -> dict[str, Any]:
@@ -222,9 +294,14 @@ def _topology(c: Candidate) -> str:
     return cls.comm_topology or ("box" if cls.tolerates_worker_loss else "ring")
 
 
-def _reference(s: PickSettings, base: dict[str, Any], reference: Candidate) -> runs.Measured:
+def _reference(s: PickSettings, base: dict[str, Any], reference: Candidate, budget: Budget) -> runs.Measured:
     cfg = reference.config(base)
-    ref = runs.run_to_target(cfg, s.out / "reference", s.goal, s.run_timeout_s)
+    ref = runs.run_to_target(cfg, s.out / "reference", s.goal, budget.timeout(s.run_timeout_s))
+    if ref.error and budget.left() <= 0:
+        raise UserError(
+            f"the budget ran out before the reference run ({REFERENCE}) reached test {s.goal} (best "
+            f"{_best(s, ref)}): ease the target or raise --budget"
+        )
     if ref.error:
         raise UserError(
             f"the reference run ({REFERENCE}) failed: {ref.error} (log: {ref.run_dir / 'train.log'})"
@@ -241,10 +318,9 @@ def _reference(s: PickSettings, base: dict[str, Any], reference: Candidate) -> r
             "name the metric to reach with --target-metric"
         )
     if ref.samples_to(s.target) is None:
-        best = s.goal.best(e.get(s.metric) for e in ref.evals)
         raise UserError(
             f"the reference run ({REFERENCE}) did not reach test {s.goal} in {cfg['steps']} steps (best "
-            f"{best if best is None else format(best, '.3f')}); ease the target or raise --steps"
+            f"{_best(s, ref)}); ease the target or raise --steps"
         )
     if len(ref.curve("test_loss").samples) < 2:
         raise UserError(
@@ -253,15 +329,25 @@ def _reference(s: PickSettings, base: dict[str, Any], reference: Candidate) -> r
     return ref
 
 
+def _best(s: PickSettings, ref: runs.Measured) -> str:
+    """The reference's best evaluation of the target's metric so far, as text."""
+    best = s.goal.best(e.get(s.metric) for e in ref.evals)
+    return "none" if best is None else format(best, ".3f")
+
+
 def _probe(
-    s: PickSettings, base: dict[str, Any], cand: Candidate, steps: int, stop_loss: float
+    s: PickSettings, base: dict[str, Any], cand: Candidate, steps: int, stop_loss: float, budget: Budget
 ) -> tuple[Candidate, runs.Measured]:
-    """The probe; a strategy whose shm box cannot span the cluster's nodes is probed again on rma."""
+    """The probe; a strategy whose shm box cannot span the cluster's nodes is probed again on rma.
+    ``BudgetSpent`` where the budget cut it short."""
     from parambox.config import merge
 
     def probe(c: Candidate) -> runs.Measured:
         cfg = merge(c.config(base), {"steps": steps})
-        return runs.run_probe(cfg, s.out / "probes" / c.slug, s.probe_timeout_s, stop_loss, _is_async(c))
+        timeout = budget.timeout(s.probe_timeout_s)
+        got = runs.run_probe(cfg, s.out / "probes" / c.slug, timeout, stop_loss, _is_async(c))
+        budget.cut(got.error, "probes")
+        return got
 
     measured = probe(cand)
     if measured.error and "--box rma" in measured.error and cand.box is None:
@@ -298,6 +384,7 @@ def _confirm(
     ref: runs.Measured,
     reference: Candidate,
     say: Say,
+    st: _State | None = None,
 ) -> tuple[list[int], dict[int, list[runs.Measured]]]:
     """The race: the top ``s.confirm`` predictions trained to the target (the reference's run is its
     own); then, until the leader (the least median time of its runs) has run twice, so has every raced
@@ -307,22 +394,45 @@ def _confirm(
     of log(predicted / measured) over the raced setups that reached the target) while the race has
     under 2K entries: a prediction that far over the leader's time may still beat it. The new
     order (those that reached the target, fastest first; then those that did not; then the rest as
-    predicted) and the runs by entry index."""
+    predicted) and the runs by entry index. ``st``: its order after every run is written there; a
+    budget that runs out ends the race with the runs it has."""
     timed = [i for i in order if entries[i][2].seconds is not None]
     got: dict[int, list[runs.Measured]] = {}
 
     def race(i: int) -> None:
         cand, _, p = entries[i]
-        mine = got.setdefault(i, [])
+        mine = got.get(i, [])
         if cand == reference and not mine:
-            mine.append(ref)
+            got[i] = [ref]
             return
-        k = list(got).index(i) + 1  # its place in the race, a second run too
-        mine.append(train_to_target(s, base, cand, p, "confirm", k, len(timed), say, len(mine) + 1))
+        k = (list(got).index(i) if i in got else len(got)) + 1  # its place in the race, a second run too
+        budget = st.budget if st is not None else Budget(None)
+        budget.check("confirm")
+        m = train_to_target(s, base, cand, p, "confirm", k, len(timed), say, len(mine) + 1, budget)
+        got[i] = [*mine, m]
+        if st is not None:
+            st.order, st.confirmed = _race_order(timed, got, order, time_of), got
+            st.write()
 
     def time_of(i: int) -> float | None:
         return runs.median_time([m.reached_s for m in got[i]])
 
+    try:
+        _race(s, entries, timed, got, race, time_of)
+    except BudgetSpent:
+        say("the budget ran out in the race: its runs so far rank first")
+    return _race_order(timed, got, order, time_of), got
+
+
+def _race(
+    s: PickSettings,
+    entries: list[tuple[Candidate, runs.Measured, pm.Prediction]],
+    timed: list[int],
+    got: dict[int, list[runs.Measured]],
+    race: Callable[[int], None],
+    time_of: Callable[[int], float | None],
+) -> None:
+    """The race's choice of the next run (``_confirm``'s rules)."""
     for i in timed[: s.confirm]:
         race(i)
     while True:
@@ -345,9 +455,16 @@ def _confirm(
         if not faster:
             break
         race(faster[0])
+
+
+def _race_order(
+    timed: list[int], got: dict[int, Any], order: list[int], time_of: Callable[[int], float | None]
+) -> list[int]:
+    """Those raced that reached the target, fastest first; then those that did not; then the rest as
+    predicted."""
     raced = [i for i in timed if i in got]
     first = sorted(raced, key=lambda i: (time_of(i) is None, time_of(i) or 0.0, raced.index(i)))
-    return first + [i for i in order if i not in got], got
+    return first + [i for i in order if i not in got]
 
 
 def train_to_target(
@@ -360,9 +477,11 @@ def train_to_target(
     of: int,
     say: Say,
     run: int = 1,
+    budget: Budget | None = None,
 ) -> runs.Measured:
     """``cand`` trained to the target in ``s.out/folder`` (a race's or a validation's run, the
-    ``k``-th of ``of``; its ``run``-th there), with room for twice its prediction's upper end."""
+    ``k``-th of ``of``; its ``run``-th there), with room for twice its prediction's upper end;
+    ``BudgetSpent`` where ``budget`` cut it short."""
     from parambox.config import merge
 
     steps = base["steps"] if p is None else runs.step_cap(base["steps"], p)
@@ -371,7 +490,11 @@ def train_to_target(
     say(f"{verb} [{k}/{of}] {cand.label}{again} to {s.goal} (at most {steps} steps)")
     cfg = merge(cand.config(base), {"steps": steps})
     name = cand.slug if run == 1 else f"{cand.slug}.run{run}"
-    return runs.run_to_target(cfg, s.out / folder / name, s.goal, s.run_timeout_s, _is_async(cand))
+    budget = budget or Budget(None)
+    timeout = budget.timeout(s.run_timeout_s)
+    got = runs.run_to_target(cfg, s.out / folder / name, s.goal, timeout, _is_async(cand))
+    budget.cut(got.error, folder)
+    return got
 
 
 def _rank(

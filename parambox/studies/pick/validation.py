@@ -27,6 +27,7 @@ from typing import Any
 
 from parambox.studies.pick import model as pm
 from parambox.studies.pick import runs, scores
+from parambox.studies.pick.budget import Budget, BudgetSpent
 from parambox.studies.pick.candidates import Candidate
 
 TARGETS = {
@@ -60,9 +61,11 @@ def validate(
     ref: runs.Measured,
     reference: Candidate,
     say: Callable[[str], None],
+    budget: Budget | None = None,
 ) -> dict[str, Any]:
     """Train the chosen setups and the reference to the target (the reference's run is its own
-    measurement); measured against predicted times, with this seed's scores."""
+    measurement); measured against predicted times, with this seed's scores. A ``budget`` that runs
+    out ends it with the setups measured so far (``unvalidated``: the others)."""
     from parambox.studies.pick.study import train_to_target
 
     by_label = {c.label: (c, p) for c, _, p in entries}
@@ -73,13 +76,23 @@ def validate(
         chosen.append(ref_label)
     measured: dict[str, float | None] = {}
     details = []
-    for i, label in enumerate(chosen, 1):
-        cand, p = by_label.get(label, (reference, None))
-        got = [ref] if label == ref_label else []  # the reference's run to the target is its first
-        while len(got) < s.validate_runs:
-            got.append(train_to_target(s, base, cand, p, "validation", i, len(chosen), say, len(got) + 1))
-        measured[label] = runs.median_time([m.reached_s for m in got])
-        details.append(_validated(label, p, got))
+    budget = budget or Budget(None)
+    try:
+        for i, label in enumerate(chosen, 1):
+            cand, p = by_label.get(label, (reference, None))
+            got = [ref] if label == ref_label else []  # the reference's run to the target is its first
+            while len(got) < s.validate_runs:
+                budget.check("validation")
+                got.append(
+                    train_to_target(s, base, cand, p, "validation", i, len(chosen), say, len(got) + 1, budget)
+                )
+            measured[label] = runs.median_time([m.reached_s for m in got])
+            details.append(_validated(label, p, got))
+    except BudgetSpent:
+        if ref_label not in measured:  # its own run to the target is a measurement, at no cost
+            measured[ref_label] = ref.reached_s
+            details.append(_validated(ref_label, None, [ref]))
+        say(f"the budget ran out in validation: {len(chosen) - len(measured)} setups not validated")
     top = timed[0] if timed else None  # None: no candidate had a prediction
     predicted = {label: by_label[label][1].seconds if label in by_label else None for label in measured}
     v = summarize_validation(measured, top, ref_label)
@@ -100,6 +113,7 @@ def validate(
         | {"measurement_spread": statistics.median(spreads) if spreads else None}
         | seed_scores
         | {"runs": details, "targets": TARGETS}
+        | {"unvalidated": [label for label in chosen if label not in measured]}
     )
 
 
