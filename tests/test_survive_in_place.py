@@ -245,6 +245,18 @@ def test_synchronous_easgd_and_diloco_survive_rank_0_killed_to_the_closed_form(t
     _check_closed_form(out, expected, kept=4, killed=0)
 
 
+def _run_with_a_replacement(
+    out: Path, strategy: str, steps: int, momentum: float, killed: int, slow: int
+) -> None:
+    """Rank ``killed`` SIGKILLed at step AT with one restart allowed (--max-restarts 1); rank ``slow``
+    sleeps 0.2 s a step, so that the replacement has time to start and join."""
+    run_cli(
+        "train", "--strategy", strategy, *ARGS, "--steps", str(steps), "--timeout", "20",
+        "--momentum", str(momentum), "--max-restarts", "1", "--out", str(out),
+        env={"PARAMBOX_FAULT": f"{killed}:{AT}:kill,{slow}:0:slow"}, timeout=380,
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("strategy", ["allreduce", "ps-sync", "box-sync"])
@@ -254,24 +266,7 @@ def test_a_replacement_joins_with_a_live_ranks_state(tmp_path, strategy):
     weights are those of 3, then 2, then 3 ranks' mean gradients (momentum SGD), and its replica and
     momentum at the end equal the survivors'."""
     out, steps, momentum = tmp_path / "run", 40, 0.5
-    run_cli(
-        "train",
-        "--strategy",
-        strategy,
-        *ARGS,
-        "--steps",
-        str(steps),
-        "--timeout",
-        "20",
-        "--momentum",
-        str(momentum),
-        "--max-restarts",
-        "1",
-        "--out",
-        str(out),
-        env={"PARAMBOX_FAULT": f"{KILLED}:{AT}:kill,0:0:slow"},
-        timeout=380,
-    )  # fmt: skip  (rank 0 sleeps 0.2 s a step: time for the replacement to start)
+    _run_with_a_replacement(out, strategy, steps, momentum, killed=KILLED, slow=0)
     times = {r["step"]: r["time"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
     # The survivors regrouped at once: the loader processes hold no copy of a worker's connections
     # (with one, rank 0 waited the whole --timeout, 20 s, for a peer that had closed its group).
@@ -293,24 +288,7 @@ def test_a_replacement_of_rank_0_joins_and_rank_1_keeps_leading(tmp_path):
     other rank (last in the group, so the leader stays), with rank 1's weights and momentum, and ends
     with rank 2's state; the weights are 3, then 2, then 3 ranks' mean gradients (momentum SGD)."""
     out, steps, momentum = tmp_path / "run", 40, 0.5
-    run_cli(
-        "train",
-        "--strategy",
-        "allreduce",
-        *ARGS,
-        "--steps",
-        str(steps),
-        "--timeout",
-        "20",
-        "--momentum",
-        str(momentum),
-        "--max-restarts",
-        "1",
-        "--out",
-        str(out),
-        env={"PARAMBOX_FAULT": f"0:{AT}:kill,1:0:slow"},
-        timeout=380,
-    )  # fmt: skip  (rank 1 sleeps 0.2 s a step: time for the replacement to start)
+    _run_with_a_replacement(out, "allreduce", steps, momentum, killed=0, slow=1)
     lines = (out / "metrics.rank0.jsonl").read_text().splitlines()  # the replacement's: it does not lead
     at = [json.loads(x) for x in lines if '"world"' in x][-1]["step"]
     assert AT < at < steps
