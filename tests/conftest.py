@@ -138,6 +138,21 @@ def _kill_orphans():
             pass
 
 
+def run_check_in_own_process(script: str, check: str, *argv: str, timeout: float = 120) -> None:
+    """``python SCRIPT CHECK ARGV...`` from the checkout's root with it on PYTHONPATH: a test file whose
+    ``__main__`` calls its function ``CHECK(*ARGV)`` in a fresh interpreter (no state of the suite's
+    process: threads, signal handlers, imported modules); asserts it exits 0."""
+    done = subprocess.run(
+        [sys.executable, script, check, *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def run_cli(
     *args: str,
     timeout: float = 170,

@@ -11,15 +11,14 @@ MPI singleton in the test process would spoil the ``mpiexec`` jobs of later test
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import threading
 import uuid
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+from tests.conftest import run_check_in_own_process
 
 N, CHUNK = 12, 3  # 4 chunks
 
@@ -99,16 +98,7 @@ def check_the_server_applies_a_chunk_once_per_origin_and_sequence_number():
 
 
 def _in_own_process(check: str) -> None:
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(
-        [sys.executable, __file__, check],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_check_in_own_process(__file__, check)
 
 
 def test_a_sync_cut_short_is_finished_by_a_node_mate_counting_each_chunk_once():

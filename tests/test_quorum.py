@@ -8,12 +8,9 @@ Must show (issue 51, item 3): a closed-form test of the weighted outer step (her
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import threading
 import uuid
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,6 +20,7 @@ import torch
 from parambox.box import open_box
 from parambox.runtime.world import World
 from parambox.strategies.delayed_nesterov import QUORUM_COUNTERS, QUORUM_FLAG, QuorumNesterov, TicketLock
+from tests.conftest import run_check_in_own_process
 
 N, RANKS, LR, BETA = 5, 3, 0.7, 0.9
 # (rank, seed of g, samples, time s): rank 0 twice before rank 1 (Q = 2: both of rank 0's count once, all
@@ -290,17 +288,8 @@ def check_a_quorum_arrival_cut_short_is_applied_to_nothing(last: str) -> None:
     assert np.array_equal(box.shard, start[0]) != (last == "True")  # theta moves only at a step
 
 
-def _in_own_process(*argv: str) -> None:
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(
-        [sys.executable, __file__, *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+def _in_own_process(check: str, *argv: str) -> None:
+    run_check_in_own_process(__file__, check, *argv)
 
 
 def test_the_servers_fused_quorum_step_equals_the_reference():
