@@ -287,6 +287,15 @@ def run_mpi_script(
     return stdout, stderr, proc.returncode
 
 
+def mpi_rank0_result(script: str, ranks: int = 2) -> dict:
+    """``run_mpi_script`` with one thread a rank, for a script whose ranks print a JSON line each with
+    their ``rank``: asserts the job exits 0 and returns rank 0's line."""
+    stdout, stderr, code = run_mpi_script(script, ranks, {**os.environ, **MPI_ENV, "OMP_NUM_THREADS": "1"})
+    assert code == 0, stderr[-3000:]
+    lines = [json.loads(s) for s in stdout.splitlines() if s.startswith("{")]
+    return next(x for x in lines if x["rank"] == 0)
+
+
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
