@@ -138,6 +138,42 @@ def _kill_orphans():
             pass
 
 
+def run_checks_in_own_process(script: str, calls: list[tuple[str, ...]], timeout: float = 240) -> dict:
+    """Every ``(CHECK, *ARGV)`` of ``calls`` in one fresh interpreter, one after the other:
+    ``python SCRIPT JSON`` from the checkout's root with it on PYTHONPATH, the test file's ``__main__``
+    handing its ``globals()`` and the JSON to ``run_checks``. A fresh interpreter has none of the suite
+    process's state (threads, signal handlers, an MPI singleton); one for a file's checks costs one
+    start-up of torch, not one a check. Returns each call's outcome: "ok", or why not (its traceback)."""
+    done = subprocess.run(
+        [sys.executable, script, json.dumps(calls)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
+    outcomes = {tuple(c): f"did not run (exit {done.returncode}): {done.stderr[-3000:]}" for c in calls}
+    for line in done.stdout.splitlines():
+        if line.startswith('{"call"'):
+            row = json.loads(line)
+            outcomes[tuple(row["call"])] = row["outcome"]
+    return outcomes
+
+
+def run_checks(namespace: dict, calls_json: str) -> None:
+    """The other side of ``run_checks_in_own_process``: call each ``namespace[CHECK](*ARGV)`` and print
+    its outcome as a JSON line."""
+    import traceback
+
+    for check, *argv in json.loads(calls_json):
+        try:
+            namespace[check](*argv)
+            outcome = "ok"
+        except BaseException:
+            outcome = traceback.format_exc()[-3000:]
+        print(json.dumps({"call": [check, *argv], "outcome": outcome}), flush=True)
+
+
 def run_cli(
     *args: str,
     timeout: float = 170,
@@ -270,6 +306,15 @@ def run_mpi_script(
     finally:
         spawn.stop([proc])
     return stdout, stderr, proc.returncode
+
+
+def mpi_rank0_result(script: str, ranks: int = 2) -> dict:
+    """``run_mpi_script`` with one thread a rank, for a script whose ranks print a JSON line each with
+    their ``rank``: asserts the job exits 0 and returns rank 0's line."""
+    stdout, stderr, code = run_mpi_script(script, ranks, {**os.environ, **MPI_ENV, "OMP_NUM_THREADS": "1"})
+    assert code == 0, stderr[-3000:]
+    lines = [json.loads(s) for s in stdout.splitlines() if s.startswith("{")]
+    return next(x for x in lines if x["rank"] == 0)
 
 
 def summary(run_dir: Path) -> dict:

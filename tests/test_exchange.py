@@ -9,7 +9,6 @@ not, compressed or not, end at their closed forms to 1e-6.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from parambox.strategies.compress import Compressor, dequantize_int8, quantize_i
 from parambox.strategies.diloco import DilocoOptions
 from parambox.strategies.exchange import DeltaAverager, SumExchange
 from tests.conftest import final_weights, run_cli, summary
+from tests.forked import fork_ranks
 
 # -- tier (a) ---------------------------------------------------------------------------------------------
 
@@ -150,19 +150,7 @@ def _worker(rank: int, port: int, out: str, strategy: str, options: dict) -> Non
 
 
 def run_two(tmp_path: Path, strategy: str, options: dict) -> list[dict]:
-    ctx = mp.get_context("fork")
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path), strategy, options)) for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    fork_ranks(_worker, 2, (free_port(), str(tmp_path), strategy, options), timeout=120)
     return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
 
 

@@ -11,15 +11,15 @@ MPI singleton in the test process would spoil the ``mpiexec`` jobs of later test
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import threading
 import uuid
-from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
+
+from tests.conftest import run_checks, run_checks_in_own_process
 
 N, CHUNK = 12, 3  # 4 chunks
 
@@ -98,26 +98,26 @@ def check_the_server_applies_a_chunk_once_per_origin_and_sequence_number():
     assert state.shard.tolist() == [3.0, 3.0, 2.0, 2.0]
 
 
-def _in_own_process(check: str) -> None:
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(
-        [sys.executable, __file__, check],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+CHECKS = [
+    ("check_a_sync_cut_short_is_finished_by_a_node_mate_counting_each_chunk_once",),
+    ("check_the_server_applies_a_chunk_once_per_origin_and_sequence_number",),
+]
 
 
-def test_a_sync_cut_short_is_finished_by_a_node_mate_counting_each_chunk_once():
-    _in_own_process("check_a_sync_cut_short_is_finished_by_a_node_mate_counting_each_chunk_once")
+@pytest.fixture(scope="module")
+def outcomes() -> dict:
+    return run_checks_in_own_process(__file__, CHECKS)  # one interpreter for both
 
 
-def test_the_server_applies_a_chunk_once_per_origin_and_sequence_number():
-    _in_own_process("check_the_server_applies_a_chunk_once_per_origin_and_sequence_number")
+def test_a_sync_cut_short_is_finished_by_a_node_mate_counting_each_chunk_once(outcomes):
+    call = ("check_a_sync_cut_short_is_finished_by_a_node_mate_counting_each_chunk_once",)
+    assert outcomes[call] == "ok", outcomes[call]
+
+
+def test_the_server_applies_a_chunk_once_per_origin_and_sequence_number(outcomes):
+    call = ("check_the_server_applies_a_chunk_once_per_origin_and_sequence_number",)
+    assert outcomes[call] == "ok", outcomes[call]
 
 
 if __name__ == "__main__":
-    globals()[sys.argv[1]]()
+    run_checks(globals(), sys.argv[1])

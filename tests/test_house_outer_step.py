@@ -10,14 +10,13 @@ MPI singleton in the test process would spoil the ``mpiexec`` jobs of later test
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.conftest import run_checks, run_checks_in_own_process
 
 CHUNK, N = 3, 12
 COEFFS = (0.7, 0.9, 0.5, 0.2, -0.8)  # lr, beta, 1 / N, k, k_last
@@ -74,20 +73,20 @@ def check_an_arrival_cut_short_is_applied_to_nothing_and_a_whole_one_as_at_once(
     assert np.allclose(box.shard, reference.shard) and np.allclose(box._companion, reference._companion)
 
 
+CHECK = "check_an_arrival_cut_short_is_applied_to_nothing_and_a_whole_one_as_at_once"
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict:
+    return run_checks_in_own_process(
+        __file__, [(CHECK, "False"), (CHECK, "True")]
+    )  # one interpreter for both
+
+
 @pytest.mark.parametrize("last", [False, True])
-def test_an_arrival_cut_short_is_applied_to_nothing_and_a_whole_one_as_at_once(last):
-    check = "check_an_arrival_cut_short_is_applied_to_nothing_and_a_whole_one_as_at_once"
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(
-        [sys.executable, __file__, check, str(last)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_an_arrival_cut_short_is_applied_to_nothing_and_a_whole_one_as_at_once(outcomes, last):
+    assert outcomes[(CHECK, str(last))] == "ok", outcomes[(CHECK, str(last))]
 
 
 if __name__ == "__main__":
-    globals()[sys.argv[1]](*sys.argv[2:])
+    run_checks(globals(), sys.argv[1])

@@ -710,8 +710,9 @@ def test_pick_quick_on_the_emulated_cluster_leaves_nothing(tmp_path):
     before, namespaces = root_state(), live_namespaces()
     out = tmp_path / "pick"
     proc = run_cli(
-        "pick", "--workers", "2", "--target-accuracy", "0.8", "--quick", "--json", "--emulate-nodes", "2",
-        "--link-gbps", "0.1", "--strategies", "allreduce,weight-avg", "--out", str(out), timeout=280,
+        "pick", "--workers", "2", "--target-accuracy", "0.8", "--quick", "--confirm", "0", "--json",
+        "--emulate-nodes", "2", "--link-gbps", "0.1", "--strategies", "allreduce,weight-avg", "--out", str(out),
+        timeout=280,
     )  # fmt: skip
     result = json.loads(proc.stdout)
     assert result["cluster"]["nodes"] == 2 and result["cluster"]["link_gbps"] == 0.1

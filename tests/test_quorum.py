@@ -8,12 +8,9 @@ Must show (issue 51, item 3): a closed-form test of the weighted outer step (her
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import threading
 import uuid
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,6 +20,7 @@ import torch
 from parambox.box import open_box
 from parambox.runtime.world import World
 from parambox.strategies.delayed_nesterov import QUORUM_COUNTERS, QUORUM_FLAG, QuorumNesterov, TicketLock
+from tests.conftest import run_checks, run_checks_in_own_process
 
 N, RANKS, LR, BETA = 5, 3, 0.7, 0.9
 # (rank, seed of g, samples, time s): rank 0 twice before rank 1 (Q = 2: both of rank 0's count once, all
@@ -290,27 +288,28 @@ def check_a_quorum_arrival_cut_short_is_applied_to_nothing(last: str) -> None:
     assert np.array_equal(box.shard, start[0]) != (last == "True")  # theta moves only at a step
 
 
-def _in_own_process(*argv: str) -> None:
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(
-        [sys.executable, __file__, *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+CHECKS = [
+    ("check_the_servers_fused_quorum_step_equals_the_reference",),
+    ("check_a_quorum_arrival_cut_short_is_applied_to_nothing", "False"),
+    ("check_a_quorum_arrival_cut_short_is_applied_to_nothing", "True"),
+]
 
 
-def test_the_servers_fused_quorum_step_equals_the_reference():
-    _in_own_process("check_the_servers_fused_quorum_step_equals_the_reference")
+@pytest.fixture(scope="module")
+def outcomes() -> dict:
+    return run_checks_in_own_process(__file__, CHECKS)  # one interpreter for the three
+
+
+def test_the_servers_fused_quorum_step_equals_the_reference(outcomes):
+    call = ("check_the_servers_fused_quorum_step_equals_the_reference",)
+    assert outcomes[call] == "ok", outcomes[call]
 
 
 @pytest.mark.parametrize("last", [False, True])
-def test_a_quorum_arrival_cut_short_is_applied_to_nothing(last):
-    _in_own_process("check_a_quorum_arrival_cut_short_is_applied_to_nothing", str(last))
+def test_a_quorum_arrival_cut_short_is_applied_to_nothing(outcomes, last):
+    call = ("check_a_quorum_arrival_cut_short_is_applied_to_nothing", str(last))
+    assert outcomes[call] == "ok", outcomes[call]
 
 
 if __name__ == "__main__":
-    globals()[sys.argv[1]](*sys.argv[2:])
+    run_checks(globals(), sys.argv[1])

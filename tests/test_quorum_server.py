@@ -9,7 +9,6 @@ out and back (a checkpoint). Run as a script this file is the worker.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -99,12 +98,9 @@ def worker() -> None:
 
 @pytest.mark.timeout(120)
 def test_the_servers_quorum_step_is_the_closed_form_and_the_worker_side_step():
-    from tests.conftest import MPI_ENV, run_mpi_script  # (not at the top: the file is also the worker)
+    from tests.conftest import mpi_rank0_result  # (not at the top: the file is also the worker)
 
-    stdout, stderr, code = run_mpi_script(__file__, 2, {**os.environ, **MPI_ENV, "OMP_NUM_THREADS": "1"})
-    assert code == 0, stderr[-3000:]
-    lines = [json.loads(s) for s in stdout.splitlines() if s.startswith("{")]
-    result = next(x for x in lines if x["rank"] == 0)
+    result = mpi_rank0_result(__file__)
     for key in ("fused", "worker_side"):
         r = result[key]
         tol = 1e-5 * max(1.0, r["scale"])

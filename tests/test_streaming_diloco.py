@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import json
-import multiprocessing as mp
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from parambox.strategies.compress import Compressor
 from parambox.strategies.diloco import Diloco, DilocoOptions, StreamingDiloco
 from parambox.strategies.streaming import cut
 from tests.conftest import final_weights, run_cli, summary
+from tests.forked import fork_ranks
 
 DIM, LR, STEPS, H = 7, 0.125, 14, 4  # 7 elements: fragments of 3 and 4; 14 steps: a partial last round
 OUTER_LR, MU = 0.7, 0.9
@@ -135,19 +135,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("streaming")
-    ctx = mp.get_context("fork")
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(out))) for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    fork_ranks(_worker, 2, (free_port(), str(out)), timeout=240)
     return [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
 
 

@@ -93,6 +93,17 @@ from parambox.strategies.streaming import Fragment, cut, read_slice, write_slice
 from parambox.strategies.tensors import trainable
 
 
+def _state_finite(optimizer: torch.optim.Optimizer) -> bool:
+    """True when every floating-point tensor of the inner optimizer's state (momentum, Adam's moments)
+    is finite: a worker whose state is not contributes no pseudo-gradient."""
+    return all(
+        is_finite(v)
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.is_floating_point()
+    )
+
+
 class DilocoOptions(AsyncOptions, ExchangeOptions, LowRankOptions):
     takes_powersgd = True  # the synchronous form's outer gradients, without fragments or overlap
     inner_steps: int = Field(20, ge=1, description="H: inner optimizer steps per round (the paper: 500)")
@@ -281,7 +292,7 @@ class Diloco(Strategy):
         mean is then theirs (the flags count who contributed)."""
         tensors = [*self.params, *self.buffers]
         local = parameters_to_vector(tensors).detach()
-        contribute = is_finite(local) and self._inner_state_finite()
+        contribute = is_finite(local) and _state_finite(self.optimizer)
         if not contribute:
             warn(
                 f"rank {self.world.rank}: non-finite diloco round; it contributes nothing to this outer step"
@@ -307,14 +318,6 @@ class Diloco(Strategy):
         self.theta.grad = mean[: self.numel].clone()
         self.outer.step()
         self.averager.theta[self.numel :].sub_(mean[self.numel :])
-
-    def _inner_state_finite(self) -> bool:
-        return all(
-            is_finite(v)
-            for state in self.optimizer.state.values()
-            for v in state.values()
-            if isinstance(v, torch.Tensor) and v.is_floating_point()
-        )
 
     def finish(self) -> None:
         # A last partial round still counts (weight-avg averages at the end too); none after a full one,
@@ -474,7 +477,7 @@ class StreamingDiloco(Strategy):
     def _send(self, fr: Fragment, t: int) -> None:
         """Start the allreduce of fragment ``fr``'s pseudo-gradient; its outer step lands tau steps on."""
         local = read_slice(self.tensors, fr.start, fr.stop)
-        contribute = is_finite(local) and self._inner_state_finite()
+        contribute = is_finite(local) and _state_finite(self.optimizer)
         flags = torch.zeros(self.world.world_size, device=local.device)
         if contribute:
             flags[self.world.rank] = 1.0
@@ -515,14 +518,6 @@ class StreamingDiloco(Strategy):
         else:
             local = read_slice(self.tensors, fr.start, fr.stop)
             write_slice_(self.tensors, fr.start, torch.lerp(theta, local, alpha))
-
-    def _inner_state_finite(self) -> bool:
-        return all(
-            is_finite(v)
-            for state in self.optimizer.state.values()
-            for v in state.values()
-            if isinstance(v, torch.Tensor) and v.is_floating_point()
-        )
 
     def _load_theta(self) -> None:
         write_slice_(self.tensors, 0, self.theta)
