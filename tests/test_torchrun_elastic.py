@@ -20,6 +20,7 @@ import uuid
 import psutil
 import pytest
 
+from parambox.errors import UserError
 from parambox.run import elastic
 from parambox.runtime.spawn import free_port
 from parambox.training import checkpoint
@@ -54,6 +55,25 @@ def test_the_default_run_id_needs_the_same_store_too(tmp_path):
     elastic.record(tmp_path, _env("none", port=1111))
     assert elastic.is_restart(tmp_path, _env("none", port=1111))
     assert not elastic.is_restart(tmp_path, _env("none", port=2222))
+
+
+def _prepare(out, monkeypatch, **env):
+    from parambox.run.execute import prepare
+    from parambox.run.plan import CLI, build
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", **_env(**env)}.items():
+        monkeypatch.setenv(k, v)
+    return prepare(build({"model": "logreg", "out": str(out)}), CLI)[0]
+
+
+def test_a_restart_before_the_first_checkpoint_starts_over_and_another_job_is_refused(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    assert not _prepare(out, monkeypatch).restarted  # the first life records the job
+    (out / "checkpoints").mkdir()  # it died before a checkpoint was committed
+    plan = _prepare(out, monkeypatch, port=2222)  # a node joined: a new round, the same job
+    assert plan.restarted and not plan.resume
+    with pytest.raises(UserError, match="already holds a run; pass --resume"):
+        _prepare(out, monkeypatch, run_id="job-2")
 
 
 # -- (c) two agents on loopback --------------------------------------------------------------------------------
