@@ -57,6 +57,14 @@ def test_the_default_run_id_needs_the_same_store_too(tmp_path):
     assert not elastic.is_restart(tmp_path, _env("none", port=2222))
 
 
+def test_a_restart_over_the_agents_shared_store_is_refused_in_one_line():
+    """Its keys from the last life sent the rendezvous to the dead workers' addresses (a 30 s timeout)."""
+    with pytest.raises(UserError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        elastic.check_store(2, {"TORCHELASTIC_USE_AGENT_STORE": "True"})
+    elastic.check_store(1, {"TORCHELASTIC_USE_AGENT_STORE": "True"})  # one worker meets nobody
+    elastic.check_store(2, {"TORCHELASTIC_USE_AGENT_STORE": "False"})
+
+
 def _prepare(out, monkeypatch, **env):
     from parambox.run.execute import prepare
     from parambox.run.plan import CLI, build

@@ -145,6 +145,7 @@ def _elastic_restart(cfg: RunConfig, caller: Caller) -> bool:
     out = (cfg.out or external_run_dir(cfg, caller)) if elastic.job() is not None else cfg.out
     if out is None or not elastic.is_restart(Path(out).resolve()):
         return False
+    elastic.check_store(World.from_env().world_size)
     cfg.out = out
     return True
 
