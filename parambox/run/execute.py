@@ -103,7 +103,11 @@ def launch(plan: Plan, run_dir: Path, callables: dict[str, Callable] | None = No
     for rank, (code, reason) in result.failed.items():
         if reason.startswith("parambox: error: "):  # bad input or a timeout, found by a worker: one line
             raise RunFailed(f"{reason} (worker rank {rank})", code)
-        raise RunFailed(f"parambox: error: worker rank {rank} failed: {reason} (log: {run_dir / 'logs'})", 1)
+        role = plan.strategy_cls.rank0_role if rank == 0 else ""
+        why = f"; {plan.cfg.strategy} cannot go on without it: {role}" if role else ""
+        raise RunFailed(
+            f"parambox: error: worker rank {rank} failed: {reason}{why} (log: {run_dir / 'logs'})", 1
+        )
     summary_file = run_dir / "summary.json"
     if not summary_file.exists():  # under ULFM mpiexec may end 0 though the rank that writes it died
         raise RunFailed(

@@ -83,6 +83,7 @@ class Plan:
     world: World
     caller: Caller
     resume: bool = False
+    restarted: bool = False  # torchrun's elastic agent restarted this worker (``run/elastic.py``)
 
     @property
     def processes(self) -> int:
@@ -105,6 +106,8 @@ def resolve(cfg: RunConfig, caller: Caller, resume: bool = False) -> Plan:
     from parambox.strategies import strategy_class
 
     recorded_workers = None
+    restarted = not resume and under_external_launcher() and _elastic_restart(cfg, caller)
+    resume = resume or (restarted and _has_checkpoint(cfg))
     if resume:
         cfg = continue_recorded(cfg, caller)
         recorded_workers = load_recorded(Path(cfg.out)).workers
@@ -121,7 +124,7 @@ def resolve(cfg: RunConfig, caller: Caller, resume: bool = False) -> Plan:
     if cfg.box.backend == "rma" and cfg.box.memory_ranks is None:  # decided once, recorded for the workers
         ranks = cls.memory_ranks(cfg.box, emulated_nodes=cfg.cluster.enabled)
         cfg.box = cfg.box.model_copy(update={"memory_ranks": ranks})
-    plan = Plan(cfg, cls, World.from_env(), caller, resume)
+    plan = Plan(cfg, cls, World.from_env(), caller, resume, restarted)
     if plan.external:
         _check_external(plan)
         check_gpus(plan.world.local_world_size)
@@ -133,6 +136,22 @@ def resolve(cfg: RunConfig, caller: Caller, resume: bool = False) -> Plan:
 
             check_environment()  # not root, or no ip/tc: one line before anything is written
     return plan
+
+
+def _elastic_restart(cfg: RunConfig, caller: Caller) -> bool:
+    """Whether torchrun's agent restarted this worker in the run it names; then ``cfg.out`` is set."""
+    from parambox.run import elastic
+
+    out = (cfg.out or external_run_dir(cfg, caller)) if elastic.job() is not None else cfg.out
+    if out is None or not elastic.is_restart(Path(out).resolve()):
+        return False
+    elastic.check_store(World.from_env().world_size)
+    cfg.out = out
+    return True
+
+
+def _has_checkpoint(cfg: RunConfig) -> bool:
+    return (Path(cfg.out).resolve() / "checkpoints" / "last.pt").exists()
 
 
 def check_init_from(source: str, caller: Caller) -> str:
@@ -323,6 +342,9 @@ def _check_and_record(plan: Plan, run_dir: Path) -> None:
     if plan.resume:
         if not (run_dir / "checkpoints" / "last.pt").exists():
             raise UserError(f"{caller.field('resume')}: {run_dir / 'checkpoints' / 'last.pt'} does not exist")
+    elif plan.restarted:  # restarted before the first checkpoint: the run starts again
+        if plan.world.is_main:
+            print(f"parambox: restarting {run_dir} from step 0 (no checkpoint yet)", flush=True)
     elif (run_dir / "summary.json").exists() or (run_dir / "checkpoints").exists():
         raise UserError(
             f"run directory {run_dir} already holds a run; pass {caller.field('resume')} to continue it, "
@@ -331,6 +353,10 @@ def _check_and_record(plan: Plan, run_dir: Path) -> None:
     try:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)  # per-rank error files land here
         atomic_write_json(run_dir / "config.json", cfg.model_dump())
+        if plan.external:
+            from parambox.run import elastic
+
+            elastic.record(run_dir)  # the next life of a torchrun job knows it is one
     except OSError as e:
         raise _unwritable(run_dir, caller, e) from None
 

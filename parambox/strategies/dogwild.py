@@ -117,6 +117,7 @@ class Dogwild(Strategy):
     comm_topology = "ps"  # every gradient into rank 0, the weights out of it to every worker
     Options = DogwildOptions
     tolerates_worker_loss = True
+    rank0_role = "rank 0 is the master, the one holder of the weights and of the optimizer's state"
     lockstep = False  # workers step on their newest weights, never waiting for each other
     # It starts the process group itself: a replacement (--max-restarts) cannot join the run's, and
     # talks to rank 0 over a pair group of its own instead.

@@ -1,0 +1,84 @@
+"""A restart by torchrun's elastic agent (``torchrun --nnodes MIN:MAX``): the workers continue the run
+from its last checkpoint at the new size, with no ``--resume`` on the command line.
+
+The agent restarts every worker with the same command line when a worker fails (then its
+``TORCHELASTIC_RESTART_COUNT`` goes up) and when nodes join or leave (then the count stays: membership
+changes are not retries). A life is a restart of the run in its directory when the count is above 0, or
+when the directory's ``logs/torchelastic.json`` names this job: torchrun's run id (``--rdzv-id``, which
+torchrun asks to be the job's own; ``--standalone`` draws one), or, for the c10d default id ``none``, the
+id and the store the agents serve the workers (one address while the job's first node lives, where the
+agents share their store). A new torchrun job with another id pointed at a used directory is refused
+as before; one with the same ``--rdzv-id`` continues the run, as a requeued job does.
+
+>>> job({"TORCHELASTIC_RUN_ID": "j1", "TORCHELASTIC_RESTART_COUNT": "1", "MASTER_ADDR": "h",
+...      "MASTER_PORT": "29500"})
+{'run_id': 'j1', 'store': 'h:29500'}
+>>> job({"RANK": "0"}) is None
+True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from parambox.errors import UserError
+from parambox.training.checkpoint import atomic_write_json
+
+RECORD = Path("logs") / "torchelastic.json"
+DEFAULT_RUN_ID = "none"  # torchrun's --rdzv-id when none is given: shared by unrelated jobs
+
+
+def job(env: Mapping[str, str] | None = None) -> dict[str, str] | None:
+    """This worker's torchrun job (None outside torchrun's elastic agent)."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" not in env or "TORCHELASTIC_RESTART_COUNT" not in env:
+        return None
+    return {
+        "run_id": env["TORCHELASTIC_RUN_ID"],
+        "store": f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}",
+    }
+
+
+def restart_count(env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    count = env.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
+    return int(count) if count.isdigit() else 0
+
+
+def is_restart(run_dir: Path, env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is a worker that torchrun's agent restarted in the run ``run_dir`` holds."""
+    current = job(env)
+    if current is None:
+        return False
+    if restart_count(env) > 0:
+        return True
+    try:
+        recorded = json.loads((run_dir / RECORD).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(recorded, dict) or recorded.get("run_id") != current["run_id"]:
+        return False
+    return current["run_id"] != DEFAULT_RUN_ID or recorded.get("store") == current["store"]
+
+
+def record(run_dir: Path, env: Mapping[str, str] | None = None) -> None:
+    """The job this life belongs to, for the next life to recognise (a no-op outside torchrun's agent)."""
+    current = job(env)
+    if current is not None:
+        atomic_write_json(run_dir / RECORD, current)
+
+
+def check_store(world_size: int, env: Mapping[str, str] | None = None) -> None:
+    """A ``UserError`` for a restart of more than one worker over the store torch's agents share with
+    their workers across restarts (its default): the last life's keys would mislead this life's
+    rendezvous (torch issue 135712; seen here as a 30 s connect timeout per rank, then a failure)."""
+    env = os.environ if env is None else env
+    if world_size > 1 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise UserError(
+            "torchrun restarted this worker, but its agents share one store across restarts, whose keys "
+            "from the last life would mislead this one (torch issue 135712): set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun"
+        )
