@@ -149,6 +149,9 @@ class Outcome:
 def _environment(case: Case, tmp: Path, mark: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PARAMBOX_") and k not in INHERITED_OUT}
     env.update(PYTHONPATH=str(ROOT), TMPDIR=str(tmp / "tmp"), **{MARK: mark}, **case.env)
+    # torch's compile cache (made in TMPDIR once per user and kept, by any process that builds an
+    # optimizer): shared by the cases, outside the TMPDIR whose leftovers count
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp.parent / "torchinductor"))
     return env
 
 
@@ -261,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{c.table}] {c.name}")
         print(f"{len(table)} cases")
         return 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped replay still cleans up
     base = Path(tempfile.mkdtemp(prefix="parambox_bad_inputs_"))
     burners = _burn(args.burn)
     rng, start = random.Random(0), time.monotonic()
@@ -277,10 +281,11 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
+    pool = concurrent.futures.ThreadPoolExecutor(args.parallel)
     try:
-        with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-            list(pool.map(one, jobs))
+        list(pool.map(one, jobs))
     finally:
+        pool.shutdown(cancel_futures=True)  # stopped (SIGTERM, ^C): the runs under way end, no more start
         for p in burners:
             p.kill()
             p.wait()
