@@ -140,9 +140,11 @@ def take_console(env: Mapping[str, str] | None = None) -> None:
     fd = (os.environ if env is None else env).get(CONSOLE_ENV)
     if not fd:
         return
-    with contextlib.suppress(OSError, ValueError):
-        sys.stderr.flush()
-        sys.stderr = open(int(fd), "w", buffering=1, closefd=True)  # noqa: SIM115 (this process's stderr from now on)
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        old = sys.stderr
+        old.flush()
+        # this process's stderr from now on, encoded as the one it replaces
+        sys.stderr = open(int(fd), "w", buffering=1, encoding=old.encoding, errors=old.errors)  # noqa: SIM115
 
 
 def rejoining(env: Mapping[str, str] | None = None) -> bool:
