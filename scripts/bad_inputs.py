@@ -282,8 +282,11 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     pool = concurrent.futures.ThreadPoolExecutor(args.parallel)
+    stopped = False
     try:
         list(pool.map(one, jobs))
+    except (KeyboardInterrupt, SystemExit):
+        stopped = True
     finally:
         pool.shutdown(cancel_futures=True)  # stopped (SIGTERM, ^C): the runs under way end, no more start
         for p in burners:
@@ -291,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
             p.wait()
         shutil.rmtree(base, ignore_errors=True)
     print(f"{len(table)} cases x {args.repeat} rounds, {args.parallel} at once, {args.burn} spinning beside")
-    return report(outcomes, time.monotonic() - start)
+    if stopped:
+        print(f"stopped: {len(outcomes)} of the {len(jobs)} runs done")
+    return report(outcomes, time.monotonic() - start) or int(stopped)
 
 
 if __name__ == "__main__":
