@@ -74,12 +74,16 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     ),
     "PARAMBOX_SHM_PREFIX": ("the local launcher", "the run's random shared-memory name prefix"),
     "PARAMBOX_BOARD_FD": ("the local launcher", "the descriptor of its board of workers (a memfd)"),
+    "PARAMBOX_CONSOLE_FD": (
+        "the local launcher",
+        "rank 0's descriptor of the console for Python's output (its descriptor 2, where C++ writes, is a pipe)",
+    ),
     "PARAMBOX_LIFE": ("the local launcher", "0 in a worker's first life, k in its k-th replacement"),
     "PARAMBOX_REJOIN": ("the local launcher", "`1` in a replacement joining a run in progress"),
     "PARAMBOX_FROM_SPARE": ("the local launcher", "`1` in a replacement that was a warm spare"),
     "PARAMBOX_JOIN_FROM": (
         "the local launcher",
-        "`workers = \"MIN:MAX\"`: MIN; the ranks from it on join the run once it is under way",
+        '`workers = "MIN:MAX"`: MIN; the ranks from it on join the run once it is under way',
     ),
     "PARAMBOX_GROUP_STORE": ("the local launcher", "host:port of its store, in a run that survives in place"),
     "PARAMBOX_STORE_SECRET": (

@@ -224,6 +224,112 @@ def test_an_mpi_job_whose_rank_0_hangs_is_stopped(tmp_path):
     assert "no rank of the MPI job made progress" in err.strip().splitlines()[-1], err
 
 
+class _Counters:
+    """The box as a memory rank's serve loop sees it: counters, and MPI's word on failed ranks."""
+
+    def __init__(self, num_counters: int):
+        self.values = [0] * num_counters
+
+    def read_counter(self, i: int) -> int:
+        return self.values[i]
+
+    def add_counter(self, i: int, v: int) -> int:
+        self.values[i] += v
+        return self.values[i] - v
+
+    def set_counter(self, i: int, v: int) -> None:
+        self.values[i] = v
+
+    def failed_ranks(self) -> list[int]:
+        return []
+
+
+def _memory_rank(monkeypatch, num_workers: int = 2):
+    from parambox.runtime.control import WorkerBoard
+    from parambox.strategies.center import CounterMap
+    from parambox.strategies.membership import Membership
+
+    monkeypatch.setattr(WorkerBoard, "from_env", classmethod(lambda cls, env=None: None))  # mpiexec: no board
+    m = CounterMap(num_workers + 1)
+    box = _Counters(m.num_counters)
+    members = Membership(box, m, num_workers, num_workers, 10, "all", lost_after_s=1.0)
+    for r in range(num_workers):
+        box.set_counter(m.ident(r), _host_bits() | os.getpid())  # alive: this process
+    return members, box, m
+
+
+def _host_bits() -> int:
+    from parambox.runtime.spawn import process_identity
+
+    return process_identity() >> 32 << 32
+
+
+def _serve_bounded(members, deadline_s: float, limit: float = 30.0):
+    """``members.serve(deadline_s)`` in a thread: what it raised (None: it returned), and its seconds."""
+    import threading
+
+    out: list = []
+
+    def serve() -> None:
+        try:
+            members.serve(deadline_s=deadline_s)
+            out.append(None)
+        except Exception as e:
+            out.append(e)
+
+    start = time.monotonic()
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    thread.join(limit)
+    assert out, f"the serve loop did not end within {limit:g} s of a {deadline_s:g} s deadline"
+    return out[0], time.monotonic() - start
+
+
+def test_a_memory_rank_whose_workers_make_no_progress_stops_serving(monkeypatch):
+    """U2, the serve loop itself: before, a memory rank whose rank 0 hung served until mpiexec was
+    killed. Now, no step, status or start from any worker for ``deadline_s``: one line naming it."""
+    from parambox.errors import CommTimeout
+
+    members, _, _ = _memory_rank(monkeypatch)
+    err, took = _serve_bounded(members, deadline_s=1.0)
+    assert isinstance(err, CommTimeout) and "no worker made progress for 1 s" in str(err), err
+    assert 1.0 <= took < 10.0, took
+
+
+def test_a_memory_rank_serves_on_while_workers_step_and_ends_when_the_center_is_taken(monkeypatch):
+    """Progress (steps) keeps it serving past its deadline; the leader's FINAL ends it cleanly."""
+    import threading
+
+    from parambox.strategies.center import FINAL
+
+    members, box, m = _memory_rank(monkeypatch)
+
+    def work() -> None:
+        for _ in range(20):  # 2 s of steps, twice the deadline
+            time.sleep(0.1)
+            box.add_counter(m.steps(1), 1)
+        box.add_counter(m.status(0), FINAL)
+
+    threading.Thread(target=work, daemon=True).start()
+    err, took = _serve_bounded(members, deadline_s=1.0)
+    assert err is None and took >= 1.9, (err, took)
+
+
+def test_a_memory_rank_whose_workers_are_all_gone_stops_at_once(monkeypatch):
+    """Every worker's process exited and none took the center: it ends well before its deadline."""
+    from parambox.errors import CommTimeout
+
+    members, box, m = _memory_rank(monkeypatch)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    for r in range(2):
+        box.set_counter(m.ident(r), _host_bits() | int(gone.stdout))
+    err, took = _serve_bounded(members, deadline_s=60.0)
+    assert isinstance(err, CommTimeout) and "every worker is gone" in str(err), err
+    assert took < 10.0, took
+
+
 def run_bounded(argv: list[str], fault: str, limit: float, what: str, timeout: str) -> str:
     """``parambox ARGV`` with ``PARAMBOX_FAULT=fault`` as a user runs it: it must end (exit 1) within
     ``limit`` seconds; its stderr."""

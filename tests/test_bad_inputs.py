@@ -53,14 +53,68 @@ MORE = [
 ]
 
 
-@pytest.fixture
-def files(tmp_path):
+# Inputs found since (issue 53's "20 more of your own"): CLI values, config files, environment variables.
+OWN = [
+    (["--lr", "abc"], {}, "'lr'"),
+    (["--steps", "-5"], {}, "'steps'"),
+    (["--batch-size", "0"], {}, "'batch_size'"),
+    (["--eval-every", "-1"], {}, "'eval_every'"),
+    (["--strategy", ""], {}, "unknown strategy ''"),
+    (["--set", "steps=abc"], {}, "'steps'"),
+    (["--set", "lr="], {}, "'lr'"),
+    (["--set", "steps=1e400"], {}, "'steps'"),
+    (["--set", "box.backend=nvme"], {}, "'box.backend'"),
+    (["--momentum", "-0.5"], {}, "'momentum'"),
+    (["--max-restarts", "-1"], {}, "'max_restarts'"),
+    (["--threads", "abc"], {}, "'threads'"),
+    (["--seed", "1.5"], {}, "'seed'"),
+    (["--loader-workers", "-1"], {}, "'loader_workers'"),
+    (["--precision", "fp7"], {}, "'precision'"),
+    (["--optimizer", ""], {}, "'optimizer'"),
+    (["--config", "{tmp}/unfinished.toml"], {}, "is not valid TOML"),
+    (["--config", "{tmp}/config.yaml"], {}, "is not valid TOML"),
+    (["--config", "{tmp}/binary.toml"], {}, "is not valid TOML"),
+    (["--config", "{tmp}/negative_tau.toml"], {}, "'easgd.tau'"),
+    (["--config", "{tmp}/workers_two.toml"], {}, "'workers'"),
+    (["--model", "{tmp}/nope.py:make"], {}, "does not exist"),
+    (["--model", "{tmp}/bad_workload.py:missing_fn"], {}, "has no 'missing_fn'"),
+    ([], {"PARAMBOX_DEVICE": "tpu"}, "PARAMBOX_DEVICE"),
+    ([], {"PARAMBOX_FAULT": "0:1:kill:x"}, "RANK:STEP:KIND"),
+    ([], {"PARAMBOX_FAULT": "-1:1:kill"}, "counts from 0"),  # before: silently nothing
+    ([], {"PARAMBOX_FAULT": "9:1:kill"}, "no rank 9"),  # before: silently nothing
+    ([], {"PARAMBOX_THREADS": "0"}, "PARAMBOX_THREADS"),
+    ([], {"PARAMBOX_JOIN_FROM": "x"}, "PARAMBOX_JOIN_FROM"),  # before: a worker's traceback
+]
+
+
+def make_files(tmp_path):
+    """The files the tables' ``{tmp}`` arguments name."""
     (tmp_path / "cluster3.toml").write_text("cluster = 3\n")
     (tmp_path / "badtype.toml").write_text('[easgd]\ntau = "four"\n')
     (tmp_path / "stepz.toml").write_text("stepz = 3\n")
-    (tmp_path / "done").mkdir()
+    (tmp_path / "unfinished.toml").write_text("steps = \n")
+    (tmp_path / "config.yaml").write_text("steps: 3\n")
+    (tmp_path / "binary.toml").write_bytes(b"\x00\x01\xff")
+    (tmp_path / "negative_tau.toml").write_text("[easgd]\ntau = -1\n")
+    (tmp_path / "workers_two.toml").write_text('workers = "two"\n')
+    (tmp_path / "bad_workload.py").write_text(BAD_WORKLOAD)
+    (tmp_path / "done").mkdir(exist_ok=True)
     (tmp_path / "done" / "summary.json").write_text("{}")
     return tmp_path
+
+
+@pytest.fixture
+def files(tmp_path):
+    return make_files(tmp_path)
+
+
+@pytest.mark.parametrize("args,env,message", OWN)
+def test_more_bad_train_input(args, env, message, files, capsys, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = [a.replace("{tmp}", str(files)) for a in args]
+    assert main([*TRAIN, "--out", str(files / "run"), *args]) == 2
+    assert message in one_line(capsys)
 
 
 @pytest.mark.parametrize("args,message", ISSUE + MORE)
@@ -82,15 +136,15 @@ def test_export_of_a_garbled_run(files, capsys):
     assert "not a run's config" in one_line(capsys)
 
 
-@pytest.mark.parametrize(
-    "argv,message",
-    [
-        (["bench", "defaults", "--seeds", "x"], "--seeds 'x'"),
-        (["bench", "box", "--seeds", "0-1"], "bench defaults only"),
-        (["bench", "defaults", "--strategies", "nope"], "unknown strategy 'nope'"),
-        (["export", "/nonexistent-run", "--onnx", "m.onnx"], "does not exist"),
-    ],
-)
+OTHER_COMMANDS = [
+    (["bench", "defaults", "--seeds", "x"], "--seeds 'x'"),
+    (["bench", "box", "--seeds", "0-1"], "bench defaults only"),
+    (["bench", "defaults", "--strategies", "nope"], "unknown strategy 'nope'"),
+    (["export", "/nonexistent-run", "--onnx", "m.onnx"], "does not exist"),
+]
+
+
+@pytest.mark.parametrize("argv,message", OTHER_COMMANDS)
 def test_bad_input_of_other_commands(argv, message, capsys):
     assert main(argv) == 2
     assert message in one_line(capsys)
@@ -105,16 +159,16 @@ def test_dict_items_without_a_loss_name_the_default_loss(tmp_path, capsys):
     assert "default loss" in line and "(x, y)" in line and "--loss" in line and "'x', 'target'" in line
 
 
-@pytest.mark.parametrize(
-    "flag,value",
-    [
-        ("--job-name", "x\nrm -rf ~"),
-        ("--partition", "gpu\n#SBATCH --exclusive"),
-        ("--account", "a b"),
-        ("--time", "01:00:00\r"),
-        ("--script", "job\n.sbatch"),
-    ],
-)
+SLURM_FIELDS = [
+    ("--job-name", "x\nrm -rf ~"),
+    ("--partition", "gpu\n#SBATCH --exclusive"),
+    ("--account", "a b"),
+    ("--time", "01:00:00\r"),
+    ("--script", "job\n.sbatch"),
+]
+
+
+@pytest.mark.parametrize("flag,value", SLURM_FIELDS)
 def test_slurm_header_fields_are_one_token(flag, value, capsys):
     """Before: a newline in --job-name wrote a shell line into the batch script."""
     assert main(["slurm", flag, value, "--", "--strategy", "single"]) == 2
@@ -204,6 +258,57 @@ def detached_loss(model, batch):
 
 def vector_loss(model, batch):
     return model(batch[0]).pow(2).mean(dim=1)
+
+
+def not_a_module():
+    return 3
+
+
+def raises():
+    raise ValueError("my factory is broken")
+
+
+def none_model():
+    return None
+
+
+def needs_width(width):
+    return nn.Linear(width, 3)
+
+
+NOT_CALLABLE = 5
+
+
+def train_only():
+    return TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
+
+
+def empty():
+    return TensorDataset(torch.randn(0, 4), torch.randint(0, 3, (0,))), None
+
+
+def test_set_only():
+    return None, TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
+
+
+def labels_out_of_range():
+    return TensorDataset(torch.randn(64, 4), torch.randint(5, 9, (64,))), None
+
+
+def triples():
+    return TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)), torch.randn(64)), None
+
+
+def float_loss(model, batch):
+    return 1.0
+
+
+def one_argument_loss(model):
+    return model.weight.sum()
+
+
+def integer_loss(model, batch):
+    return torch.tensor(3)
 """
 
 WORKLOADS = [
@@ -216,6 +321,23 @@ WORKLOADS = [
     ({"loss": "vector_loss"}, ["loss vector_loss", "not a scalar"]),
     ({"model": "no_parameters"}, ["model factory no_parameters", "no trainable parameters"]),
     ({"model": "frozen"}, ["model factory frozen", "no trainable parameters"]),
+    # issue 53's "20 more of your own"
+    ({"model": "not_a_module"}, ["model factory not_a_module returned a int"]),
+    ({"model": "raises"}, ["model factory raises raised ValueError: my factory is broken"]),
+    ({"model": "none_model"}, ["returned a NoneType, not a torch.nn.Module"]),
+    ({"model": "needs_width"}, ["model factory needs_width raised TypeError"]),
+    ({"model": "NOT_CALLABLE"}, ["is a int, not callable"]),
+    ({"data": "train_only"}, ["data factory train_only returned a TensorDataset", "(train, test)"]),
+    ({"data": "empty"}, ["data factory empty: the training set is empty"]),
+    (
+        {"data": "test_set_only"},
+        ["data factory test_set_only returned no training set"],
+    ),  # before: a traceback
+    ({"data": "labels_out_of_range"}, ["default loss", "out of bounds"]),
+    ({"data": "triples"}, ["default loss", "a list of 3 items"]),
+    ({"loss": "float_loss"}, ["loss float_loss returned a float, not a scalar tensor"]),
+    ({"loss": "one_argument_loss"}, ["loss one_argument_loss raised TypeError"]),
+    ({"loss": "integer_loss"}, ["loss integer_loss does not depend on the model's parameters"]),
 ]
 
 
@@ -257,18 +379,25 @@ def test_bad_environment_variables_are_one_line(name, value, piece, tmp_path, ca
     assert name in line and piece in line, line
 
 
-@pytest.mark.parametrize("name,value", [("LOCAL_RANK", "z"), ("WORLD_SIZE", "two"), ("MASTER_PORT", "99999")])
+LAUNCHER_VARIABLES = [("LOCAL_RANK", "z"), ("WORLD_SIZE", "two"), ("MASTER_PORT", "99999")]
+TORCHRUN_RANK_0 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("name,value", LAUNCHER_VARIABLES)
 def test_a_bad_launcher_variable_is_one_line(name, value, tmp_path, capsys, monkeypatch):
     """Before: ``ValueError: invalid literal for int()``, a traceback and exit 1, from torchrun's
     variables (the rest of its environment is a valid rank 0 of 2)."""
-    for key, good in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "29500"}.items():
+    for key, good in TORCHRUN_RANK_0.items():
         monkeypatch.setenv(key, good)
     monkeypatch.setenv(name, value)
     assert main([*TRAIN, "--out", str(tmp_path / "run")]) == 2
     assert name in one_line(capsys)
 
 
-@pytest.mark.parametrize("seed", [2**60 + 1, 2**64 + 1])
+SEEDS = [2**60 + 1, 2**64 + 1]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_a_seed_too_large_for_torch_is_one_line(seed, tmp_path, capsys):
     """Before: ``ValueError: Overflow when unpacking long long`` from ``torch.manual_seed``."""
     assert main([*TRAIN, "--seed", str(seed), "--out", str(tmp_path / "run")]) == 2

@@ -38,14 +38,14 @@ def test_bad_input_is_one_line_exit_2(args, message, capsys, tmp_path):
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (["sync", "--timeout", "2"], "--timeout applies to bench chaos only"),
-        (["chaos", "--quick", "--timeout", "0"], "--timeout must be positive"),
-        (["chaos", "--quick", "--timeout", "9"], "must be under the stops' 7.0 s"),
-    ],
-)
+BENCH = [
+    (["sync", "--timeout", "2"], "--timeout applies to bench chaos only"),
+    (["chaos", "--quick", "--timeout", "0"], "--timeout must be positive"),
+    (["chaos", "--quick", "--timeout", "9"], "must be under the stops' 7.0 s"),
+]
+
+
+@pytest.mark.parametrize("args,message", BENCH)
 def test_bench_chaos_timeout_errors_are_one_line(args, message, capsys):
     code = main(["bench", *args])
     err = capsys.readouterr().err
@@ -234,3 +234,38 @@ def test_a_stopped_life_prints_into_its_log_not_onto_the_console(tmp_path):
         time.sleep(0.3)  # the pumps drain
     assert sink.getvalue() == "[rank 1] step 1\n"
     assert (tmp_path / "life0" / "console.txt").read_text().count("frame #") == 16
+
+
+def test_rank_0s_stopped_life_prints_into_its_log_and_its_python_output_onto_the_console(tmp_path):
+    """R5 for rank 0: it owns the console (its bar, its error line: Python's ``sys.stderr``), but what its
+    C++ code writes to descriptor 2 once its life is stopped goes to logs/life{k}/console.txt. Before,
+    rank 0 held the console's descriptor itself and its dying life's frames landed there."""
+    import os
+    import sys
+    import threading
+    import time
+    from pathlib import Path
+    from unittest import mock
+
+    from parambox.runtime.launcher import _Life, _Ranks
+
+    life = _Life(tmp_path / "life0")
+    ranks = _Ranks(2, None, threading.Event(), life)
+    frames = "".join(f"frame #{i}: c10::Error\\n" for i in range(16))
+    script = (
+        "import os, sys, time; from parambox.runtime.control import take_console; take_console(); "
+        "print('step 1', file=sys.stderr); os.write(2, b'c10 warning\\n'); time.sleep(1); "
+        f"os.write(2, b'{frames}')"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    with open(tmp_path / "console", "w") as console, mock.patch.object(sys, "stderr", console):
+        proc = ranks._rank0([sys.executable, "-c", script], env, [])
+        deadline = time.monotonic() + 20
+        while "c10 warning" not in (tmp_path / "console").read_text() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        life.ended.set()  # what stop_life does before it stops the processes
+        proc.wait(20)
+        time.sleep(0.3)  # the pump drains
+    assert (tmp_path / "console").read_text() == "step 1\nc10 warning\n"  # rank 0's, unprefixed
+    kept = (tmp_path / "life0" / "console.txt").read_text()
+    assert kept.count("[rank 0] frame #") == 16, kept

@@ -125,6 +125,7 @@ def resolve(cfg: RunConfig, caller: Caller, resume: bool = False) -> Plan:
         ranks = cls.memory_ranks(cfg.box, emulated_nodes=cfg.cluster.enabled)
         cfg.box = cfg.box.model_copy(update={"memory_ranks": ranks})
     plan = Plan(cfg, cls, World.from_env(), caller, resume, restarted)
+    check_fault_ranks(plan)
     if plan.external:
         _check_external(plan)
         check_gpus(plan.world.local_world_size)
@@ -176,15 +177,16 @@ def check_seed(cfg: RunConfig, caller: Caller) -> None:
 def check_variables() -> None:
     """The environment variables a run reads, checked before any process starts: a bad one is one
     line here, not a worker's traceback (or silently nothing, for a fault of an unknown kind)."""
-    from parambox.runtime.control import LIFE_ENV
+    from parambox.runtime.control import JOIN_FROM_ENV, LIFE_ENV
     from parambox.training.faults import FaultPlan
 
     env = os.environ
     threads = env.get("PARAMBOX_THREADS", "").strip()
     if threads and not (threads.isdigit() and int(threads) > 0):
         raise UserError(f"PARAMBOX_THREADS={env['PARAMBOX_THREADS']!r}: expected a positive integer")
-    if env.get(LIFE_ENV, "").strip() and not env[LIFE_ENV].strip().isdigit():
-        raise UserError(f"{LIFE_ENV}={env[LIFE_ENV]!r}: expected a count (it is the launcher's; unset it)")
+    for name in (LIFE_ENV, JOIN_FROM_ENV):
+        if env.get(name, "").strip() and not env[name].strip().isdigit():
+            raise UserError(f"{name}={env[name]!r}: expected a count (it is the launcher's; unset it)")
     for entry in env.get("PARAMBOX_STRATEGIES", "").split(";"):  # what register() hands the workers
         name, _, ref = entry.partition("=")
         module, _, attr = ref.partition(":")
@@ -205,6 +207,17 @@ def check_variables() -> None:
             raise UserError(
                 f"PARAMBOX_FAULT={spec!r}: no fault {unknown[0]!r} (choose from {', '.join(FAULT_KINDS)})"
             )
+
+
+def check_fault_ranks(plan: Plan) -> None:
+    """A fault aimed at a rank the run does not have would silently inject nothing."""
+    from parambox.training.faults import FaultPlan
+
+    ranks = plan.world.world_size if plan.external else plan.processes
+    spec = os.environ.get("PARAMBOX_FAULT")
+    beyond = [r for r, _, _ in FaultPlan.parse(spec).faults if r >= ranks]
+    if beyond:
+        raise UserError(f"PARAMBOX_FAULT={spec!r}: no rank {beyond[0]} in this run of {ranks} rank(s)")
 
 
 # The kinds of fault parambox.training.faults injects (its docstring says what each does)

@@ -141,8 +141,9 @@ def run_worker(cfg, world: World, run_dir: Path, resume: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from parambox.run.plan import load_recorded
-    from parambox.runtime.control import SPARE_FLAG
+    from parambox.runtime.control import SPARE_FLAG, take_console
 
+    take_console()  # rank 0: Python's output to the console, C++'s through the launcher's pipe
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         print("usage: python -m parambox.run.worker RUN_DIR [--resume] [--spare]", file=sys.stderr)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import sys
 from collections.abc import Mapping
 
 BOARD_ENV = "PARAMBOX_BOARD_FD"  # the board's descriptor in a worker
@@ -36,6 +37,7 @@ REJOIN_ENV = "PARAMBOX_REJOIN"  # "1" in a replacement that joins a run in progr
 JOIN_FROM_ENV = "PARAMBOX_JOIN_FROM"  # workers = "MIN:MAX": MIN; the ranks from it on join the running run
 SPARE_FLAG = "--spare"  # the worker entry waits, warmed up, to be told which dead rank it replaces
 SPARE_ENV = "PARAMBOX_FROM_SPARE"  # "1" in a replacement that was a warm spare
+CONSOLE_ENV = "PARAMBOX_CONSOLE_FD"  # rank 0: the launcher's console, for Python's output (stderr is a pipe)
 HEARTBEAT_ENV = "PARAMBOX_HEARTBEAT"  # the file rank 0 touches as it steps (runtime/dist.py)
 
 RUNNING, DEAD, EXITED = 0, 1, 2
@@ -128,6 +130,21 @@ def joins_from(world_size: int, env: Mapping[str, str] | None = None) -> int:
     """The first rank that joins the run once it is under way (``workers = "MIN:MAX"``: MIN); the world
     size where every rank starts it."""
     return min(world_size, int((os.environ if env is None else env).get(JOIN_FROM_ENV) or world_size))
+
+
+def take_console(env: Mapping[str, str] | None = None) -> None:
+    """Rank 0 under the local launcher: Python's ``sys.stderr`` (warnings, the progress bar, its error
+    line) writes straight to the launcher's console (``CONSOLE_ENV``, a terminal keeps its bar), while
+    the descriptor 2 that C++ writes to is the launcher's pipe: a group restart then moves a dying
+    life's C++ frames into its log, as it does the other ranks'."""
+    fd = (os.environ if env is None else env).get(CONSOLE_ENV)
+    if not fd:
+        return
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        old = sys.stderr
+        old.flush()
+        # this process's stderr from now on, encoded as the one it replaces
+        sys.stderr = open(int(fd), "w", buffering=1, encoding=old.encoding, errors=old.errors)  # noqa: SIM115
 
 
 def rejoining(env: Mapping[str, str] | None = None) -> bool:

@@ -28,6 +28,8 @@ class FaultPlan:
         for item in (spec or "").split(","):
             if item.strip():
                 rank, step, kind = item.strip().split(":")
+                if int(rank) < 0 or int(step) < 0:
+                    raise ValueError(f"PARAMBOX_FAULT {item.strip()!r}: RANK and STEP are counts from 0")
                 faults.append((int(rank), int(step), kind))
                 if kind.startswith("partition"):
                     partition_seconds(kind)  # a malformed duration fails at start-up, not at the step

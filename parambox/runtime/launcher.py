@@ -25,6 +25,7 @@ from pathlib import Path
 from parambox.runtime import elastic, spawn
 from parambox.runtime.cluster import WINDOWS_MCA, ClusterConfig
 from parambox.runtime.control import (
+    CONSOLE_ENV,
     HEARTBEAT_ENV,
     JOIN_FROM_ENV,
     LIFE_ENV,
@@ -228,8 +229,24 @@ class _Ranks:
         if self.placement is not None:
             cmd, renv = self.placement(rank, list(cmd), renv)
         if rank == 0:
-            return spawn.start(cmd, renv, pass_fds=fds)
+            return self._rank0(cmd, renv, fds)
         return self._piped(cmd, renv, fds, [str(rank)])
+
+    def _rank0(self, cmd: list[str], env: dict[str, str], fds: list[int]) -> subprocess.Popen:
+        """Rank 0 writes to the console itself (its bar, its summary) but for the descriptor 2 of its C++
+        code, which is pumped here unprefixed: what a stopped life prints goes to that life's log."""
+        try:
+            console = os.dup(sys.stderr.fileno())
+        except (AttributeError, OSError, ValueError):  # no descriptor (a captured stderr): as it is
+            return spawn.start(cmd, env, pass_fds=fds)
+        try:
+            env = dict(env, **{CONSOLE_ENV: str(console)})
+            p = spawn.start(cmd, env, stderr=subprocess.PIPE, pass_fds=[*fds, console])
+        finally:
+            os.close(console)
+        args = (p.stderr, sys.stderr, None, self.muted, self.life)
+        threading.Thread(target=_pump, args=args, daemon=True).start()
+        return p
 
     def _piped(
         self, cmd: list[str], env: dict[str, str], fds: list[int], label: list[str], **popen
@@ -325,16 +342,19 @@ class _Life:
                 f.write(line)
 
 
-def _pump(stream, sink, label: list[str], muted: threading.Event, life: _Life) -> None:
+def _pump(stream, sink, label: list[str] | None, muted: threading.Event, life: _Life) -> None:
+    """A rank's output onto the console (prefixed with its rank; rank 0's: as it is), or into its life's
+    log once that life is stopped."""
+    prefix = f"[rank {label[0]}] " if label else ""
     for raw in iter(stream.readline, b""):
         if not muted.is_set() and any(m in raw for m in _SYMPTOMS):
             deadline = time.monotonic() + SYMPTOM_HOLD_S
             while not (muted.is_set() or life.ended.is_set()) and time.monotonic() < deadline:
                 life.ended.wait(0.05)
         if life.ended.is_set():
-            life.keep(f"[rank {label[0]}] {raw.decode(errors='replace')}")
+            life.keep(f"[rank {label[0] if label else 0}] {raw.decode(errors='replace')}")
             continue
         if muted.is_set():
             continue  # keep draining, so the rank never blocks on a full pipe
-        sink.write(f"[rank {label[0]}] {raw.decode(errors='replace')}")
+        sink.write(f"{prefix}{raw.decode(errors='replace')}")
         sink.flush()

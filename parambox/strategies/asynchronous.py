@@ -255,7 +255,9 @@ class AsyncStrategy(Strategy):
         (:meth:`Membership.await_leader`); a memory rank serves until then."""
         rank, members = self.world.rank, self.membership
         if self.serves:
-            members.serve()
+            # Past twice the longest a worker may legitimately stand still (a leader waits lost_after_s
+            # for a stalled peer): the launcher's watch on mpiexec uses the same bound.
+            members.serve(deadline_s=2 * max(self.ctx.timeout_s, members.lost_after_s))
             return
         members.settle()  # every step counted before DONE says so
         if not self.halted:

@@ -28,6 +28,7 @@ _POLL_S = 0.01
 COUNTS_IN_FLIGHT = 8
 _RANK0_CLAIM = 1 << 20  # rank 0's claim of the lead in the ``lead`` counter; another worker's adds 1
 _SERVE_POLL_S = 0.002  # a memory rank's pace: failures are noticed within a few ms of MPI knowing
+_SERVE_LOOK_S = 0.2  # how often it reads every worker's counters for progress (one read per poll is rank 0's)
 
 Seen = dict[int, tuple[int, float, int]]  # rank -> (its step count, when it last moved, its life)
 
@@ -209,11 +210,17 @@ class Membership:
             if pending:
                 time.sleep(_POLL_S)
 
-    def serve(self) -> None:
+    def serve(self, deadline_s: float) -> None:
         """A memory rank: drive MPI's progress and failure detection, and mark dead workers LOST in
         the box (the leader reads it), until the leader has taken the center (``FINAL``: rank 0, or
-        the worker that took over from a lost rank 0) or every worker is lost."""
+        the worker that took over from a lost rank 0) or every worker is lost. ``CommTimeout`` once
+        every worker is gone without that, or none made progress (a step, a status, the start) for
+        ``deadline_s``: a hung rank 0 does not keep this rank serving forever.
+
+        >>> membership.serve(deadline_s=2 * timeout)  # doctest: +SKIP
+        """
         marks = self.rank == self.num_workers  # the first memory rank: one writer of LOST bits
+        progress, moved, looked = None, time.monotonic(), 0.0
         while True:
             for r in self.box.failed_ranks():
                 if r < self.num_workers and marks:
@@ -221,7 +228,46 @@ class Membership:
             status = self.box.read_counter(self.m.status(0))
             if status & FINAL or (status & LOST and self._all_lost()):
                 return
+            now = time.monotonic()
+            if now - looked >= _SERVE_LOOK_S:  # the counters all, a few times a second (not every poll)
+                looked = now
+                if self._all_gone():
+                    raise CommTimeout(
+                        f"memory rank {self.rank}: every worker is gone and none took the center; nothing left to serve"
+                    )
+                if (seen := self._progress()) != progress:
+                    progress, moved = seen, now
+                elif now - moved > deadline_s:
+                    raise CommTimeout(
+                        f"memory rank {self.rank}: no worker made progress for {deadline_s:g} s "
+                        "(rank 0 hung or stopped?); it stops serving"
+                    )
             time.sleep(_SERVE_POLL_S)
+
+    def _progress(self) -> tuple[int, ...]:
+        """What moves while any worker gets on: the start, each one's steps and status, the lead."""
+        m, read = self.m, self.box.read_counter
+        workers = range(self.num_workers)
+        return (
+            read(m.ready),
+            read(m.lead),
+            *(read(m.steps(r)) for r in workers),
+            *(read(m.status(r)) for r in workers),
+        )
+
+    def _all_gone(self) -> bool:
+        """Every worker dead for good: marked LOST, dead to MPI or the launcher, or (with neither) its
+        process on this host exited. A replacement under way is not gone (the launcher's board)."""
+        failed = set(self.box.failed_ranks())
+        for r in range(self.num_workers):
+            if self.box.read_counter(self.m.status(r)) & LOST or r in failed:
+                continue
+            if self.board is not None:
+                if not self.board.dead(r):
+                    return False
+            elif not identity_gone(self.box.read_counter(self.m.ident(r))):
+                return False
+        return True
 
     def await_leader(self) -> bool:
         """A worker other than rank 0, done: until rank 0 has taken the center (``FINAL``). True where

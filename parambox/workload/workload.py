@@ -199,6 +199,8 @@ def load_data(cfg: Any, data_fn: Callable | None, collate: Callable | None) -> T
             "Datasets (test may be None)"
         )
     train, test = result
+    if train is None:
+        raise UserError(f"data factory {name} returned no training set (train is None; test may be)")
     for part, ds in (("train", train), ("test", test)):
         if ds is not None and not loader.is_map_style(ds):
             raise UserError(
