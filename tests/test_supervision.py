@@ -195,3 +195,52 @@ def test_a_rank_stopped_for_the_timeout_in_a_run_that_survives_in_place_is_kille
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_run_that_survives_in_place_restarts_once_no_live_member_is_left_to_admit(tmp_path):
+    """Every rank of the group dead or a replacement still waiting for its admission: nobody can admit
+    them (each waits ``2 x --timeout``, dies, and was replaced again for every restart left: ``bench
+    chaos --quick`` hung so under load). The whole group restarts instead; a replacement the group
+    admitted is a member that admits the next one."""
+    from torch.distributed import HashStore
+
+    from parambox.runtime.elastic import FORMED_KEY
+    from parambox.runtime.supervisor import Starters, Supervisor
+
+    started: list[subprocess.Popen] = []
+
+    def sleeper() -> subprocess.Popen:
+        started.append(subprocess.Popen(["sleep", "60"], start_new_session=True))  # as spawn.start
+        return started[-1]
+
+    def stop(procs: list[subprocess.Popen]) -> None:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+    groups = []
+    starters = Starters(
+        group=lambda life, resume: groups.append(life) or [sleeper() for _ in range(3)],
+        rank=lambda rank, life: sleeper(),
+        stop=stop,
+    )
+    try:
+        for admitted in (False, True):
+            store, groups[:] = HashStore(), []
+            procs = [sleeper() for _ in range(3)]
+            sup = Supervisor(procs, tmp_path, False, starters=starters, max_restarts=10, shrink_store=store)
+            sup._life_store().add(FORMED_KEY, 3)
+            for rank in (1, 2):  # replaced: the original rank 0 is a member that admits them
+                sup.procs[rank].kill()
+                sup.procs[rank].wait()
+                assert not sup._poll() and groups == [] and sup.result.restarts == rank
+            if admitted:
+                sup._life_store().set("admit/2/2", "{}")  # rank 2's replacement (its life 2) is in
+            sup.procs[0].kill()
+            sup.procs[0].wait()
+            assert not sup._poll()
+            assert groups == ([] if admitted else [3]), admitted  # life 3: the group's restart
+            assert sup.result.restarts == 3 and all(p.poll() is None for p in sup.procs)
+            stop(sup.procs)
+    finally:
+        stop(started)

@@ -17,7 +17,8 @@ Every 50 ms it polls the workers. What it does when one exits non-zero depends o
   out (it stalled past their timeout) is SIGKILLed, and so is a rank the kernel shows stopped
   (SIGSTOP, a suspended job) for ``--timeout``: its death then ends the survivors' wait at once,
   where a stopped rank left alive costs them the decider's grace on top of their timeout. A death
-  before the group formed falls back to the next case.
+  before the group formed, or one that leaves no live member to admit a replacement (every other
+  rank is a replacement still waiting for its admission), falls back to the next case.
   An asynchronous run's rank stopped for ``--timeout`` is SIGKILLed too (and replaced, or lost): it
   may hold a lock of the box that its peers wait for.
 - synchronous: every worker is stopped. With restarts left the whole group starts again from the
@@ -113,6 +114,7 @@ class Supervisor:
         self._job_beat: tuple[Any, float] = ((), time.monotonic())
         self._job_polled = self._job_moved = False  # looked at its files yet; seen them change since
         self._fenced: set[int] = set()
+        self._joining: dict[int, int] = {}  # in place: rank -> the life of its replacement (ElasticGroup)
         self._group_life = 0  # restarts of the whole group (each runs the elastic protocol afresh)
         self._beat: tuple[tuple[int, int], float] = ((0, 0), time.monotonic())  # (size, mtime), when changed
         self._stopped_since: dict[int, float] = {}  # rank -> when it was first seen stopped
@@ -254,7 +256,28 @@ class Supervisor:
         replacement takes the dead rank's slot in the box; an asynchronous one, the center)."""
         life = self.board.begin_life(rank) if self.board is not None else self.result.restarts + 1
         self.procs[rank] = self.starters.rank(rank, life)
+        self._joining[rank] = life
         self.result.restarts += 1
+
+    def _members_left(self, dead: int) -> bool:
+        """A rank other than ``dead`` is a live member of the group that survives in place: one of the
+        ranks that formed it, never replaced, or a replacement the group admitted (``admit/<rank>/<life>``
+        in the store). Without one nobody admits a replacement: each waited its ``2 x --timeout`` for
+        the word, died and was replaced again, for every restart left (``bench chaos --quick`` under
+        load: a joiner given up on before its admission made the last members' new generation time
+        out, and the run went on replacing for hours)."""
+        store = self._life_store()
+        formed = self.formed_at or len(self.procs)
+        for r, proc in enumerate(self.procs):
+            if r == dead or r in self.finished or r in self._fenced or proc.poll() is not None:
+                continue
+            life = self._joining.get(r)
+            if life is None and r < formed:
+                return True
+            with contextlib.suppress(Exception):
+                if store.check([f"admit/{r}/{self._group_life if life is None else life}"]):
+                    return True
+        return False
 
     def _rank0_running(self, rank: int) -> bool:
         # Once rank 0 has written the result, a replacement would train for nothing (a lost rank 0
@@ -280,6 +303,8 @@ class Supervisor:
         if self._life_store().add(FORMED_KEY, 0) < (self.formed_at or len(self.procs)):
             return False  # a rank died before every rank had joined: nobody can regroup (gloo#520)
         _kill_session(self.procs[rank])  # its loader processes hold its sockets: the peers see it gone now
+        if not self._members_left(rank):
+            return False  # nobody left to admit a replacement: the group restarts (or the run fails)
         if self._restarts_left():  # a replacement joins at a step boundary, state from a live rank
             self._start_replacement(rank)
             return True
@@ -352,6 +377,7 @@ class Supervisor:
         self._life_started = now
         self.result.restarts += 1
         self._group_life = self.result.restarts
+        self._joining.clear()
         self.procs[:] = self.starters.group(self.result.restarts, self.starters.can_resume())
         self.finished.clear()
         return True
