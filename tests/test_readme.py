@@ -49,8 +49,15 @@ def _commands(body: str) -> list[list[str]]:
     for line in text.splitlines():
         line = line.split(" #")[0].strip()
         if line and not line.startswith("#"):
-            out += [shlex.split(part) for part in line.split("&&")]
+            out += [_command(shlex.split(part)) for part in line.split("&&")]
     return out
+
+
+def _command(argv: list[str]) -> list[str]:
+    """``argv`` without its leading environment assignments (``VAR=value cmd ...``)."""
+    while argv and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", argv[0]):
+        argv = argv[1:]
+    return argv
 
 
 LINES = [(page, argv) for page, body in SHELL for argv in _commands(body) if argv]

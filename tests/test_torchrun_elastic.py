@@ -50,11 +50,22 @@ def test_a_membership_restart_is_known_by_the_recorded_job(tmp_path):
     assert not elastic.is_restart(tmp_path, _env("job-2", port=1111))  # another job: refused as before
 
 
-def test_the_default_run_id_needs_the_same_store_too(tmp_path):
-    """``none`` (c10d's default --rdzv-id) is every such job's: only the agents' store tells them apart."""
+def test_the_ranks_of_one_life_agree_while_they_write_the_record(tmp_path):
+    """Rank 0 records the job before rank 1 reads it: the same store is the same life, not a restart
+    (every torchrun run of two workers or more failed on this), and a later life's own record leaves
+    the first life's store in place for its slower siblings."""
+    elastic.record(tmp_path, _env("job-1", port=1111))
+    assert not elastic.is_restart(tmp_path, _env("job-1", port=1111))
+    elastic.record(tmp_path, _env("job-1", port=2222))  # the next life's rank 0
+    assert elastic.is_restart(tmp_path, _env("job-1", port=2222))  # its rank 1, reading after
+
+
+def test_the_default_run_id_is_a_restart_only_by_its_count(tmp_path):
+    """``none`` (c10d's default --rdzv-id) is every such job's, and its agents share one store."""
     elastic.record(tmp_path, _env("none", port=1111))
-    assert elastic.is_restart(tmp_path, _env("none", port=1111))
+    assert not elastic.is_restart(tmp_path, _env("none", port=1111))
     assert not elastic.is_restart(tmp_path, _env("none", port=2222))
+    assert elastic.is_restart(tmp_path, _env("none", port=1111, count=1))
 
 
 def test_a_restart_over_the_agents_shared_store_is_refused_in_one_line():
