@@ -187,6 +187,22 @@ def test_options_that_cannot_apply_are_refused_in_one_line():
             AsyncDiloco._check_quorum(four, DilocoOptions(asynchronous=True, quorum=2, **delayed_nesterov))
 
 
+def test_a_quorum_brings_its_own_default_outer_lr_and_the_users_wins():
+    """Typed by name, a quorum run trains: its default outer_lr is 0.35 (QuorumDiloco's docstring has the
+    sweep: Delayed Nesterov's 0.7 overshoots a quorum's step); a value the user sets is kept."""
+    from parambox.config import build_config
+    from parambox.presets import PRESETS
+
+    def outer_lr(*layers: dict) -> float:
+        return build_config(*layers).strategy_options().outer_lr
+
+    quorum = {"strategy": "diloco", "options": {"diloco": {"asynchronous": True, "quorum": 3}}}
+    assert outer_lr(quorum) == 0.35
+    assert outer_lr({"strategy": "diloco", "options": {"diloco": {"asynchronous": True}}}) == 0.7
+    assert outer_lr(quorum, {"options": {"diloco": {"outer_lr": 0.5}}}) == 0.5
+    assert outer_lr(PRESETS["digits-diloco-async"](), {"options": {"diloco": {"quorum": 3}}}) == 0.35
+
+
 # -- the memory server's fused step (in a process of its own: box/server.py imports mpi4py, see
 # tests/test_house_outer_step.py) ------------------------------------------------------------------------
 

@@ -272,6 +272,23 @@ def test_dogwild_fails_naming_rank_0_when_it_dies(tmp_path):
     )  # fmt: skip
     line = "worker rank 0 failed: killed by signal SIGKILL; dogwild cannot go on without it: rank 0 is the master"
     assert proc.returncode == 1 and line in proc.stderr, proc.stderr
+    assert "--max-restarts" in proc.stderr  # the way out, named
+
+
+@pytest.mark.timeout(170)
+def test_dogwild_restarts_the_group_from_the_checkpoint_when_its_master_dies(tmp_path):
+    """No replacement can rebuild the master's weights and optimizer state: with restarts left, rank 0's
+    death restarts every rank from the last checkpoint (it used to replace rank 0 alone, whose empty
+    master then waited on workers that had died of its loss: the run hung)."""
+    run = tmp_path / "r"
+    proc = run_cli(
+        "train", "--strategy", "dogwild", "--steps", "60", *FAST, "--timeout", "20", "--checkpoint-every", "20",
+        "--max-restarts", "1", "--out", str(run), env={"PARAMBOX_FAULT": "0:30:kill"},
+    )  # fmt: skip
+    assert "restarting the workers from the last checkpoint (1 of 1): worker rank 0 failed" in proc.stderr
+    assert "resuming from step 20 of 60" in proc.stdout + proc.stderr
+    s = summary(run)
+    assert (s["steps"], s["restarts"], s["lost_workers"]) == (60, 1, []), s
 
 
 @pytest.mark.slow

@@ -54,6 +54,8 @@ run's store, which rank 0 serves and watches for it), takes the dead worker's st
 counts, waits for the newest weights and carries on; rank 0 waits for a replacement under way (up to
 ``lost_after_s``) before it ends, and the worker is not listed lost. Its gradient count is treated as
 caught up with the others' for the staleness bound (it starts from the newest weights).
+Rank 0 is not replaced: its weights and optimizer state are the run's, so with restarts left its death
+restarts every rank from the last checkpoint (``rank0_role``; the launcher's supervisor).
 
 Messages (float32, host memory): ``[gradient | kind, version used, loss, samples, steps done]``;
 broadcasts ``[weights | version, staleness, final, gradients taken from this worker, then per rank
