@@ -853,4 +853,3 @@ class QuorumDiloco(AsyncDiloco):
     0.947-0.961, 0.913-0.955)."""
 
     default_options = {**AsyncDiloco.default_options, "outer_lr": 0.35}
-
