@@ -26,6 +26,21 @@ not finite is not pushed, and the worker halts at the step's end (the buckets pu
 finite). Only in the steps parambox drives (``before_backward`` saw a finite loss): a
 ``DistributedOptimizer`` user's backward pushes after it.
 
+``compression`` (``bf16``, ``int8``, ``int4``, ``int2``, ``sign``, ``topk``; ``compression_block``,
+``compression_ratio``: :class:`~parambox.strategies.compress.Compressor`'s encodings): each push is
+encoded on the worker with error feedback, ``e <- e + a; c <- c + D(Q(e)); e <- e - D(Q(e))``: what
+one push leaves out goes with the next ones (the decoded pushes plus the error still owed sum to the
+updates made). The center stays float32 and so does what a pull brings back. The box adds the
+*decoded* update: on ``shm`` the worker adds into shared memory itself (no link to save), and on
+``rma`` (MPI windows or the memory server) and through a node's cache the push still carries the
+decoded float32, so **no link bytes are saved** (a warning says so): the encoding changes what the
+center receives, not what crosses the link. The error is this worker's own: in its checkpoints
+(``downpour.error``), so it survives a resume, and kept in memory by the workers that go on when
+another is lost; a replacement of a dead worker starts with none (its predecessor's error, like its
+unpushed steps, died with it). With compression the buckets are not pushed during backward
+(``bucket_mb``): a push is encoded whole. ``powersgd`` is refused (it needs an allreduce of every
+worker's gradient). Adagrad's squared sums go as float32.
+
 As the rule says, a pull replaces the replica, also its own steps not yet pushed: with
 ``n_fetch < n_push`` and momentum a worker keeps re-taking those steps and overshoots (0.57 test
 accuracy on the default run with fetch 2 / push 4; 0.95 with --momentum 0). Adagrad wants a smaller
@@ -38,7 +53,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from parambox.box import VERSION_COUNTER
 from parambox.box.base import Handle, wait_until
@@ -48,13 +63,14 @@ from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
 from parambox.strategies.base import Context, StepResult
 from parambox.strategies.center import CenterClient
-from parambox.strategies.exchange import Background
+from parambox.strategies.compress import Compressor
+from parambox.strategies.exchange import Background, CompressionOptions, box_compressor
 from parambox.strategies.grads import FinishedTail, GradViews, step_only
 
 ADAGRAD_EPS = 1e-10
 
 
-class DownpourOptions(AsyncOptions):
+class DownpourOptions(AsyncOptions, CompressionOptions):
     n_fetch: int = Field(1, ge=1, description="pull the center weights every n_fetch steps")
     n_push: int = Field(1, ge=1, description="push the accumulated update every n_push steps")
     adagrad: bool = Field(False, description="per-parameter Adagrad rates from squared sums kept in the box")
@@ -68,6 +84,16 @@ class DownpourOptions(AsyncOptions):
         description="across nodes: push-pull each finished bucket of this size during backward; "
         "0: the whole update after backward",
     )
+
+    @field_validator("compression")
+    @classmethod
+    def _per_worker(cls, mode: str) -> str:
+        if mode == "powersgd":
+            raise ValueError(
+                "powersgd needs an allreduce of every worker's gradient at once; a downpour push is one "
+                "worker's: choose bf16, int8, int4, int2, sign or topk"
+            )
+        return mode
 
     @model_validator(mode="after")
     def _overlap_fetches_at_push(self) -> DownpourOptions:
@@ -92,8 +118,11 @@ class DownpourWorker:
         damped: bool = False,
         fuse: bool = False,
         background: Background | None = None,
+        compressor: Compressor | None = None,
     ):
         self.client, self.x, self.n_fetch, self.n_push, self.damped = client, x, n_fetch, n_push, damped
+        # ``downpour.compression``: each push is encoded with error feedback (``encoded``)
+        self.compressor = compressor
         self.acc = torch.zeros_like(x)  # a: the local update not yet pushed
         self.snap = x.clone()  # x right after the last exchange; a = acc + (x - snap)
         self.acc_live = False  # acc holds something (a pull came between two pushes)
@@ -125,9 +154,19 @@ class DownpourWorker:
             self.fetched_for = step + 1
         return ok
 
+    def encoded(self, update: torch.Tensor) -> torch.Tensor:
+        """What a push of ``update`` adds to the center: ``update`` itself, or with compression the
+        decoded message ``D(Q(e + update))``, the error kept for the next push (``e <- e + update -
+        D(Q(e + update))``). A non-finite ``update`` is returned as it is, the error untouched: the
+        push refuses it."""
+        if self.compressor is None or not is_finite(update):
+            return update
+        return self.compressor.round_trip(update)
+
     def exchange_part(self, lo: int, hi: int) -> Handle | None:
         """Start ``c[lo:hi] <- c[lo:hi] + (x - snap)[lo:hi]`` and ``x[lo:hi] <- c[lo:hi]`` (a bucket of
         a fused push-pull, sent during backward); None, sending nothing, if its update is not finite."""
+        assert self.compressor is None, "a compressed push encodes the whole update at once"
         part = torch.sub(self.x[lo:hi], self.snap[lo:hi], out=self.acc[lo:hi])
         if not is_finite(part):
             return None
@@ -158,6 +197,8 @@ class DownpourWorker:
         torch.sub(self.x, self.snap, out=self.sending)
         if not is_finite(self.sending):
             return False
+        if self.compressor is not None:  # the center takes the decoded message; x keeps its own steps
+            self.sending.copy_(self.encoded(self.sending))
         self.snap.copy_(self.x)
         client, damped = self.client, self.damped
 
@@ -184,10 +225,11 @@ class DownpourWorker:
                 self.acc.add_(self.x).sub_(self.snap)
             else:
                 torch.sub(self.x, self.snap, out=self.acc)
+            update = self.encoded(self.acc)
             if fetch:
-                ok = self.client.push_pull(self.acc, self.x, damped=self.damped)
+                ok = self.client.push_pull(update, self.x, damped=self.damped)
             else:
-                ok = self.client.push(self.acc, damped=self.damped)
+                ok = self.client.push(update, damped=self.damped)
         self.acc.zero_()
         self.acc_live = False
         self.snap.copy_(self.x)
@@ -255,7 +297,13 @@ class Downpour(AsyncStrategy):
         background = (
             Background(ctx.timeout_s, f"{self.name} exchange") if getattr(options, "overlap", False) else None
         )
-        self.worker = DownpourWorker(self.client, self.x, n_fetch, n_push, damped, fuse, background)
+        # dynsgd's options have no compression field: its pushes go as float32
+        compressor = (
+            box_compressor(options, self.numel, self.x.device) if hasattr(options, "compression") else None
+        )
+        self.worker = DownpourWorker(
+            self.client, self.x, n_fetch, n_push, damped, fuse, background, compressor
+        )
         # Buckets push-pulled during backward: a fused exchange every step (a push, then the next
         # step's fetch), undamped (a damped push needs its staleness first), on the host, straight
         # to the cross-node box (a node's cache counts pushes: its rounds are whole updates).
@@ -266,6 +314,7 @@ class Downpour(AsyncStrategy):
             and fuse
             and not damped
             and background is None
+            and compressor is None  # a compressed push is encoded whole, after backward
             and n_fetch == n_push
             and self.num_workers > 1
             and self.x.device.type == "cpu"
@@ -403,6 +452,8 @@ class Downpour(AsyncStrategy):
             "snap": self.worker.snap,
             "acc_live": self.worker.acc_live,
         }
+        if self.worker.compressor is not None and self.worker.compressor.error is not None:
+            state["downpour"]["error"] = self.worker.compressor.error  # what this worker's pushes still owe
         if self.adagrad is not None:  # this worker's squares not pushed yet (the box's sums: rank 0's)
             state["adagrad_local"] = self.adagrad.local
         return state
@@ -413,5 +464,8 @@ class Downpour(AsyncStrategy):
             self.worker.acc.copy_(state["downpour"]["acc"])
             self.worker.snap.copy_(state["downpour"]["snap"])
             self.worker.acc_live = bool(state["downpour"]["acc_live"])
+            compressor = self.worker.compressor
+            if compressor is not None and compressor.error is not None and "error" in state["downpour"]:
+                compressor.error.copy_(state["downpour"]["error"])
         if self.adagrad is not None and "adagrad_local" in state:
             self.adagrad.local.copy_(state["adagrad_local"])
