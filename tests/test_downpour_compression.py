@@ -20,7 +20,7 @@ import torch
 from parambox.box import new_prefix, open_box, remove_segments
 from parambox.runtime.world import World
 from parambox.strategies.center import CenterClient, CounterMap
-from parambox.strategies.compress import Compressor
+from parambox.strategies.compress import PushEncoder
 from parambox.strategies.downpour import DownpourWorker
 from parambox.strategies.exchange import Background
 from tests.conftest import final_weights, max_abs_diff, run_cli, summary
@@ -37,25 +37,29 @@ def _updates(seed: int) -> list[torch.Tensor]:
     return [torch.randn(N, generator=g) * 0.1 for _ in range(STEPS)]
 
 
-class Recording(Compressor):
-    """A compressor that keeps what each push gave it to encode: the worker's accumulated update, which
+class Recording(PushEncoder):
+    """An encoder that keeps what each push gave it to encode: the worker's accumulated update, which
     is the exact sum of its steps up to float32 rounding (``a = x - snap`` after a pull)."""
 
-    def __init__(self, mode: str):
-        super().__init__(mode, N, block=256, ratio=0.05)
+    def __init__(self, mode: str, pieces: list[tuple[int, int]] = ((0, N),)):
+        super().__init__(mode, list(pieces), 0, block=256, ratio=0.05)
         self.inputs: list[torch.Tensor] = []
 
-    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
         self.inputs.append(x.clone())
-        return super().round_trip(x)
+        return super().encode(x)
 
 
-def _encoder(mode: str) -> Compressor:
-    return Compressor(mode, N, block=256, ratio=0.05)
+def _round_trip(encoder: PushEncoder, x: torch.Tensor) -> torch.Tensor:
+    return encoder.decode(encoder.encode(x))
 
 
 def _closed_form(
-    mode: str, inputs: list[torch.Tensor], updates: list[torch.Tensor], n_push: int
+    mode: str,
+    inputs: list[torch.Tensor],
+    updates: list[torch.Tensor],
+    n_push: int,
+    pieces: list[tuple[int, int]] = ((0, N),),
 ) -> torch.Tensor:
     """The sum of an independent encoder's decoded messages of the pushed updates (checked to be the
     accumulations of ``updates`` every ``n_push`` steps, up to rounding): what the center must hold."""
@@ -64,8 +68,8 @@ def _closed_form(
         pushes.append(torch.zeros(N))
     assert len(inputs) == len(pushes)
     assert max(float((a - b).abs().max()) for a, b in zip(inputs, pushes)) <= 1e-5
-    reference = _encoder(mode)
-    return torch.stack([reference.round_trip(a) for a in inputs]).sum(0)
+    reference = PushEncoder(mode, list(pieces), 0, block=256, ratio=0.05)
+    return torch.stack([_round_trip(reference, a) for a in inputs]).sum(0)
 
 
 def _pushes(updates: list[torch.Tensor], n_push: int) -> list[torch.Tensor]:
@@ -103,7 +107,7 @@ def test_pushes_carry_the_decoded_messages_and_the_error_keeps_the_rest(mode, pa
             n_push,
             fuse=path == "fused",
             background=Background(10.0, "test") if path == "overlap" else None,
-            compressor=compressor,
+            encoder=compressor,
         )
         updates = _updates(seed=1)
         _drive(worker, x, updates)
@@ -124,15 +128,15 @@ def test_a_non_finite_update_is_refused_and_the_error_untouched():
     box = open_box("shm", World(), N, CounterMap(1).num_counters, name=f"dpn-{uuid.uuid4().hex[:8]}")
     try:
         x = torch.zeros(N)
-        worker = DownpourWorker(CenterClient(box, N), x, 1, 1, compressor=_encoder("int8"))
+        worker = DownpourWorker(CenterClient(box, N), x, 1, 1, encoder=Recording("int8"))
         worker.before_step(0)
         x.add_(_updates(2)[0])
         assert worker.after_step(0)
-        owed = worker.compressor.error.clone()
+        owed = worker.encoder.error.clone()
         worker.before_step(1)
         x[3] = float("nan")
         assert not worker.after_step(1)
-        assert torch.equal(worker.compressor.error, owed)
+        assert torch.equal(worker.encoder.error, owed) and len(worker.encoder.inputs) == 1
     finally:
         box.close()
 
@@ -146,7 +150,7 @@ def _rank(rank: int, mode: str, out: str) -> None:
     box = open_box("shm", world, N, CounterMap(2).num_counters, name="dpc2", timeout=30)
     x = torch.zeros(N)
     compressor = Recording(mode)
-    worker = DownpourWorker(CenterClient(box, N), x, 1, 2, compressor=compressor)
+    worker = DownpourWorker(CenterClient(box, N), x, 1, 2, encoder=compressor)
     _drive(worker, x, _updates(seed=10 + rank))
     torch.save(compressor.inputs, Path(out, f"inputs{rank}.pt"))
     box.barrier()  # both workers' pushes are in
@@ -189,7 +193,7 @@ def test_digits_preset_trains_with_int8_pushes(tmp_path):
         "train", "--preset", "digits-downpour", "--set", "downpour.compression=int8", "--no-progress",
         "--out", str(out),
     )  # fmt: skip
-    assert "no bytes are saved" in proc.stderr  # the link still carries float32: said, not hidden
+    assert "no link bytes are saved" in proc.stderr  # the link still carries float32: said, not hidden
     result = summary(out)
     assert result["steps"] == 600 and result["final_test_accuracy"] >= 0.92
 

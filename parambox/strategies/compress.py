@@ -44,6 +44,8 @@ from typing import Literal
 
 import torch
 
+from parambox.box.base import set_decoder
+
 Compression = Literal["none", "bf16", "int8", "int4", "int2", "sign", "topk", "powersgd"]
 DEFAULT_BLOCK = 256  # elements per scale: the scales cost 4/256 bytes per element
 DEFAULT_RATIO = 0.01  # topk: the share of elements sent
@@ -232,3 +234,59 @@ class Compressor:
             qmax = _QMAX[self.mode]
             codes = unpack_bits(codes, _BITS[self.mode], self.numel).to(torch.int8) - qmax
         return dequantize_int8(codes, scales, self.block)
+
+
+# The encodings a box's server can decode (``ParameterBox.push_encoded_async``), by code: their order is
+# the wire's.
+WIRE_MODES: tuple[str, ...] = ("bf16", "int8", "int4", "int2", "sign", "topk")
+
+
+class PushEncoder:
+    """A worker's update encoded for the box with error feedback (``ParameterBox.push_encoded_async``):
+    one :class:`Compressor` per range the box decodes apart (``code_pieces``: a shard each on the rma
+    memory server, the whole update elsewhere), their errors views into one flat ``error``.
+
+    >>> enc = PushEncoder("int8", [(0, 600), (600, 1000)], start=0)
+    >>> [m.numel() for m in enc.encode(torch.ones(1000))], enc.error.shape
+    ([612, 408], torch.Size([1000]))
+    """
+
+    def __init__(
+        self,
+        mode: Compression,
+        pieces: list[tuple[int, int]],
+        start: int,
+        block: int = DEFAULT_BLOCK,
+        ratio: float = DEFAULT_RATIO,
+        device: torch.device | None = None,
+    ):
+        self.mode, self.code, self.params = mode, WIRE_MODES.index(mode), (float(block), float(ratio))
+        self.ranges = [(lo - start, hi - start) for lo, hi in pieces]
+        self.numel = self.ranges[-1][1]
+        self.error = torch.zeros(self.numel, device=device)  # what the pushes still owe
+        self.parts = []
+        for lo, hi in self.ranges:
+            part = Compressor(mode, hi - lo, block, device=device, ratio=ratio)
+            part.error = self.error[lo:hi]
+            self.parts.append(part)
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The messages of ``x + error``, one a range; ``error`` keeps what they leave out."""
+        return [c.encode(x[lo:hi]) for c, (lo, hi) in zip(self.parts, self.ranges)]
+
+    def decode(self, messages: list[torch.Tensor]) -> torch.Tensor:
+        """What the box adds for these messages."""
+        return torch.cat([c.decode(m)[0] for c, m in zip(self.parts, messages)])
+
+    def message_bytes(self) -> int:
+        """Bytes of one push's messages."""
+        return sum(c.message_bytes(0) for c in self.parts)
+
+
+def _decode_push(code: int, message: torch.Tensor, numel: int, params: tuple[float, ...]) -> torch.Tensor:
+    block, ratio = params
+    mode = WIRE_MODES[code]
+    return Compressor(mode, numel, int(block), error_feedback=False, ratio=ratio).decode(message)[0]  # type: ignore[arg-type]
+
+
+set_decoder(_decode_push)

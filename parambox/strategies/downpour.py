@@ -63,8 +63,8 @@ from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
 from parambox.strategies.base import Context, StepResult
 from parambox.strategies.center import CenterClient
-from parambox.strategies.compress import Compressor
-from parambox.strategies.exchange import Background, CompressionOptions, box_compressor
+from parambox.strategies.compress import PushEncoder
+from parambox.strategies.exchange import Background, CompressionOptions
 from parambox.strategies.grads import FinishedTail, GradViews, step_only
 
 ADAGRAD_EPS = 1e-10
@@ -118,11 +118,11 @@ class DownpourWorker:
         damped: bool = False,
         fuse: bool = False,
         background: Background | None = None,
-        compressor: Compressor | None = None,
+        encoder: PushEncoder | None = None,
     ):
         self.client, self.x, self.n_fetch, self.n_push, self.damped = client, x, n_fetch, n_push, damped
-        # ``downpour.compression``: each push is encoded with error feedback (``encoded``)
-        self.compressor = compressor
+        # ``downpour.compression``: each push encoded with error feedback (``CenterClient.push_encoded``)
+        self.encoder = encoder
         self.acc = torch.zeros_like(x)  # a: the local update not yet pushed
         self.snap = x.clone()  # x right after the last exchange; a = acc + (x - snap)
         self.acc_live = False  # acc holds something (a pull came between two pushes)
@@ -154,19 +154,21 @@ class DownpourWorker:
             self.fetched_for = step + 1
         return ok
 
-    def encoded(self, update: torch.Tensor) -> torch.Tensor:
-        """What a push of ``update`` adds to the center: ``update`` itself, or with compression the
-        decoded message ``D(Q(e + update))``, the error kept for the next push (``e <- e + update -
-        D(Q(e + update))``). A non-finite ``update`` is returned as it is, the error untouched: the
-        push refuses it."""
-        if self.compressor is None or not is_finite(update):
-            return update
-        return self.compressor.round_trip(update)
+    def send(self, update: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+        """``c <- c + update`` (``out``: then ``out <- c``, one request); with compression the decoded
+        message ``D(Q(e + update))``, ``e <- e + update - D(Q(e + update))``. False, moving nothing and
+        the error untouched, if ``update`` is not finite."""
+        client = self.client
+        if self.encoder is not None:
+            return client.push_encoded(self.encoder, update, out)
+        if out is None:
+            return client.push(update, damped=self.damped)
+        return client.push_pull(update, out, damped=self.damped)
 
     def exchange_part(self, lo: int, hi: int) -> Handle | None:
         """Start ``c[lo:hi] <- c[lo:hi] + (x - snap)[lo:hi]`` and ``x[lo:hi] <- c[lo:hi]`` (a bucket of
         a fused push-pull, sent during backward); None, sending nothing, if its update is not finite."""
-        assert self.compressor is None, "a compressed push encodes the whole update at once"
+        assert self.encoder is None, "a compressed push encodes the whole update at once"
         part = torch.sub(self.x[lo:hi], self.snap[lo:hi], out=self.acc[lo:hi])
         if not is_finite(part):
             return None
@@ -197,16 +199,22 @@ class DownpourWorker:
         torch.sub(self.x, self.snap, out=self.sending)
         if not is_finite(self.sending):
             return False
-        if self.compressor is not None:  # the center takes the decoded message; x keeps its own steps
-            self.sending.copy_(self.encoded(self.sending))
         self.snap.copy_(self.x)
-        client, damped = self.client, self.damped
+        client, damped, encoder = self.client, self.damped, self.encoder
+        # encoded here, not in the thread: the error is the worker's state (a checkpoint's)
+        messages = None if encoder is None else encoder.encode(self.sending)
 
         def task() -> None:
             box = client.box
             version = box.add_counter(VERSION_COUNTER, 1)
             scale = 1.0 / (version - client.pulled_version + 1) if damped else 1.0
-            box.push_pull(self.sending, self.pulled, scale, client.start)
+            if messages is None:
+                box.push_pull(self.sending, self.pulled, scale, client.start)
+            else:  # the center takes the decoded messages; x keeps its own steps
+                n = self.sending.numel()
+                box.push_encoded_async(
+                    messages, n, encoder.code, encoder.params, scale, client.start, self.pulled
+                ).wait()
             client.pulled_version = version + 1
 
         self.background.start(task)
@@ -225,11 +233,7 @@ class DownpourWorker:
                 self.acc.add_(self.x).sub_(self.snap)
             else:
                 torch.sub(self.x, self.snap, out=self.acc)
-            update = self.encoded(self.acc)
-            if fetch:
-                ok = self.client.push_pull(update, self.x, damped=self.damped)
-            else:
-                ok = self.client.push(update, damped=self.damped)
+            ok = self.send(self.acc, self.x if fetch else None)
         self.acc.zero_()
         self.acc_live = False
         self.snap.copy_(self.x)
@@ -297,13 +301,8 @@ class Downpour(AsyncStrategy):
         background = (
             Background(ctx.timeout_s, f"{self.name} exchange") if getattr(options, "overlap", False) else None
         )
-        # dynsgd's options have no compression field: its pushes go as float32
-        compressor = (
-            box_compressor(options, self.numel, self.x.device) if hasattr(options, "compression") else None
-        )
-        self.worker = DownpourWorker(
-            self.client, self.x, n_fetch, n_push, damped, fuse, background, compressor
-        )
+        encoder = self._encoder(options)
+        self.worker = DownpourWorker(self.client, self.x, n_fetch, n_push, damped, fuse, background, encoder)
         # Buckets push-pulled during backward: a fused exchange every step (a push, then the next
         # step's fetch), undamped (a damped push needs its staleness first), on the host, straight
         # to the cross-node box (a node's cache counts pushes: its rounds are whole updates).
@@ -314,7 +313,7 @@ class Downpour(AsyncStrategy):
             and fuse
             and not damped
             and background is None
-            and compressor is None  # a compressed push is encoded whole, after backward
+            and encoder is None  # a compressed push is encoded whole, after backward
             and n_fetch == n_push
             and self.num_workers > 1
             and self.x.device.type == "cpu"
@@ -344,6 +343,21 @@ class Downpour(AsyncStrategy):
 
     def exchange_periods(self) -> tuple[int, int]:
         return self.options.n_fetch, self.options.n_push
+
+    def _encoder(self, options: DownpourOptions) -> PushEncoder | None:
+        """``downpour.compression``'s encoder of this worker's pushes (dynsgd's options have none)."""
+        mode = getattr(options, "compression", "none")
+        if mode == "none":
+            return None
+        if not self.box.decodes_pushes and self.world.rank == 0:
+            warn(
+                f"downpour.compression={mode}: the {self.box.backend} box here adds float32 that the worker "
+                "decoded: no link bytes are saved (the rma box's memory server, box.server, takes the codes)"
+            )
+        pieces = self.box.code_pieces(0, self.numel)
+        return PushEncoder(
+            mode, pieces, 0, options.compression_block, options.compression_ratio, self.x.device
+        )
 
     def begin_step(self, step: int) -> None:
         if not self.warm:
@@ -452,8 +466,8 @@ class Downpour(AsyncStrategy):
             "snap": self.worker.snap,
             "acc_live": self.worker.acc_live,
         }
-        if self.worker.compressor is not None and self.worker.compressor.error is not None:
-            state["downpour"]["error"] = self.worker.compressor.error  # what this worker's pushes still owe
+        if self.worker.encoder is not None:
+            state["downpour"]["error"] = self.worker.encoder.error  # what this worker's pushes still owe
         if self.adagrad is not None:  # this worker's squares not pushed yet (the box's sums: rank 0's)
             state["adagrad_local"] = self.adagrad.local
         return state
@@ -464,8 +478,7 @@ class Downpour(AsyncStrategy):
             self.worker.acc.copy_(state["downpour"]["acc"])
             self.worker.snap.copy_(state["downpour"]["snap"])
             self.worker.acc_live = bool(state["downpour"]["acc_live"])
-            compressor = self.worker.compressor
-            if compressor is not None and compressor.error is not None and "error" in state["downpour"]:
-                compressor.error.copy_(state["downpour"]["error"])
+            if self.worker.encoder is not None and "error" in state["downpour"]:
+                self.worker.encoder.error.copy_(state["downpour"]["error"])
         if self.adagrad is not None and "adagrad_local" in state:
             self.adagrad.local.copy_(state["adagrad_local"])
