@@ -187,7 +187,7 @@ RESUME += ["--threads", "1", "--batch-size", "16", "--set", "downpour.compressio
 
 @pytest.mark.timeout(60)
 def test_digits_preset_trains_with_int8_pushes(tmp_path):
-    """Measured: 0.975 test accuracy (seed 0; 0.964 uncompressed): int8 with error feedback costs nothing."""
+    """Measured at seed 0: 0.975 and 0.958 in two runs (0.964 and 0.958 uncompressed)."""
     out = tmp_path / "run"
     proc = run_cli(
         "train", "--preset", "digits-downpour", "--set", "downpour.compression=int8", "--no-progress",

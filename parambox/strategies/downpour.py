@@ -28,18 +28,20 @@ finite). Only in the steps parambox drives (``before_backward`` saw a finite los
 
 ``compression`` (``bf16``, ``int8``, ``int4``, ``int2``, ``sign``, ``topk``; ``compression_block``,
 ``compression_ratio``: :class:`~parambox.strategies.compress.Compressor`'s encodings): each push is
-encoded on the worker with error feedback, ``e <- e + a; c <- c + D(Q(e)); e <- e - D(Q(e))``: what
-one push leaves out goes with the next ones (the decoded pushes plus the error still owed sum to the
-updates made). The center stays float32 and so does what a pull brings back. The box adds the
-*decoded* update: on ``shm`` the worker adds into shared memory itself (no link to save), and on
-``rma`` (MPI windows or the memory server) and through a node's cache the push still carries the
-decoded float32, so **no link bytes are saved** (a warning says so): the encoding changes what the
-center receives, not what crosses the link. The error is this worker's own: in its checkpoints
-(``downpour.error``), so it survives a resume, and kept in memory by the workers that go on when
-another is lost; a replacement of a dead worker starts with none (its predecessor's error, like its
-unpushed steps, died with it). With compression the buckets are not pushed during backward
-(``bucket_mb``): a push is encoded whole. ``powersgd`` is refused (it needs an allreduce of every
-worker's gradient). Adagrad's squared sums go as float32.
+encoded on the worker with error feedback, ``e <- e + a; send Q(e); e <- e - D(Q(e))``, and the
+center receives ``D(Q(e))``: what one push leaves out goes with the next ones (the decoded pushes plus
+the error still owed sum to the updates made). The center stays float32 and so does what a pull
+brings back. Who decodes (``ParameterBox.push_encoded_async``): on the rma box's memory server
+(``box.server``, the default across nodes) the codes cross the link, one message a shard
+(``PushEncoder`` over ``code_pieces``; topk keeps ``ratio`` of each shard), and the server decodes and
+adds them; on ``shm`` the worker decodes and adds float32 into shared memory itself (no link); over
+MPI windows (``box.server=false``) and through a node's cache (``box.two_level``: the node's sum
+crosses) the worker decodes and float32 crosses, which a warning says. The error is this worker's
+own: in its checkpoints (``downpour.error``), so it survives a resume, and kept in memory by the
+workers that go on when another is lost; a replacement of a dead worker starts with none (its
+predecessor's error, like its unpushed steps, died with it). With compression a push is encoded
+whole after backward (no ``bucket_mb`` buckets during backward). ``powersgd`` is refused (it needs
+an allreduce of every worker's gradient). Adagrad's squared sums go as float32.
 
 As the rule says, a pull replaces the replica, also its own steps not yet pushed: with
 ``n_fetch < n_push`` and momentum a worker keeps re-taking those steps and overshoots (0.57 test
