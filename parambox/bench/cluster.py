@@ -145,6 +145,12 @@ SETUPS: dict[str, Setup] = {
         what="parambox downpour, its push and fetch behind the next step (overlap)",
         overlap=True,
     ),
+    "downpour-int8": strategy_setup(
+        "downpour",
+        box="rma",
+        what="parambox downpour, its pushes int8 with error feedback (the memory server decodes them)",
+        compression="int8",
+    ),
     "post-local-sgd": Setup(
         "torch PostLocalSGDOptimizer (period 4: weight-avg's peer)", make=_post_local_sgd
     ),

@@ -167,6 +167,24 @@ class _StagedPull(Handle):
             self.stage = None
 
 
+# Decoding of encoded pushes (``ParameterBox.push_encoded_async``): ``decode(code, message, numel, params)``
+# gives the float32 values of a uint8 ``message``. The layer that owns the encodings sets it
+# (``strategies/compress.py``, on import): the box carries codes and adds float32, and knows no encoding.
+Decoder = Callable[[int, torch.Tensor, int, tuple[float, ...]], torch.Tensor]
+_decoder: list[Decoder] = []
+
+
+def set_decoder(decode: Decoder) -> None:
+    """The decoder of encoded pushes, for every box of this process (set once, on import of the encodings)."""
+    _decoder[:] = [decode]
+
+
+def decode_push(code: int, message: torch.Tensor, numel: int, params: tuple[float, ...]) -> torch.Tensor:
+    """The float32 values of an encoded push (``set_decoder``'s decoder)."""
+    assert _decoder, "no decoder of encoded pushes set (import parambox.strategies.compress)"
+    return _decoder[0](code, message, numel, params)
+
+
 class ParameterBox(ABC):
     """A flat float32 buffer shared by a run's processes: read, write, accumulate, plus int64 counters.
 
@@ -241,6 +259,39 @@ class ParameterBox(ABC):
             return self._push_pull(src, out.view(-1), float(scale), start)
         stage = torch.empty(out.numel(), dtype=torch.float32)
         return _StagedPull(self._push_pull(src, stage, float(scale), start), stage, out)
+
+    # -- encoded pushes ----------------------------------------------------------------------------
+    # True where the box's own servers decode an encoded push (the rma memory server): the codes cross
+    # the link; elsewhere the pushing process decodes it and the box moves float32.
+    decodes_pushes: ClassVar[bool] = False
+
+    def code_pieces(self, start: int, n: int) -> list[tuple[int, int]]:
+        """The ranges of ``[start, start + n)`` each encoded on its own for ``push_encoded_async`` (one
+        a shard where the shards' servers decode them; the whole range elsewhere)."""
+        return [(start, start + n)]
+
+    def push_encoded_async(
+        self,
+        messages: Sequence[torch.Tensor],
+        n: int,
+        code: int,
+        params: tuple[float, ...],
+        scale: float = 1.0,
+        start: int = 0,
+        out: torch.Tensor | None = None,
+    ) -> Handle:
+        """``box[start:start + n] += scale * decode(messages)``, one uint8 message per range of
+        ``code_pieces(start, n)`` (``code``, ``params``: the encoding, for ``decode_push``); with
+        ``out``, then ``out <- box[start:start + n]`` as ``push_pull``. Here the caller's process decodes
+        and the push moves float32 (done when it returns); the memory server takes the codes."""
+        pieces = self.code_pieces(start, n)
+        assert len(messages) == len(pieces), "one message per code piece"
+        values = torch.cat([decode_push(code, m, hi - lo, params) for m, (lo, hi) in zip(messages, pieces)])
+        if out is None:
+            self.push(values, scale, start)
+        else:
+            self.push_pull(values, out, scale, start)
+        return DONE
 
     def write(self, src: torch.Tensor, start: int = 0) -> None:
         """``box[start:start + n] = src`` (atomic per element with respect to pushers)."""

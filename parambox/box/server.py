@@ -28,6 +28,15 @@ then answers as a pull. The workers of a synchronous step push a block each and 
 block's sum once all n have landed: no barrier, and each block flows back as soon as it is whole
 (pipelined, as a ring allreduce's buckets), while later blocks still flow out.
 
+Encoded pushes (``push_encoded_async``: ``PUSH_CODED``, ``PUSH_PULL_CODED``): a worker's update
+encoded with error feedback (``strategies/compress.py``), one message per shard (``code_pieces``); the
+header names the encoding (``counter``: its code; floats: scale, the message's bytes, the encoding's
+two parameters) and the payload is the message's bytes, in chunks of ``4 * CHUNK``. The server decodes
+it with the decoder the encodings' module set (``box.base.set_decoder``: the box knows no encoding)
+once all its bytes have landed, adds the float32 values under the shard's lock, and answers with an
+ack or, for a push-pull, the shard's chunks: the codes cross the link, float32 comes back.
+``payload_bytes`` counts what a client sent to other ranks (pushes, writes, encoded pushes).
+
 Faults: every wait has a deadline. The server never blocks: it polls its receives (``Test``, napping
 with a back-off when nothing moves, so it costs a training rank little CPU); a request whose peer dies
 (``ERR_PROC_FAILED`` under ``mpiexec --with-ft ulfm``) or stalls past the box's timeout is dropped,
@@ -65,6 +74,7 @@ import itertools
 import threading
 import time
 import warnings
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -77,6 +87,7 @@ from parambox.box.base import (
     _host_flat,
     _is_host_flat,
     _StagedPull,
+    decode_push,
     wait_until,
 )
 from parambox.box.layout import shard_range
@@ -94,6 +105,8 @@ PUSH, PULL, WRITE, COUNTER, PUSH_PULL = 1, 2, 3, 4, 5
 OUTER, COMPANION_PULL, COMPANION_WRITE = 6, 7, 8  # asynchronous DiLoCo's outer step, and its state
 QUORUM = 2  # an OUTER request's flag (``counter`` field, beside bit 0, ``last``): the quorum rule
 PULL_WHEN = 9  # a pull parked until the pushes of a key have landed (see the module's docstring)
+PUSH_CODED, PUSH_PULL_CODED = 10, 11  # an encoded push (and pull): the server decodes it (module docstring)
+_CODED = (PUSH_CODED, PUSH_PULL_CODED)
 _HEADER = 10
 _NAP_S = 5e-4  # the longest nap while requests are under way
 _IDLE_NAP_S = 2e-3  # the longest nap of an idle server: a request waits at most this to be seen
@@ -129,9 +142,9 @@ def _reply(tag: int) -> int:
     return 2 * tag + 1
 
 
-def _chunks(lo: int, hi: int):
-    for a in range(lo, hi, CHUNK):
-        yield a, min(hi, a + CHUNK)
+def _chunks(lo: int, hi: int, size: int = CHUNK):
+    for a in range(lo, hi, size):
+        yield a, min(hi, a + size)
 
 
 def _cancel(reqs: list) -> None:
@@ -321,6 +334,13 @@ class _Server(threading.Thread):
             whole = box.companion()[int(h[4])] if op == COMPANION_PULL else box.shard
             view = whole[start - box.my_start :][:n]
             job.sends = [self.comm.Isend(view[a:b], src, _reply(tag)) for a, b in _chunks(0, n)]
+        elif op in _CODED:  # the message's bytes, decoded and applied once all have landed
+            stage = np.empty(int(h[5:].view(np.float64)[1]), dtype=np.uint8)
+            job.keep = [stage]
+            job.recvs = [
+                (self.comm.Irecv(stage[a:b], src, _payload(tag)), a, b)
+                for a, b in _chunks(0, len(stage), 4 * CHUNK)
+            ]
         else:  # PUSH, PUSH_PULL, WRITE, OUTER: receive the chunks into a staging buffer, apply each as it lands
             stage = np.empty(n, dtype=np.float32)
             job.keep = [stage]
@@ -373,6 +393,10 @@ class _Server(threading.Thread):
             op = int(job.header[0])
             job.next += 1
             moved = True
+            if op in _CODED:
+                if job.next == len(job.recvs):
+                    self._apply_coded(job, stage)
+                continue
             if op == OUTER:  # staged, its theta sent back at once; committed whole when its last chunk lands
                 staged = box.outer_staged(job.header, lo, hi, src)
                 job.keep.append(staged)
@@ -389,6 +413,19 @@ class _Server(threading.Thread):
                 job.keep.append(ack)
                 job.sends.append(self.comm.Isend(ack, job.src, _reply(int(job.header[1]))))
         return moved
+
+    def _apply_coded(self, job: _Job, message: np.ndarray) -> None:
+        """An encoded push whose bytes have all landed: decoded, applied; then the pull's chunks, or the ack."""
+        box, h, tag = self.box, job.header, int(job.header[1])
+        box.apply_coded(h, message)
+        if int(h[0]) == PUSH_PULL_CODED:
+            lo = int(h[2]) - box.my_start
+            view = box.shard[lo : lo + int(h[3])]
+            job.sends += [self.comm.Isend(view[a:b], job.src, _reply(tag)) for a, b in _chunks(0, len(view))]
+        else:
+            ack = np.ones(1, dtype=np.int64)
+            job.keep.append(ack)
+            job.sends.append(self.comm.Isend(ack, job.src, _reply(tag)))
 
     def _drop(self, job: _Job, why: str) -> None:
         self.dropped += 1
@@ -426,6 +463,7 @@ class ServerBox(ParameterBox):
         self.arrived: dict[int, int] = {}  # elements pushed under each key (gated pulls), under the lock
         # A once-only push-pull's last applied sequence number per (origin, chunk), under the lock
         self.applied: dict[tuple[int, int], int] = {}
+        self.payload_bytes = 0  # bytes of pushes, writes and encoded pushes this client sent to other ranks
         self.server = _Server(self) if mine or ncount else None
         if self.server is not None:
             self.server.start()
@@ -561,6 +599,16 @@ class ServerBox(ParameterBox):
             for lo, hi, values in staged:
                 self._commit(lo, hi, values)
 
+    def apply_coded(self, header: np.ndarray, message: np.ndarray) -> None:
+        """An encoded push (``PUSH_CODED``, ``PUSH_PULL_CODED``) on this rank's shard: ``decode_push`` of
+        the message (the header's ``counter`` the encoding's code, its floats ``scale, nbytes, *params``),
+        then ``+= scale *`` the values under the shard's lock."""
+        lo, n, code = int(header[2]) - self.my_start, int(header[3]), int(header[4])
+        floats = header[5:].view(np.float64)
+        values = decode_push(code, torch.from_numpy(message), n, tuple(float(v) for v in floats[2:4]))
+        with self.lock:
+            torch.from_numpy(self.shard[lo : lo + n]).add_(values, alpha=float(floats[0]))
+
     # -- the client side ------------------------------------------------------------------------
     def _tag(self) -> int:
         with self._tag_lock:
@@ -615,6 +663,7 @@ class ServerBox(ParameterBox):
             reqs.append(self.data.Isend(header, rank, REQUEST_TAG))
             if op not in (PULL, COMPANION_PULL):
                 reqs += [self.data.Isend(part[a:b], rank, _payload(tag)) for a, b in _chunks(0, hi - lo)]
+                self.payload_bytes += part.nbytes
         return _Requests(reqs, [*keep, buf, out], self.timeout, f"box {self.name!r}")
 
     gated = True  # push_keyed_async / pull_when_async
@@ -640,6 +689,57 @@ class ServerBox(ParameterBox):
         reqs = [self.data.Irecv(back[a:b], rank, _reply(tag)) for a, b in _chunks(0, hi - lo)]
         reqs.append(self.data.Isend(header, rank, REQUEST_TAG))
         return _Requests(reqs, [header, back], self.timeout, f"box {self.name!r} gated pull")
+
+    decodes_pushes = True
+
+    def code_pieces(self, start: int, n: int) -> list[tuple[int, int]]:
+        """One range a shard: each shard's server decodes its own message."""
+        return sorted((lo, hi) for _, lo, hi in self._pieces_by_shard(start, start + n))
+
+    def push_encoded_async(
+        self,
+        messages: Sequence[torch.Tensor],
+        n: int,
+        code: int,
+        params: tuple[float, ...],
+        scale: float = 1.0,
+        start: int = 0,
+        out: torch.Tensor | None = None,
+    ) -> Handle:
+        """The messages' bytes go to their shards' servers, which decode and add them (this rank's own
+        shard: decoded here); with ``out``, each server sends its shard back once it has applied the push.
+        At most two floats of ``params``."""
+        self._span(n, start)
+        assert len(params) <= 2, "an encoding's params: at most two floats"
+        got = None if out is None else (out.view(-1) if _is_host_flat(out) else torch.empty(n))
+        back = None if got is None else got.numpy()
+        op = PUSH_CODED if out is None else PUSH_PULL_CODED
+        pieces = dict(zip(self.code_pieces(start, n), messages))
+        reqs, keep = [], [back]
+        for rank, lo, hi in self._pieces_by_shard(start, start + n):
+            msg = pieces[(lo, hi)].to("cpu").contiguous().numpy()
+            header = request_header(op, lo, hi - lo, code, scale, float(len(msg)), *params)
+            part = None if back is None else back[lo - start : hi - start]
+            if rank == self.rank:  # this rank's own shard: no message
+                self.apply_coded(header, msg)
+                if part is not None:
+                    np.copyto(part, self.shard[lo - self.my_start : hi - self.my_start])
+                continue
+            header[1] = tag = self._tag()
+            if part is not None:
+                reqs += [self.data.Irecv(part[a:b], rank, _reply(tag)) for a, b in _chunks(0, hi - lo)]
+            else:
+                ack = np.zeros(1, dtype=np.int64)
+                keep.append(ack)
+                reqs.append(self.data.Irecv(ack, rank, _reply(tag)))
+            keep += [header, msg]
+            reqs.append(self.data.Isend(header, rank, REQUEST_TAG))
+            reqs += [
+                self.data.Isend(msg[a:b], rank, _payload(tag)) for a, b in _chunks(0, len(msg), 4 * CHUNK)
+            ]
+            self.payload_bytes += msg.nbytes
+        handle = _Requests(reqs, keep, self.timeout, f"box {self.name!r}")
+        return handle if out is None or _is_host_flat(out) else _StagedPull(handle, got, out)
 
     def _pull_into(self, out: torch.Tensor, start: int) -> Handle:
         return self._transfer(PULL, out.numpy(), start)

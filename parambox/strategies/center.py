@@ -19,6 +19,7 @@ from parambox.box import VERSION_COUNTER, ParameterBox
 from parambox.box.base import Handle
 from parambox.numerics import is_finite
 from parambox.strategies.base import PhaseTimers
+from parambox.strategies.compress import PushEncoder
 
 # Status bits, each set once with add_counter: DONE, NONFINITE, FINAL by the worker itself, LOST by
 # the memory rank that MPI told of the worker's death.
@@ -127,6 +128,28 @@ class CenterClient:
                 self.box.push_pull(delta, out, scale, self.start)
             for h in parts:
                 h.wait()
+        return True
+
+    def push_encoded(
+        self, encoder: PushEncoder, delta: torch.Tensor, out: torch.Tensor | None = None
+    ) -> bool:
+        """``c <- c + decode(encode(delta))`` with ``encoder``'s error feedback (``box.push_encoded_async``:
+        on the memory server the codes cross the link); with ``out``, then ``out <- c`` in the same
+        request, as ``push_pull``. False, encoding and moving nothing, if ``delta`` is not finite."""
+        if not is_finite(delta):
+            return False
+        messages = encoder.encode(delta)
+        if out is None:
+            with self.timers.phase("push"):
+                self.staleness = self.box.add_counter(VERSION_COUNTER, 1) - self.pulled_version
+                self.box.push_encoded_async(
+                    messages, delta.numel(), encoder.code, encoder.params, 1.0, self.start
+                ).wait()
+            return True
+        with self._exchange():
+            self.box.push_encoded_async(
+                messages, delta.numel(), encoder.code, encoder.params, 1.0, self.start, out
+            ).wait()
         return True
 
     def outer_step(self, g: torch.Tensor, out: torch.Tensor, coefficients: tuple, last: bool) -> bool:

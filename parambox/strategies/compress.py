@@ -21,7 +21,9 @@ decodes and sums them in float32; uncompressed ones go through ``all_reduce`` as
 
 Over a box (``round_trip``) the sender quantizes the pushed update with its own error feedback and
 the box stores float32: the "server-side" error feedback of 1-bit schemes (a second compression of
-the box's reply, with the box's own error) is not in scope.
+the box's reply, with the box's own error) is not in scope. :class:`PushEncoder` (downpour's pushes)
+sends the messages themselves (``ParameterBox.push_encoded_async``): the rma box's memory server
+decodes them with this module's decoder (``WIRE_MODES``, set on import), so the codes cross the link.
 
 ``powersgd`` (:mod:`parambox.strategies.powersgd`) is not a per-rank message: it needs two allreduces
 and a Q shared by the ranks per round, so it compresses allreduce's gradients and synchronous diloco's outer gradients only; this module's
@@ -43,6 +45,8 @@ import math
 from typing import Literal
 
 import torch
+
+from parambox.box.base import set_decoder
 
 Compression = Literal["none", "bf16", "int8", "int4", "int2", "sign", "topk", "powersgd"]
 DEFAULT_BLOCK = 256  # elements per scale: the scales cost 4/256 bytes per element
@@ -232,3 +236,59 @@ class Compressor:
             qmax = _QMAX[self.mode]
             codes = unpack_bits(codes, _BITS[self.mode], self.numel).to(torch.int8) - qmax
         return dequantize_int8(codes, scales, self.block)
+
+
+# The encodings a box's server can decode (``ParameterBox.push_encoded_async``), by code: their order is
+# the wire's.
+WIRE_MODES: tuple[str, ...] = ("bf16", "int8", "int4", "int2", "sign", "topk")
+
+
+class PushEncoder:
+    """A worker's update encoded for the box with error feedback (``ParameterBox.push_encoded_async``):
+    one :class:`Compressor` per range the box decodes apart (``code_pieces``: a shard each on the rma
+    memory server, the whole update elsewhere), their errors views into one flat ``error``.
+
+    >>> enc = PushEncoder("int8", [(0, 600), (600, 1000)], start=0)
+    >>> [m.numel() for m in enc.encode(torch.ones(1000))], enc.error.shape
+    ([612, 408], torch.Size([1000]))
+    """
+
+    def __init__(
+        self,
+        mode: Compression,
+        pieces: list[tuple[int, int]],
+        start: int,
+        block: int = DEFAULT_BLOCK,
+        ratio: float = DEFAULT_RATIO,
+        device: torch.device | None = None,
+    ):
+        self.mode, self.code, self.params = mode, WIRE_MODES.index(mode), (float(block), float(ratio))
+        self.ranges = [(lo - start, hi - start) for lo, hi in pieces]
+        self.numel = self.ranges[-1][1]
+        self.error = torch.zeros(self.numel, device=device)  # what the pushes still owe
+        self.parts = []
+        for lo, hi in self.ranges:
+            part = Compressor(mode, hi - lo, block, device=device, ratio=ratio)
+            part.error = self.error[lo:hi]
+            self.parts.append(part)
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The messages of ``x + error``, one a range; ``error`` keeps what they leave out."""
+        return [c.encode(x[lo:hi]) for c, (lo, hi) in zip(self.parts, self.ranges)]
+
+    def decode(self, messages: list[torch.Tensor]) -> torch.Tensor:
+        """What the box adds for these messages."""
+        return torch.cat([c.decode(m)[0] for c, m in zip(self.parts, messages)])
+
+    def message_bytes(self) -> int:
+        """Bytes of one push's messages."""
+        return sum(c.message_bytes(0) for c in self.parts)
+
+
+def _decode_push(code: int, message: torch.Tensor, numel: int, params: tuple[float, ...]) -> torch.Tensor:
+    block, ratio = params
+    mode = WIRE_MODES[code]
+    return Compressor(mode, numel, int(block), error_feedback=False, ratio=ratio).decode(message)[0]  # type: ignore[arg-type]
+
+
+set_decoder(_decode_push)

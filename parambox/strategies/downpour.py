@@ -26,6 +26,23 @@ not finite is not pushed, and the worker halts at the step's end (the buckets pu
 finite). Only in the steps parambox drives (``before_backward`` saw a finite loss): a
 ``DistributedOptimizer`` user's backward pushes after it.
 
+``compression`` (``bf16``, ``int8``, ``int4``, ``int2``, ``sign``, ``topk``; ``compression_block``,
+``compression_ratio``: :class:`~parambox.strategies.compress.Compressor`'s encodings): each push is
+encoded on the worker with error feedback, ``e <- e + a; send Q(e); e <- e - D(Q(e))``, and the
+center receives ``D(Q(e))``: what one push leaves out goes with the next ones (the decoded pushes plus
+the error still owed sum to the updates made). The center stays float32 and so does what a pull
+brings back. Who decodes (``ParameterBox.push_encoded_async``): on the rma box's memory server
+(``box.server``, the default across nodes) the codes cross the link, one message a shard
+(``PushEncoder`` over ``code_pieces``; topk keeps ``ratio`` of each shard), and the server decodes and
+adds them; on ``shm`` the worker decodes and adds float32 into shared memory itself (no link); over
+MPI windows (``box.server=false``) and through a node's cache (``box.two_level``: the node's sum
+crosses) the worker decodes and float32 crosses, which a warning says. The error is this worker's
+own: in its checkpoints (``downpour.error``), so it survives a resume, and kept in memory by the
+workers that go on when another is lost; a replacement of a dead worker starts with none (its
+predecessor's error, like its unpushed steps, died with it). With compression a push is encoded
+whole after backward (no ``bucket_mb`` buckets during backward). ``powersgd`` is refused (it needs
+an allreduce of every worker's gradient). Adagrad's squared sums go as float32.
+
 As the rule says, a pull replaces the replica, also its own steps not yet pushed: with
 ``n_fetch < n_push`` and momentum a worker keeps re-taking those steps and overshoots (0.57 test
 accuracy on the default run with fetch 2 / push 4; 0.95 with --momentum 0). Adagrad wants a smaller
@@ -38,7 +55,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from parambox.box import VERSION_COUNTER
 from parambox.box.base import Handle, wait_until
@@ -48,13 +65,14 @@ from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
 from parambox.strategies.base import Context, StepResult
 from parambox.strategies.center import CenterClient
-from parambox.strategies.exchange import Background
+from parambox.strategies.compress import PushEncoder
+from parambox.strategies.exchange import Background, CompressionOptions
 from parambox.strategies.grads import FinishedTail, GradViews, step_only
 
 ADAGRAD_EPS = 1e-10
 
 
-class DownpourOptions(AsyncOptions):
+class DownpourOptions(AsyncOptions, CompressionOptions):
     n_fetch: int = Field(1, ge=1, description="pull the center weights every n_fetch steps")
     n_push: int = Field(1, ge=1, description="push the accumulated update every n_push steps")
     adagrad: bool = Field(False, description="per-parameter Adagrad rates from squared sums kept in the box")
@@ -68,6 +86,16 @@ class DownpourOptions(AsyncOptions):
         description="across nodes: push-pull each finished bucket of this size during backward; "
         "0: the whole update after backward",
     )
+
+    @field_validator("compression")
+    @classmethod
+    def _per_worker(cls, mode: str) -> str:
+        if mode == "powersgd":
+            raise ValueError(
+                "powersgd needs an allreduce of every worker's gradient at once; a downpour push is one "
+                "worker's: choose bf16, int8, int4, int2, sign or topk"
+            )
+        return mode
 
     @model_validator(mode="after")
     def _overlap_fetches_at_push(self) -> DownpourOptions:
@@ -92,8 +120,11 @@ class DownpourWorker:
         damped: bool = False,
         fuse: bool = False,
         background: Background | None = None,
+        encoder: PushEncoder | None = None,
     ):
         self.client, self.x, self.n_fetch, self.n_push, self.damped = client, x, n_fetch, n_push, damped
+        # ``downpour.compression``: each push encoded with error feedback (``CenterClient.push_encoded``)
+        self.encoder = encoder
         self.acc = torch.zeros_like(x)  # a: the local update not yet pushed
         self.snap = x.clone()  # x right after the last exchange; a = acc + (x - snap)
         self.acc_live = False  # acc holds something (a pull came between two pushes)
@@ -125,9 +156,21 @@ class DownpourWorker:
             self.fetched_for = step + 1
         return ok
 
+    def send(self, update: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+        """``c <- c + update`` (``out``: then ``out <- c``, one request); with compression the decoded
+        message ``D(Q(e + update))``, ``e <- e + update - D(Q(e + update))``. False, moving nothing and
+        the error untouched, if ``update`` is not finite."""
+        client = self.client
+        if self.encoder is not None:
+            return client.push_encoded(self.encoder, update, out)
+        if out is None:
+            return client.push(update, damped=self.damped)
+        return client.push_pull(update, out, damped=self.damped)
+
     def exchange_part(self, lo: int, hi: int) -> Handle | None:
         """Start ``c[lo:hi] <- c[lo:hi] + (x - snap)[lo:hi]`` and ``x[lo:hi] <- c[lo:hi]`` (a bucket of
         a fused push-pull, sent during backward); None, sending nothing, if its update is not finite."""
+        assert self.encoder is None, "a compressed push encodes the whole update at once"
         part = torch.sub(self.x[lo:hi], self.snap[lo:hi], out=self.acc[lo:hi])
         if not is_finite(part):
             return None
@@ -159,13 +202,21 @@ class DownpourWorker:
         if not is_finite(self.sending):
             return False
         self.snap.copy_(self.x)
-        client, damped = self.client, self.damped
+        client, damped, encoder = self.client, self.damped, self.encoder
+        # encoded here, not in the thread: the error is the worker's state (a checkpoint's)
+        messages = None if encoder is None else encoder.encode(self.sending)
 
         def task() -> None:
             box = client.box
             version = box.add_counter(VERSION_COUNTER, 1)
             scale = 1.0 / (version - client.pulled_version + 1) if damped else 1.0
-            box.push_pull(self.sending, self.pulled, scale, client.start)
+            if messages is None:
+                box.push_pull(self.sending, self.pulled, scale, client.start)
+            else:  # the center takes the decoded messages; x keeps its own steps
+                n = self.sending.numel()
+                box.push_encoded_async(
+                    messages, n, encoder.code, encoder.params, scale, client.start, self.pulled
+                ).wait()
             client.pulled_version = version + 1
 
         self.background.start(task)
@@ -184,10 +235,7 @@ class DownpourWorker:
                 self.acc.add_(self.x).sub_(self.snap)
             else:
                 torch.sub(self.x, self.snap, out=self.acc)
-            if fetch:
-                ok = self.client.push_pull(self.acc, self.x, damped=self.damped)
-            else:
-                ok = self.client.push(self.acc, damped=self.damped)
+            ok = self.send(self.acc, self.x if fetch else None)
         self.acc.zero_()
         self.acc_live = False
         self.snap.copy_(self.x)
@@ -255,7 +303,8 @@ class Downpour(AsyncStrategy):
         background = (
             Background(ctx.timeout_s, f"{self.name} exchange") if getattr(options, "overlap", False) else None
         )
-        self.worker = DownpourWorker(self.client, self.x, n_fetch, n_push, damped, fuse, background)
+        encoder = self._encoder(options)
+        self.worker = DownpourWorker(self.client, self.x, n_fetch, n_push, damped, fuse, background, encoder)
         # Buckets push-pulled during backward: a fused exchange every step (a push, then the next
         # step's fetch), undamped (a damped push needs its staleness first), on the host, straight
         # to the cross-node box (a node's cache counts pushes: its rounds are whole updates).
@@ -266,6 +315,7 @@ class Downpour(AsyncStrategy):
             and fuse
             and not damped
             and background is None
+            and encoder is None  # a compressed push is encoded whole, after backward
             and n_fetch == n_push
             and self.num_workers > 1
             and self.x.device.type == "cpu"
@@ -295,6 +345,21 @@ class Downpour(AsyncStrategy):
 
     def exchange_periods(self) -> tuple[int, int]:
         return self.options.n_fetch, self.options.n_push
+
+    def _encoder(self, options: DownpourOptions) -> PushEncoder | None:
+        """``downpour.compression``'s encoder of this worker's pushes (dynsgd's options have none)."""
+        mode = getattr(options, "compression", "none")
+        if mode == "none":
+            return None
+        if not self.box.decodes_pushes and self.world.rank == 0:
+            warn(
+                f"downpour.compression={mode}: the {self.box.backend} box here adds float32 that the worker "
+                "decoded: no link bytes are saved (the rma box's memory server, box.server, takes the codes)"
+            )
+        pieces = self.box.code_pieces(0, self.numel)
+        return PushEncoder(
+            mode, pieces, 0, options.compression_block, options.compression_ratio, self.x.device
+        )
 
     def begin_step(self, step: int) -> None:
         if not self.warm:
@@ -403,6 +468,8 @@ class Downpour(AsyncStrategy):
             "snap": self.worker.snap,
             "acc_live": self.worker.acc_live,
         }
+        if self.worker.encoder is not None:
+            state["downpour"]["error"] = self.worker.encoder.error  # what this worker's pushes still owe
         if self.adagrad is not None:  # this worker's squares not pushed yet (the box's sums: rank 0's)
             state["adagrad_local"] = self.adagrad.local
         return state
@@ -413,5 +480,7 @@ class Downpour(AsyncStrategy):
             self.worker.acc.copy_(state["downpour"]["acc"])
             self.worker.snap.copy_(state["downpour"]["snap"])
             self.worker.acc_live = bool(state["downpour"]["acc_live"])
+            if self.worker.encoder is not None and "error" in state["downpour"]:
+                self.worker.encoder.error.copy_(state["downpour"]["error"])
         if self.adagrad is not None and "adagrad_local" in state:
             self.adagrad.local.copy_(state["adagrad_local"])

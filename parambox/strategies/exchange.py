@@ -105,7 +105,7 @@ class ExchangeOptions(CompressionOptions):
         return mode
 
 
-def box_compressor(options: ExchangeOptions, numel: int, device: torch.device) -> Compressor | None:
+def box_compressor(options: CompressionOptions, numel: int, device: torch.device) -> Compressor | None:
     """The encoder of a push into the box, or None. The box stores float32, so the link carries
     float32 whatever the encoding: the pushed update is quantized (with error feedback), as a
     transport that carried the codes would deliver it, and the bytes stay (a warning says so)."""
