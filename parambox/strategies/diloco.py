@@ -587,6 +587,7 @@ class AsyncDiloco(AsyncStrategy):
     name = "diloco"
     period_options = ("inner_steps",)
     Options = DilocoOptions
+    per_rank_state = ("error",)  # the error feedback a worker owes is its own
     default_optimizer = Diloco.default_optimizer
     # At the synchronous 0.9 the result depended on the arrival order (about half of 10 digits runs
     # reached 0.95). With the outer step atomic (arrivals in ticket order) 0.8 gave 0.889 at seed 0,
@@ -818,6 +819,8 @@ class AsyncDiloco(AsyncStrategy):
             round_target=self.round_target,
             round_samples=self.round_samples,
         )
+        if self.compressor is not None:  # what this worker's pushes still owe: its own, not the run's
+            state["error"] = self.compressor.error.clone()
         if self.world.rank == 0:
             state["outer_state"] = self.outer.state()
             state["ticket"] = self.box.read_counter(self.counters.extra(0))
@@ -840,6 +843,8 @@ class AsyncDiloco(AsyncStrategy):
             self.round_steps = int(state.get("round_steps", 0))
             self.round_target = int(state.get("round_target", self.options.inner_steps))
             self.round_samples = int(state.get("round_samples", 0))
+            if self.compressor is not None and "error" in state:
+                self.compressor.error.copy_(state["error"])
 
 
 class QuorumDiloco(AsyncDiloco):
