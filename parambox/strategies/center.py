@@ -131,15 +131,21 @@ class CenterClient:
         return True
 
     def push_encoded(
-        self, encoder: PushEncoder, delta: torch.Tensor, out: torch.Tensor | None = None, scale: float = 1.0
+        self,
+        encoder: PushEncoder,
+        delta: torch.Tensor,
+        out: torch.Tensor | None = None,
+        scale: float = 1.0,
+        messages: Sequence[torch.Tensor] | None = None,
     ) -> bool:
         """``c <- c + scale * decode(encode(delta))`` with ``encoder``'s error feedback (kept in units of
         ``delta``; ``box.push_encoded_async``: on the memory server the codes cross the link); with ``out``,
         then ``out <- c`` in the same request, as ``push_pull``. False, encoding and moving nothing, if
-        ``delta`` is not finite."""
+        ``delta`` is not finite. ``messages``: ``delta`` encoded already (by ``encoder``)."""
         if not is_finite(delta):
             return False
-        messages = encoder.encode(delta)
+        if messages is None:
+            messages = encoder.encode(delta)
         if out is None:
             with self.timers.phase("push"):
                 self.staleness = self.box.add_counter(VERSION_COUNTER, 1) - self.pulled_version
@@ -153,14 +159,28 @@ class CenterClient:
             ).wait()
         return True
 
-    def outer_step(self, g: torch.Tensor, out: torch.Tensor, coefficients: tuple, last: bool) -> bool:
+    def outer_step(
+        self,
+        g: torch.Tensor,
+        out: torch.Tensor,
+        coefficients: tuple,
+        last: bool,
+        encoder: PushEncoder | None = None,
+        messages: Sequence[torch.Tensor] | None = None,
+    ) -> bool:
         """Asynchronous DiLoCo's outer step applied by the box itself (``fuses_outer_step``), the new
         theta brought back into ``out``, as a ``push_pull`` is; False, moving nothing, if ``g`` is not
-        finite."""
+        finite. ``messages``: ``g`` as ``encoder`` encoded it, sent in its place (the memory server decodes
+        them, then applies the step: ``box.outer_step_encoded_async``)."""
         if not is_finite(g):
             return False
         with self._exchange():
-            self.box.outer_step_async(g, out, coefficients, last, self.start).wait()
+            if messages is None:
+                self.box.outer_step_async(g, out, coefficients, last, self.start).wait()
+            else:
+                self.box.outer_step_encoded_async(
+                    messages, g.numel(), encoder.code, encoder.params, out, coefficients, last, self.start
+                ).wait()
         return True
 
     @contextlib.contextmanager
