@@ -73,22 +73,26 @@ RESUME = {
     "diloco": ["--strategy", "diloco", "--set", "diloco.asynchronous=true", "--set", "diloco.inner_steps=5"]
     + ["--set", "diloco.compression=int8"],
 }
+# the memory server decodes the pseudo-gradients before its outer step (the worker's error is the same state)
+RESUME["diloco-server"] = [*RESUME["diloco"], "--box", "rma", "--set", "box.server=true"]
 # Where the run is cut: after an exchange whose message left an error (easgd's tau 4: steps 19 and 23 are
 # exchanges; diloco at a round's end, since the cut run's flush pushes a partial round).
-CUT = {"easgd": 22, "eamsgd": 22, "diloco": 20}
+CUT = {"easgd": 22, "eamsgd": 22, "diloco": 20, "diloco-server": 20}
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("strategy", ["easgd", "eamsgd", "diloco"])
+@pytest.mark.parametrize("strategy", ["easgd", "eamsgd", "diloco", "diloco-server"])
 def test_resume_restores_the_error_each_worker_owes(tmp_path, strategy):
     """One worker, cut then --resume to 40, against 40 uninterrupted: the same weights bit for bit (with
-    the error not restored they differed: easgd int8 by 1.6e-4, eamsgd sign by 2.1e-2, diloco int8 by 1.1e-3)."""
+    the error not restored they differed: easgd int8 by 1.6e-4, eamsgd sign by 2.1e-2, diloco int8 by 1.1e-3
+    on shm and the same over the memory server, whose decoding is the worker's)."""
     args = [*BASE, *RESUME[strategy]]
-    run_cli("train", *args, "--steps", "40", "--out", str(tmp_path / "full"))
-    run_cli("train", *args, "--steps", str(CUT[strategy]), "--out", str(tmp_path / "cut"))
+    env = MPI_ENV if "--box" in args else None
+    run_cli("train", *args, "--steps", "40", "--out", str(tmp_path / "full"), env=env)
+    run_cli("train", *args, "--steps", str(CUT[strategy]), "--out", str(tmp_path / "cut"), env=env)
     state = torch.load(tmp_path / "cut" / "checkpoints" / "last.pt", weights_only=False)
     assert float(state["rank0"]["strategy"]["error"].abs().max()) > 0  # something was owed at the cut
-    run_cli("train", *args, "--steps", "40", "--resume", "--out", str(tmp_path / "cut"))
+    run_cli("train", *args, "--steps", "40", "--resume", "--out", str(tmp_path / "cut"), env=env)
     assert summary(tmp_path / "cut")["steps"] == 40
     assert max_abs_diff(final_weights(tmp_path / "cut"), final_weights(tmp_path / "full")) == 0.0
 
@@ -102,6 +106,21 @@ def test_the_memory_server_decodes_the_elastic_pushes_of_a_cli_run(tmp_path):
     proc = run_cli(
         "train", "--preset", "digits-easgd", "--box", "rma", "--set", "box.server=true",
         "--set", "easgd.compression=int8", "--no-progress", "--out", str(out), env=MPI_ENV,
+    )  # fmt: skip
+    assert "no link bytes are saved" not in proc.stderr
+    s = summary(out)
+    assert s["memory_ranks"] == 1 and s["worker_steps"] == [600, 600]
+    assert s["final_test_accuracy"] >= 0.92
+
+
+@pytest.mark.timeout(90)
+def test_the_memory_server_decodes_the_pseudo_gradients_of_a_cli_run(tmp_path):
+    """Asynchronous diloco, ``--box rma --set box.server=true``: the server decodes each arrival before its
+    outer step (no warning). Measured at seeds 0, 1: 0.964, 0.967; uncompressed 0.969, 0.964."""
+    out = tmp_path / "run"
+    proc = run_cli(
+        "train", "--preset", "digits-diloco-async", "--box", "rma", "--set", "box.server=true",
+        "--set", "diloco.compression=int8", "--no-progress", "--out", str(out), env=MPI_ENV,
     )  # fmt: skip
     assert "no link bytes are saved" not in proc.stderr
     s = summary(out)

@@ -4,6 +4,9 @@ Asynchronous form, over the box (``shm`` or ``rma``): every ``tau`` local steps 
 center ``c``, computes ``d = alpha (x - c)``, moves ``x <- x - d`` and pushes ``c <- c + d``;
 between exchanges it takes local steps ``x <- x - eta g`` (its own optimizer). The exchange runs
 block by block over the flat replica (``CenterClient.elastic_``): about one pass over memory.
+``compression`` encodes each push with error feedback, ``c <- c + alpha D(Q(x - c + err))`` while ``x`` moves
+by the exact ``alpha (x - c)`` (``CenterClient.elastic_encoded_``): the rma box's memory server decodes the
+codes, elsewhere the worker (``box_encoder``'s warning); the error is in each worker's checkpoint.
 
 Synchronous form (``sync: true``), over collectives, no box: every ``tau`` steps
 ``c <- c + alpha sum_i (x_i - c)`` (one allreduce of ``x_i - c``) and ``x_i <- x_i - alpha (x_i - c)``;

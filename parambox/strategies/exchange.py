@@ -107,16 +107,19 @@ class ExchangeOptions(CompressionOptions):
         return mode
 
 
-def box_compressor(options: CompressionOptions, numel: int, device: torch.device) -> Compressor | None:
-    """The encoder of a push that the worker decodes itself (asynchronous diloco's pseudo-gradient, which
-    the box's outer step takes as float32), or None. The box stores float32, so the link carries
-    float32 whatever the encoding: the pushed update is quantized (with error feedback), as a
-    transport that carried the codes would deliver it, and the bytes stay (a warning says so)."""
+def box_compressor(
+    name: str, options: CompressionOptions, numel: int, device: torch.device
+) -> Compressor | None:
+    """The encoder of a push that the worker decodes itself (asynchronous diloco's pseudo-gradient where
+    the box does not apply the outer step: the strategy runs it on float32), or None. The box stores
+    float32, so the link carries float32 whatever the encoding: the pushed update is quantized (with
+    error feedback), as a transport that carried the codes would deliver it, and the bytes stay (a
+    warning says so)."""
     if options.compression == "none":
         return None
     warn(
-        f"compression={options.compression} over the box quantizes the pushed update but the box "
-        "stores and moves float32: no bytes are saved"
+        f"{name}.compression={options.compression}: this box takes the worker's decoded float32 (the rma "
+        "box's memory server, box.server, takes the codes): no link bytes are saved"
     )
     return Compressor(
         options.compression, numel, options.compression_block, device=device, ratio=options.compression_ratio
