@@ -137,6 +137,13 @@ SETUPS: dict[str, Setup] = {
     "weight-avg": strategy_setup("weight-avg", period=4),
     "easgd-tau4": strategy_setup("easgd", box="rma", tau=4),
     "easgd-tau16": strategy_setup("easgd", box="rma", tau=16),
+    "easgd-tau4-int8": strategy_setup(
+        "easgd",
+        box="rma",
+        what="parambox easgd (tau 4), its elastic pushes int8 with error feedback (the memory server decodes them)",
+        tau=4,
+        compression="int8",
+    ),
     "eamsgd-tau16": strategy_setup("eamsgd", box="rma", tau=16),
     "downpour": strategy_setup("downpour", box="rma"),
     "downpour-overlap": strategy_setup(
@@ -183,6 +190,15 @@ SETUPS: dict[str, Setup] = {
         what="parambox diloco, asynchronous over the rma box (Delayed Nesterov, DyLU, inner_steps 16)",
         inner_steps=16,
         asynchronous=True,
+    ),
+    "diloco-async-int8": strategy_setup(
+        "diloco",
+        box="rma",
+        what="parambox diloco, asynchronous, its pseudo-gradients int8 with error feedback (the memory server "
+        "decodes them before its outer step; inner_steps 16)",
+        inner_steps=16,
+        asynchronous=True,
+        compression="int8",
     ),
     "diloco-overlap": strategy_setup(
         "diloco",

@@ -66,6 +66,14 @@ only at the arrival that closes the step (which the client decides under its tur
     a <- a + share (g - a);  if last:  m <- beta m + a;  theta -= lr (a + beta m);  a <- 0
 
 staged and committed whole in the same way; an arrival that closes nothing gets theta back unchanged.
+
+An encoded arrival (``outer_step_encoded_async``: ``OUTER_CODED``, ``diloco.compression`` on this box): the
+pseudo-gradient encoded with the worker's error feedback, one message a shard as an encoded push; the
+header's ``counter`` holds the rule's flags and, above them, the encoding's code, its floats the five
+coefficients, then the message's bytes and the encoding's two parameters. Once all its bytes have landed
+the server decodes it and applies the same outer step to the decoded values, the whole shard at once
+under the lock (so also whole or not at all), and sends theta back: the codes cross the link, float32
+comes back.
 """
 
 from __future__ import annotations
@@ -106,8 +114,10 @@ OUTER, COMPANION_PULL, COMPANION_WRITE = 6, 7, 8  # asynchronous DiLoCo's outer 
 QUORUM = 2  # an OUTER request's flag (``counter`` field, beside bit 0, ``last``): the quorum rule
 PULL_WHEN = 9  # a pull parked until the pushes of a key have landed (see the module's docstring)
 PUSH_CODED, PUSH_PULL_CODED = 10, 11  # an encoded push (and pull): the server decodes it (module docstring)
-_CODED = (PUSH_CODED, PUSH_PULL_CODED)
-_HEADER = 10
+OUTER_CODED = 12  # an outer step whose pseudo-gradient is encoded: decoded first, then the step (docstring)
+_CODED = (PUSH_CODED, PUSH_PULL_CODED, OUTER_CODED)
+_OUTER_FLAGS = 3  # an OUTER_CODED request's ``counter``: the outer step's flags, then the encoding's code
+_HEADER = 13  # [op, tag, start, n, counter, then 8 float64 fields]
 _NAP_S = 5e-4  # the longest nap while requests are under way
 _IDLE_NAP_S = 2e-3  # the longest nap of an idle server: a request waits at most this to be seen
 _FAILED = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
@@ -121,6 +131,15 @@ def request_header(
     header[:5] = [op, 0, start, n, counter]
     header[5:].view(np.float64)[: 1 + len(more)] = [scale, *more]
     return header
+
+
+def _coded_fields(header: np.ndarray) -> tuple[int, int, tuple[float, float]]:
+    """An encoded request's (code, message bytes, the encoding's two parameters): after the scale (a push)
+    or the outer step's five coefficients (``OUTER_CODED``, whose code rides above its flags)."""
+    floats, counter = header[5:].view(np.float64), int(header[4])
+    if int(header[0]) == OUTER_CODED:
+        return counter >> 2, int(floats[5]), (float(floats[6]), float(floats[7]))
+    return counter, int(floats[1]), (float(floats[2]), float(floats[3]))
 
 
 def _failure_class(e: MPI.Exception) -> str | None:
@@ -335,7 +354,7 @@ class _Server(threading.Thread):
             view = whole[start - box.my_start :][:n]
             job.sends = [self.comm.Isend(view[a:b], src, _reply(tag)) for a, b in _chunks(0, n)]
         elif op in _CODED:  # the message's bytes, decoded and applied once all have landed
-            stage = np.empty(int(h[5:].view(np.float64)[1]), dtype=np.uint8)
+            stage = np.empty(_coded_fields(h)[1], dtype=np.uint8)
             job.keep = [stage]
             job.recvs = [
                 (self.comm.Irecv(stage[a:b], src, _payload(tag)), a, b)
@@ -415,13 +434,13 @@ class _Server(threading.Thread):
         return moved
 
     def _apply_coded(self, job: _Job, message: np.ndarray) -> None:
-        """An encoded push whose bytes have all landed: decoded, applied; then the pull's chunks, or the ack."""
-        box, h, tag = self.box, job.header, int(job.header[1])
-        box.apply_coded(h, message)
-        if int(h[0]) == PUSH_PULL_CODED:
-            lo = int(h[2]) - box.my_start
-            view = box.shard[lo : lo + int(h[3])]
-            job.sends += [self.comm.Isend(view[a:b], job.src, _reply(tag)) for a, b in _chunks(0, len(view))]
+        """An encoded push or outer step whose bytes have all landed: decoded, applied; then the new values'
+        chunks (a push-pull, an outer step), or the ack."""
+        tag = int(job.header[1])
+        back = self.box.apply_coded(job.header, message)
+        if back is not None:
+            job.keep.append(back)
+            job.sends += [self.comm.Isend(back[a:b], job.src, _reply(tag)) for a, b in _chunks(0, len(back))]
         else:
             ack = np.ones(1, dtype=np.int64)
             job.keep.append(ack)
@@ -500,7 +519,7 @@ class ServerBox(ParameterBox):
         the outer step with pseudo-gradient ``src`` (OUTER)."""
         op, floats = int(header[0]), header[5:].view(np.float64)
         if op == OUTER:
-            self._outer(lo, hi, src, int(header[4]), *floats)
+            self._outer(lo, hi, src, int(header[4]), *floats[:5])
             return
         with self.lock:
             if (
@@ -590,7 +609,7 @@ class ServerBox(ParameterBox):
         """A remote arrival's outer step on one chunk, computed aside: its ``[theta, m, a]``."""
         floats = header[5:].view(np.float64)
         with self.lock:
-            return self._outer_values(lo, hi, g, int(header[4]), *floats)
+            return self._outer_values(lo, hi, g, int(header[4]), *floats[:5])
 
     def commit_outer(self, staged: list[tuple[int, int, np.ndarray]]) -> None:
         """Every chunk of an arrival's outer step into the shard and its companions, at once: an arrival
@@ -599,15 +618,26 @@ class ServerBox(ParameterBox):
             for lo, hi, values in staged:
                 self._commit(lo, hi, values)
 
-    def apply_coded(self, header: np.ndarray, message: np.ndarray) -> None:
-        """An encoded push (``PUSH_CODED``, ``PUSH_PULL_CODED``) on this rank's shard: ``decode_push`` of
-        the message (the header's ``counter`` the encoding's code, its floats ``scale, nbytes, *params``),
-        then ``+= scale *`` the values under the shard's lock."""
-        lo, n, code = int(header[2]) - self.my_start, int(header[3]), int(header[4])
+    def apply_coded(self, header: np.ndarray, message: np.ndarray) -> np.ndarray | None:
+        """An encoded request on this rank's shard: ``decode_push`` of the message (``_coded_fields``), then
+        ``+= scale *`` the values (``PUSH_CODED``, ``PUSH_PULL_CODED``: the header's ``counter`` the code,
+        its floats ``scale, nbytes, *params``) or the outer step with them as pseudo-gradient, applied at
+        once (``OUTER_CODED``: ``counter`` the flags plus ``code << 2``, floats the five coefficients, then
+        ``nbytes, *params``). Returns the range's new values to send back (None for a plain push)."""
+        op, lo, n = int(header[0]), int(header[2]) - self.my_start, int(header[3])
+        code, _, params = _coded_fields(header)
+        values = decode_push(code, torch.from_numpy(message), n, params)
         floats = header[5:].view(np.float64)
-        values = decode_push(code, torch.from_numpy(message), n, tuple(float(v) for v in floats[2:4]))
+        if op == OUTER_CODED:
+            with self.lock:
+                new = self._outer_values(
+                    lo, lo + n, values.numpy(), int(header[4]) & _OUTER_FLAGS, *floats[:5]
+                )
+                self._commit(lo, lo + n, new)
+            return new[0]
         with self.lock:
             torch.from_numpy(self.shard[lo : lo + n]).add_(values, alpha=float(floats[0]))
+        return self.shard[lo : lo + n] if op == PUSH_PULL_CODED else None
 
     # -- the client side ------------------------------------------------------------------------
     def _tag(self) -> int:
@@ -709,21 +739,57 @@ class ServerBox(ParameterBox):
         """The messages' bytes go to their shards' servers, which decode and add them (this rank's own
         shard: decoded here); with ``out``, each server sends its shard back once it has applied the push.
         At most two floats of ``params``."""
+        op = PUSH_CODED if out is None else PUSH_PULL_CODED
+        return self._coded(op, messages, n, start, out, code, (scale,), params)
+
+    def outer_step_encoded_async(
+        self,
+        messages: Sequence[torch.Tensor],
+        n: int,
+        code: int,
+        params: tuple[float, ...],
+        out: torch.Tensor,
+        coefficients: tuple[float, ...],
+        last: int,
+        start: int = 0,
+    ) -> Handle:
+        """``outer_step_async`` of the pseudo-gradient the messages encode, one a range of ``code_pieces``
+        (``code``, ``params``: as ``push_encoded_async``): each shard's server decodes its message, then
+        applies the outer step with it; ``out`` holds the new theta once the handle's ``wait()`` returns."""
+        assert len(coefficients) == 5, "an outer step's coefficients: (lr, beta, 1 / N or share, k, k_last)"
+        flags = int(last)
+        assert 0 <= flags <= _OUTER_FLAGS
+        return self._coded(OUTER_CODED, messages, n, start, out, flags | code << 2, coefficients, params)
+
+    def _coded(
+        self,
+        op: int,
+        messages: Sequence[torch.Tensor],
+        n: int,
+        start: int,
+        out: torch.Tensor | None,
+        counter: int,
+        lead: tuple[float, ...],
+        params: tuple[float, ...],
+    ) -> Handle:
+        """An encoded request (``op`` in ``_CODED``) over the shards of ``[start, start + n)``, one message
+        each; ``lead``: the header's floats before the message's bytes and ``params``; ``out``: where the
+        new values come back (None: an ack)."""
         self._span(n, start)
         assert len(params) <= 2, "an encoding's params: at most two floats"
         got = None if out is None else (out.view(-1) if _is_host_flat(out) else torch.empty(n))
         back = None if got is None else got.numpy()
-        op = PUSH_CODED if out is None else PUSH_PULL_CODED
         pieces = dict(zip(self.code_pieces(start, n), messages))
+        assert len(pieces) == len(messages), "one message per code piece"
         reqs, keep = [], [back]
         for rank, lo, hi in self._pieces_by_shard(start, start + n):
             msg = pieces[(lo, hi)].to("cpu").contiguous().numpy()
-            header = request_header(op, lo, hi - lo, code, scale, float(len(msg)), *params)
+            header = request_header(op, lo, hi - lo, counter, *lead, float(len(msg)), *params)
             part = None if back is None else back[lo - start : hi - start]
             if rank == self.rank:  # this rank's own shard: no message
-                self.apply_coded(header, msg)
+                new = self.apply_coded(header, msg)
                 if part is not None:
-                    np.copyto(part, self.shard[lo - self.my_start : hi - self.my_start])
+                    np.copyto(part, new)
                 continue
             header[1] = tag = self._tag()
             if part is not None:

@@ -4,8 +4,8 @@
 ``status`` and ``ident``, ``total``, ``reached``, then a strategy's own); the status bits ``DONE``,
 ``NONFINITE`` and ``FINAL`` live in ``status(r)``. :class:`CenterClient` is one worker's handle on
 ``c = box[start:start + numel]``: ``pull``, ``push`` (refusing non-finite updates, optionally damped
-by staleness), ``push_pull`` (a push, then a pull, in one box request) and the fused elastic exchange
-of EASGD.
+by staleness), ``push_pull`` (a push, then a pull, in one box request), ``push_encoded`` (an update encoded with error
+feedback) and the fused elastic exchange of EASGD (``elastic_``; ``elastic_encoded_`` with compression).
 """
 
 from __future__ import annotations
@@ -131,35 +131,56 @@ class CenterClient:
         return True
 
     def push_encoded(
-        self, encoder: PushEncoder, delta: torch.Tensor, out: torch.Tensor | None = None
+        self,
+        encoder: PushEncoder,
+        delta: torch.Tensor,
+        out: torch.Tensor | None = None,
+        scale: float = 1.0,
+        messages: Sequence[torch.Tensor] | None = None,
     ) -> bool:
-        """``c <- c + decode(encode(delta))`` with ``encoder``'s error feedback (``box.push_encoded_async``:
-        on the memory server the codes cross the link); with ``out``, then ``out <- c`` in the same
-        request, as ``push_pull``. False, encoding and moving nothing, if ``delta`` is not finite."""
+        """``c <- c + scale * decode(encode(delta))`` with ``encoder``'s error feedback (kept in units of
+        ``delta``; ``box.push_encoded_async``: on the memory server the codes cross the link); with ``out``,
+        then ``out <- c`` in the same request, as ``push_pull``. False, encoding and moving nothing, if
+        ``delta`` is not finite. ``messages``: ``delta`` encoded already (by ``encoder``)."""
         if not is_finite(delta):
             return False
-        messages = encoder.encode(delta)
+        if messages is None:
+            messages = encoder.encode(delta)
         if out is None:
             with self.timers.phase("push"):
                 self.staleness = self.box.add_counter(VERSION_COUNTER, 1) - self.pulled_version
                 self.box.push_encoded_async(
-                    messages, delta.numel(), encoder.code, encoder.params, 1.0, self.start
+                    messages, delta.numel(), encoder.code, encoder.params, scale, self.start
                 ).wait()
             return True
         with self._exchange():
             self.box.push_encoded_async(
-                messages, delta.numel(), encoder.code, encoder.params, 1.0, self.start, out
+                messages, delta.numel(), encoder.code, encoder.params, scale, self.start, out
             ).wait()
         return True
 
-    def outer_step(self, g: torch.Tensor, out: torch.Tensor, coefficients: tuple, last: bool) -> bool:
+    def outer_step(
+        self,
+        g: torch.Tensor,
+        out: torch.Tensor,
+        coefficients: tuple,
+        last: bool,
+        encoder: PushEncoder | None = None,
+        messages: Sequence[torch.Tensor] | None = None,
+    ) -> bool:
         """Asynchronous DiLoCo's outer step applied by the box itself (``fuses_outer_step``), the new
         theta brought back into ``out``, as a ``push_pull`` is; False, moving nothing, if ``g`` is not
-        finite."""
+        finite. ``messages``: ``g`` as ``encoder`` encoded it, sent in its place (the memory server decodes
+        them, then applies the step: ``box.outer_step_encoded_async``)."""
         if not is_finite(g):
             return False
         with self._exchange():
-            self.box.outer_step_async(g, out, coefficients, last, self.start).wait()
+            if messages is None:
+                self.box.outer_step_async(g, out, coefficients, last, self.start).wait()
+            else:
+                self.box.outer_step_encoded_async(
+                    messages, g.numel(), encoder.code, encoder.params, out, coefficients, last, self.start
+                ).wait()
         return True
 
     @contextlib.contextmanager
@@ -217,6 +238,17 @@ class CenterClient:
             self.pulled_version = pulled.wait()
             self.staleness = version - self.pulled_version
         return True
+
+    def elastic_encoded_(self, x: torch.Tensor, alpha: float, encoder: PushEncoder, e: torch.Tensor) -> bool:
+        """Asynchronous EASGD exchange with an encoded push: ``e = x - c; x <- x - alpha e;
+        c <- c + alpha D(Q(e + err))``, ``encoder``'s error ``err`` keeping what the message left out
+        (``push_encoded``: the rma memory server decodes the codes). ``e``: a buffer of ``x``'s size.
+        False, moving nothing and the error untouched, if ``e`` is not finite."""
+        torch.sub(x, self.pull(e), out=e)
+        if not is_finite(e):
+            return False
+        x.sub_(e, alpha=alpha)
+        return self.push_encoded(encoder, e, scale=alpha)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
         """The center itself, mapped in this process (a box with a local view, host replica), else None."""

@@ -21,9 +21,10 @@ decodes and sums them in float32; uncompressed ones go through ``all_reduce`` as
 
 Over a box (``round_trip``) the sender quantizes the pushed update with its own error feedback and
 the box stores float32: the "server-side" error feedback of 1-bit schemes (a second compression of
-the box's reply, with the box's own error) is not in scope. :class:`PushEncoder` (downpour's pushes)
-sends the messages themselves (``ParameterBox.push_encoded_async``): the rma box's memory server
-decodes them with this module's decoder (``WIRE_MODES``, set on import), so the codes cross the link.
+the box's reply, with the box's own error) is not in scope. :class:`PushEncoder` (downpour's and
+asynchronous easgd's pushes, asynchronous diloco's arrivals) sends the messages themselves
+(``ParameterBox.push_encoded_async``, ``outer_step_encoded_async``): the rma box's memory server decodes
+them with this module's decoder (``WIRE_MODES``, set on import), so the codes cross the link.
 
 ``powersgd`` (:mod:`parambox.strategies.powersgd`) is not a per-rank message: it needs two allreduces
 and a Q shared by the ranks per round, so it compresses allreduce's gradients and synchronous diloco's outer gradients only; this module's

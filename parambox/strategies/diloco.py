@@ -47,6 +47,10 @@ over by the next waiter, and that one arrival's step is lost (``TicketLock``): o
 (``--box rma``) the step commits whole, per shard, once the arrival has landed (``box/server.py``); applied by
 the worker itself (the shm box) a death inside the turn can leave it partly applied. ``theta``, ``m`` and
 the accumulator live in the box, so they outlive any worker (with ``--box rma``, on its memory rank).
+``compression`` encodes each arrival's ``g`` with the worker's error feedback: the memory server takes the
+codes and decodes them before its fused step (``CenterClient.outer_step`` with ``messages``); on the other
+boxes the worker decodes and the step takes float32 (``box_compressor``'s warning). The error is in each
+worker's checkpoint.
 
 With ``quorum`` Q (Decoupled DiLoCo, Google DeepMind 2026; ``QuorumNesterov``), the box is the
 synchroniser: arrivals accumulate, weighted by their round's samples, until Q distinct workers have
@@ -88,6 +92,7 @@ from parambox.strategies.exchange import (
     LowRankOptions,
     SumExchange,
     box_compressor,
+    box_encoder,
 )
 from parambox.strategies.streaming import Fragment, cut, read_slice, write_slice_
 from parambox.strategies.tensors import trainable
@@ -587,6 +592,7 @@ class AsyncDiloco(AsyncStrategy):
     name = "diloco"
     period_options = ("inner_steps",)
     Options = DilocoOptions
+    per_rank_state = ("error",)  # the error feedback a worker owes is its own
     default_optimizer = Diloco.default_optimizer
     # At the synchronous 0.9 the result depended on the arrival order (about half of 10 digits runs
     # reached 0.95). With the outer step atomic (arrivals in ticket order) 0.8 gave 0.889 at seed 0,
@@ -653,7 +659,14 @@ class AsyncDiloco(AsyncStrategy):
         self.round_samples = 0  # this round's samples: its weight in a quorum's step
         self.finishing = False  # the last push: with a quorum, made also without a round (weight 0)
         self.pulled = self.x.clone()  # theta as this round started: g = pulled - x
-        self.compressor = box_compressor(options, self.numel, self.x.device)
+        # compression: where the box applies the outer step (the rma memory server) the arrival goes encoded
+        # and the server decodes it, then steps; elsewhere the worker decodes it (box_compressor's warning)
+        self.encoder, self.compressor = None, None
+        if self.box.fuses_outer_step:
+            warns = self.world.rank == 0
+            self.encoder = box_encoder(self.name, options, self.box, self.numel, 0, self.x.device, warns)
+        else:
+            self.compressor = box_compressor(self.name, options, self.numel, self.x.device)
         # overlap: the round's push and pull run in a thread while the next round computes
         self.background = Background(ctx.timeout_s, "asynchronous diloco push") if options.overlap else None
         self.theta_next = torch.empty_like(self.x)  # what the background pull brings
@@ -663,6 +676,12 @@ class AsyncDiloco(AsyncStrategy):
         self.step_end = time.perf_counter()
         self.step_s: list[float] = []  # this round's seconds per step, end to end (DyLU's speed)
         self.s_per_step = 0.0
+
+    @property
+    def error(self) -> torch.Tensor | None:
+        """What this worker's compressed pushes still owe (error feedback), or None without compression."""
+        owner = self.encoder if self.encoder is not None else self.compressor
+        return None if owner is None else owner.error
 
     def _check_quorum(self, options: DilocoOptions) -> None:
         """A quorum's options that cannot apply: one line each."""
@@ -699,16 +718,26 @@ class AsyncDiloco(AsyncStrategy):
         if not is_finite(g):
             self.halt("pseudo-gradient", step)
             return
-        if self.compressor is not None:
+        coded = (
+            None  # g as the encoder sent it: encoded here, not in the thread (the error is a checkpoint's)
+        )
+        if self.encoder is not None:
+            coded = self.encoder.encode(g)
+        elif self.compressor is not None:
             g = self.compressor.round_trip(g)
         t0 = time.perf_counter()
         if self.background is None:
             # The outer step's push of theta and the pull of the new theta: one request (where the box
             # applies the step itself, the pseudo-gradient goes and theta comes back).
+            enc = self.encoder
             pushed = self._outer_step(
                 g,
-                lambda u, scale: self.client.push_pull(u, self.x, scale),
-                lambda g, k, last: self.client.outer_step(g, self.x, k, last),
+                lambda u, scale: (
+                    self.client.push_pull(u, self.x, scale)
+                    if coded is None
+                    else self.client.push_encoded(enc, u, self.x, scale, self._coded_g(u, g, coded))
+                ),
+                lambda g, k, last: self.client.outer_step(g, self.x, k, last, enc, coded),
             )
             if not pushed:
                 self.client.pull(self.x)
@@ -716,7 +745,7 @@ class AsyncDiloco(AsyncStrategy):
             if self.background.busy:
                 self.background.wait()
                 self.x.add_(self.theta_next - self.pulled)
-            self.background.start(lambda: self._push_pull(g, self.theta_next))
+            self.background.start(lambda: self._push_pull(g, self.theta_next, coded))
         self.waited += time.perf_counter() - t0
         self.pulled.copy_(self.x)
         self.round_steps = self.round_samples = 0
@@ -759,16 +788,31 @@ class AsyncDiloco(AsyncStrategy):
     def _active_workers(self) -> int:
         return len(self._active())
 
-    def _push_pull(self, g: torch.Tensor, out: torch.Tensor) -> None:
-        """The outer step with ``g`` and the pull of the new theta (in the background thread: the box
-        directly, not the client whose timers the step reports)."""
+    @staticmethod
+    def _coded_g(u: torch.Tensor, g: torch.Tensor, coded: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The messages of a push of theta's update ``u`` where the memory server applies the outer step:
+        only Delayed Nesterov without momentum pushes (``g`` itself, scaled), which the messages encode."""
+        assert u is g, "on a box that fuses the outer step, theta's update is pushed only as g itself"
+        return coded
+
+    def _push_pull(self, g: torch.Tensor, out: torch.Tensor, coded: list[torch.Tensor] | None = None) -> None:
+        """The outer step with ``g`` (``coded``: as the encoder sent it) and the pull of the new theta (in
+        the background thread: the box directly, not the client whose timers the step reports)."""
+        enc = self.encoder
 
         def push_pull(u: torch.Tensor, scale: float) -> bool:
-            self.box.push_pull(u, out, scale)
+            if coded is None:
+                self.box.push_pull(u, out, scale)
+            else:
+                messages = self._coded_g(u, g, coded)
+                self.box.push_encoded_async(messages, u.numel(), enc.code, enc.params, scale, 0, out).wait()
             return True
 
         def outer_step(g: torch.Tensor, k: tuple, last: bool) -> bool:
-            self.box.outer_step_async(g, out, k, last).wait()
+            if coded is None:
+                self.box.outer_step_async(g, out, k, last).wait()
+            else:
+                self.box.outer_step_encoded_async(coded, g.numel(), enc.code, enc.params, out, k, last).wait()
             return True
 
         if not self._outer_step(g, push_pull, outer_step):  # no step of theta by this arrival: fetch it
@@ -818,6 +862,8 @@ class AsyncDiloco(AsyncStrategy):
             round_target=self.round_target,
             round_samples=self.round_samples,
         )
+        if self.error is not None:  # what this worker's pushes still owe: its own, not the run's
+            state["error"] = self.error.clone()
         if self.world.rank == 0:
             state["outer_state"] = self.outer.state()
             state["ticket"] = self.box.read_counter(self.counters.extra(0))
@@ -840,6 +886,8 @@ class AsyncDiloco(AsyncStrategy):
             self.round_steps = int(state.get("round_steps", 0))
             self.round_target = int(state.get("round_target", self.options.inner_steps))
             self.round_samples = int(state.get("round_samples", 0))
+            if self.error is not None and "error" in state:
+                self.error.copy_(state["error"])
 
 
 class QuorumDiloco(AsyncDiloco):

@@ -66,7 +66,7 @@ from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
 from parambox.strategies.base import Context, StepResult
 from parambox.strategies.center import CenterClient
 from parambox.strategies.compress import PushEncoder
-from parambox.strategies.exchange import Background, CompressionOptions
+from parambox.strategies.exchange import Background, CompressionOptions, box_encoder
 from parambox.strategies.grads import FinishedTail, GradViews, step_only
 
 ADAGRAD_EPS = 1e-10
@@ -348,18 +348,10 @@ class Downpour(AsyncStrategy):
 
     def _encoder(self, options: DownpourOptions) -> PushEncoder | None:
         """``downpour.compression``'s encoder of this worker's pushes (dynsgd's options have none)."""
-        mode = getattr(options, "compression", "none")
-        if mode == "none":
+        if getattr(options, "compression", "none") == "none":
             return None
-        if not self.box.decodes_pushes and self.world.rank == 0:
-            warn(
-                f"downpour.compression={mode}: the {self.box.backend} box here adds float32 that the worker "
-                "decoded: no link bytes are saved (the rma box's memory server, box.server, takes the codes)"
-            )
-        pieces = self.box.code_pieces(0, self.numel)
-        return PushEncoder(
-            mode, pieces, 0, options.compression_block, options.compression_ratio, self.x.device
-        )
+        warns = self.world.rank == 0
+        return box_encoder(self.name, options, self.box, self.numel, 0, self.x.device, warns)
 
     def begin_step(self, step: int) -> None:
         if not self.warm:

@@ -4,6 +4,9 @@ Asynchronous form, over the box (``shm`` or ``rma``): every ``tau`` local steps 
 center ``c``, computes ``d = alpha (x - c)``, moves ``x <- x - d`` and pushes ``c <- c + d``;
 between exchanges it takes local steps ``x <- x - eta g`` (its own optimizer). The exchange runs
 block by block over the flat replica (``CenterClient.elastic_``): about one pass over memory.
+``compression`` encodes each push with error feedback, ``c <- c + alpha D(Q(x - c + err))`` while ``x`` moves
+by the exact ``alpha (x - c)`` (``CenterClient.elastic_encoded_``): the rma box's memory server decodes the
+codes, elsewhere the worker (``box_encoder``'s warning); the error is in each worker's checkpoint.
 
 Synchronous form (``sync: true``), over collectives, no box: every ``tau`` steps
 ``c <- c + alpha sum_i (x_i - c)`` (one allreduce of ``x_i - c``) and ``x_i <- x_i - alpha (x_i - c)``;
@@ -31,7 +34,7 @@ from parambox.errors import UserError, warn
 from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncOptions, AsyncStrategy
 from parambox.strategies.base import Context, StepResult, Strategy, loss_value, period_end
-from parambox.strategies.exchange import ExchangeOptions, SumExchange, box_compressor
+from parambox.strategies.exchange import ExchangeOptions, SumExchange, box_encoder
 from parambox.strategies.grads import GradViews, bind_flat_replica
 
 DEFAULT_ALPHA = 0.1
@@ -138,6 +141,7 @@ class ElasticAveraging(AsyncStrategy):
     name = "easgd"
     period_options = ("tau",)
     Options = EasgdOptions
+    per_rank_state = ("error",)  # the error feedback a worker owes is its own
     nesterov: ClassVar[bool] = False
 
     @classmethod
@@ -155,8 +159,13 @@ class ElasticAveraging(AsyncStrategy):
         super().__init__(ctx, options)
         self.local, lr = make_local_step(self, self.nesterov)
         self.alpha = options.moving_rate(lr)
-        self.compressor = box_compressor(options, self.numel, self.x.device)
-        self.c_buf = torch.empty_like(self.x) if self.compressor is not None else None
+        # ``compression``: each push ``alpha Q(e)`` encoded with error feedback; the rma memory server
+        # decodes the codes, elsewhere the worker (``box_encoder``'s warning)
+        warns = self.world.rank == 0
+        self.encoder = box_encoder(
+            self.name, options, self.box, self.numel, self.client.start, self.x.device, warns
+        )
+        self.e = torch.empty_like(self.x) if self.encoder is not None else None
 
     def begin_step(self, step: int) -> None:
         if self.local is not None:
@@ -174,26 +183,26 @@ class ElasticAveraging(AsyncStrategy):
         return self.step_result(loss, samples)
 
     def _elastic(self) -> bool:
-        """The elastic exchange; with compression ``c += alpha Q(e)`` (error feedback) while ``x`` moves
-        by the exact ``alpha e``."""
-        if self.compressor is None:
+        """The elastic exchange; with compression ``c += alpha D(Q(e + err))`` (error feedback: ``err``
+        keeps what the message left out) while ``x`` moves by the exact ``alpha e``."""
+        if self.encoder is None:
             return self.client.elastic_(self.x, self.alpha)
-        e = self.x - self.client.pull(self.c_buf)
-        if not is_finite(e):
-            return False
-        self.x.sub_(e, alpha=self.alpha)
-        return self.client.push(self.compressor.round_trip(e), self.alpha)
+        return self.client.elastic_encoded_(self.x, self.alpha, self.encoder, self.e)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self.local is not None:
             state["velocity"] = self.local.v
+        if self.encoder is not None:  # what this worker's pushes still owe: its own, not the run's
+            state["error"] = self.encoder.error
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if self.local is not None and "velocity" in state:
             self.local.v.copy_(state["velocity"])
+        if self.encoder is not None and "error" in state:
+            self.encoder.error.copy_(state["error"])
 
 
 class ElasticMomentumAveraging(ElasticAveraging):

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from pydantic import Field, field_validator
 
+from parambox.box.base import ParameterBox
 from parambox.errors import CommTimeout, warn
 from parambox.strategies.base import Options
 from parambox.strategies.compress import (
@@ -48,6 +49,7 @@ from parambox.strategies.compress import (
     DEFAULT_RATIO,
     Compression,
     Compressor,
+    PushEncoder,
 )
 from parambox.strategies.powersgd import PowerSGD
 
@@ -105,19 +107,48 @@ class ExchangeOptions(CompressionOptions):
         return mode
 
 
-def box_compressor(options: CompressionOptions, numel: int, device: torch.device) -> Compressor | None:
-    """The encoder of a push into the box, or None. The box stores float32, so the link carries
-    float32 whatever the encoding: the pushed update is quantized (with error feedback), as a
-    transport that carried the codes would deliver it, and the bytes stay (a warning says so)."""
+def box_compressor(
+    name: str, options: CompressionOptions, numel: int, device: torch.device
+) -> Compressor | None:
+    """The encoder of a push that the worker decodes itself (asynchronous diloco's pseudo-gradient where
+    the box does not apply the outer step: the strategy runs it on float32), or None. The box stores
+    float32, so the link carries float32 whatever the encoding: the pushed update is quantized (with
+    error feedback), as a transport that carried the codes would deliver it, and the bytes stay (a
+    warning says so)."""
     if options.compression == "none":
         return None
     warn(
-        f"compression={options.compression} over the box quantizes the pushed update but the box "
-        "stores and moves float32: no bytes are saved"
+        f"{name}.compression={options.compression}: this box takes the worker's decoded float32 (the rma "
+        "box's memory server, box.server, takes the codes): no link bytes are saved"
     )
     return Compressor(
         options.compression, numel, options.compression_block, device=device, ratio=options.compression_ratio
     )
+
+
+def box_encoder(
+    name: str,
+    options: CompressionOptions,
+    box: ParameterBox,
+    numel: int,
+    start: int = 0,
+    device: torch.device | None = None,
+    warns: bool = True,
+) -> PushEncoder | None:
+    """The encoder of a worker's pushes into ``box[start:start + numel]`` (``ParameterBox.push_encoded_async``:
+    the codes cross the link to the rma box's memory server, which decodes them), or None without
+    compression. Where the box cannot take codes the worker decodes and float32 moves: ``warns`` (one
+    rank's) says so, naming ``name.compression``."""
+    mode = options.compression
+    if mode == "none":
+        return None
+    if warns and not box.decodes_pushes:
+        warn(
+            f"{name}.compression={mode}: the {box.backend} box here adds float32 that the worker decoded: no "
+            "link bytes are saved (the rma box's memory server, box.server, takes the codes)"
+        )
+    pieces = box.code_pieces(start, numel)
+    return PushEncoder(mode, pieces, start, options.compression_block, options.compression_ratio, device)
 
 
 class SumExchange:
