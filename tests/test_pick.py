@@ -663,6 +663,19 @@ def test_compression_list_is_checked_and_the_variant_keeps_settings_and_box():
     }
 
 
+def test_a_compression_list_no_candidate_takes_is_a_one_line_error_before_any_run(tmp_path):
+    from parambox.config import build_config
+    from parambox.errors import UserError
+    from parambox.presets import preset
+    from parambox.studies.pick import run_pick
+
+    base = build_config(preset("digits-allreduce")).model_dump()
+    s = PickSettings(2, 0.9, base, tmp_path / "p", strategies=["weight-avg"], compressions=("powersgd",))
+    with pytest.raises(UserError, match="--compression powersgd: no candidate's exchange takes it"):
+        run_pick(s, lambda _: None)
+    assert not (tmp_path / "p").exists()
+
+
 def test_a_compressed_candidates_link_bytes_against_its_float32_twin_in_closed_form():
     """P = 650 parameters (logreg on digits: 10 x 64 and 10). float32: a ring allreduce of 4P bytes,
     2 (N-1)/N 4P per exchange; int8: one byte an element and a float32 scale per 256, all-gathered,
@@ -713,6 +726,10 @@ def test_a_compressed_candidates_link_bytes_against_its_float32_twin_in_closed_f
             "--eval-every",
         ),
         (["--workers", "2", "--target-accuracy", "0.9", "--validate-runs", "0"], "--validate-runs"),
+        (
+            ["--workers", "2", "--target-accuracy", "0.9", "--compression", "none,int3"],
+            "--compression 'none,int3'",
+        ),
         (["--workers", "2"], "give the target to reach"),
         (["--workers", "2", "--target", "perplexity"], "expected METRIC=VALUE"),
         (["--workers", "2", "--target", "perplexity=0.5"], "a perplexity is at least 1"),

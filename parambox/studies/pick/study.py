@@ -137,11 +137,16 @@ def run_pick(s: PickSettings, say: Say = print) -> dict[str, Any]:
     budget = Budget(s.budget_s)
     n = s.probe_workers
     base = _base(s, n)
-    candidates = _with_user_options(registry_candidates(n, s.strategies, base), base, s)
-    candidates = with_compression(candidates, s.compressions)
+    plain = _with_user_options(registry_candidates(n, s.strategies, base), base, s)
+    candidates = with_compression(plain, s.compressions)
     reference = Candidate(REFERENCE).overridden(base["options"].get(REFERENCE, {}), s.fixed)
-    if not candidates:
+    if not plain:
         raise UserError(f"no registered strategy runs {s.workers} workers ({n} probed)")
+    if not candidates:
+        raise UserError(
+            f"--compression {','.join(s.compressions)}: no candidate's exchange takes it (add none to "
+            "consider them uncompressed)"
+        )
     candidates = _probe_order(candidates, reference)
     shapes = _parameter_shapes(base)
     st = _State(s, n, base, reference, budget, t0, candidates)
