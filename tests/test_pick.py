@@ -114,11 +114,21 @@ def test_step_cost_leaves_out_warmup_and_the_steps_after_an_evaluation():
 )
 def test_scale_cost_uses_the_perfmodel_bandwidth_term(topology, factor):
     cost = pm.StepCost(0.010, 0.004, 64.0)
-    scaled = pm.scale_cost(cost, topology, 2, 8)
+    scaled = pm.scale_cost(cost, pm.Exchange(topology), 2, 8)
     assert scaled.comm_s == pytest.approx(0.004 * factor)
     assert scaled.compute_s == pytest.approx(0.006)
     assert scaled.samples_per_step == pytest.approx(256.0)
-    assert pm.scale_cost(cost, topology, 2, 2) is cost
+    assert pm.scale_cost(cost, pm.Exchange(topology), 2, 2) is cost
+
+
+def test_a_compressed_exchange_is_all_gathered_and_scales_as_n_minus_1():
+    # Compressed messages are not summed on the way: each rank receives the n - 1 others', (n - 1) S_c,
+    # where a float32 ring allreduce's term is 2 (n - 1) / n S: from 2 to 8 workers 7x, not 1.75x.
+    cost = pm.StepCost(0.010, 0.004, 64.0)
+    gathered = pm.Exchange("ring", 1000.0, gathered=True)
+    assert pm.scale_cost(cost, gathered, 2, 8).comm_s == pytest.approx(0.004 * 7)
+    assert gathered.link_bytes(8) == 7 * 1000.0 and pm.Exchange("ring", 4000.0).link_bytes(8) == 7000.0
+    assert pm.Exchange("ring").link_bytes(8) is None  # no size known: no bytes, the ratio still scales
 
 
 def test_predict_is_reference_samples_over_ratio_over_rate_with_the_band():
@@ -590,6 +600,114 @@ def test_candidate_settings_come_from_presets_of_the_same_workload_and_the_user_
     assert Candidate("easgd", {"sync": True, "tau": 4}).label == "easgd sync=true tau=4"
 
 
+# -- compression: a dimension of the candidates -------------------------------------------------------
+
+
+def test_compression_makes_a_candidate_of_each_encoding_an_exchange_takes():
+    from parambox.studies.pick.candidates import compression_of, with_compression
+
+    base = [
+        Candidate("allreduce"),
+        Candidate("weight-avg", {"period": 4}),
+        Candidate("easgd", {"sync": True, "tau": 4}),
+        Candidate("easgd", {"tau": 4}),  # asynchronous: through the box, which moves float32 anyway
+        Candidate("diloco", {"inner_steps": 10}),
+        Candidate("diloco", {"asynchronous": True}),
+        Candidate("hybrid", {"group_size": 2}),  # its leaders' exchange is the box's
+        Candidate("downpour"),  # no compression field
+    ]
+    got = with_compression(base, ["none", "int8", "powersgd"])
+    assert (
+        [c.label for c in got]
+        == [
+            "allreduce",
+            "allreduce compression=int8",
+            "allreduce compression=powersgd",  # powersgd: allreduce and synchronous diloco only, the rest refuse it
+            "weight-avg period=4",
+            "weight-avg compression=int8 period=4",
+            "easgd sync=true tau=4",
+            "easgd compression=int8 sync=true tau=4",
+            "easgd tau=4",
+            "diloco inner_steps=10",
+            "diloco compression=int8 inner_steps=10",
+            "diloco compression=powersgd inner_steps=10",
+            "diloco asynchronous=true",
+            "hybrid group_size=2",
+            "downpour",
+        ]
+    )
+    assert [compression_of(c) for c in got[:3]] == ["none", "int8", "powersgd"]
+    # Without none the exchanges that take one are compressed only; one that takes none of the list is
+    # left out; the others stay as they are. A compression the user set is kept, not varied.
+    only = with_compression(base[:2] + base[-1:], ["powersgd"])
+    assert [c.label for c in only] == ["allreduce compression=powersgd", "downpour"]
+    mine = Candidate("allreduce", {"compression": "bf16"})
+    assert with_compression([mine], ["none", "int8"]) == [mine]
+    assert with_compression(base, ["none"]) == base
+
+
+def test_compression_list_is_checked_and_the_variant_keeps_settings_and_box():
+    from parambox.errors import UserError
+    from parambox.studies.pick.candidates import parse_compressions, with_compression
+
+    assert parse_compressions("int8, none,int8") == ["int8", "none"]
+    for bad in ("int3", "", " , "):
+        with pytest.raises(UserError, match="--compression"):
+            parse_compressions(bad)
+    c = Candidate("weight-avg", {"period": 4}, {"lr": 0.01}, box="rma")
+    variant = with_compression([c], ["int8"])[0]
+    assert variant == Candidate("weight-avg", {"period": 4, "compression": "int8"}, {"lr": 0.01}, "rma")
+    assert variant.config({"strategy": "allreduce", "options": {}})["options"]["weight-avg"] == {
+        "period": 4,
+        "compression": "int8",
+    }
+
+
+def test_a_compression_list_no_candidate_takes_is_a_one_line_error_before_any_run(tmp_path):
+    from parambox.config import build_config
+    from parambox.errors import UserError
+    from parambox.presets import preset
+    from parambox.studies.pick import run_pick
+
+    base = build_config(preset("digits-allreduce")).model_dump()
+    s = PickSettings(2, 0.9, base, tmp_path / "p", strategies=["weight-avg"], compressions=("powersgd",))
+    with pytest.raises(UserError, match="--compression powersgd: no candidate's exchange takes it"):
+        run_pick(s, lambda _: None)
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_compressed_candidates_link_bytes_against_its_float32_twin_in_closed_form():
+    """P = 650 parameters (logreg on digits: 10 x 64 and 10). float32: a ring allreduce of 4P bytes,
+    2 (N-1)/N 4P per exchange; int8: one byte an element and a float32 scale per 256, all-gathered,
+    (N-1) (P + 4 ceil(P / 256))."""
+    import torch
+
+    from parambox.studies.pick.study import _exchange
+
+    shapes, p_count = [torch.Size([10, 64]), torch.Size([10])], 650
+    plain = _exchange(Candidate("allreduce"), shapes)
+    int8 = _exchange(Candidate("allreduce", {"compression": "int8"}), shapes)
+    int4 = _exchange(Candidate("weight-avg", {"period": 4, "compression": "int4"}), shapes)
+    topk = _exchange(Candidate("allreduce", {"compression": "topk", "compression_ratio": 0.1}), shapes)
+    assert (plain.message_bytes, plain.gathered) == (4 * p_count, False)
+    assert (int8.message_bytes, int8.gathered) == (p_count + 4 * 3, True)
+    assert int4.message_bytes == math.ceil(p_count / 2) + 4 * 3
+    assert topk.message_bytes == 8 * 65  # float32 values and int32 indices of ceil(0.1 P)
+    for n in (2, 4, 8, 16):
+        assert plain.link_bytes(n) == pytest.approx(2 * (n - 1) / n * 4 * p_count)
+        assert int8.link_bytes(n) == pytest.approx((n - 1) * (p_count + 12))
+    # int8 moves about a quarter of float32's bytes at 2 workers, as much at 8, twice as much at 16.
+    assert int8.link_bytes(2) / plain.link_bytes(2) == pytest.approx(662 / 2600)
+    assert int8.link_bytes(16) / plain.link_bytes(16) == pytest.approx(16 * 662 / (2 * 2600))
+    # Through the box the update moves as float32 whatever the encoding (it stores float32).
+    boxed = _exchange(Candidate("easgd", {"tau": 4, "compression": "int8"}), shapes)
+    assert (boxed.topology, boxed.message_bytes, boxed.gathered) == ("box", 4 * p_count, False)
+    # powersgd sums its low-rank factors by allreduce (not gathered): here a float32 ring.
+    big = [torch.Size([64, 64]), torch.Size([64])]
+    low = _exchange(Candidate("allreduce", {"compression": "powersgd", "powersgd_rank": 2}), big)
+    assert (low.message_bytes, low.gathered) == (4 * ((64 + 64) * 2 + 64), False)
+
+
 # -- (c) the command ----------------------------------------------------------------------------------
 
 
@@ -608,6 +726,10 @@ def test_candidate_settings_come_from_presets_of_the_same_workload_and_the_user_
             "--eval-every",
         ),
         (["--workers", "2", "--target-accuracy", "0.9", "--validate-runs", "0"], "--validate-runs"),
+        (
+            ["--workers", "2", "--target-accuracy", "0.9", "--compression", "none,int3"],
+            "--compression 'none,int3'",
+        ),
         (["--workers", "2"], "give the target to reach"),
         (["--workers", "2", "--target", "perplexity"], "expected METRIC=VALUE"),
         (["--workers", "2", "--target", "perplexity=0.5"], "a perplexity is at least 1"),
@@ -632,7 +754,8 @@ def test_pick_quick_validate_json(tmp_path):
     out = tmp_path / "pick"
     proc = run_cli(
         "pick", "--workers", "2", "--target-accuracy", "0.8", "--quick", "--validate", "--json",
-        "--strategies", "allreduce,weight-avg,dynsgd", "--metrics", "tests.workloads.acc_metric:metrics",
+        "--strategies", "allreduce,weight-avg,dynsgd", "--compression", "none",
+        "--metrics", "tests.workloads.acc_metric:metrics",
         "--out", str(out),
         timeout=430,
     )  # fmt: skip
@@ -665,6 +788,52 @@ def test_pick_quick_validate_json(tmp_path):
     assert {r["family"] for r in result["ranking"]} <= {"synchronous", "local SGD", "asynchronous"}
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_pick_with_a_compression_list_ranks_each_encoding_as_a_candidate(tmp_path):
+    """--compression none,int8,powersgd on logreg and digits (P = 650 parameters: 10 x 64 and 10):
+    allreduce as float32, int8 and powersgd, weight-avg as float32 and int8 (it refuses powersgd: no such
+    row, no error); each row says its compression, and its bytes are the encoding's, in closed form."""
+    out = tmp_path / "pick"
+    proc = run_cli(
+        "pick", "--workers", "2", "--target-accuracy", "0.6", "--quick", "--confirm", "0", "--model", "logreg",
+        "--strategies", "allreduce,weight-avg", "--compression", "none,int8,powersgd", "--out", str(out),
+    )  # fmt: skip
+    result = json.loads((out / "pick.json").read_text())
+    rows = {r["setup"]: r for r in result["ranking"]}
+    assert set(rows) == {
+        "allreduce",
+        "allreduce compression=int8",
+        "allreduce compression=powersgd",
+        "weight-avg period=4",
+        "weight-avg compression=int8 period=4",
+    }
+    assert (
+        not result["excluded"]
+        and not result["partial"]
+        and result["compressions"] == ["none", "int8", "powersgd"]
+    )
+    assert {r["setup"]: r["compression"] for r in result["ranking"]} == {
+        "allreduce": "none",
+        "allreduce compression=int8": "int8",
+        "allreduce compression=powersgd": "powersgd",
+        "weight-avg period=4": "none",
+        "weight-avg compression=int8 period=4": "int8",
+    }
+    # one rank's message: float32 4P; int8 P bytes and a float32 scale per 256; powersgd the 10 x 64
+    # matrix as rank-4 factors (10 + 64) x 4 and the 10 biases, in float32
+    expected = {"none": 4 * 650, "int8": 650 + 4 * 3, "powersgd": 4 * ((10 + 64) * 4 + 10)}
+    for r in result["ranking"]:
+        assert r["message_bytes"] == expected[r["compression"]]
+        # 2 workers: a ring allreduce moves S (2 (n-1)/n S), an all-gather the other's message (n-1) S
+        assert r["link_bytes_per_exchange"] == pytest.approx(expected[r["compression"]])
+        assert r["predicted_s"] > 0 and r["comm_ms"] > 0
+    # the printed table names each row's compression whole, on its row
+    table = [line for line in proc.stdout.splitlines() if line.startswith("│")]
+    assert any("allreduce compression=int8" in line for line in table)
+    assert any("weight-avg compression=int8 period=4" in line for line in table)
+
+
 TEXT_BIGRAM = [
     "--model",
     "tests.workloads.bigram:model",
@@ -685,7 +854,7 @@ def test_pick_reaches_a_perplexity_that_falls_to_the_target(tmp_path):
     out = tmp_path / "pick"
     proc = run_cli(
         "pick", "--workers", "2", "--target", "perplexity=60", "--quick", "--confirm", "0", "--json",
-        "--strategies", "allreduce,weight-avg", *TEXT_BIGRAM, "--batch-size", "16", "--steps", "60",
+        "--strategies", "allreduce,weight-avg", "--compression", "none", *TEXT_BIGRAM, "--batch-size", "16", "--steps", "60",
         "--out", str(out),
         timeout=280,
     )  # fmt: skip

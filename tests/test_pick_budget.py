@@ -89,7 +89,7 @@ class FakeRuns:
         return self.measured(cfg, run_dir, timeout, "probe")
 
 
-def settings(tmp_path, budget_s: float | None, confirm: int = 0):
+def settings(tmp_path, budget_s: float | None, confirm: int = 0, compressions: tuple[str, ...] = ("none",)):
     from parambox.config import build_config
     from parambox.presets import preset
     from parambox.studies.pick import PickSettings
@@ -97,8 +97,45 @@ def settings(tmp_path, budget_s: float | None, confirm: int = 0):
     base = build_config(preset("digits-allreduce")).model_dump()
     only = ["allreduce", "weight-avg", "downpour", "easgd"]
     return PickSettings(
-        workers=2, target=0.75, base=base, out=tmp_path, strategies=only, confirm=confirm, budget_s=budget_s
+        workers=2,
+        target=0.75,
+        base=base,
+        out=tmp_path,
+        strategies=only,
+        confirm=confirm,
+        budget_s=budget_s,
+        compressions=compressions,
     )
+
+
+def test_compressed_variants_are_probed_after_every_float32_candidate(monkeypatch, tmp_path):
+    """--compression none,int8: one probe per strategy, then the strategies' other variants, then the
+    compressed variants (the exchanges that take one: allreduce, weight-avg, synchronous easgd), in
+    the same order; each is ranked with its compression, and its bytes are int8's."""
+    from parambox.studies.pick import run_pick
+
+    fake = FakeRuns(monkeypatch, {"reference": 1.0, "probe": 1.0, "confirm": 1.0})
+    result = run_pick(settings(tmp_path, None, compressions=("none", "int8")), lambda _: None)
+    probes = [name for kind, name, _ in fake.calls if kind == "probe"]
+    packed = [i for i, name in enumerate(probes) if "compression" in name]
+    assert [probes[i] for i in packed] == [
+        "allreduce_compression_int8",
+        "weight-avg_compression_int8_period_4",
+        "easgd_alpha_0.1_compression_int8_sync_true_tau_4",
+    ]
+    assert packed == list(range(len(probes) - 3, len(probes)))  # after every float32 one
+    rows = {r["setup"]: r for r in result["ranking"]}
+    assert (
+        rows["allreduce compression=int8"]["compression"] == "int8"
+        and rows["allreduce"]["compression"] == "none"
+    )
+    assert rows["easgd alpha=0.1 tau=4"]["compression"] == "none"  # asynchronous: no int8 variant
+    # digits' default model: int8 sends about a quarter of float32's bytes at 2 workers
+    ratio = (
+        rows["allreduce compression=int8"]["link_bytes_per_exchange"]
+        / rows["allreduce"]["link_bytes_per_exchange"]
+    )
+    assert 0.25 < ratio < 0.26 and result["compressions"] == ["none", "int8"]
 
 
 def test_the_budget_cuts_the_probes_and_the_ranking_so_far_is_written_after_each(monkeypatch, tmp_path):

@@ -5,7 +5,9 @@ The target is a test metric and its value: ``--target perplexity=8`` (lower is b
 perplexity and bits_per_byte, any loss), ``--target accuracy=0.95`` or ``--target-accuracy 0.95`` (higher is
 better), ``--target wer<=0.2`` for a metric of your own that falls.
 A reference run (allreduce) trains until its test metric reaches the target; every other strategy
-of the registry that accepts N workers is probed for a few dozen steps (its presets' options). Each
+of the registry that accepts N workers is probed for a few dozen steps (its presets' options), and each
+strategy whose exchange takes a compression once more per encoding of --compression (default none,int8:
+allreduce, weight-avg, synchronous easgd and diloco; rows such as "allreduce compression=int8"). Each
 prediction is samples to target / samples per second: the samples from how fast the probe's test loss
 fell against the reference's (convergence per sample, with a band), the rate from the probe's time
 per step (compute and communication). The top --confirm K predictions (default 5) are then trained
@@ -26,6 +28,7 @@ the ranking of what it measured.
     parambox pick --workers 2 --target-accuracy 0.9 --target-metric acc --metrics mymod:metrics
     parambox pick --workers 2 --target perplexity=20 --model gpt --data text --steps 400
     parambox pick --workers 2 --target perplexity=20 --model gpt --data text --budget 10m
+    parambox pick --workers 8 --target-accuracy 0.95 --compression none,int8,int4,topk,powersgd
 """
 
 from __future__ import annotations
@@ -80,6 +83,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="runs to the target per validated setup; its measured time is their median (default 3; "
         "--quick: 1)",
     )
+    a(
+        "--compression",
+        metavar="LIST",
+        help="comma list of the encodings to try on the exchanges that take one (allreduce, weight-avg, "
+        "synchronous easgd and diloco), each a candidate of its own: none (float32), bf16, int8, int4, int2, "
+        "sign, topk, powersgd (default none,int8; none: float32 only)",
+    )
     a("--seeds", type=int, default=1, help="repeat probes and validations with N seeds (default 1)")
     a(
         "--budget",
@@ -117,6 +127,7 @@ def settings_from_args(args: argparse.Namespace):
     from parambox.presets import preset
     from parambox.studies.pick import PickSettings
     from parambox.studies.pick.budget import parse_duration
+    from parambox.studies.pick.candidates import DEFAULT_COMPRESSIONS, parse_compressions
 
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
@@ -124,6 +135,7 @@ def settings_from_args(args: argparse.Namespace):
     if args.seeds < 1:
         raise UserError(f"--seeds must be >= 1, got {args.seeds}")
     budget_s = None if args.budget is None else parse_duration(args.budget)
+    compressions = DEFAULT_COMPRESSIONS if args.compression is None else parse_compressions(args.compression)
     if budget_s is not None and args.seeds > 1:
         raise UserError("--budget bounds one seed's pick: drop --seeds or --budget")
     num_validated = _num_validated(args.validate, args.quick)
@@ -175,6 +187,7 @@ def settings_from_args(args: argparse.Namespace):
         target_metric=goal.metric,
         lower_is_better=goal.lower_is_better,
         budget_s=budget_s,
+        compressions=tuple(compressions),
         **sizes,
     )
 
@@ -272,8 +285,13 @@ def print_result(result: dict) -> None:
         title=f"time to test {_target_text(result)} with {result['workers']} workers "
         f"(probed with {result['probe_workers']})"
     )
+    # A setup's options (compression=int8) wrap onto lines of their own, never cut off.
+    widest = max((len(w) for r in result["ranking"] for w in r["setup"].split()), default=5)
     for h in ("#", "setup", "predicted s", "band s", "x ref. samples", "ms/step", "comm ms", "confirmed s"):
-        table.add_column(h)
+        setup = h == "setup"
+        table.add_column(
+            h, overflow="fold" if setup else "ellipsis", min_width=min(widest, 32) if setup else None
+        )
     for r in result["ranking"]:
         conv = r["convergence_vs_reference"]
         table.add_row(
@@ -287,6 +305,8 @@ def print_result(result: dict) -> None:
             sec(r.get("confirmed_s")) if r.get("confirm_run_dir") or r.get("confirmed_s") else "",
         )
     console = Console()
+    if not console.is_terminal:  # a log or a pipe: no screen to fit, the table at its own width (no cut)
+        console = Console(width=120)
     console.print(table)
     for r in result["ranking"]:
         print(f"{r['rank']}. {r['setup']}: {r['reason']}")

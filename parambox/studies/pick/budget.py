@@ -7,10 +7,10 @@ what it measured (``partial``: true, ``unmeasured``: the candidates it never pro
 
 Order, so that an early stop still ranks the strategies: the reference first (every prediction
 needs it, and it is ``allreduce``'s own measurement), then one probe per strategy (its first preset's
-options), then the other options of each strategy, then the race and validation (long runs to the
-target). A strategy's variants differ less from one another than strategies do, and a probe costs
-the same few dozen steps whichever it is, so breadth over strategies is the most informative use of
-each probe's time.
+options), then the other options of each strategy, then the compressed variants (``--compression``)
+in the same order, then the race and validation (long runs to the target). A strategy's variants
+differ less from one another than strategies do, and a probe costs the same few dozen steps whichever
+it is, so breadth over strategies is the most informative use of each probe's time.
 
 After each measurement the ranking so far is written to ``pick.json`` (a temporary file, then
 ``os.replace``: a reader never sees half a file), so a pick stopped by Ctrl-C has an answer too.

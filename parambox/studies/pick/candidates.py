@@ -9,6 +9,14 @@ part of how the strategy is meant to run there; a study's base preset lends none
 user's own flags win over both. Nothing here names a strategy: a strategy added to the registry
 with a preset is a candidate. Whether it can run *here* (this model and data, this cluster, MPI) is
 found out by its probe: one that fails is excluded with its error line.
+
+Compression is a dimension of the candidates (``with_compression``): a candidate whose exchange takes
+``compression`` (its options have the field: allreduce's gradients, weight-avg, synchronous easgd,
+synchronous diloco) is considered once per listed encoding it accepts (``pick --compression none,int8``),
+labelled with it (``allreduce compression=int8``). One whose options refuse an encoding (powersgd is
+for allreduce and synchronous diloco only) does not get that variant; one whose exchange goes through
+the box (the asynchronous forms, hybrid) gets none, since the box stores and moves float32 whatever the
+encoding (``exchange.box_compressor``); one whose compression the user or its preset set keeps it.
 """
 
 from __future__ import annotations
@@ -19,6 +27,9 @@ from typing import Any
 from parambox.errors import UserError
 
 TUNED = ("optimizer", "lr", "momentum", "weight_decay")  # what a preset may lend a candidate
+# pick's default --compression: float32 and int8 (a quarter of the bytes, error feedback: close to float32's
+# convergence), one more probe for each candidate whose exchange takes it.
+DEFAULT_COMPRESSIONS = ("none", "int8")
 
 
 @dataclass(frozen=True)
@@ -111,3 +122,98 @@ def _from_preset(key: str, cfg: dict[str, Any], base: dict[str, Any] | None) -> 
     if own and base is not None and all(cfg.get(k) == base.get(k) for k in ("model", "data")):
         settings = {k: cfg[k] for k in TUNED if k in cfg and cfg[k] != base.get(k)}
     return Candidate(name, options, settings)
+
+
+# -- compression: a dimension of the candidates -------------------------------------------------------
+
+
+def compression_of(c: Candidate) -> str:
+    """The encoding of the candidate's exchange (``none``: float32).
+
+    >>> compression_of(Candidate("allreduce", {"compression": "int8"})), compression_of(Candidate("hogwild"))
+    ('int8', 'none')
+    """
+    return str(c.options.get("compression", "none"))
+
+
+def parse_compressions(text: str) -> list[str]:
+    """``--compression``'s comma list, in its order, once each; a UserError naming the unknown ones.
+
+    >>> parse_compressions("none, int8,int8,topk")
+    ['none', 'int8', 'topk']
+    """
+    from typing import get_args
+
+    from parambox.strategies.compress import Compression
+
+    known = get_args(Compression)
+    names = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise UserError(f"--compression {text!r}: a comma list of {', '.join(known)}")
+    return names
+
+
+def takes_compression(c: Candidate) -> bool:
+    """Whether compressing the candidate's exchange saves bytes on the link: its options have
+    ``compression`` and its exchange is a collective (over the box, an asynchronous form's, the box
+    stores and moves float32 whatever the encoding)."""
+    from parambox.strategies import strategy_class
+    from parambox.strategies.asynchronous import AsyncStrategy
+
+    if "compression" not in strategy_class(c.strategy).Options.model_fields:
+        return False
+    return not issubclass(strategy_class(c.strategy, c.options), AsyncStrategy)
+
+
+def with_compression(candidates: list[Candidate], modes: list[str] | tuple[str, ...]) -> list[Candidate]:
+    """Every candidate whose exchange takes compression (``takes_compression``) and does not set it
+    already, once per encoding of ``modes`` its options accept (``none``: as it is), each next to the
+    others of its candidate; the rest as they are. A candidate that accepts none of ``modes`` is
+    left out."""
+    out: list[Candidate] = []
+    for c in candidates:
+        if "compression" in c.options or not takes_compression(c):
+            out.append(c)
+            continue
+        for mode in modes:
+            variant = (
+                c
+                if mode == "none"
+                else Candidate(c.strategy, {**c.options, "compression": mode}, c.settings, c.box)
+            )
+            if mode == "none" or _accepted(variant):
+                out.append(variant)
+    return out
+
+
+def _accepted(c: Candidate) -> bool:
+    """Its options validate and its strategy resolves with them (diloco refuses powersgd in its
+    asynchronous and streaming forms, weight-avg and easgd refuse it outright)."""
+    from parambox.strategies import strategy_class
+
+    try:
+        strategy_class(c.strategy, c.options)
+    except (ValueError, UserError):  # pydantic's ValidationError is a ValueError
+        return False
+    return True
+
+
+def message_bytes(c: Candidate, shapes: list[Any]) -> int:
+    """One rank's message of one exchange, for a model of parameters of ``shapes``, as
+    :mod:`parambox.strategies.compress` (or PowerSGD) encodes it: float32 where it is not compressed or
+    its exchange goes through the box (``takes_compression``)."""
+    from parambox.strategies import strategy_class
+    from parambox.strategies.compress import Compressor
+    from parambox.strategies.powersgd import PowerSGD
+
+    numel = sum(int(s.numel()) for s in shapes)
+    mode = compression_of(c) if takes_compression(c) else "none"
+    if mode == "none":
+        return Compressor("none", numel, error_feedback=False).payload_bytes()
+    opts = strategy_class(c.strategy).Options(**c.options)
+    if mode == "powersgd":
+        return PowerSGD(shapes, opts.powersgd_rank).message_bytes(tail=0)
+    return Compressor(
+        mode, numel, opts.compression_block, error_feedback=False, ratio=opts.compression_ratio
+    ).payload_bytes()

@@ -8,6 +8,11 @@ time to target = samples to target / samples per second
   ``metrics.jsonl``) and the rest ("compute"). For more workers than were probed, the scalability
   model (:mod:`parambox.perfmodel`) scales the communication by its topology's bandwidth term
   T_comm(N) / T_comm(n) and the samples per step by N / n; compute per step stays (weak scaling).
+  A compressed exchange (``compression`` other than none and powersgd) is not summed on the way: its
+  messages are all-gathered, so its bandwidth term is (n - 1) S_c, S_c one rank's encoded message
+  (:class:`Exchange`), where a float32 ring allreduce's is 2 (n - 1) / n S. The probe measured the
+  compressed exchange itself; going to N workers its share of the step grows as that term does (int8,
+  S_c about S / 4, moves fewer bytes than float32 up to about 8 workers, more beyond).
 - **Samples to target** come from one *reference* run (``allreduce``) trained until its test metric
   first reaches the target: it gives S_ref, the global samples that took, and its test loss against
   samples. A candidate's *probe* trains until its test loss has come all the way the reference's
@@ -186,19 +191,46 @@ def step_cost(records: list[dict], eval_steps: set[int], warmup: int) -> StepCos
     return StepCost(step_s, min(statistics.fmean(comms), step_s), samples)
 
 
-def scale_cost(cost: StepCost, topology: str, probed: int, workers: int) -> StepCost:
-    """The step at ``workers`` from the one probed at ``probed``: communication scaled by the topology's
-    bandwidth term (perfmodel's alpha-beta costs, latency left out), samples per step by
-    workers / probed, compute unchanged (each worker keeps its batch).
+@dataclass(frozen=True)
+class Exchange:
+    """What one exchange of a candidate puts on the links: a message of ``message_bytes`` per rank (as
+    encoded; None where the model's size is not known) over perfmodel's ``topology``, or, ``gathered``, an
+    all-gather (compressed messages are not summed on the way: every rank receives the n - 1 others').
 
-    >>> scale_cost(StepCost(0.010, 0.004, 64.0), "ring", 2, 8).comm_s  # 2(n-1)/n: 1 -> 1.75
+    >>> Exchange("ring", 4000.0).link_bytes(8), Exchange("ring", 1016.0, gathered=True).link_bytes(8)
+    (7000.0, 7112.0)
+    """
+
+    topology: str
+    message_bytes: float | None = None
+    gathered: bool = False
+
+    def link_bytes(self, n: int, size: float | None = None) -> float | None:
+        """The bandwidth term of one exchange among ``n`` workers in bytes (its seconds at 1 byte/s:
+        what one worker's link carries each way; the box's adds the queue at the box), for a message of
+        ``size`` bytes (default: its own)."""
+        size = self.message_bytes if size is None else size
+        if size is None:
+            return None
+        if self.gathered:
+            return (n - 1) * size
+        return comm_time_s(self.topology, n, size, Network(1.0, 0.0))
+
+
+def scale_cost(cost: StepCost, exchange: Exchange, probed: int, workers: int) -> StepCost:
+    """The step at ``workers`` from the one probed at ``probed``: communication scaled by the exchange's
+    bandwidth term (perfmodel's alpha-beta costs, latency left out; an all-gather's for a compressed
+    one), samples per step by workers / probed, compute unchanged (each worker keeps its batch).
+
+    >>> scale_cost(StepCost(0.010, 0.004, 64.0), Exchange("ring"), 2, 8).comm_s  # 2(n-1)/n: 1 -> 1.75
     0.007
+    >>> scale_cost(StepCost(0.010, 0.004, 64.0), Exchange("ring", gathered=True), 2, 8).comm_s  # (n-1): 1 -> 7
+    0.028
     """
     if workers == probed:
         return cost
-    net = Network(1.0, 0.0)
-    t_probed = comm_time_s(topology, probed, 1.0, net)
-    factor = comm_time_s(topology, workers, 1.0, net) / t_probed if t_probed > 0 else 1.0
+    t_probed = exchange.link_bytes(probed, 1.0) or 0.0
+    factor = (exchange.link_bytes(workers, 1.0) or 0.0) / t_probed if t_probed > 0 else 1.0
     comm = cost.comm_s * factor
     return StepCost(cost.compute_s + comm, comm, cost.samples_per_step * workers / probed)
 
@@ -213,6 +245,7 @@ class Prediction:
     samples: float | None  # global samples to the target
     cost: StepCost
     ratio: Ratio | None
+    exchange: Exchange | None = None  # its exchange's message (for the bytes it moves at N workers)
 
 
 def predict(reference_samples: float, ratio: Ratio | None, cost: StepCost) -> Prediction:

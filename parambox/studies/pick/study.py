@@ -2,7 +2,8 @@
 
 1. The *reference* (``allreduce``) trains until its test metric reaches the target: samples to the
    target S_ref and its test loss against samples (it is also ``allreduce``'s own probe).
-2. Every other candidate (:mod:`parambox.studies.pick.candidates`) gets a *probe* on the same launcher
+2. Every other candidate (:mod:`parambox.studies.pick.candidates`; each encoding of ``compressions``
+   its exchange takes is a candidate of its own) gets a *probe* on the same launcher
    and cluster, evaluated every few steps: until its test loss has come all the way the reference's
    went, or for as many steps as the reference took. Learning curves that sit on a plateau before
    they fall, or stall after a fast start (DiLoCo), need that much; one that gets there early stops
@@ -53,7 +54,15 @@ from parambox.errors import UserError
 from parambox.studies.pick import model as pm
 from parambox.studies.pick import runs, scores
 from parambox.studies.pick.budget import Budget, BudgetSpent, breadth_first, write_json
-from parambox.studies.pick.candidates import Candidate, registry_candidates
+from parambox.studies.pick.candidates import (
+    DEFAULT_COMPRESSIONS,
+    Candidate,
+    compression_of,
+    message_bytes,
+    registry_candidates,
+    takes_compression,
+    with_compression,
+)
 from parambox.workload.targets import Target
 
 REFERENCE = "allreduce"  # the issue's baseline: validation always measures it
@@ -72,8 +81,9 @@ ASSUMPTIONS = [
     f"one that fell under {pm.DRIFT_FLOOR:g} of its first value over the probe, its loss at a new low at "
     f"{pm.STEADY_SHARE:.0%} or more of its evaluations, falls half as far again",
     "time per step is the probe's mean (evaluations and the first steps left out)",
-    "more workers than probed: communication scaled by the topology's bandwidth term, samples per step "
-    "by N/n, compute per step unchanged, convergence per sample as probed",
+    "more workers than probed: communication scaled by the topology's bandwidth term (a compressed "
+    "exchange's: an all-gather's, (N-1)/(n-1)), samples per step by N/n, compute per step unchanged, "
+    "convergence per sample as probed",
 ]
 
 
@@ -100,6 +110,7 @@ class PickSettings:
     fixed: set[str] = field(default_factory=set)  # run fields the user set: no preset overrides them
     confirm: int = 5  # the top K predictions trained to the target, first in their measured order (0: off)
     budget_s: float | None = None  # the whole pick's time limit (None: none; ``budget``)
+    compressions: tuple[str, ...] = DEFAULT_COMPRESSIONS  # the encodings tried on exchanges that take one
 
     @property
     def probe_workers(self) -> int:
@@ -126,14 +137,18 @@ def run_pick(s: PickSettings, say: Say = print) -> dict[str, Any]:
     budget = Budget(s.budget_s)
     n = s.probe_workers
     base = _base(s, n)
-    candidates = _with_user_options(registry_candidates(n, s.strategies, base), base, s)
+    plain = _with_user_options(registry_candidates(n, s.strategies, base), base, s)
+    candidates = with_compression(plain, s.compressions)
     reference = Candidate(REFERENCE).overridden(base["options"].get(REFERENCE, {}), s.fixed)
-    if not candidates:
+    if not plain:
         raise UserError(f"no registered strategy runs {s.workers} workers ({n} probed)")
-    # The reference first (measured already), then one probe per strategy, then the other variants.
-    first = [c for c in candidates if c == reference]
-    rest = [c for c in candidates if c != reference]
-    candidates = first + [rest[i] for i in breadth_first([(c.strategy, c.label) for c in rest])]
+    if not candidates:
+        raise UserError(
+            f"--compression {','.join(s.compressions)}: no candidate's exchange takes it (add none to "
+            "consider them uncompressed)"
+        )
+    candidates = _probe_order(candidates, reference)
+    shapes = _parameter_shapes(base)
     st = _State(s, n, base, reference, budget, t0, candidates)
     st.write()
     say(f"reference: {REFERENCE} x{n} until test {s.goal}")
@@ -164,8 +179,9 @@ def run_pick(s: PickSettings, say: Say = print) -> dict[str, Any]:
             elif cost is None:
                 excluded.append({**_describe(cand), "reason": "too few steps in its probe to time one"})
             else:
-                cost = pm.scale_cost(cost, _topology(cand), n, s.workers)
-                entries.append((cand, measured, pm.predict(s_ref, ratio, cost)))
+                exchange = _exchange(cand, shapes)
+                cost = pm.scale_cost(cost, exchange, n, s.workers)
+                entries.append((cand, measured, replace(pm.predict(s_ref, ratio, cost), exchange=exchange)))
                 st.order = pm.rank_order([p for _, _, p in entries])
             st.write()
     except BudgetSpent:
@@ -217,7 +233,7 @@ class _State:
 
     def result(self) -> dict[str, Any]:
         s, base, ref = self.s, self.base, self.ref
-        ranking = _rank(self.entries, self.order, self.confirmed) if self.entries else []
+        ranking = _rank(self.entries, self.order, self.confirmed, s.workers) if self.entries else []
         by_prediction = sorted(ranking, key=lambda r: r["predicted_rank"])
         return {
             "workers": s.workers,
@@ -243,6 +259,7 @@ class _State:
             "probe_steps": self.probe_steps,
             "probe_stop_test_loss": self.stop_loss,
             "eval_every": s.eval_every,
+            "compressions": list(s.compressions),
             "ranking": ranking,
             "excluded": self.excluded,
             "unmeasured": [_describe(c) for c in self.unmeasured],
@@ -283,6 +300,43 @@ def _with_user_options(candidates: list[Candidate], base: dict[str, Any], s: Pic
         if strategy_class(c.strategy).accepts_workers(s.workers) and c not in out:
             out.append(c)
     return out
+
+
+def _probe_order(candidates: list[Candidate], reference: Candidate) -> list[Candidate]:
+    """The reference first (measured already), then one probe per strategy, then its other variants;
+    the compressed ones after all float32 ones, in the same order (``budget``: the strategies first)."""
+    rest = [c for c in candidates if c != reference]
+    plain = [c for c in rest if compression_of(c) == "none"]
+    packed = [c for c in rest if compression_of(c) != "none"]
+    out = [c for c in candidates if c == reference]
+    for group in (plain, packed):
+        out += [group[i] for i in breadth_first([(c.strategy, c.label) for c in group])]
+    return out
+
+
+def _parameter_shapes(base: dict[str, Any]) -> list[Any] | None:
+    """The shapes of the workload's trainable parameters (its model built here once), for the bytes
+    each candidate's exchange moves; None where it cannot be built in this process (the runs can:
+    the bytes are then not reported, and the predictions do not need them)."""
+    import torch
+
+    from parambox.studies.runs import validate
+    from parambox.workload import build_workload
+
+    try:
+        torch.manual_seed(0)
+        model = build_workload(validate(base)).build_model()
+    except Exception:  # a user's factory that needs the workers' setting (a device, a launcher)
+        return None
+    return [p.shape for p in model.parameters() if p.requires_grad]
+
+
+def _exchange(c: Candidate, shapes: list[Any] | None) -> pm.Exchange:
+    """The candidate's exchange for the performance model: its topology, one rank's message as encoded,
+    and whether the messages are all-gathered (compressed, not powersgd: its two allreduces sum)."""
+    size = None if shapes is None else float(message_bytes(c, shapes))
+    gathered = compression_of(c) not in ("none", "powersgd") and takes_compression(c)
+    return pm.Exchange(_topology(c), size, gathered)
 
 
 def _topology(c: Candidate) -> str:
@@ -373,6 +427,7 @@ def _describe(c: Candidate) -> dict[str, Any]:
         "settings": dict(c.settings),
         "setup": c.label,
         "box": c.box,
+        "compression": compression_of(c),
     }
 
 
@@ -501,9 +556,11 @@ def _rank(
     entries: list[tuple[Candidate, runs.Measured, pm.Prediction]],
     order: list[int],
     confirmed: dict[int, list[runs.Measured]] | None = None,
+    workers: int | None = None,
 ) -> list[dict[str, Any]]:
     """The rows in ``order``, each with its reason against the first; ``confirmed``: the race's runs
-    to the target of the raced candidates (by entry index; its time, their median)."""
+    to the target of the raced candidates (by entry index; its time, their median); ``workers``: the
+    count the bytes of each exchange are for."""
     confirmed = confirmed or {}
     predicted_rank = {i: k for k, i in enumerate(pm.rank_order([p for _, _, p in entries]), 1)}
     _, _, top = entries[order[0]]
@@ -547,6 +604,10 @@ def _rank(
                 "compute_ms": 1e3 * p.cost.compute_s,
                 "samples_per_step": p.cost.samples_per_step,
                 "samples_per_s": p.cost.samples_per_s,
+                "message_bytes": None if p.exchange is None else p.exchange.message_bytes,
+                "link_bytes_per_exchange": None
+                if p.exchange is None or workers is None
+                else p.exchange.link_bytes(workers),
                 "staleness": stale,
                 "probe_samples": (measured.curve("test_loss").samples or [None])[-1],
                 "run_dir": str(measured.run_dir),
