@@ -880,7 +880,8 @@ def test_pick_quick_on_the_emulated_cluster_leaves_nothing(tmp_path):
     out = tmp_path / "pick"
     proc = run_cli(
         "pick", "--workers", "2", "--target-accuracy", "0.8", "--quick", "--confirm", "0", "--json",
-        "--emulate-nodes", "2", "--link-gbps", "0.1", "--strategies", "allreduce,weight-avg", "--out", str(out),
+        "--emulate-nodes", "2", "--link-gbps", "0.1", "--strategies", "allreduce,weight-avg", "--compression", "none",
+        "--out", str(out),
         timeout=280,
     )  # fmt: skip
     result = json.loads(proc.stdout)
