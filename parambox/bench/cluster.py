@@ -179,7 +179,7 @@ SETUPS: dict[str, Setup] = {
     "diloco-bf16-overlap": strategy_setup(
         "diloco",
         what="parambox diloco, bf16 outer gradients (error feedback), each round's exchange behind the next "
-        "round (inner_steps 16): half the bytes for a conversion's CPU, where int8's encoding costs more",
+        "round (inner_steps 16)",
         inner_steps=16,
         compression="bf16",
         overlap=True,
