@@ -25,7 +25,7 @@ from parambox.strategies.center import CenterClient, CounterMap
 from parambox.strategies.compress import PushEncoder
 from parambox.strategies.downpour import DownpourWorker
 from parambox.strategies.exchange import Background
-from tests.conftest import MPI_ENV, final_weights, max_abs_diff, run_cli, summary
+from tests.conftest import final_weights, max_abs_diff, run_cli, summary
 from tests.forked import fork_ranks
 
 N = 700  # three blocks of 256, the last one short
@@ -209,21 +209,6 @@ def test_resume_restores_the_error_each_worker_owes(tmp_path):
     run_cli("train", *RESUME, "--steps", "40", "--resume", "--out", str(tmp_path / "cut"))
     assert summary(tmp_path / "cut")["steps"] == 40
     assert max_abs_diff(final_weights(tmp_path / "cut"), final_weights(tmp_path / "full")) == 0.0
-
-
-@pytest.mark.timeout(90)
-def test_the_memory_server_decodes_the_pushes_of_a_cli_run(tmp_path):
-    """``--box rma --set box.server=true``: the codes go to the memory rank, which decodes them (no warning
-    that bytes are not saved). Measured: 0.978."""
-    out = tmp_path / "run"
-    proc = run_cli(
-        "train", "--preset", "digits-downpour", "--box", "rma", "--set", "box.server=true",
-        "--set", "downpour.compression=int8", "--no-progress", "--out", str(out), env=MPI_ENV,
-    )  # fmt: skip
-    assert "no link bytes are saved" not in proc.stderr
-    s = summary(out)
-    assert s["memory_ranks"] == 1 and s["worker_steps"] == [600, 600]
-    assert s["final_test_accuracy"] >= 0.92
 
 
 @pytest.mark.timeout(60)
