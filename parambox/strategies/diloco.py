@@ -239,7 +239,11 @@ class Diloco(Strategy):
         self.theta = torch.nn.Parameter(flat[: self.numel])  # a view: the outer step moves `flat`
         mu = options.outer_momentum
         # torch refuses nesterov=True without momentum: momentum 0 is plain SGD.
-        self.outer = torch.optim.SGD([self.theta], lr=options.outer_lr, momentum=mu, nesterov=mu > 0)
+        # foreach: Nesterov's lookahead is added to the gradient in place (the exchange's sums, which
+        # this step may change), not to a fresh model-sized tensor
+        self.outer = torch.optim.SGD(
+            [self.theta], lr=options.outer_lr, momentum=mu, nesterov=mu > 0, foreach=True
+        )
         n = self.world.world_size
         guard = lambda: self.collective("diloco outer step")  # noqa: E731
         if options.compression == "powersgd":
@@ -296,7 +300,7 @@ class Diloco(Strategy):
         survives in place, a lost peer makes the survivors repeat the exchange among themselves: the
         mean is then theirs (the flags count who contributed)."""
         tensors = [*self.params, *self.buffers]
-        local = parameters_to_vector(tensors).detach()
+        local = self.averager.flatten_(tensors)
         contribute = is_finite(local) and _state_finite(self.optimizer)
         if not contribute:
             warn(
@@ -320,8 +324,9 @@ class Diloco(Strategy):
 
     def _outer_step_(self, mean: torch.Tensor) -> None:
         """theta's parameters by the outer optimizer on the mean pseudo-gradient; its buffers by the mean."""
-        self.theta.grad = mean[: self.numel].clone()
+        self.theta.grad = mean[: self.numel]  # a view of the exchange's sums, read by this step only
         self.outer.step()
+        self.theta.grad = None
         self.averager.theta[self.numel :].sub_(mean[self.numel :])
 
     def finish(self) -> None:

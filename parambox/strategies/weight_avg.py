@@ -101,7 +101,7 @@ class WeightAveraging(Strategy):
     def _round_end(self, step: int) -> None:
         """The round's progress exchanged (compressed, or overlapped). In a run that survives in place a lost
         peer makes the survivors repeat it among themselves (``redo_``), as the plain average does."""
-        local = parameters_to_vector(self.params + self.buffers).detach()
+        local = self.averager.flatten_(self.params + self.buffers)
         keep = self.survival.group is not None
         with self.timers.phase("allreduce"):
             x_next = self.exchange(
