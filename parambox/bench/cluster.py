@@ -206,6 +206,21 @@ SETUPS: dict[str, Setup] = {
         inner_steps=16,
         overlap=True,
     ),
+    "diloco-h32-overlap": strategy_setup(
+        "diloco",
+        what="parambox diloco, rounds of 32 inner steps, each round's allreduce behind the next round "
+        "(time it with --steps 32: a whole round a timed round)",
+        inner_steps=32,
+        overlap=True,
+    ),
+    "diloco-h32-int8-overlap": strategy_setup(
+        "diloco",
+        what="parambox diloco, rounds of 32 inner steps, int8 outer gradients, each round's exchange behind "
+        "the next round (time it with --steps 32)",
+        inner_steps=32,
+        compression="int8",
+        overlap=True,
+    ),
     "diloco-async-overlap": strategy_setup(
         "diloco",
         box="rma",
