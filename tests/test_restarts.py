@@ -22,9 +22,11 @@ FAST = ["--model", "mlp", "--eval-every", "0", "--no-progress", "--threads", "1"
 SHM = Path("/dev/shm")
 
 
-def _shm() -> set[str]:
-    # Open MPI's own files of other sessions' runs come and go: judge only parambox's names.
-    return {p.name for p in SHM.iterdir() if p.name.startswith("pb")} if SHM.is_dir() else set()
+def _shm(launcher: int) -> set[str]:
+    """The segments of the run whose launcher is pid ``launcher`` (their names begin ``pb_<pid>_``):
+    a test beside this one, or Open MPI's own files, come and go in /dev/shm too."""
+    mine = f"pb_{launcher}_"
+    return {p.name for p in SHM.iterdir() if p.name.startswith(mine)} if SHM.is_dir() else set()
 
 
 def start(*args: str, env: dict | None = None, shared_zygote: bool = False) -> subprocess.Popen:
@@ -127,8 +129,7 @@ def test_rank0_killed_without_restarts_the_others_finish_and_one_writes_the_resu
     the summary): exit 0, rank 0 lost, and the center holds every pushed step, rank 0's five included."""
     lr, steps, at = 0.01, 30, 5
     out = tmp_path / "run"
-    before = _shm()
-    _downpour(out, lr, steps, "3", "make_model", f"0:{at}:kill")
+    _downpour(out, lr, steps, "3", "make_model", f"0:{at}:kill")  # launched by this process
     s = summary(out)
     assert (s["lost_workers"], s["worker_steps"], s["restarts"]) == ([0], [at, steps, steps], 0), s
     expected = -lr * (at * 1 + steps * 2 + steps * 4)
@@ -138,7 +139,7 @@ def test_rank0_killed_without_restarts_the_others_finish_and_one_writes_the_resu
     (took_over,) = [r for r in rows if r["kind"] == "leader"]
     assert took_over["rank"] in (1, 2) and took_over["lost"] == [0]  # the first done to find it lost
     assert rows[-1]["kind"] == "eval"
-    assert _shm() <= before
+    assert _shm(os.getpid()) == set()
 
 
 @pytest.mark.slow  # mpiexec's start and end: ~40 s of wall time
@@ -314,14 +315,12 @@ def test_sync_easgd_is_not_loss_tolerant(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-@pytest.mark.solo  # looks at the whole machine
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigkilled_launcher_holding_the_box_leaves_nothing(tmp_path):
     """With --max-restarts the box's name stays in /dev/shm while the run lasts, for replacements;
     SIGKILL of the launcher still leaves no worker and nothing in /dev/shm (its reaper removes the
     name)."""
-    before = _shm()
     out = tmp_path / "r"
     args = [
         "train",
@@ -341,27 +340,25 @@ def test_sigkilled_launcher_holding_the_box_leaves_nothing(tmp_path):
         assert time.monotonic() < deadline and launcher.poll() is None
         time.sleep(0.2)
     workers = psutil.Process(launcher.pid).children(recursive=True)
-    assert _shm() - before, "the box's name is kept while the run lasts"
+    assert _shm(launcher.pid), "the box's name is kept while the run lasts"
     os.killpg(launcher.pid, signal.SIGKILL)
     launcher.wait(10)
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
-    assert _shm() - before == set()
+    assert _shm(launcher.pid) == set()
 
 
-@pytest.mark.solo  # looks at the whole machine
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigkilled_launcher_during_the_box_rendezvous_leaves_no_segment(tmp_path):
     """The creator of the shm box holds its name in /dev/shm until every local process has mapped it.
     Rank 1 stopped before it attaches keeps that window open; SIGKILL of the launcher then kills both
     workers, and the launcher's reaper removes the name."""
-    before = _shm()
     launcher = start("train", "--strategy", "easgd", "--steps", "100000", *FAST, "--out", str(tmp_path / "r"))
     late = worker(launcher, 1)
     late.suspend()
     deadline = time.monotonic() + 60
-    while not (_shm() - before):
+    while not _shm(launcher.pid):
         assert time.monotonic() < deadline and launcher.poll() is None, "rank 0 made no segment"
         time.sleep(0.05)
     workers = psutil.Process(launcher.pid).children(recursive=True)
@@ -370,9 +367,9 @@ def test_sigkilled_launcher_during_the_box_rendezvous_leaves_no_segment(tmp_path
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
     deadline = time.monotonic() + 5
-    while _shm() - before and time.monotonic() < deadline:
+    while _shm(launcher.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _shm() - before == set()
+    assert _shm(launcher.pid) == set()
 
 
 def _startup_kill(
