@@ -57,7 +57,7 @@ def train(
     ``target_metric``, ...). A bad value raises ``parambox.UserError`` naming it. The loop's training
     features among them: ``grad_clip`` (the gradient's global L2 norm, None or 0: off), ``grad_accum``
     (micro-batches per optimizer step; ``batch_size`` stays the batch of one step), ``precision``
-    (``"fp32"``, ``"bf16"`` autocast, ``"fp16"`` autocast with a loss scaler on a GPU),
+    (``"fp32"``, ``"bf16"`` autocast, ``"fp16"`` autocast with a loss scaler),
     ``lr_schedule`` (``"constant"``, ``"cosine"``, ``"linear"``) and ``warmup_steps``; a resumed run
     continues the schedule and the scaler exactly.
 

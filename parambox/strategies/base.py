@@ -70,7 +70,7 @@ class Context:
     grad_accum: int = 1  # micro-batches per step: the batch split in K, one backward each, one update
     grad_clip: float | None = None  # the gradient's global L2 norm clipped to this before the update
     precision: str = "fp32"  # "bf16" / "fp16": forward and loss under autocast; weights stay fp32
-    scaler: Any = None  # fp16: a torch.amp.GradScaler("cuda")
+    scaler: Any = None  # fp16: a torch.amp.GradScaler of the device's type
     # fp16: while a step the scaler skips runs its update, every optimizer's rate is 0 (the exchanges
     # still run, so collectives stay aligned; the weights stay where they are)
     pause_rates: Callable[[], AbstractContextManager[None]] | None = None

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from parambox.config import RunConfig
 from parambox.data import BatchSource
-from parambox.errors import REQUEUE_REQUESTED, REQUEUE_SIGNAL, Preempted, UserError, warn
+from parambox.errors import REQUEUE_REQUESTED, REQUEUE_SIGNAL, Preempted, warn
 from parambox.numerics import is_finite
 from parambox.runtime import dist as pbdist
 from parambox.runtime.control import SPARE_ENV, current_life
@@ -294,8 +294,6 @@ def make_context(
     """What the strategy wraps: the model (same initial weights on every rank), optimizer factory (each
     optimizer it makes recorded in ``rates``, for the lr schedule), loss, and the loop's training
     features: micro-batches, clipping, precision (fp16: a loss scaler)."""
-    if cfg.precision == "fp16" and world.device.type != "cuda":
-        raise UserError("precision fp16 needs a GPU; use bf16")
     model = workload.build_model().to(world.device)
     rates = rates or ScheduledRates(make_optimizer_factory(cfg), Schedule(total_steps=cfg.steps))
     return Context(
@@ -312,7 +310,7 @@ def make_context(
         grad_accum=cfg.grad_accum,
         grad_clip=cfg.grad_clip or None,
         precision=cfg.precision,
-        scaler=torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None,
+        scaler=torch.amp.GradScaler(world.device.type) if cfg.precision == "fp16" else None,
         pause_rates=rates.paused,
     )
 
