@@ -112,6 +112,58 @@ def test_hybrid_over_mpi_groups_the_ranks_of_each_node(tmp_path):
     assert root_state() == before and live_namespaces() <= ns_before
 
 
+def _mpi_rank(run_dir: Path, rank: int) -> psutil.Process | None:
+    """The process of MPI rank ``rank`` of the run in ``run_dir`` (on whichever emulated node)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            mine = str(run_dir) in " ".join(proc.info["cmdline"] or [])
+            if mine and proc.environ().get("OMPI_COMM_WORLD_RANK") == str(rank):
+                return proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+@pytest.mark.slow
+@needs_root
+def test_a_memory_rank_lost_across_nodes_restarts_the_job_from_its_last_checkpoint(tmp_path):
+    """Issue 50: across nodes a memory rank's part of the box is its own memory, lost with it (on one
+    host Open MPI's windows outlive it). With --max-restarts the launcher starts the MPI job again,
+    every rank, from the last checkpoint: the run finishes, and says where it restarted from."""
+    pytest.importorskip("mpi4py")
+    before, ns_before = root_state(), live_namespaces()
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "parambox", "train", "--strategy", "downpour", "--box", "rma",
+        "--set", "box.memory_ranks=2", "--workers", "2", "--emulate-nodes", "2", "--link-gbps", "1",
+        "--steps", "1500", "--checkpoint-every", "100", "--timeout", "5", "--max-restarts", "1", "--model", "logreg",
+        "--eval-every", "0", "--no-progress", "--threads", "1", "--out", str(out),
+    ]  # fmt: skip
+    env = dict(os.environ, **MPI_ENV)
+    launcher = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoints" / "last.pt").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, "no checkpoint"
+            time.sleep(0.2)
+        memory = _mpi_rank(out, 3)  # 2 workers on node 0, then the memory ranks on node 1
+        assert memory is not None
+        memory.kill()
+        _, err = launcher.communicate(timeout=180)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(10)
+    assert launcher.returncode == 0, err
+    assert "restarting the workers from the last checkpoint (1 of 1)" in err, err
+    s = summary(out)
+    assert (s["restarts"], s["worker_steps"], s["memory_ranks"]) == (1, [1500, 1500], 2), s
+    assert root_state() == before and live_namespaces() <= ns_before
+
+
 @needs_root
 def test_mpi_windows_across_nodes_train(tmp_path):
     """``box.server=false``: MPI's windows across the nodes, served by Open MPI's TCP progress thread,

@@ -130,11 +130,6 @@ def _launch_local(plan: Plan, run_dir: Path):
 
     cfg, cls = plan.cfg, plan.strategy_cls
     use_mpi = cls.needs_mpi or cfg.box.needs_mpi
-    if use_mpi and cfg.max_restarts:
-        warn(
-            f"{plan.caller.field('max_restarts').split()[0]} is ignored under MPI (one job): a dead rank "
-            "is lost, the others carry on"
-        )
     shrink = _survives_in_place(plan, use_mpi)
     _check_joiners(plan, use_mpi, shrink)
     if cfg.cluster.enabled and cfg.data == "mnist" and cfg.data_path is None:
@@ -153,7 +148,7 @@ def _launch_local(plan: Plan, run_dir: Path):
         start_workers=cfg.start_workers if shrink or cls.tolerates_worker_loss else None,
         module=WORKER_MODULE,
         cluster=cfg.cluster if cfg.cluster.enabled else None,
-        max_restarts=0 if use_mpi else cfg.max_restarts,
+        max_restarts=cfg.max_restarts,
         warm_spare=cfg.warm_spare,
         resume_argv=[str(run_dir), "--resume"],
         checkpoint=run_dir / "checkpoints" / "last.pt",

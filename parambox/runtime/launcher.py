@@ -70,7 +70,8 @@ def launch_local(
     ``cluster``: on the nodes of an emulated cluster that lives exactly as long as they do.
     ``max_restarts``: replacements of dead workers (``tolerate_loss``; from a ``warm_spare`` process
     where there is one) or restarts of the whole group (synchronous), with ``resume_argv`` once
-    ``checkpoint`` exists. Not under MPI (one job). ``stall_timeout_s``: how long rank 0 may write
+    ``checkpoint`` exists. Under MPI (one job, which takes no replacement rank) a failed job is
+    started again whole. ``stall_timeout_s``: how long rank 0 may write
     nothing to ``metrics.jsonl`` (beside ``log_dir``) once it is the last rank running. ``shrink``: a
     synchronous run whose survivors go on in place (``runtime/elastic.py``) over a store hosted here.
     ``lose_rank0`` (with ``tolerate_loss``): rank 0 dead with no restart left is lost as any other
@@ -99,11 +100,14 @@ def launch_local(
         env[HEARTBEAT_ENV] = str(watch["heartbeat"])  # rank 0 touches it as it steps, the others theirs
         if start_workers is not None:
             env[JOIN_FROM_ENV] = str(start_workers)  # the ranks from it on join the run once it is under way
+        resume_cmd = [sys.executable, "-m", module, *(resume_argv or argv)]
         if use_mpi:
             mca = WINDOWS_MCA if mpi_windows else None
             mpi_command = functools.partial(net.mpi_launch, mca=mca) if net is not None else None
-            return _launch_mpi(cmd, num_workers, env, log_dir, tolerate_loss, mpi_command, stall_timeout_s)
-        resume_cmd = [sys.executable, "-m", module, *(resume_argv or argv)]
+            restart_job = (max_restarts, resume_cmd, checkpoint)
+            return _launch_mpi(
+                cmd, num_workers, env, log_dir, tolerate_loss, mpi_command, stall_timeout_s, restart_job
+            )
         restart = (max_restarts, resume_cmd, checkpoint, warm_spare)
         placement = net.placement(num_workers) if net is not None else None
         if shrink:
@@ -124,15 +128,38 @@ def _launch_mpi(
     tolerate_loss: bool,
     mpi_command: spawn.MpiCommand | None = None,
     stall_s: float = 0.0,
+    restart: tuple[int, list[str], Path | None] = (0, [], None),
 ) -> LaunchResult:
     """One mpiexec job (under ULFM where a dead rank must not end it); MPI tells the ranks of deaths.
     ``stall_s`` (--timeout): the job is stopped once none of its ranks showed progress for about twice
-    that (a hung rank 0 of an asynchronous run would otherwise keep its memory rank serving forever)."""
+    that (a hung rank 0 of an asynchronous run would otherwise keep its memory rank serving forever).
+    ``restart`` = (max_restarts, resume command, checkpoint): a job that fails anyway (a memory rank
+    lost across nodes, whose shard of the box was its own memory; a rank no other can stand in for)
+    is started again, every rank, from the last checkpoint: the steps since it are what is lost."""
+    max_restarts, resume_cmd, checkpoint = restart
     popen = {"fault_tolerant": tolerate_loss, "mpi_command": mpi_command, "stderr": subprocess.PIPE}
-    procs = [spawn.start_mpi(cmd, n, env, **popen)]
-    threading.Thread(target=_pump_mpi_stderr, args=(procs[0].stderr,), daemon=True).start()
+
+    def job(life: int, resume: bool) -> list[subprocess.Popen]:
+        proc = spawn.start_mpi(resume_cmd if resume else cmd, n, env, **popen)
+        threading.Thread(target=_pump_mpi_stderr, args=(proc.stderr,), daemon=True).start()
+        return [proc]
+
+    def one(rank: int, life: int) -> subprocess.Popen:
+        raise AssertionError("an MPI job takes no replacement rank: it restarts whole")
+
+    starters = Starters(job, one, spawn.stop, lambda: checkpoint is not None and checkpoint.exists())
+    procs = job(0, False)
     try:
-        return Supervisor(procs, log_dir, tolerate_loss=False, stall_s=stall_s, job_dir=log_dir.parent).run()
+        supervisor = Supervisor(
+            procs,
+            log_dir,
+            tolerate_loss=False,
+            stall_s=stall_s,
+            job_dir=log_dir.parent,
+            starters=starters if max_restarts else None,
+            max_restarts=max_restarts,
+        )
+        return supervisor.run()
     finally:
         spawn.stop(procs)
 

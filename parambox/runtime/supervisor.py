@@ -27,6 +27,9 @@ Every 50 ms it polls the workers. What it does when one exits non-zero depends o
 - synchronous: every worker is stopped. With restarts left the whole group starts again from the
   last checkpoint (torchrun's behaviour: nothing before the checkpoint is lost); otherwise the run
   fails, naming the rank that caused it.
+- an MPI job (one process, mpiexec, for all its ranks; MPI tells the ranks of deaths, and the job
+  goes on where they survive): a job that fails anyway is the previous case's group, restarted whole
+  from the last checkpoint with restarts left.
 
 A worker's exit code 2 is a user error (bad input): restarting cannot help, so it ends the run.
 """
@@ -390,6 +393,7 @@ class Supervisor:
         self.result.restarts += 1
         self._group_life = self.result.restarts
         self._joining.clear()
+        self._job_polled = self._job_moved = False  # an MPI job's stall watch starts with the new job
         self.procs[:] = self.starters.group(self.result.restarts, self.starters.can_resume())
         self.finished.clear()
         return True
