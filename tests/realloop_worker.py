@@ -80,10 +80,11 @@ def run(strategy: str, out: Path, k: int, start: int, stop: int) -> None:
     import parambox
 
     rank = int(os.environ.get("RANK", "0"))
-    run_name, (strategy, _, form) = strategy, strategy.partition("+")  # "easgd+sync", "diloco+async"
+    run_name, (strategy, _, form) = strategy, strategy.partition("+")  # "easgd+sync", "diloco+int8"
     options = {"tau": 2} if strategy in ("easgd", "hybrid") else {}
     options.update({"inner_steps": 2, "asynchronous": form == "async"} if strategy == "diloco" else {})
     options.update({"sync": True} if form == "sync" else {})
+    options.update({"compression": "int8"} if form == "int8" else {})  # error feedback in opt.state_dict()
     options.update({"period": 2} if strategy == "weight-avg" else {})
     model, base = build()
     opt = parambox.DistributedOptimizer(model, base, strategy, options, steps=STEPS, timeout=60)

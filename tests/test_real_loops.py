@@ -28,9 +28,10 @@ from tests.realloop_worker import build, reference
 # Deterministic rules: a resumed run is its uninterrupted run bit for bit; the synchronous gradient
 # averaging ones are one process (their .grad is averaged when backward() returns: clipping sees it).
 SYNCHRONOUS = ("allreduce", "ps-sync", "box-sync")
-DETERMINISTIC = ("allreduce", "ps-sync", "box-sync", "weight-avg", "easgd+sync", "diloco")
+DETERMINISTIC = ("allreduce", "ps-sync", "box-sync", "weight-avg", "easgd+sync", "diloco", "diloco+int8")
 # The rest (asynchronous: their interleaving is the machine's) finish, agree after close, and train.
 ASYNCHRONOUS = ("downpour", "dynsgd", "hogwild", "dogwild", "easgd", "hybrid", "diloco+async")
+ASYNCHRONOUS += ("downpour+int8", "easgd+int8")  # their pushes int8 with error feedback
 
 
 def torchrun(n: int, *args: str, timeout: float = 300) -> None:
