@@ -86,8 +86,7 @@ class RunConfig(BaseModel):
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
         description="forward and loss under autocast: bf16, or fp16 with a loss scaler (on a GPU, or on "
-        "a CPU, where fp16 kernels are slow but the arithmetic is the GPU's); weights, optimizer and "
-        "every exchange stay fp32",
+        "a CPU, whose fp16 kernels are slower); weights, optimizer and every exchange stay fp32",
     )
     lr_schedule: Literal["constant", "cosine", "linear"] = Field(
         "constant",
