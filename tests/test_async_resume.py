@@ -66,9 +66,15 @@ def _checkpointed(out, rank: int, at_least: int) -> bool:
         ("downpour", []),
         ("hogwild", ["--preset", "digits-hogwild"]),
         ("dogwild", ["--preset", "digits-dogwild"]),
+        ("downpour", ["rank 1 never checkpointed"]),
     ],
 )
 def test_sigkill_everything_then_resume(tmp_path, strategy, extra):
+    """``rank 1 never checkpointed``: its state files gone, rank 1 starts again from the center at
+    last.pt's step, and its count of steps in the box from there too (it was 0: worker_steps fell a
+    whole resume short)."""
+    lose_own = extra == ["rank 1 never checkpointed"]
+    extra = [] if lose_own else extra
     out = tmp_path / "run"
     args = [
         "train",
@@ -90,6 +96,9 @@ def test_sigkill_everything_then_resume(tmp_path, strategy, extra):
     os.killpg(launcher.pid, signal.SIGKILL)  # the launcher's group; its workers die with it
     launcher.wait(10)
     assert not (out / "summary.json").exists()
+    if lose_own:
+        for own in (out / "checkpoints").glob("rank1-step*.pt"):
+            own.unlink()
     run_cli(*args, "--resume")
     s = summary(out)
     assert s["worker_steps"] == [600, 600] and s["lost_workers"] == []

@@ -425,8 +425,11 @@ def restore(run: Run) -> tuple[int, dict[str, Any] | None]:
     if resumed.joiner:  # new to the run, or an asynchronous rank that never checkpointed
         run.strategy.load_model_state(resumed.model)  # the run's weights (an asynchronous run's center)
         rank0 = resumed.rank0
-        fresh = run.strategy.tolerates_worker_loss  # asynchronous: its own optimizer starts afresh
-        run.strategy.load_state_dict({} if fresh else run.strategy.joiner_state(rank0.get("strategy", {})))
+        # Asynchronous: its own optimizer starts afresh, and its count of steps in the box starts at
+        # the step it continues from (as its loop's does), for a rank the run had that never checkpointed
+        fresh = run.strategy.tolerates_worker_loss
+        state = {"steps_done": resumed.step} if fresh else run.strategy.joiner_state(rank0.get("strategy", {}))
+        run.strategy.load_state_dict(state)
         load_loop_state(run, rank0.get("loop", {}))
     else:
         state = resumed.state
