@@ -28,6 +28,10 @@ class CommTimeout(RuntimeError):
     """A blocking wait ran past its timeout; the message names the phase and the missing peers."""
 
 
+class BoxLost(CommTimeout):
+    """A rank that held part of the rma box died: what it held went with it (the message names it)."""
+
+
 def warn(text: str) -> None:
     """A problem the run carries on with: one line on stderr, ``parambox: warning: ...``."""
     print(f"parambox: warning: {text}", file=sys.stderr, flush=True)

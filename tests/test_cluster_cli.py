@@ -158,7 +158,8 @@ def test_a_memory_rank_lost_across_nodes_restarts_the_job_from_its_last_checkpoi
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait(10)
     assert launcher.returncode == 0, err
-    assert "restarting the workers from the last checkpoint (1 of 1)" in err, err
+    assert "restarting the workers from the last checkpoint (1 of 1): the MPI job failed: box" in err, err
+    assert "rank 3 died, and the part of the box it held went with it" in err, err
     s = summary(out)
     # Each worker counted to its last step, also a rank 1 that died before its first own checkpoint
     # (it starts again at last.pt's step, its count in the box with it)

@@ -78,11 +78,12 @@ comes back.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -100,7 +101,7 @@ from parambox.box.base import (
 )
 from parambox.box.layout import shard_range
 from parambox.box.rma import MPI, pbmpi, wait_request
-from parambox.errors import CommTimeout
+from parambox.errors import BoxLost, CommTimeout
 
 REQUEST_TAG = 1
 _FIRST_TAG = 16
@@ -177,20 +178,23 @@ def _cancel(reqs: list) -> None:
 
 
 class _Requests(Handle):
-    """Requests of one transfer; ``wait`` until all complete (``CommTimeout`` after the deadline)."""
+    """Requests of one transfer to ``box``'s ranks; ``wait`` until all complete (``CommTimeout`` after the
+    deadline, ``BoxLost`` naming the rank where one that holds part of the box died)."""
 
-    def __init__(self, reqs: list, keep: list, timeout: float, what: str):
-        self.reqs, self.keep, self.timeout, self.what = reqs, keep, timeout, what
+    def __init__(self, reqs: list, keep: list, box: ServerBox, what: str):
+        self.reqs, self.keep, self.box, self.what = reqs, keep, box, what
 
     def wait(self) -> None:
         if self.reqs:
-            msg = f"{self.what}: no answer within {self.timeout:.0f} s"
-            wait_until(lambda: MPI.Request.Testall(self.reqs), self.timeout, lambda: msg)
+            msg = f"{self.what}: no answer within {self.box.timeout:.0f} s"
+            with self.box.peer_failures(self.what):
+                wait_until(lambda: MPI.Request.Testall(self.reqs), self.box.timeout, lambda: msg)
         self.reqs, self.keep = [], []
 
     def test(self) -> bool:
-        if self.reqs and not MPI.Request.Testall(self.reqs):
-            return False
+        with self.box.peer_failures(self.what):
+            if self.reqs and not MPI.Request.Testall(self.reqs):
+                return False
         self.reqs, self.keep = [], []
         return True
 
@@ -206,9 +210,7 @@ class _RemoteCount(Count):
             box.data.Irecv(self.old, box.counter_rank, _reply(tag)),
             box.data.Isend(header, box.counter_rank, REQUEST_TAG),
         ]
-        self.requests: _Requests | None = _Requests(
-            reqs, [header], box.timeout, f"box {box.name!r} counter {i}"
-        )
+        self.requests: _Requests | None = _Requests(reqs, [header], box, f"box {box.name!r} counter {i}")
 
     def wait(self) -> int:
         if self.requests is not None:
@@ -513,6 +515,26 @@ class ServerBox(ParameterBox):
             self._failed.update(pbmpi.failed_ranks(self.comm))
         return sorted(self._failed)
 
+    @contextlib.contextmanager
+    def peer_failures(self, what: str) -> Iterator[None]:
+        """MPI's "a peer failed" in a request to the box's ranks as ``BoxLost``, naming the dead rank
+        that held part of the box (or its counters) and what a run can do about it."""
+        try:
+            yield
+        except MPI.Exception as e:
+            failed = _failure_class(e) is not None
+            if not failed and e.Get_error_class() != MPI.ERR_IN_STATUS:
+                raise
+            dead = sorted(set(self.failed_ranks()) & set(self.box_ranks))
+            if not (failed or dead):  # (of several requests', one's error: not a failed peer)
+                raise
+            who = f"rank {', '.join(map(str, dead))}" if dead else "a rank of the box"
+            raise BoxLost(
+                f"{what}: {who} died, and the part of the box it held went with it. Across nodes the box "
+                "is held by its memory ranks (box.memory_ranks) or, without them, by the workers: either's "
+                "death ends the run; --max-restarts N restarts the job from the last checkpoint"
+            ) from None
+
     def apply(self, header: np.ndarray, lo: int, hi: int, src: np.ndarray) -> None:
         """Request ``header``'s operation on ``shard[lo:hi]``, under the shard's lock: ``+= scale * src``
         (PUSH, PUSH_PULL), ``= src`` (WRITE, COMPANION_WRITE into companion row ``header[4]``), or
@@ -694,7 +716,7 @@ class ServerBox(ParameterBox):
             if op not in (PULL, COMPANION_PULL):
                 reqs += [self.data.Isend(part[a:b], rank, _payload(tag)) for a, b in _chunks(0, hi - lo)]
                 self.payload_bytes += part.nbytes
-        return _Requests(reqs, [*keep, buf, out], self.timeout, f"box {self.name!r}")
+        return _Requests(reqs, [*keep, buf, out], self, f"box {self.name!r}")
 
     gated = True  # push_keyed_async / pull_when_async
 
@@ -718,7 +740,7 @@ class ServerBox(ParameterBox):
         back = out.numpy()
         reqs = [self.data.Irecv(back[a:b], rank, _reply(tag)) for a, b in _chunks(0, hi - lo)]
         reqs.append(self.data.Isend(header, rank, REQUEST_TAG))
-        return _Requests(reqs, [header, back], self.timeout, f"box {self.name!r} gated pull")
+        return _Requests(reqs, [header, back], self, f"box {self.name!r} gated pull")
 
     decodes_pushes = True
 
@@ -804,7 +826,7 @@ class ServerBox(ParameterBox):
                 self.data.Isend(msg[a:b], rank, _payload(tag)) for a, b in _chunks(0, len(msg), 4 * CHUNK)
             ]
             self.payload_bytes += msg.nbytes
-        handle = _Requests(reqs, keep, self.timeout, f"box {self.name!r}")
+        handle = _Requests(reqs, keep, self, f"box {self.name!r}")
         return handle if out is None or _is_host_flat(out) else _StagedPull(handle, got, out)
 
     def _pull_into(self, out: torch.Tensor, start: int) -> Handle:

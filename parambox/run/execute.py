@@ -102,8 +102,8 @@ def launch(plan: Plan, run_dir: Path, callables: dict[str, Callable] | None = No
         raise KeyboardInterrupt
     for rank, (code, reason) in result.failed.items():
         if reason.startswith("parambox: error: "):  # bad input or a timeout, found by a worker: one line
-            raise RunFailed(f"{reason} (worker rank {rank})", code)
-        role = plan.strategy_cls.rank0_role if rank == 0 else ""
+            raise RunFailed(f"{reason} ({result.who(rank)})", code)
+        role = plan.strategy_cls.rank0_role if rank == 0 and not result.mpi_job else ""
         why = (
             f"; {plan.cfg.strategy} cannot go on without it: {role} (--max-restarts N restarts every rank "
             "from the last checkpoint)"
@@ -111,7 +111,7 @@ def launch(plan: Plan, run_dir: Path, callables: dict[str, Callable] | None = No
             else ""
         )
         raise RunFailed(
-            f"parambox: error: worker rank {rank} failed: {reason}{why} (log: {run_dir / 'logs'})", 1
+            f"parambox: error: {result.who(rank)} failed: {reason}{why} (log: {run_dir / 'logs'})", 1
         )
     summary_file = run_dir / "summary.json"
     if not summary_file.exists():  # under ULFM mpiexec may end 0 though the rank that writes it died

@@ -70,6 +70,11 @@ class LaunchResult:
     lost: list[int] = field(default_factory=list)  # ranks that died while the run carried on
     restarts: int = 0  # replacements (asynchronous) or group restarts (synchronous)
     earlier_lives_s: float = 0.0  # the whole group's lives before its last restart, start to failure
+    mpi_job: bool = False  # one mpiexec job for every rank: ``failed``'s one entry is the job's
+
+    def who(self, rank: int) -> str:
+        """The failed process in words: a worker rank, or the MPI job (its ranks' errors say which)."""
+        return "the MPI job" if self.mpi_job else f"worker rank {rank}"
 
 
 @dataclass
@@ -107,7 +112,7 @@ class Supervisor:
         self.board, self.starters = board, starters
         self.muted = muted  # set on failure: the other ranks' output is symptoms from then on
         self.max_restarts = max_restarts if starters is not None else 0
-        self.result = LaunchResult(0)
+        self.result = LaunchResult(0, mpi_job=job_dir is not None)
         self.finished: set[int] = set()
         self._interrupted: list[int] = []
         self._rank0_done_at: float | None = None
@@ -378,7 +383,7 @@ class Supervisor:
             return False
         cause = worker_error(self.log_dir, rank, code)  # before the stop: its peers' errors are symptoms
         self.starters.stop(self.procs)
-        cause = f"worker rank {rank} failed: {cause.removeprefix('parambox: error: ')}"
+        cause = f"{self.result.who(rank)} failed: {cause.removeprefix('parambox: error: ')}"
         kept = keep_life_logs(self.log_dir, self._group_life, cause)
         where = (
             "the last checkpoint" if self.starters.can_resume() else "step 0 (no checkpoint was written yet)"

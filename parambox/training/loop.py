@@ -428,7 +428,9 @@ def restore(run: Run) -> tuple[int, dict[str, Any] | None]:
         # Asynchronous: its own optimizer starts afresh, and its count of steps in the box starts at
         # the step it continues from (as its loop's does), for a rank the run had that never checkpointed
         fresh = run.strategy.tolerates_worker_loss
-        state = {"steps_done": resumed.step} if fresh else run.strategy.joiner_state(rank0.get("strategy", {}))
+        state = (
+            {"steps_done": resumed.step} if fresh else run.strategy.joiner_state(rank0.get("strategy", {}))
+        )
         run.strategy.load_state_dict(state)
         load_loop_state(run, rank0.get("loop", {}))
     else:
