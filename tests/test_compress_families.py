@@ -46,6 +46,34 @@ def test_what_is_not_sent_is_sent_later(mode):
     assert float((sent - meant).norm()) < float((sent_plain - meant).norm())
 
 
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "int2", "sign", "topk", "none"])
+@pytest.mark.parametrize("block", [7, 256])
+def test_a_chunk_at_a_time_is_the_whole_tensor_at_once_bit_for_bit(monkeypatch, mode, block):
+    """Encoding and decoding go a chunk at a time (no model-sized temporaries): the messages, the
+    error carried on and the decoded sums are those of the whole tensor at once, exactly."""
+    from parambox.strategies import compress
+
+    torch.manual_seed(3)
+    xs, tail, n = [torch.randn(1003) * 10 ** (k % 3) for k in range(3)], torch.tensor([2.0, 1.0]), 1003
+
+    def run(chunk: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(compress, "CHUNK", chunk)
+        c = Compressor(mode, n, block)
+        msgs = [c.encode(x, tail).clone() for x in xs]
+        total = torch.full((n,), float("nan"))
+        tails = [c.decode_into(m, total, add=i > 0) for i, m in enumerate(msgs)]
+        assert all(torch.equal(t, tail) for t in tails)
+        assert torch.equal(c.decode(msgs[1])[0], Compressor(mode, n, block).decode(msgs[1])[0])
+        return msgs, c.error if c.error is not None else torch.zeros(n), total
+
+    (chunked, err_c, sum_c), (whole, err_w, sum_w) = run(8), run(1 << 30)
+    assert len(compress.Compressor(mode, n, block)._chunks()) == 1  # (CHUNK is still 1 << 30 here)
+    assert all(torch.equal(a, b) for a, b in zip(chunked, whole))
+    assert torch.equal(err_c, err_w) and torch.equal(sum_c, sum_w)
+    sent = sum(Compressor(mode, n, block).decode(m)[0].double() for m in whole)
+    assert torch.allclose(sum_w.double(), sent, rtol=0, atol=1e-4)
+
+
 def test_topk_sends_the_k_largest_entries_exactly():
     torch.manual_seed(3)
     n = 1000

@@ -243,13 +243,16 @@ class SumExchange:
                 raise
         self.wait_s += time.perf_counter() - t0
         msgs = [self._msg] if self.world_size == 1 or self.compressor.mode == "none" else self._gathered
-        decoded = [self.compressor.decode(m) for m in msgs]
-        if self._sums is None or self._sums[0].shape != decoded[0][0].shape:
-            self._sums = (torch.empty_like(decoded[0][0]), torch.empty_like(decoded[0][1]))
-        for acc, i in zip(self._sums, (0, 1)):  # the ranks' messages in rank order, on every rank
-            acc.copy_(decoded[0][i])
-            for d in decoded[1:]:
-                acc.add_(d[i])
+        tail, device = self.compressor.tail_numel(msgs[0]), msgs[0].device
+        if self._sums is None or self._sums[1].numel() != tail or self._sums[0].device != device:
+            self._sums = (torch.empty(self.numel, device=device), torch.empty(tail, device=device))
+        total, tails = self._sums
+        for i, m in enumerate(msgs):  # the ranks' messages in rank order, on every rank
+            t = self.compressor.decode_into(m, total, add=i > 0)
+            if i:
+                tails.add_(t)
+            else:
+                tails.copy_(t)
         self._result = self._sums
         self._work, self._msg, self._gathered = None, None, []
 
