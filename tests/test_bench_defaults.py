@@ -21,6 +21,25 @@ def test_bench_defaults_quick():
         assert r["min"] >= TARGET and r["below_target"] == [], (name, r)  # diloco: 0.10 before
 
 
+def test_compression_rows_are_each_encoding_a_strategy_accepts():
+    """``bench defaults --compression``: a row per strategy and encoding its options accept, run with
+    ``--set STRATEGY.compression=MODE``; powersgd only where the exchange can take it."""
+    from parambox.bench.defaults import _rows
+
+    rows = _rows(["allreduce", "weight-avg", "hogwild"], ["none", "int8", "powersgd"])
+    assert [r[0] for r in rows] == [
+        "allreduce",
+        "allreduce compression=int8",
+        "allreduce compression=powersgd",
+        "weight-avg",
+        "weight-avg compression=int8",
+        "hogwild",  # (no compression to vary: as it is)
+    ]
+    assert rows[1][2] == ["--set", "allreduce.compression=int8"]
+    proc = run_cli("bench", "defaults", "--compression", "int9", check=False)
+    assert proc.returncode == 2 and "--compression 'int9'" in proc.stderr
+
+
 def test_strategies_bring_their_own_optimizer_unless_the_user_chose():
     from parambox.config import build_config
 

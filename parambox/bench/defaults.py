@@ -12,6 +12,10 @@ better, and the target is the perplexity of the training bytes' own frequencies
 (``unigram_perplexity``: 26.3 on CPython 3.11's standard library, 4.7 bits a byte): a run above it
 has learnt nothing of the context.
 
+``--compression int8,topk,...``: each strategy whose exchange takes ``compression`` once per encoding it
+accepts (``--set STRATEGY.compression=MODE`` on its default run; rows such as ``diloco compression=int8``),
+as pick varies its candidates: does each encoding train at the strategy's defaults?
+
 ``--quick`` (the suite's form): diloco (it brings its own optimizer), one seed.
 """
 
@@ -42,25 +46,58 @@ def run_bench_defaults(
     model: str | None = None,
     data: str | None = None,
     steps: int | None = None,
+    compressions: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Each strategy's default run per seed (``steps``: that many steps instead of the default run's)."""
+    """Each strategy's default run per seed (``steps``: that many steps instead of the default run's;
+    ``compressions``: each strategy whose exchange takes one, once per encoding it accepts)."""
     from parambox.strategies import STRATEGIES
 
-    strategies = strategies or (QUICK["strategies"] if quick else list(STRATEGIES))
+    compressing = compressions is not None
+    default = [s for s in STRATEGIES if _has_compression(s)] if compressing else list(STRATEGIES)
+    strategies = strategies or (QUICK["strategies"] if quick else default)
     seeds = seeds if seeds is not None else (QUICK["seeds"] if quick else list(range(10)))
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise UserError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(sorted(STRATEGIES))}")
+    rows = _rows(strategies, compressions) if compressing else [(s, s, []) for s in strategies]
     goal = Goal.of(model, data)
     out: dict[str, Any] = {**goal.describe(), "seeds": seeds, "strategies": {}}
     if steps is not None:
         out["steps"] = steps
     extra = ["--steps", str(steps)] if steps is not None else []
     with scratch.folder(scratch.BENCH) as tmp:
-        for name in strategies:
-            runs = {seed: _train(name, seed, Path(tmp) / f"{name}-{seed}", goal, extra) for seed in seeds}
-            out["strategies"][name] = _summarise(runs, goal)
+        for label, name, flags in rows:
+            folder = label.replace(" ", "-").replace("=", "-")
+            runs = {
+                seed: _train(name, seed, Path(tmp) / f"{folder}-{seed}", goal, [*flags, *extra])
+                for seed in seeds
+            }
+            out["strategies"][label] = _summarise(runs, goal)
     return out
+
+
+def _has_compression(strategy: str) -> bool:
+    from parambox.strategies import strategy_class
+
+    return "compression" in strategy_class(strategy).Options.model_fields
+
+
+def _rows(strategies: list[str], modes: list[str]) -> list[tuple[str, str, list[str]]]:
+    """(row label, strategy, its extra flags): each strategy that takes ``compression`` once per mode its
+    options accept (``none``: as it is), the others as they are."""
+    from parambox.studies.pick.candidates import Candidate, accepted
+
+    rows = []
+    for name in strategies:
+        if not _has_compression(name):
+            rows.append((name, name, []))
+            continue
+        for mode in modes:
+            if mode == "none":
+                rows.append((name, name, []))
+            elif accepted(Candidate(name, {"compression": mode})):
+                rows.append((f"{name} compression={mode}", name, ["--set", f"{name}.compression={mode}"]))
+    return rows
 
 
 @dataclass(frozen=True)

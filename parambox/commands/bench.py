@@ -65,6 +65,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     defaults = p.add_argument_group("bench defaults (each strategy's default run over seeds)")
     defaults.add_argument("--seeds", default=None, help="seeds, a range or a list: 0-9 (default), 0,3,5")
     defaults.add_argument("--strategies", default=None, help="comma list of strategies (default: all)")
+    defaults.add_argument(
+        "--compression",
+        default=None,
+        help="comma list of encodings (none, bf16, int8, int4, int2, sign, topk, powersgd): each strategy "
+        "whose exchange takes one, once per encoding it accepts (default strategies: those)",
+    )
     link = p.add_argument_group("bench box across an emulated link (needs root)")
     link.add_argument("--emulate-nodes", type=int, default=None, help="bench box: 2 nodes, one link each")
     link.add_argument("--link-gbps", type=float, default=None, help="bench box: the link rate (default 1)")
@@ -137,15 +143,23 @@ def _workload_options(args: argparse.Namespace) -> dict:
 
 
 def _defaults_options(args: argparse.Namespace) -> dict:
-    given = {k: getattr(args, k) for k in ("seeds", "strategies") if getattr(args, k) is not None}
+    given = {
+        k: getattr(args, k) for k in ("seeds", "strategies", "compression") if getattr(args, k) is not None
+    }
     if given and args.which != "defaults":
-        raise UserError(f"--{'/--'.join(given)} apply to bench defaults only")
+        raise UserError(
+            f"--{'/--'.join(given)} {'applies' if len(given) == 1 else 'apply'} to bench defaults only"
+        )
     if "seeds" in given:
         from parambox.bench.defaults import parse_seeds
 
         given["seeds"] = parse_seeds(given["seeds"])
     if "strategies" in given:
         given["strategies"] = [s.strip() for s in given["strategies"].split(",") if s.strip()]
+    if "compression" in given:
+        from parambox.studies.pick.candidates import parse_compressions
+
+        given["compressions"] = parse_compressions(given.pop("compression"))
     return given
 
 
