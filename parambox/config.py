@@ -447,12 +447,13 @@ def strategy_defaults(cfg: RunConfig, given: dict[str, Any]) -> dict[str, Any]:
     # options built here are the ones every later check and the worker's set-up find built
     mine = given.get("options", {}).get(cfg.strategy, {})
     table = {**strategy_class(cfg.strategy).default_options, **cfg.options.get(cfg.strategy, {})}
-    cls = strategy_class(cfg.strategy, strategy_options(cfg.strategy, table))
+    built = strategy_options(cfg.strategy, table)
+    cls = strategy_class(cfg.strategy, built)
     own: dict[str, Any] = {}
     if not any(k in given for k in OPTIMIZER_CHOICE):
         own.update({k: v for k, v in cls.default_optimizer.items() if k not in given})
     own.update({k: v for k, v in cls.default_run.items() if k not in given})
-    options = {k: v for k, v in cls.default_options.items() if k not in mine}
+    options = {k: v for k, v in cls.options_defaults(built).items() if k not in mine}
     if options:
         own["options"] = {cfg.strategy: options}
     return own

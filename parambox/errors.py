@@ -92,6 +92,10 @@ def validation_message(e, fields: list[str] | None = None, prefix: str = "") -> 
     "Extra inputs are not permitted") gets the ``fields`` there are and the closest one."""
     parts = []
     for err in e.errors():
+        if not err["loc"] and err["type"] == "value_error":  # a rule across fields: its message names them
+            msg, name = err["msg"].removeprefix("Value error, "), prefix.rstrip(".")
+            parts.append(msg if not name or msg.startswith(name) else f"{name}: {msg}")
+            continue
         loc = prefix + (".".join(str(p) for p in err["loc"]) or "config")
         if err["type"] == "extra_forbidden" and fields is not None:
             parts.append(f"config field {loc!r} does not exist{unknown_hint(str(err['loc'][-1]), fields)}")

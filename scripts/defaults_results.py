@@ -47,8 +47,10 @@ def results(bench: dict, command: str) -> dict:
     )
     steps = f"{bench['steps']} steps" if "steps" in bench else "the default run's steps"
     direction = "at most" if lower else "at least"
+    encodings = any("compression=" in name for name in bench["strategies"])
+    what = "Each encoding on each strategy that takes one" if encodings else "Every strategy"
     return {
-        "title": f"Every strategy's default run: {workload}",
+        "title": f"{what}: {workload}" if encodings else f"{what}'s default run: {workload}",
         "intro": (
             f"parambox bench defaults: each strategy's default run (parambox train --strategy X --seed S with "
             f"nothing else given) of {workload}, {steps}, seed{'s' if len(bench['seeds']) > 1 else ''} "
@@ -56,6 +58,12 @@ def results(bench: dict, command: str) -> dict:
             f"seeds short of the target ({direction} {bench['target']:g}"
             + ("; lower is better" if lower else "")
             + "); seconds are the runs' wall time, one after the other."
+            + (
+                " A row 'S compression=M' is that default run with --set S.compression=M (bench defaults "
+                "--compression): each encoding a strategy's options accept."
+                if encodings
+                else ""
+            )
         ),
         "tables": [
             {

@@ -103,3 +103,15 @@ def test_digits_4_workers_2_groups_over_the_rma_box_reaches_093(tmp_path):
     s = summary(out)
     assert s["final_test_accuracy"] >= 0.93, s["final_test_accuracy"]
     assert s["workers"] == 4 and s["worker_steps"] == [300] * 4 and s["nonfinite_workers"] == []
+
+
+def test_compression_is_refused_in_one_line_naming_the_field():
+    """hybrid took ``compression`` (EASGD's options) and sent float32 anyway: a user's int8 did nothing."""
+    from parambox.config import build_config
+
+    with pytest.raises(UserError) as e:
+        build_config({"strategy": "hybrid", "options": {"hybrid": {"compression": "int8"}}})
+    assert str(e.value).startswith("hybrid.compression is not supported"), e.value
+    with pytest.raises(UserError) as e:
+        build_config({"strategy": "easgd", "options": {"easgd": {"alpha": 0.1, "rho": 1.0}}})
+    assert str(e.value) == "easgd: give alpha or rho (alpha = lr * rho), not both"

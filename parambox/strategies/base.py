@@ -144,6 +144,12 @@ class Strategy:
     default_options: ClassVar[dict[str, Any]] = {}
 
     @classmethod
+    def options_defaults(cls, options: Options) -> dict[str, Any]:
+        """``default_options`` for a run whose options (the user's over these defaults) are ``options``:
+        a form may bring other defaults with a choice the user made (diloco's with compression)."""
+        return cls.default_options
+
+    @classmethod
     def resolve(cls, options: Options) -> type[Strategy]:
         """The class that really runs with these options (e.g. easgd's synchronous form); ``cls`` here."""
         return cls

@@ -46,6 +46,11 @@ class HybridOptions(EasgdOptions):
             raise ValueError("hybrid runs EASGD asynchronously between groups; sync must be false")
         if self.termination != "all":
             raise ValueError("hybrid supports termination 'all' only: the members of a group step together")
+        if self.compression != "none":
+            raise ValueError(
+                "hybrid.compression is not supported: its leaders' EASGD pushes go as float32 (easgd takes "
+                "compression)"
+            )
         return self
 
 
