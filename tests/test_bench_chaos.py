@@ -40,15 +40,18 @@ def test_bench_chaos_quick():
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_bench_chaos_quick_box_sync_survives_in_place():
-    """box-sync on request: a kill before its first step (a restart of all), a kill and a SIGSTOP
-    survived in place, every one replaced, nobody lost."""
+    """box-sync on request, every fault of the loop on rank 0 (--hit-ranks 0): a kill of rank 1 before
+    its first step (a restart of all), then rank 0 SIGSTOPped past --timeout and rank 0 killed, each
+    survived in place (another rank leads), every one replaced, nobody lost."""
     result = json.loads(
         run_cli(
-            "bench", "chaos", "--quick", "--setups", "box-sync", "--timeout", "2.5", "--json", timeout=190
+            "bench", "chaos", "--quick", "--setups", "box-sync", "--timeout", "2.5", "--faults", "stop,kill",
+            "--hit-ranks", "0", "--json", timeout=190,
         ).stdout
     )  # fmt: skip
     r = result["setups"]["box-sync"]
     assert r["faults"] == {"kill": 1, "stop": 1, "kill-at-start": 1}, r
+    assert r["faults_by_rank"] == {"kill@0": 1, "stop@0": 1}, r
     assert r["replacements"] >= 3 and r["runs"][0]["chaos"]["lost_workers"] == [], r
     assert r["accuracy_chaos"] > 0.8 and r["mean_recovery_s"] > 0, r
 
@@ -76,7 +79,13 @@ def test_rounds_alternate_and_their_ratios_are_medians(monkeypatch):
             "lost_workers": [],
         }
         if faults is not None:
-            run.update(restarts=2, faults={"kill": 1, "stop": 1, "kill-at-start": 1}, mean_recovery_s=1.0)
+            log = [{"t": 0.0, "rank": 0, "kind": "kill"}, {"t": 1.0, "rank": 2, "kind": "stop"}]
+            run.update(
+                restarts=2,
+                faults={"kill": 1, "stop": 1, "kill-at-start": 1},
+                mean_recovery_s=1.0,
+                fault_log=log,
+            )
         return run
 
     monkeypatch.setattr(chaos, "_run", fake_run)
@@ -91,4 +100,5 @@ def test_rounds_alternate_and_their_ratios_are_medians(monkeypatch):
     assert r["throughput_retained_rounds"] == [100 / 110, 100 / 120, 100 / 125]
     assert r["throughput_retained"] == 100 / 120
     assert r["faults"] == {"kill": 3, "stop": 3, "kill-at-start": 3} and r["replacements"] == 6
+    assert r["faults_by_rank"] == {"kill@0": 3, "stop@2": 3}
     assert (r["accuracy_clean"], r["accuracy_chaos"]) == (0.99, 0.98)

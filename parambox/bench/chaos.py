@@ -33,6 +33,7 @@ times.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
@@ -110,18 +111,30 @@ def run_bench_chaos(
     seed: int = 0,
     timeout: float | None = None,
     rounds: int = 1,
+    kinds: list[str] | None = None,
+    hit_ranks: list[int] | None = None,
 ) -> dict[str, Any]:
     """``rounds`` > 1: that many pairs of a clean and a chaos run per setup, their order alternating
     (a drift of the machine's speed then weighs on both), each run ``1/rounds`` as long as the full
     form's (``steps`` overrides), a fresh fault sequence per round; the ratios are medians of the
-    rounds' ratios (one pair of 10-minute runs spread 0.02-0.03 here)."""
+    rounds' ratios (one pair of 10-minute runs spread 0.02-0.03 here). ``kinds``: the fault loop's
+    kinds, in turn (default ``KINDS``); ``hit_ranks``: the ranks it may hit (default any, rank 0
+    too), e.g. ``kinds=["stop"], hit_ranks=[0]``: rank 0 stopped again and again."""
     from parambox.errors import UserError
 
     setups = setups or list(DEFAULT_SETUPS)
     unknown = [s for s in setups if s not in SETUPS]
     if unknown:
         raise UserError(f"bench chaos: unknown setups {unknown}; choose from {', '.join(SETUPS)}")
+    bad = [k for k in kinds or () if k not in KINDS]
+    if bad or kinds == []:
+        raise UserError(f"bench chaos: --faults takes a comma list of {', '.join(KINDS)}, got {kinds}")
+    if hit_ranks is not None and (not hit_ranks or not all(0 <= r < WORKERS for r in hit_ranks)):
+        raise UserError(f"bench chaos: --hit-ranks are ranks of its {WORKERS} workers (0-{WORKERS - 1})")
     plan = dict(QUICK if quick else FULL)
+    plan["kinds"] = list(kinds or KINDS)
+    if hit_ranks is not None:
+        plan["hit_ranks"] = sorted(set(hit_ranks))
     plan["fault_every_s"] = fault_every_s or plan["fault_every_s"]
     plan["timeout"] = timeout or plan["timeout"]
     if plan["stop_s"] <= plan["timeout"]:
@@ -173,6 +186,12 @@ def _summary(steps: int, pairs: list[dict[str, dict[str, Any]]]) -> dict[str, An
         "accuracy_clean": statistics.median(p["clean"]["final_test_accuracy"] for p in pairs),
         "accuracy_chaos": statistics.median(c["final_test_accuracy"] for c in chaos),
         "faults": {k: sum(c["faults"][k] for c in chaos) for k in chaos[0]["faults"]},
+        # each fault of the loop as kind@rank: which ranks were hit, and how
+        "faults_by_rank": dict(
+            sorted(
+                collections.Counter(f"{f['kind']}@{f['rank']}" for c in chaos for f in c["fault_log"]).items()
+            )
+        ),
         "replacements": sum(c["restarts"] for c in chaos),
         "lost_workers": [c["lost_workers"] for c in chaos],
         "mean_recovery_s": statistics.mean(recoveries) if recoveries else None,
@@ -202,8 +221,10 @@ class _FaultLoop:
                 pass
         if now < self.next_at or len(self.log) >= self.plan.get("max_faults", 10**9):
             return
-        kind = KINDS[len(self.log) % len(KINDS)]
-        hit = _hit_one(out, self.plan["steps"], self.rng, kind, self.setup.hits_rank0)
+        kinds = self.plan.get("kinds", KINDS)
+        kind = kinds[len(self.log) % len(kinds)]
+        ranks = self.plan.get("hit_ranks")
+        hit = _hit_one(out, self.plan["steps"], self.rng, kind, self.setup.hits_rank0, ranks)
         if hit is None:  # nobody training yet (or all near their end): look again soon
             self.next_at = now + RETRY_S
             return
@@ -313,12 +334,17 @@ def _metrics_of(out: Path, rank: int) -> Path:
 
 
 def _hit_one(
-    out: Path, steps: int, rng: random.Random, kind: str, hits_rank0: bool
+    out: Path,
+    steps: int,
+    rng: random.Random,
+    kind: str,
+    hits_rank0: bool,
+    ranks: list[int] | None = None,
 ) -> tuple[int, psutil.Process] | None:
     """SIGKILL or SIGSTOP one random worker that is training (it has logged steps in this life, and is
     not about to finish: a replacement still starting up is spared), while at least two are; returns
-    its rank and process. The workers are below this process: under the run's launcher, or under this
-    process's zygote."""
+    its rank and process (one of ``ranks`` where given). The workers are below this process: under the
+    run's launcher, or under this process's zygote."""
     workers = {}
     for child in psutil.Process().children(recursive=True):
         try:
@@ -333,7 +359,10 @@ def _hit_one(
             workers[rank] = child
     if len(workers) < 2:  # the last one training finishes in peace: failures hit a run, not its tail end
         return None
-    rank = rng.choice(sorted(workers))
+    eligible = sorted(r for r in workers if ranks is None or r in ranks)
+    if not eligible:
+        return None
+    rank = rng.choice(eligible)
     try:
         workers[rank].send_signal(signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
     except psutil.Error:

@@ -62,6 +62,16 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the runs' --timeout in seconds (default 3): a stopped rank's stall costs about this",
     )
+    chaos.add_argument(
+        "--faults",
+        default=None,
+        help="the fault loop's kinds in turn, a comma list of kill, stop (default both)",
+    )
+    chaos.add_argument(
+        "--hit-ranks",
+        default=None,
+        help="the ranks the fault loop may hit, a comma list (default any, 0 too)",
+    )
     defaults = p.add_argument_group("bench defaults (each strategy's default run over seeds)")
     defaults.add_argument("--seeds", default=None, help="seeds, a range or a list: 0-9 (default), 0,3,5")
     defaults.add_argument("--strategies", default=None, help="comma list of strategies (default: all)")
@@ -96,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         if args.timeout <= 0:
             raise UserError(f"--timeout must be positive, got {args.timeout}")
         kwargs["timeout"] = args.timeout
+    kwargs.update(_chaos_options(args))
     if args.quick:
         if "quick" not in inspect.signature(bench).parameters:
             raise UserError(f"bench {args.which} has no --quick form")
@@ -161,6 +172,24 @@ def _defaults_options(args: argparse.Namespace) -> dict:
 
         given["compressions"] = parse_compressions(given.pop("compression"))
     return given
+
+
+def _chaos_options(args: argparse.Namespace) -> dict:
+    given = {k: getattr(args, k) for k in ("faults", "hit_ranks") if getattr(args, k) is not None}
+    if given and args.which != "chaos":
+        flags = "/".join(f"--{k.replace('_', '-')}" for k in given)
+        raise UserError(f"{flags} {'applies' if len(given) == 1 else 'apply'} to bench chaos only")
+    out: dict = {}
+    if "faults" in given:
+        out["kinds"] = [k.strip() for k in given["faults"].split(",") if k.strip()]
+    if "hit_ranks" in given:
+        try:
+            out["hit_ranks"] = [int(r) for r in given["hit_ranks"].split(",") if r.strip()]
+        except ValueError:
+            raise UserError(
+                f"--hit-ranks {given['hit_ranks']!r}: a comma list of ranks, like 0 or 0,2"
+            ) from None
+    return out
 
 
 def _link_options(args: argparse.Namespace) -> dict:

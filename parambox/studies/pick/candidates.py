@@ -182,12 +182,12 @@ def with_compression(candidates: list[Candidate], modes: list[str] | tuple[str, 
                 if mode == "none"
                 else Candidate(c.strategy, {**c.options, "compression": mode}, c.settings, c.box)
             )
-            if mode == "none" or accepted(variant):
+            if mode == "none" or _accepted(variant):
                 out.append(variant)
     return out
 
 
-def accepted(c: Candidate) -> bool:
+def _accepted(c: Candidate) -> bool:
     """Its options validate and its strategy resolves with them (diloco refuses powersgd in its
     asynchronous and streaming forms, weight-avg and easgd refuse it outright)."""
     from parambox.strategies import strategy_class
