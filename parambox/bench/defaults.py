@@ -85,14 +85,7 @@ def _has_compression(strategy: str) -> bool:
 def _rows(strategies: list[str], modes: list[str]) -> list[tuple[str, str, list[str]]]:
     """(row label, strategy, its extra flags): each strategy that takes ``compression`` once per mode its
     options accept (``none``: as it is), the others as they are."""
-    from parambox.strategies import strategy_class
-
-    def accepted(name: str, mode: str) -> bool:  # its options validate, its strategy resolves with them
-        try:
-            strategy_class(name, {"compression": mode})
-        except (ValueError, UserError):  # pydantic's ValidationError is a ValueError
-            return False
-        return True
+    from parambox.strategies import accepts
 
     rows = []
     for name in strategies:
@@ -102,7 +95,7 @@ def _rows(strategies: list[str], modes: list[str]) -> list[tuple[str, str, list[
         for mode in modes:
             if mode == "none":
                 rows.append((name, name, []))
-            elif accepted(name, mode):
+            elif accepts(name, {"compression": mode}):
                 rows.append((f"{name} compression={mode}", name, ["--set", f"{name}.compression={mode}"]))
     return rows
 

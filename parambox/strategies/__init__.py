@@ -90,6 +90,16 @@ def strategy_class(name: str, options: Options | dict[str, Any] | None = None) -
     return cls.resolve(cls.Options(**options) if isinstance(options, dict) else options)
 
 
+def accepts(name: str, options: dict[str, Any]) -> bool:
+    """Strategy ``name`` takes these ``options``: they validate and the strategy resolves with them
+    (diloco refuses powersgd in its asynchronous form, hybrid refuses compression)."""
+    try:
+        strategy_class(name, options)
+    except (ValueError, UserError):  # pydantic's ValidationError is a ValueError
+        return False
+    return True
+
+
 def build_strategy(name: str, ctx: Context, options: Options | dict[str, Any] | None = None) -> Strategy:
     """Strategy ``name`` for this context, with its options (an ``Options`` or the ``[name]`` table)."""
     cls = strategy_class(name)
@@ -103,6 +113,7 @@ __all__ = [
     "STRATEGIES",
     "StepResult",
     "Strategy",
+    "accepts",
     "build_strategy",
     "register",
     "strategy_class",

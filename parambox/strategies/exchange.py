@@ -249,10 +249,7 @@ class SumExchange:
         total, tails = self._sums
         for i, m in enumerate(msgs):  # the ranks' messages in rank order, on every rank
             t = self.compressor.decode_into(m, total, add=i > 0)
-            if i:
-                tails.add_(t)
-            else:
-                tails.copy_(t)
+            (tails.add_ if i else tails.copy_)(t)
         self._result = self._sums
         self._work, self._msg, self._gathered = None, None, []
 

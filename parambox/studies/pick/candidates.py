@@ -171,6 +171,8 @@ def with_compression(candidates: list[Candidate], modes: list[str] | tuple[str, 
     already, once per encoding of ``modes`` its options accept (``none``: as it is), each next to the
     others of its candidate; the rest as they are. A candidate that accepts none of ``modes`` is
     left out."""
+    from parambox.strategies import accepts
+
     out: list[Candidate] = []
     for c in candidates:
         if "compression" in c.options or not takes_compression(c):
@@ -182,21 +184,9 @@ def with_compression(candidates: list[Candidate], modes: list[str] | tuple[str, 
                 if mode == "none"
                 else Candidate(c.strategy, {**c.options, "compression": mode}, c.settings, c.box)
             )
-            if mode == "none" or _accepted(variant):
+            if mode == "none" or accepts(variant.strategy, variant.options):
                 out.append(variant)
     return out
-
-
-def _accepted(c: Candidate) -> bool:
-    """Its options validate and its strategy resolves with them (diloco refuses powersgd in its
-    asynchronous and streaming forms, weight-avg and easgd refuse it outright)."""
-    from parambox.strategies import strategy_class
-
-    try:
-        strategy_class(c.strategy, c.options)
-    except (ValueError, UserError):  # pydantic's ValidationError is a ValueError
-        return False
-    return True
 
 
 def message_bytes(c: Candidate, shapes: list[Any]) -> int:
