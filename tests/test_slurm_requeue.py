@@ -166,7 +166,12 @@ def _signal_and_wait(ranks: list[subprocess.Popen], ready) -> list[str]:
     try:
         deadline = time.monotonic() + 120
         while not ready():
-            assert time.monotonic() < deadline and all(p.poll() is None for p in ranks)
+            if time.monotonic() > deadline or any(p.poll() is not None for p in ranks):
+                for p in ranks:
+                    p.kill()
+                pytest.fail(
+                    f"a rank left before it was signalled: {[p.communicate()[1][-3000:] for p in ranks]}"
+                )
             time.sleep(0.1)
         for p in ranks:
             p.send_signal(signal.SIGUSR1)

@@ -59,7 +59,7 @@ def test_slurm_step():
         1,
         2,
     )
-    assert w.launcher == "slurm" and w.master_addr == "gpu07" and 20000 <= w.master_port < 40000
+    assert w.launcher == "slurm" and w.master_addr == "gpu07" and 20000 <= w.master_port < 32000
 
 
 def test_slurm_batch_script_is_not_a_worker():

@@ -188,7 +188,8 @@ def _slurm(env):
     local_size = _slurm_tasks_on_node(env, size, nodes)
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or socket.gethostname()
     job = _int(env, "SLURM_JOB_ID", default=0)
-    port = _int(env, "MASTER_PORT", default=20000 + (job * 7 + _int(env, "SLURM_STEP_ID", default=0)) % 20000)
+    # Below Linux's ephemeral range (32768 and up), where a port another connection holds would refuse the store.
+    port = _int(env, "MASTER_PORT", default=20000 + (job * 7 + _int(env, "SLURM_STEP_ID", default=0)) % 12000)
     return World(
         _need(env, "SLURM_PROCID"),
         size,
