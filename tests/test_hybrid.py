@@ -86,7 +86,7 @@ def test_groups_and_options():
     assert build_groups(6, 3) == [[0, 1, 2], [3, 4, 5]]
     with pytest.raises(UserError, match="group_size=3"):
         build_groups(4, 3)
-    with pytest.raises(ValidationError, match="sync must be false"):
+    with pytest.raises(ValidationError, match="sync"):  # not a field: hybrid is asynchronous between groups
         HybridOptions(sync=True)
     with pytest.raises(ValidationError, match="termination 'all'"):
         HybridOptions(termination="fastest")
@@ -105,13 +105,22 @@ def test_digits_4_workers_2_groups_over_the_rma_box_reaches_093(tmp_path):
     assert s["workers"] == 4 and s["worker_steps"] == [300] * 4 and s["nonfinite_workers"] == []
 
 
-def test_compression_is_refused_in_one_line_naming_the_field():
-    """hybrid took ``compression`` (EASGD's options) and sent float32 anyway: a user's int8 did nothing."""
+@pytest.mark.parametrize(("field", "value"), [("compression", "int8"), ("overlap", True), ("sync", True)])
+def test_easgds_exchange_options_are_not_hybrids_fields(field, value):
+    """hybrid took EASGD's ``compression``, ``overlap`` and ``sync`` with its options and did none of them
+    (a user's int8 sent float32, an overlap was silently ignored): they are not its fields, and the error
+    names the field and the ones it has."""
     from parambox.config import build_config
 
     with pytest.raises(UserError) as e:
-        build_config({"strategy": "hybrid", "options": {"hybrid": {"compression": "int8"}}})
-    assert str(e.value).startswith("hybrid.compression is not supported"), e.value
+        build_config({"strategy": "hybrid", "options": {"hybrid": {field: value}}})
+    assert str(e.value).startswith(f"config field 'hybrid.{field}' does not exist"), e.value
+    assert "group_size" in str(e.value) and "tau" in str(e.value)
+
+
+def test_alpha_and_rho_together_are_refused_in_one_line():
+    from parambox.config import build_config
+
     with pytest.raises(UserError) as e:
         build_config({"strategy": "easgd", "options": {"easgd": {"alpha": 0.1, "rho": 1.0}}})
     assert str(e.value) == "easgd: give alpha or rho (alpha = lr * rho), not both"

@@ -610,11 +610,12 @@ def test_compression_makes_a_candidate_of_each_encoding_an_exchange_takes():
         Candidate("allreduce"),
         Candidate("weight-avg", {"period": 4}),
         Candidate("easgd", {"sync": True, "tau": 4}),
-        Candidate("easgd", {"tau": 4}),  # asynchronous: through the box, which moves float32 anyway
+        Candidate("easgd", {"tau": 4}),  # asynchronous: its pushes to the box are encoded
         Candidate("diloco", {"inner_steps": 10}),
         Candidate("diloco", {"asynchronous": True}),
-        Candidate("hybrid", {"group_size": 2}),  # its leaders' exchange is the box's
-        Candidate("downpour"),  # no compression field
+        Candidate("hybrid", {"group_size": 2}),  # its leaders' exchange is the box's float32 one
+        Candidate("downpour"),
+        Candidate("hogwild"),  # no exchange to encode
     ]
     got = with_compression(base, ["none", "int8", "powersgd"])
     assert (
@@ -628,22 +629,34 @@ def test_compression_makes_a_candidate_of_each_encoding_an_exchange_takes():
             "easgd sync=true tau=4",
             "easgd compression=int8 sync=true tau=4",
             "easgd tau=4",
+            "easgd compression=int8 tau=4",
             "diloco inner_steps=10",
             "diloco compression=int8 inner_steps=10",
             "diloco compression=powersgd inner_steps=10",
             "diloco asynchronous=true",
+            "diloco asynchronous=true compression=int8",
             "hybrid group_size=2",
             "downpour",
+            "downpour compression=int8",
+            "hogwild",
         ]
     )
     assert [compression_of(c) for c in got[:3]] == ["none", "int8", "powersgd"]
     # Without none the exchanges that take one are compressed only; one that takes none of the list is
     # left out; the others stay as they are. A compression the user set is kept, not varied.
-    only = with_compression(base[:2] + base[-1:], ["powersgd"])
-    assert [c.label for c in only] == ["allreduce compression=powersgd", "downpour"]
+    only = with_compression(base[:2] + base[-2:], ["powersgd"])
+    assert [c.label for c in only] == ["allreduce compression=powersgd", "hogwild"]
     mine = Candidate("allreduce", {"compression": "bf16"})
     assert with_compression([mine], ["none", "int8"]) == [mine]
     assert with_compression(base, ["none"]) == base
+    # On one machine the box is shared memory (no link): its exchanges get no compressed variant.
+    local = [c.label for c in with_compression(base, ["none", "int8"], across_nodes=False)]
+    assert [x for x in local if "int8" in x] == [
+        "allreduce compression=int8",
+        "weight-avg compression=int8 period=4",
+        "easgd compression=int8 sync=true tau=4",
+        "diloco compression=int8 inner_steps=10",
+    ]
 
 
 def test_compression_list_is_checked_and_the_variant_keeps_settings_and_box():
@@ -699,9 +712,16 @@ def test_a_compressed_candidates_link_bytes_against_its_float32_twin_in_closed_f
     # int8 moves about a quarter of float32's bytes at 2 workers, as much at 8, twice as much at 16.
     assert int8.link_bytes(2) / plain.link_bytes(2) == pytest.approx(662 / 2600)
     assert int8.link_bytes(16) / plain.link_bytes(16) == pytest.approx(16 * 662 / (2 * 2600))
-    # Through the box the update moves as float32 whatever the encoding (it stores float32).
-    boxed = _exchange(Candidate("easgd", {"tau": 4, "compression": "int8"}), shapes)
-    assert (boxed.topology, boxed.message_bytes, boxed.gathered) == ("box", 4 * p_count, False)
+    # Through the box a push goes encoded (the memory server decodes and sums it: not gathered) and the
+    # pull brings the float32 center back: perfmodel's box moves a message each way, here their mean.
+    for name, options in [("easgd", {"tau": 4}), ("downpour", {}), ("diloco", {"asynchronous": True})]:
+        boxed = _exchange(Candidate(name, {**options, "compression": "int8"}), shapes)
+        assert (boxed.topology, boxed.message_bytes, boxed.gathered) == ("box", p_count + 12, False)
+        assert boxed.pull_bytes == 4 * p_count
+        plain_box = _exchange(Candidate(name, options), shapes)
+        assert (plain_box.message_bytes, plain_box.pull_bytes) == (4 * p_count, 4 * p_count)
+        for n in (2, 4, 8):  # box_s is linear in the message: push and pull, against two float32 messages
+            assert boxed.link_bytes(n) / plain_box.link_bytes(n) == pytest.approx((662 + 2600) / (2 * 2600))
     # powersgd sums its low-rank factors by allreduce (not gathered): here a float32 ring.
     big = [torch.Size([64, 64]), torch.Size([64])]
     low = _exchange(Candidate("allreduce", {"compression": "powersgd", "powersgd_rank": 2}), big)
@@ -793,14 +813,19 @@ def test_pick_quick_validate_json(tmp_path):
 def test_pick_with_a_compression_list_ranks_each_encoding_as_a_candidate(tmp_path):
     """--compression none,int8,powersgd on logreg and digits (P = 650 parameters: 10 x 64 and 10):
     allreduce as float32, int8 and powersgd, weight-avg as float32 and int8 (it refuses powersgd: no such
-    row, no error); each row says its compression, and its bytes are the encoding's, in closed form."""
+    row, no error); each row says its compression, and its bytes are the encoding's, in closed form.
+    downpour, through the shm box on this one machine (no link), is probed as float32 only."""
     out = tmp_path / "pick"
     proc = run_cli(
         "pick", "--workers", "2", "--target-accuracy", "0.6", "--quick", "--confirm", "0", "--model", "logreg",
-        "--strategies", "allreduce,weight-avg", "--compression", "none,int8,powersgd", "--out", str(out),
+        "--strategies", "allreduce,weight-avg,downpour", "--compression", "none,int8,powersgd", "--out", str(out),
     )  # fmt: skip
     result = json.loads((out / "pick.json").read_text())
     rows = {r["setup"]: r for r in result["ranking"]}
+    boxed = {k: r for k, r in rows.items() if r["strategy"] == "downpour"}
+    assert boxed and all(r["compression"] == "none" for r in boxed.values()), list(rows)
+    assert all((r["message_bytes"], r["pull_bytes"]) == (2600, 2600) for r in boxed.values())
+    rows = {k: v for k, v in rows.items() if k not in boxed}
     assert set(rows) == {
         "allreduce",
         "allreduce compression=int8",
@@ -813,7 +838,7 @@ def test_pick_with_a_compression_list_ranks_each_encoding_as_a_candidate(tmp_pat
         and not result["partial"]
         and result["compressions"] == ["none", "int8", "powersgd"]
     )
-    assert {r["setup"]: r["compression"] for r in result["ranking"]} == {
+    assert {k: r["compression"] for k, r in rows.items()} == {
         "allreduce": "none",
         "allreduce compression=int8": "int8",
         "allreduce compression=powersgd": "powersgd",
@@ -823,8 +848,8 @@ def test_pick_with_a_compression_list_ranks_each_encoding_as_a_candidate(tmp_pat
     # one rank's message: float32 4P; int8 P bytes and a float32 scale per 256; powersgd the 10 x 64
     # matrix as rank-4 factors (10 + 64) x 4 and the 10 biases, in float32
     expected = {"none": 4 * 650, "int8": 650 + 4 * 3, "powersgd": 4 * ((10 + 64) * 4 + 10)}
-    for r in result["ranking"]:
-        assert r["message_bytes"] == expected[r["compression"]]
+    for r in rows.values():
+        assert r["message_bytes"] == expected[r["compression"]] and r["pull_bytes"] is None
         # 2 workers: a ring allreduce moves S (2 (n-1)/n S), an all-gather the other's message (n-1) S
         assert r["link_bytes_per_exchange"] == pytest.approx(expected[r["compression"]])
         assert r["predicted_s"] > 0 and r["comm_ms"] > 0
@@ -875,18 +900,28 @@ def test_pick_reaches_a_perplexity_that_falls_to_the_target(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_pick_quick_on_the_emulated_cluster_leaves_nothing(tmp_path):
-    """The same on 2 emulated nodes at 0.1 Gbit/s: the runs are on the cluster, which is gone after."""
+    """The same on 2 emulated nodes at 0.1 Gbit/s: the runs are on the cluster, which is gone after.
+    Across nodes downpour's pushes cross the link encoded (the rma box's memory server decodes them):
+    its int8 form is a candidate, its message int8's bytes and its pull the float32 center."""
     before, namespaces = root_state(), live_namespaces()
     out = tmp_path / "pick"
     proc = run_cli(
         "pick", "--workers", "2", "--target-accuracy", "0.8", "--quick", "--confirm", "0", "--json",
-        "--emulate-nodes", "2", "--link-gbps", "0.1", "--strategies", "allreduce,weight-avg", "--compression", "none",
+        "--emulate-nodes", "2", "--link-gbps", "0.1", "--strategies", "weight-avg,downpour", "--compression", "int8",
         "--out", str(out),
         timeout=280,
     )  # fmt: skip
     result = json.loads(proc.stdout)
     assert result["cluster"]["nodes"] == 2 and result["cluster"]["link_gbps"] == 0.1
-    assert [r["strategy"] for r in result["ranking"]] != [] and "validation" not in result
+    assert "validation" not in result and not result["excluded"], result["excluded"]
+    rows = result["ranking"]
+    assert {r["strategy"] for r in rows} == {"weight-avg", "downpour"}
+    assert all(r["compression"] == "int8" for r in rows)
+    params = 21386  # the default workload's LeNet on digits
+    for r in rows:  # one byte an element and a float32 scale per 256; downpour's pull the float32 center
+        assert r["message_bytes"] == params + 4 * math.ceil(params / 256), r
+        boxed = r["strategy"] == "downpour"
+        assert (r["box"], r["pull_bytes"]) == (("rma", 4 * params) if boxed else (r["box"], None)), r
     world = json.loads((out / "reference" / "metrics.jsonl").read_text().splitlines()[0])
     assert world["num_nodes"] == 2
     assert root_state() == before and live_namespaces() <= namespaces

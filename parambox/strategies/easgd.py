@@ -40,14 +40,15 @@ from parambox.strategies.grads import GradViews, bind_flat_replica
 DEFAULT_ALPHA = 0.1
 
 
-class EasgdOptions(AsyncOptions, ExchangeOptions):
+class ElasticOptions(AsyncOptions):
+    """The elastic exchange's period and moving rate (easgd, eamsgd; hybrid's leaders)."""
+
     tau: int = Field(4, ge=1, description="local steps between two elastic exchanges")
     alpha: float | None = Field(None, gt=0, lt=1, description="elastic moving rate (default 0.1)")
     rho: float | None = Field(None, gt=0, description="elasticity; sets alpha = lr * rho")
-    sync: bool = Field(False, description="synchronous form over collectives instead of the box")
 
     @model_validator(mode="after")
-    def _alpha_or_rho(self) -> EasgdOptions:
+    def _alpha_or_rho(self) -> ElasticOptions:
         if self.alpha is not None and self.rho is not None:
             raise ValueError("give alpha or rho (alpha = lr * rho), not both")
         return self
@@ -60,6 +61,10 @@ class EasgdOptions(AsyncOptions, ExchangeOptions):
         if not 0 < alpha < 1:
             raise UserError(f"easgd: alpha = lr * rho = {lr} * {self.rho} = {alpha:g} must be in (0, 1)")
         return alpha
+
+
+class EasgdOptions(ElasticOptions, ExchangeOptions):
+    sync: bool = Field(False, description="synchronous form over collectives instead of the box")
 
 
 class NesterovStep:

@@ -32,25 +32,21 @@ from parambox.errors import UserError
 from parambox.numerics import is_finite
 from parambox.strategies.asynchronous import AsyncStrategy
 from parambox.strategies.base import Context, Options, StepResult
-from parambox.strategies.easgd import EasgdOptions, make_local_step
+from parambox.strategies.easgd import ElasticOptions, make_local_step
 
 
-class HybridOptions(EasgdOptions):
+class HybridOptions(ElasticOptions):
+    """EASGD's period and moving rate between the groups (no ``sync``, ``overlap`` or ``compression``:
+    the leaders' exchange is the box's float32 elastic one)."""
+
     group_size: int | None = Field(
         None, ge=1, description="workers per synchronous group (default: the processes of a node)"
     )
 
     @model_validator(mode="after")
     def _asynchronous_between_groups(self) -> HybridOptions:
-        if self.sync:
-            raise ValueError("hybrid runs EASGD asynchronously between groups; sync must be false")
         if self.termination != "all":
             raise ValueError("hybrid supports termination 'all' only: the members of a group step together")
-        if self.compression != "none":
-            raise ValueError(
-                "hybrid.compression is not supported: its leaders' EASGD pushes go as float32 (easgd takes "
-                "compression)"
-            )
         return self
 
 

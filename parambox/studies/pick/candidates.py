@@ -11,12 +11,14 @@ with a preset is a candidate. Whether it can run *here* (this model and data, th
 found out by its probe: one that fails is excluded with its error line.
 
 Compression is a dimension of the candidates (``with_compression``): a candidate whose exchange takes
-``compression`` (its options have the field: allreduce's gradients, weight-avg, synchronous easgd,
-synchronous diloco) is considered once per listed encoding it accepts (``pick --compression none,int8``),
-labelled with it (``allreduce compression=int8``). One whose options refuse an encoding (powersgd is
-for allreduce and synchronous diloco only) does not get that variant; one whose exchange goes through
-the box (the asynchronous forms, hybrid) gets none, since the box stores and moves float32 whatever the
-encoding (``exchange.box_compressor``); one whose compression the user or its preset set keeps it.
+``compression`` (its options have the field: allreduce's gradients, weight-avg, easgd and diloco in
+either form, downpour's pushes) is considered once per listed encoding it accepts (``pick --compression
+none,int8``), labelled with it (``allreduce compression=int8``). One whose options refuse an encoding
+(powersgd is for allreduce and synchronous diloco only) does not get that variant; one whose compression
+the user or its preset set keeps it. An asynchronous form's pushes cross the link encoded where the rma
+box's memory server decodes them (``box.server``, the box's default across nodes); its pulls bring the
+float32 center back (``message_bytes``, ``pull_bytes``). On one machine its box is shared memory, with
+no link to save bytes on: there it gets no compressed variant.
 """
 
 from __future__ import annotations
@@ -155,27 +157,36 @@ def parse_compressions(text: str) -> list[str]:
 
 
 def takes_compression(c: Candidate) -> bool:
-    """Whether compressing the candidate's exchange saves bytes on the link: its options have
-    ``compression`` and its exchange is a collective (over the box, an asynchronous form's, the box
-    stores and moves float32 whatever the encoding)."""
+    """Whether the candidate's exchange takes ``compression``: its options have the field (a
+    collective's messages, or an asynchronous form's pushes to the box)."""
     from parambox.strategies import strategy_class
-    from parambox.strategies.asynchronous import AsyncStrategy
 
-    if "compression" not in strategy_class(c.strategy).Options.model_fields:
-        return False
-    return not issubclass(strategy_class(c.strategy, c.options), AsyncStrategy)
+    return "compression" in strategy_class(c.strategy, c.options).Options.model_fields
 
 
-def with_compression(candidates: list[Candidate], modes: list[str] | tuple[str, ...]) -> list[Candidate]:
+def topology(c: Candidate) -> str:
+    """perfmodel's topology of the candidate's exchange: a strategy may say (``comm_topology``); else the
+    box for the asynchronous ones and a ring allreduce for the others."""
+    from parambox.strategies import strategy_class
+
+    cls = strategy_class(c.strategy, c.options)
+    return cls.comm_topology or ("box" if cls.tolerates_worker_loss else "ring")
+
+
+def with_compression(
+    candidates: list[Candidate], modes: list[str] | tuple[str, ...], across_nodes: bool = True
+) -> list[Candidate]:
     """Every candidate whose exchange takes compression (``takes_compression``) and does not set it
     already, once per encoding of ``modes`` its options accept (``none``: as it is), each next to the
     others of its candidate; the rest as they are. A candidate that accepts none of ``modes`` is
-    left out."""
+    left out. Not ``across_nodes`` (one machine: the shm box, no link), an exchange through the box is
+    left as it is: its encoded pushes would cost encoding and save nothing."""
     from parambox.strategies import accepts
 
     out: list[Candidate] = []
     for c in candidates:
-        if "compression" in c.options or not takes_compression(c):
+        boxed = not across_nodes and topology(c) == "box"
+        if "compression" in c.options or not takes_compression(c) or boxed:
             out.append(c)
             continue
         for mode in modes:
@@ -190,15 +201,15 @@ def with_compression(candidates: list[Candidate], modes: list[str] | tuple[str, 
 
 
 def message_bytes(c: Candidate, shapes: list[Any]) -> int:
-    """One rank's message of one exchange, for a model of parameters of ``shapes``, as
-    :mod:`parambox.strategies.compress` (or PowerSGD) encodes it: float32 where it is not compressed or
-    its exchange goes through the box (``takes_compression``)."""
+    """One rank's message of one exchange (an asynchronous form's push), for a model of parameters of
+    ``shapes``, as :mod:`parambox.strategies.compress` (or PowerSGD) encodes it: float32 where it is
+    not compressed."""
     from parambox.strategies import strategy_class
     from parambox.strategies.compress import Compressor
     from parambox.strategies.powersgd import PowerSGD
 
     numel = sum(int(s.numel()) for s in shapes)
-    mode = compression_of(c) if takes_compression(c) else "none"
+    mode = compression_of(c)
     if mode == "none":
         return Compressor("none", numel, error_feedback=False).payload_bytes()
     opts = strategy_class(c.strategy).Options(**c.options)
@@ -207,3 +218,12 @@ def message_bytes(c: Candidate, shapes: list[Any]) -> int:
     return Compressor(
         mode, numel, opts.compression_block, error_feedback=False, ratio=opts.compression_ratio
     ).payload_bytes()
+
+
+def pull_bytes(c: Candidate, shapes: list[Any]) -> int | None:
+    """What one pull of an asynchronous form brings back, for a model of parameters of ``shapes``: the
+    box's float32 center whatever its pushes' encoding; None for a collective (its reply is its message's
+    size: ``message_bytes``)."""
+    if topology(c) != "box":
+        return None
+    return 4 * sum(int(s.numel()) for s in shapes)

@@ -196,19 +196,27 @@ class Exchange:
     """What one exchange of a candidate puts on the links: a message of ``message_bytes`` per rank (as
     encoded; None where the model's size is not known) over perfmodel's ``topology``, or, ``gathered``, an
     all-gather (compressed messages are not summed on the way: every rank receives the n - 1 others').
+    Through the box a push of ``message_bytes`` is answered by a pull of ``pull_bytes`` (the float32
+    center, whatever the push's encoding).
 
     >>> Exchange("ring", 4000.0).link_bytes(8), Exchange("ring", 1016.0, gathered=True).link_bytes(8)
     (7000.0, 7112.0)
+    >>> Exchange("box", 1016.0, pull_bytes=4000.0).link_bytes(2) == Exchange("box", 2508.0).link_bytes(2)
+    True
     """
 
     topology: str
     message_bytes: float | None = None
     gathered: bool = False
+    pull_bytes: float | None = None
 
     def link_bytes(self, n: int, size: float | None = None) -> float | None:
         """The bandwidth term of one exchange among ``n`` workers in bytes (its seconds at 1 byte/s:
         what one worker's link carries each way; the box's adds the queue at the box), for a message of
-        ``size`` bytes (default: its own)."""
+        ``size`` bytes (default: its own, and its pull: perfmodel's box moves one message each way, so
+        their mean)."""
+        if size is None and self.message_bytes is not None and self.pull_bytes is not None:
+            size = (self.message_bytes + self.pull_bytes) / 2
         size = self.message_bytes if size is None else size
         if size is None:
             return None

@@ -59,9 +59,12 @@ from parambox.studies.pick.candidates import (
     Candidate,
     compression_of,
     message_bytes,
+    pull_bytes,
     registry_candidates,
-    takes_compression,
     with_compression,
+)
+from parambox.studies.pick.candidates import (
+    topology as candidate_topology,
 )
 from parambox.workload.targets import Target
 
@@ -138,7 +141,8 @@ def run_pick(s: PickSettings, say: Say = print) -> dict[str, Any]:
     n = s.probe_workers
     base = _base(s, n)
     plain = _with_user_options(registry_candidates(n, s.strategies, base), base, s)
-    candidates = with_compression(plain, s.compressions)
+    across_nodes = int((base.get("cluster") or {}).get("nodes") or 1) > 1
+    candidates = with_compression(plain, s.compressions, across_nodes)
     reference = Candidate(REFERENCE).overridden(base["options"].get(REFERENCE, {}), s.fixed)
     if not plain:
         raise UserError(f"no registered strategy runs {s.workers} workers ({n} probed)")
@@ -332,20 +336,15 @@ def _parameter_shapes(base: dict[str, Any]) -> list[Any] | None:
 
 
 def _exchange(c: Candidate, shapes: list[Any] | None) -> pm.Exchange:
-    """The candidate's exchange for the performance model: its topology, one rank's message as encoded,
-    and whether the messages are all-gathered (compressed, not powersgd: its two allreduces sum)."""
+    """The candidate's exchange for the performance model: its topology, one rank's message as encoded
+    (and, through the box, the float32 pull that answers it), and whether the messages are all-gathered
+    (a collective's compressed ones, not powersgd's: its two allreduces sum; the box sums what it
+    receives)."""
+    topology = candidate_topology(c)
     size = None if shapes is None else float(message_bytes(c, shapes))
-    gathered = compression_of(c) not in ("none", "powersgd") and takes_compression(c)
-    return pm.Exchange(_topology(c), size, gathered)
-
-
-def _topology(c: Candidate) -> str:
-    """perfmodel's topology of the strategy's exchange: a strategy may say (``comm_topology``); else the
-    box for the asynchronous ones and a ring allreduce for the others."""
-    from parambox.strategies import strategy_class
-
-    cls = strategy_class(c.strategy, c.options)
-    return cls.comm_topology or ("box" if cls.tolerates_worker_loss else "ring")
+    pull = None if shapes is None else pull_bytes(c, shapes)
+    gathered = compression_of(c) not in ("none", "powersgd") and topology != "box"
+    return pm.Exchange(topology, size, gathered, None if pull is None else float(pull))
 
 
 def _reference(s: PickSettings, base: dict[str, Any], reference: Candidate, budget: Budget) -> runs.Measured:
@@ -605,6 +604,7 @@ def _rank(
                 "samples_per_step": p.cost.samples_per_step,
                 "samples_per_s": p.cost.samples_per_s,
                 "message_bytes": None if p.exchange is None else p.exchange.message_bytes,
+                "pull_bytes": None if p.exchange is None else p.exchange.pull_bytes,
                 "link_bytes_per_exchange": None
                 if p.exchange is None or workers is None
                 else p.exchange.link_bytes(workers),
