@@ -202,14 +202,15 @@ def test_bench_defaults_on_text_aim_at_a_perplexity():
     assert fresh.returncode == 0 and fresh.stdout.strip() == "perplexity", fresh.stderr
 
 
-def test_a_pipeline_cut_through_tied_weights_is_refused():
-    """The tied embedding and head in two stages would each train a copy of their own (the result kept
-    one): refused with a line that names the parameter and the untied factory."""
+def test_a_pipeline_cut_between_the_tied_embedding_and_head_shares_that_one_weight():
+    """The tied token embedding is held by the first stage (the embedding) and the last (the head): one
+    shared parameter, named once; untied, or with both uses in one stage, none."""
     from parambox.models.gpt import build_gpt, gpt_untied
-    from parambox.strategies.pipeline.stages import check_untied, stage_bounds
+    from parambox.strategies.pipeline.stages import shared_parameters, stage_bounds
 
     tied = build_gpt("gpt", 16)
-    with pytest.raises(UserError, match="shared by stages 0 and 1.*gpt_untied"):
-        check_untied("pipeline", tied, stage_bounds([3], len(tied)))
+    assert shared_parameters(tied, stage_bounds([3], len(tied))) == [("0.tok.weight", (0, 1))]
+    assert shared_parameters(tied, stage_bounds([2, 4], len(tied))) == [("0.tok.weight", (0, 2))]
+    assert shared_parameters(tied, stage_bounds([], len(tied))) == []
     untied = gpt_untied()
-    check_untied("pipeline", untied, stage_bounds([3], len(untied)))
+    assert shared_parameters(untied, stage_bounds([3], len(untied))) == []

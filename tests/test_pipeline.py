@@ -104,6 +104,39 @@ def test_pipeline_dp_two_stages_two_groups_matches_single_at_double_batch(single
     assert max_abs_diff(final_weights(out), single_32) <= 1e-5
 
 
+GPT = ["--model", "gpt", "--data", "text", "--steps", "6", "--optimizer", "adamw", "--lr", "0.003"]
+GPT += ["--eval-every", "0", "--no-progress", "--threads", "1", "--seed", "3"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("strategy", "workers", "batch", "cut"),
+    [("pipeline", 2, 8, []), ("pipeline", 2, 8, ['pipeline.split_at=["3"]']), ("pipeline-dp", 4, 4, [])],
+    ids=["pipeline", "pipeline-traced", "pipeline-dp"],
+)
+def test_a_tied_gpt_cut_between_its_embedding_and_head_follows_single(
+    tmp_path, strategy, workers, batch, cut
+):
+    """The zoo's gpt ties its token embedding to its output layer; cut by parameters (or traced and
+    cut at a module name), the embedding sits in the first stage and the head in the last. Their
+    gradients of the one weight are added up across the two stages each step, so the pipeline (and 2
+    pipelines at half the batch) ends where one process does with AdamW; each stage training a copy of
+    its own would end elsewhere."""
+    one = tmp_path / "one"
+    run_cli("train", "--strategy", "single", "--workers", "1", "--batch-size", "8", "--out", str(one), *GPT)
+    out = tmp_path / "pipe"
+    sets = [a for c in [f"{strategy}.num_microbatches=2", *cut] for a in ("--set", c)]
+    run_cli(
+        "train", "--strategy", strategy, "--workers", str(workers), "--batch-size", str(batch), "--out", str(out),
+        *sets, *GPT,
+    )  # fmt: skip
+    assert len(summary(out)["pipeline"]["shared_parameters"]) == 1
+    weights = final_weights(out)
+    assert torch.equal(weights["0.tok.weight"], weights["6.weight"])  # one weight, as in the model
+    assert max_abs_diff(weights, final_weights(one)) <= 2e-5
+
+
 # -- tier (c): resume and accuracy --------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(200)

@@ -125,8 +125,8 @@ def build_gpt(
     ``parambox.train(model=lambda: build_gpt("gpt", 128, mask_buffer=True), data="text")``.
 
     ``tied=False``: the output layer has a weight of its own (``vocab x width`` more parameters). A
-    pipeline that puts the embedding and the head on different ranks trains a tied weight as two
-    copies, one per stage, unless it sums their gradients across those stages."""
+    pipeline that puts the tied embedding and head on different ranks keeps a copy on each and adds
+    up their gradients across those stages (``strategies/pipeline``)."""
     s = SIZES[size] if isinstance(size, str) else size
     if s.width % s.heads:
         raise ValueError(f"GPT width {s.width} is not a multiple of its {s.heads} heads")
@@ -145,8 +145,7 @@ def gpt_with_mask_buffer() -> nn.Sequential:
 
 
 def gpt_untied() -> nn.Sequential:
-    """``gpt`` at the ``text`` context with an output layer of its own (no tied embedding): a pipeline
-    may then put the embedding and the head in different stages. ``--model
+    """``gpt`` at the ``text`` context with an output layer of its own (no tied embedding). ``--model
     parambox.models.gpt:gpt_untied --data text``."""
     return build_gpt("gpt", 128, tied=False)
 

@@ -71,25 +71,26 @@ def check_split(split_points: list[int], num_children: int, num_stages: int) -> 
     return points
 
 
-def check_untied(strategy: str, model: nn.Sequential, bounds: list[tuple[int, int]]) -> None:
-    """A ``UserError`` where one parameter (tied weights: an embedding and its output layer) would sit
-    in two stages: each stage would train a copy of its own and the result keep one of them.
+def shared_parameters(
+    model: nn.Sequential, bounds: list[tuple[int, int]]
+) -> list[tuple[str, tuple[int, ...]]]:
+    """Each parameter that sits in more than one stage (tied weights: an embedding and its output
+    layer), as its first name in the model and the stages that hold it, in the model's order.
 
     >>> emb, head = nn.Embedding(4, 2), nn.Linear(2, 4, bias=False)
     >>> head.weight = emb.weight
-    >>> check_untied("pipeline", nn.Sequential(emb, nn.ReLU(), head), [(0, 3)])  # one stage: fine
+    >>> model = nn.Sequential(emb, nn.ReLU(), head)
+    >>> shared_parameters(model, [(0, 2), (2, 3)]), shared_parameters(model, [(0, 3)])
+    ([('0.weight', (0, 1))], [])
     """
-    owner: dict[int, int] = {}
+    names: dict[int, str] = {}
+    holders: dict[int, set[int]] = {}
     for s, (start, end) in enumerate(bounds):
         for i in range(start, end):
             for name, p in model[i].named_parameters():
-                first = owner.setdefault(id(p), s)
-                if first != s:
-                    raise UserError(
-                        f"{strategy}: parameter {i}.{name} is shared by stages {first} and {s} (tied weights); "
-                        "cut the model so that both uses sit in one stage (split_points), or untie them "
-                        "(the zoo's gpt: --model parambox.models.gpt:gpt_untied)"
-                    )
+                names.setdefault(id(p), f"{i}.{name}")
+                holders.setdefault(id(p), set()).add(s)
+    return [(names[k], tuple(sorted(v))) for k, v in holders.items() if len(v) > 1]
 
 
 def parameter_costs(model: nn.Sequential) -> list[float]:

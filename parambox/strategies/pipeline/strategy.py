@@ -11,6 +11,12 @@ Per step, every rank records its stage's forward and backward compute time and t
 step, the bubble (waiting for neighbours, sending, receiving); rank 0's metrics hold all stages'.
 ``eval_model`` gathers the stages onto rank 0's whole model, so checkpoints hold one state_dict with
 the usual names whatever the number of stages.
+
+A parameter that two stages hold (tied weights: a GPT's token embedding, which is also its output
+layer) is one weight trained from both uses, as Megatron-LM trains its embedding across the first and
+last stage: each of those stages holds a copy, the copies start equal (broadcast from the first
+holder), and after each backward the stages that hold it add up their gradients of it (one allreduce
+among them), so every copy takes the same step with the whole gradient and they stay equal.
 """
 
 from __future__ import annotations
@@ -120,6 +126,9 @@ class Pipeline(Strategy):
             )
         self.pp_group: dist.ProcessGroup | None = None  # None: the default group
         self.make_groups()
+        # parameters several stages hold (make_shared_groups): (this rank's copy, group, first holder)
+        self.shared: list[tuple[nn.Parameter, dist.ProcessGroup, int]] = []
+        self.shared_names: list[str] = []
         self.split_points: list[int] | None = None
         self.schedule = None
         self._pending_optimizer: dict | None = None
@@ -156,7 +165,8 @@ class Pipeline(Strategy):
         layout = self.layout
         self.split_points = list(split_points)
         bounds = stages.stage_bounds(self.split_points, len(self.model))
-        stages.check_untied(self.name, self.model, bounds)
+        shared = stages.shared_parameters(self.model, bounds)
+        self.make_shared_groups([(dict.fromkeys(held_by, name), self.model) for name, held_by in shared])
         self.stage_keys = [stages.stage_state_keys(self.model, b) for b in bounds]
         self.stage_mod = stages.stage_module(self.model, bounds[layout.stage])
         stage = TimedStage(
@@ -164,12 +174,37 @@ class Pipeline(Strategy):
         )
         self.install(stage)
 
+    def make_shared_groups(self, shared: list[tuple[dict[int, str], nn.Module]]) -> None:
+        """For each parameter several stages hold (its name in each holder's module, and this rank's
+        module that names it), a process group of the ranks that hold it in this rank's pipeline:
+        every rank creates every group, in one order, as ``new_group`` requires."""
+        layout = self.layout
+        self.shared = []  # (this rank's copy, its holders' group, the first holder's rank)
+        self.shared_names = [names[min(names)] for names, _ in shared]
+        with self.collective("pipeline shared-weight groups"):
+            for names, module in shared:
+                held_by = sorted(names)
+                for g in range(layout.num_groups):
+                    ranks = [layout.rank_of(g, s) for s in held_by]
+                    pg = dist.new_group(ranks)
+                    if g == layout.group and layout.stage in held_by:
+                        self.shared.append((module.get_parameter(names[layout.stage]), pg, ranks[0]))
+
+    def sum_shared_gradients(self) -> None:
+        """A shared parameter's gradient from each of its stages, added up in every copy."""
+        for p, pg, _ in self.shared:
+            with self.timers.phase("shared_allreduce"), self.collective("pipeline shared-weight allreduce"):
+                dist.all_reduce(p.grad, group=pg)
+
     def build_traced(self, x: torch.Tensor) -> None:
         """Cut any model at the module names ``split_at``, traced on one micro-batch of ``x``."""
         probe = x[: max(1, len(x) // self.options.num_microbatches)]
         pipe = tracing.trace(self.name, self.model, self.options.split_at or [], probe)
         self.stage_keys = [list(pipe.get_stage_module(s).state_dict()) for s in range(pipe.num_stages)]
         self.stage_mod = pipe.get_stage_module(self.layout.stage)
+        # torch names each holder by its submodule ("submod_pp_1"), its stage index last
+        held = [{int(k.rsplit("_", 1)[-1]): v for k, v in names.items()} for names in pipe.replicated_params]
+        self.make_shared_groups([(names, self.stage_mod) for names in held])
         stage = pipe.build_stage(self.layout.stage, self.world.device, group=self.pp_group)
         self.install(tracing.timed(stage))
 
@@ -193,6 +228,9 @@ class Pipeline(Strategy):
             self.optimizer.load_state_dict(self._pending_optimizer)
         self._pending_optimizer = None
         self.after_build()
+        for p, pg, first in self.shared:  # one start for every copy, whatever each rank's seed did
+            with self.collective("pipeline shared-weight broadcast"):
+                dist.broadcast(p.data, src=first, group=pg)
 
     def _timed_split(self, x: torch.Tensor) -> list[int]:
         """Rank 0 times each layer on one micro-batch and cuts; every rank gets its cut."""
@@ -237,6 +275,7 @@ class Pipeline(Strategy):
         bubble = time.perf_counter() - t0 - forward_s - backward_s
         if stage.is_last:
             self.grad_buffer[-1] = sum(float(v.detach()) for v in losses)
+        self.sum_shared_gradients()
         self.average_gradients()
         stats = self._share_stats([forward_s, backward_s, bubble])
         if self.optimizer is not None:
@@ -278,13 +317,20 @@ class Pipeline(Strategy):
         if self.schedule is None or layout.group != 0:
             return self.model if self.world.rank == 0 else None
         state = self.model.state_dict()  # detached views: receiving into them updates the model
+        # A traced stage names its tensors as the model does, and holds a copy of a weight that it shares
+        # with another stage (pipe.replicated_params): the stage's own values are the trained ones.
+        mine = self.stage_mod.state_dict() if self.traced else state
+        if self.world.rank == 0 and self.traced:
+            for key in self.stage_keys[0]:
+                if mine[key].data_ptr() != state[key].data_ptr():
+                    state[key].copy_(mine[key])
         with self.collective("gather stages to rank 0"):
             for s in range(1, layout.num_stages):
                 for key in self.stage_keys[s]:
                     if self.world.rank == 0:
                         dist.recv(state[key], src=layout.rank_of(0, s))
                     elif layout.stage == s:
-                        dist.send(state[key].contiguous(), dst=0)
+                        dist.send(mine[key].contiguous(), dst=0)
         return self.model if self.world.rank == 0 else None
 
     def summary_extra(self) -> dict[str, Any]:
@@ -297,6 +343,7 @@ class Pipeline(Strategy):
                 "split_at": self.options.split_at,
                 "schedule": opts.schedule,
                 "num_microbatches": opts.num_microbatches,
+                "shared_parameters": self.shared_names,
             }
         }
 

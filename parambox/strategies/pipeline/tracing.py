@@ -2,8 +2,9 @@
 
 An ``nn.Sequential`` is cut by child index (``stages.py``); any other model is traced (torch.export)
 on one micro-batch and split before each module named in ``split_at`` (``SplitPoint.BEGINNING``).
-The stage modules hold the model's own parameter and buffer objects under their usual names, so
-rank 0's whole model receives the other stages' weights by name. Every rank traces the same model on
+The stage modules hold the model's parameters and buffers under their usual names, so rank 0's whole
+model receives the other stages' weights by name (a tied weight that two stages hold is a copy in
+each: ``pipe.replicated_params``). Every rank traces the same model on
 the same input and so gets the same cut.
 
 >>> # parambox.train(model=make_model, strategy="pipeline", workers=2, options={"split_at": ["blocks.1"]})
@@ -66,12 +67,7 @@ def trace(strategy: str, model: nn.Module, split_at: list[str], probe: torch.Ten
             "hands the input to the first stage only; cut where the later stages need only what the "
             "earlier ones compute"
         )
-    if pipe.replicated_params:
-        tied = ", ".join(" = ".join(m.values()) for m in pipe.replicated_params)
-        raise UserError(
-            f"{strategy}: tied parameters {tied} fall into different stages; cut so that they share one"
-        )
-    return pipe
+    return pipe  # tied parameters in several stages: pipe.replicated_params (Pipeline.make_shared_groups)
 
 
 def timed(stage: Any) -> Any:
