@@ -7,7 +7,8 @@ better), ``--target wer<=0.2`` for a metric of your own that falls.
 A reference run (allreduce) trains until its test metric reaches the target; every other strategy
 of the registry that accepts N workers is probed for a few dozen steps (its presets' options), and each
 strategy whose exchange takes a compression once more per encoding of --compression (default none,int8:
-allreduce, weight-avg, synchronous easgd and diloco; rows such as "allreduce compression=int8"). Each
+allreduce, weight-avg, synchronous easgd and diloco; across nodes the asynchronous forms' pushes too;
+rows such as "allreduce compression=int8"). Each
 prediction is samples to target / samples per second: the samples from how fast the probe's test loss
 fell against the reference's (convergence per sample, with a band), the rate from the probe's time
 per step (compute and communication). The top --confirm K predictions (default 5) are then trained
@@ -87,7 +88,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--compression",
         metavar="LIST",
         help="comma list of the encodings to try on the exchanges that take one (allreduce, weight-avg, "
-        "synchronous easgd and diloco), each a candidate of its own: none (float32), bf16, int8, int4, int2, "
+        "synchronous easgd and diloco; across nodes the asynchronous forms' pushes too), each a candidate of "
+        "its own: none (float32), bf16, int8, int4, int2, "
         "sign, topk, powersgd (default none,int8; none: float32 only)",
     )
     a("--seeds", type=int, default=1, help="repeat probes and validations with N seeds (default 1)")
