@@ -413,10 +413,11 @@ def wait_until(ready: Callable[[], Any], timeout: float, what: Callable[[], str]
     Spins for up to ``SPIN_S`` (a box barrier is often met within microseconds), yielding the core
     between looks, then naps, each nap twice the last, up to ``NAP_S``: a waiting process leaves the
     CPU to the ones it waits for. Every nap is a timed sleep, and every look (an MPI request's test
-    drives its transfers) costs CPU: 17-32 us a sleep on the VMs measured here, about 90 us a look
-    and nap over the rma box's TCP, so a 0.5 s pull at 0.4 ms naps took 0.1 s of CPU from the training
-    on the same cores. Past ``NAP_S`` a nap is ``LONG_WAIT_SHARE`` of the time waited so far (up to
-    ``LONG_NAP_S``): the answer is seen at most that share late.
+    drives its transfers) costs CPU: 17-32 us a sleep on the VMs measured here, about 30 us a look
+    and nap over the rma box's TCP, so a 0.54 s pull at 0.4 ms naps took about 44 ms of CPU a step
+    from the training on the same cores (bench cluster, 4 nodes at 0.1 Gbit/s). Past ``NAP_S`` a nap
+    is ``LONG_WAIT_SHARE`` of the time waited so far (up to ``LONG_NAP_S``): the answer is seen at
+    most that share late.
     """
     start = time.monotonic()
     deadline = start + timeout
