@@ -30,6 +30,7 @@ RUNS: dict[str, list[str]] = {
     "pipeline-lenet-2": [
         "--strategy", "pipeline", "--workers", "2", "--model", "lenet",
         "--set", "pipeline.num_microbatches=4", "--set", "pipeline.schedule=gpipe",
+        "--batch-size", "32",
     ],
     "single-lenet-1": ["--strategy", "single", "--workers", "1", "--model", "lenet", "--batch-size", "32"],
 }  # fmt: skip
