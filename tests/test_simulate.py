@@ -43,7 +43,7 @@ def test_ps_sync_gathers_and_broadcasts_through_one_link(n):
 @pytest.mark.parametrize("n", [2, 3, 6])
 def test_the_box_moves_each_shard_once_each_way(n):
     piece_phase = ALPHA + (n - 1) * (S / n) / RATE  # n-1 pieces in and out of every link at once
-    sync = simulate("box-sync", n, 0.1, S, NET)
+    sync = simulate(Pattern("box-sync"), n, 0.1, S, NET)  # push after backward, barrier, pull
     assert sync.phases_s["exchange"] == pytest.approx(2 * piece_phase + ALPHA, rel=1e-9)  # + the barrier
     # Fused: pushes and pulls at once, so every link carries its node's pushes and the pulls it serves.
     fused = simulate(Pattern("box"), n, 0.1, S, NET)
@@ -140,6 +140,33 @@ def test_predict_simulate_adds_simulated_curves(tmp_path):
 
 
 # -- reproduce's simulated claims (studies/simulated.py) ------------------------------------------
+
+
+def test_box_sync_pushes_each_bucket_during_backward_and_pulls_it_once_every_node_has():
+    size, compute = 2 * 2**20, 0.3  # two buckets of 1 MiB: the first ready half way through backward
+    r = simulate("box-sync", 2, compute, size, NET)
+    # the last bucket after backward: its pieces out (both directions of the link at once), the gate
+    # (every node's push of it landed: one latency), the sums back
+    last = (ALPHA + 2**19 / RATE) + ALPHA + (ALPHA + 2**19 / RATE)
+    assert last < compute * (2 / 3) / 2  # so the first bucket's exchange is over before backward ends
+    assert r.step_s == pytest.approx(compute + last, rel=1e-9)
+    after = simulate(Pattern("box-sync"), 2, compute, size, NET)  # the whole push after backward
+    assert after.step_s == pytest.approx(compute + 3 * ALPHA + 2 * 2**20 / RATE, rel=1e-9)
+    assert r.link_bytes_per_step == pytest.approx(after.link_bytes_per_step)
+
+
+def test_a_setups_measured_exchange_cpu_lengthens_the_compute_at_the_ceilings_share_of_a_core():
+    from parambox.perfmodel.simulate import against_measured
+
+    ring = ring_allreduce_s(2, S, Network(RATE, NET.latency))
+    # the ceiling's 50 ms of CPU in a 100 ms step: half a core each; weight-avg's exchange adds 10 ms
+    # of CPU, 20 ms of compute at that share; measured as the closed form with that compute says
+    rates = {"ceiling": 2 * 64 / 0.1, "weight-avg": 2 * 64 / (0.12 + ring / 4)}
+    cpu = {"ceiling": 50.0, "weight-avg": 60.0}
+    row = against_measured(rates, 2, 64, S, NET, cpu)["weight-avg"]
+    assert row["exchange_cpu_ms"] == pytest.approx(10.0)
+    assert row["error_with_cpu"] == pytest.approx(0.0, abs=1e-9) and row["error"] < -0.1
+    assert "error_with_cpu" not in against_measured(rates, 2, 64, S, NET)["weight-avg"]
 
 
 def _bench(step_s: dict[str, float], compute_s: float) -> dict:

@@ -368,21 +368,31 @@ def run_bench_cluster(
         entry = summarize(data, loopback["per_round"])
         entry.update(link_gbps=g, cluster_setup_s=setup_s, load_average_1m=[load0, os.getloadavg()[0]])
         if workers_per_node == 1:
-            entry["simulated"] = _simulated(
-                entry["samples_per_s"], nodes, g, bench.batch, 4.0 * size["parameters"]
-            )
+            entry["simulated"] = _simulated(entry, nodes, g, bench.batch, 4.0 * size["parameters"])
         result["by_gbps"][f"{g:g}"] = entry
     return result
 
 
 def _simulated(
-    samples_per_s: dict[str, float], nodes: int, gbps: float, batch: int, size_bytes: float
+    entry: dict[str, Any], nodes: int, gbps: float, batch: int, size_bytes: float
 ) -> dict[str, dict[str, float]]:
-    """Each setup beside the event simulator's step for it on these links (``perfmodel/simulate.py``)."""
+    """Each setup of one rate's ``entry`` beside the event simulator's step for it on these links,
+    without and with the exchange's measured CPU on the workers' cores (``perfmodel/simulate.py``)."""
     from parambox.perfmodel.simulate import against_measured
     from parambox.perfmodel.topology import Network
 
-    return against_measured(samples_per_s, nodes, batch, size_bytes, Network.from_gbps(gbps, 10.0))
+    net = Network.from_gbps(gbps, 10.0)
+    return against_measured(entry["samples_per_s"], nodes, batch, size_bytes, net, cpu_ms_of(entry))
+
+
+def cpu_ms_of(entry: dict[str, Any]) -> dict[str, float]:
+    """Each setup's CPU a step a worker (all threads; the mean over ranks) of one rate's entry."""
+    comm = entry.get("comm") or {}
+    return {
+        s: statistics.mean(c["cpu_ms_per_step_per_rank"])
+        for s, c in comm.items()
+        if c.get("cpu_ms_per_step_per_rank")
+    }
 
 
 def cnn_bytes() -> float:

@@ -7,8 +7,10 @@ setups, plus ``ps-sync``):
 
 - ``allreduce``: gloo's ring (reduce-scatter then all-gather, 2(n-1) rounds of S/n) in buckets that
   start during backward (1 MB first, then 25 MB, as ``strategies/allreduce.py``);
-- ``box-sync``: every node pushes its gradient's shards to the nodes holding them, a barrier, then
-  pulls the sums (the rma box cut over every node, the memory server adding);
+- ``box-sync``: every node pushes its gradient's shards to the nodes holding them in buckets of
+  1 MB, each started once backward has finished it (``box-sync.bucket_mb``); a bucket's sums come
+  back once every node's push of it has landed (the memory server's gated pulls: the rma box cut
+  over every node, ``box/levels.py``), while later buckets still flow out;
 - ``box``: one fused push-pull against every shard, no barrier (EASGD and asynchronous DiLoCo every
   ``period`` steps); Downpour's in buckets of 1 MB, each started once backward has finished it
   (``downpour.bucket_mb``);
@@ -24,8 +26,10 @@ whenever a flow starts or ends. Payload moves at ``LINK_EFFICIENCY`` of the link
 limit (0.954-0.957 at 1 and 0.1 Gbit/s, with 1.001 wire bytes per payload byte: the bytes counted
 here are payload; docs/results/cluster-throughput.md).
 
-Not modelled: the CPU the exchange itself takes (serving threads, summing), and compute slowed or
-sped up by the exchange's use of the cores. Both matter on an oversubscribed machine.
+The CPU the exchange itself takes (serving threads, summing, encoding, polling) is not simulated: on
+a cluster it runs on cores the compute leaves free. Where the workers fill the cores, as on the
+emulated cluster, :func:`against_measured` adds it to the compute from the run's own measurement
+(each setup's CPU a step less the ceiling's, at the ceiling's share of a core).
 
 >>> net = Network.from_gbps(1.0)
 >>> r = simulate("ceiling", nodes=4, compute_s=0.05, size_bytes=4e6, net=net)
@@ -68,7 +72,7 @@ PATTERNS: dict[str, Pattern] = {
     "ceiling": Pattern("none"),
     "ddp": Pattern("allreduce", bucketed=True),
     "allreduce": Pattern("allreduce", bucketed=True),
-    "box-sync": Pattern("box-sync"),
+    "box-sync": Pattern("box-sync", bucketed=True),
     "downpour": Pattern("box", bucketed=True),
     "downpour-overlap": Pattern("box", overlap=True),
     "weight-avg": Pattern("allreduce", period=4),
@@ -315,12 +319,13 @@ def simulate(
 def _bucketed_step(run: _Cluster, pattern: Pattern, me: int, k: int, compute_s: float, size_bytes: float):
     """Forward, then backward with each bucket's exchange started once its gradients are ready: an
     allreduce once the previous bucket's is done too (gloo runs one at a time), a box push-pull at
-    once; the step ends with the last bucket's exchange."""
+    once (box-sync's pull of a bucket once every node has pushed it); the step ends with the last
+    bucket's exchange."""
     env = run.env
     yield run.compute(compute_s * FORWARD_SHARE)
     backward = compute_s * (1 - FORWARD_SHARE)
     start = env.now
-    box = pattern.exchange == "box"
+    box = pattern.exchange in ("box", "box-sync")
     sizes, left = [], size_bytes
     while left > 0:
         sizes.append(min(left, BOX_BUCKET if box else FIRST_BUCKET if not sizes else BUCKET))
@@ -331,7 +336,8 @@ def _bucketed_step(run: _Cluster, pattern: Pattern, me: int, k: int, compute_s: 
         if wait > 0:
             yield env.timeout(wait)
         if box:
-            yield from run.push_pull(me, nbytes)
+            gate = ("box-sync", k, b) if pattern.exchange == "box-sync" else None
+            yield from run.push_pull(me, nbytes, barrier=gate)
         else:
             yield from run.ring_allreduce(me, ("bucket", k, b), nbytes)
 
@@ -395,15 +401,29 @@ SIMULATED_MAX_NODES = 256
 
 
 def against_measured(
-    samples_per_s: dict[str, float], nodes: int, batch: int, size_bytes: float, net: Network
+    samples_per_s: dict[str, float],
+    nodes: int,
+    batch: int,
+    size_bytes: float,
+    net: Network,
+    cpu_ms: dict[str, float] | None = None,
 ) -> dict[str, dict[str, float]]:
     """``bench cluster``'s view of one link rate (one worker per node): each setup's measured ms per
     step beside its simulation, given that run's own compute time (its ``ceiling`` setup: the same
     processes never communicating, on the same cores). ``error`` = simulated / measured - 1: a setup
-    far below 0 runs slower than its pattern over the links allows."""
+    far below 0 runs slower than its pattern over the links allows.
+
+    ``cpu_ms`` (each setup's CPU a step a worker, all its threads, the ceiling's included): the
+    exchange's own CPU (``exchange_cpu_ms``: the setup's less the ceiling's) taken from the compute's
+    cores, which the workers fill here: the compute grows by that CPU over the ceiling's share of a
+    core (its CPU / its wall time), and ``error_with_cpu`` is the simulation with that compute. Exact
+    where the exchange's CPU runs while the worker would compute; an upper bound where it runs while
+    the worker waits on the link anyway."""
     if "ceiling" not in samples_per_s:
         return {}
     compute_s = nodes * batch / samples_per_s["ceiling"]
+    cpu = cpu_ms if cpu_ms and cpu_ms.get("ceiling", 0) > 0 else None
+    share = cpu["ceiling"] / 1e3 / compute_s if cpu else 1.0
     out = {}
     for setup, rate in samples_per_s.items():
         if setup == "ceiling" or setup not in PATTERNS or not rate > 0:
@@ -416,6 +436,15 @@ def against_measured(
             "simulated_ms": sim * 1e3,
             "error": sim / measured - 1,
         }
+        if cpu and cpu.get(setup):
+            extra = max(0.0, cpu[setup] - cpu["ceiling"]) / 1e3
+            busy = compute_s + extra / share
+            with_cpu = simulate(setup, nodes, busy, size_bytes, net, batch=batch).step_s
+            out[setup].update(
+                exchange_cpu_ms=extra * 1e3,
+                simulated_with_cpu_ms=with_cpu * 1e3,
+                error_with_cpu=with_cpu / measured - 1,
+            )
     return out
 
 
