@@ -134,11 +134,15 @@ class Handle:
 
 def wait_all(handles: Sequence[Handle], timeout: float, what: str) -> None:
     """``wait()`` on every handle, polling them together: one spin and one ladder of naps for all
-    (box-sync's step waits on ten gated pulls; one by one each began its own)."""
-    pending = list(handles)
+    (box-sync's step waits on ten gated pulls; one by one each began its own). A look tests them in
+    order up to the first not done: they mostly complete in the order they were asked, one test
+    drives every transfer of the process, and a look at all of them cost O(handles) a nap (a hundred
+    buckets of the 25M-parameter model)."""
+    pending = list(reversed(handles))
 
     def done() -> bool:
-        pending[:] = [h for h in pending if not h.test()]
+        while pending and pending[-1].test():
+            pending.pop()
         return not pending
 
     wait_until(done, timeout, lambda: f"{what}: {len(pending)} transfer(s) not done within {timeout:.0f} s")
