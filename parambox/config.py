@@ -51,7 +51,9 @@ class RunConfig(BaseModel):
         "lenet", description="zoo model, or a model factory REF (module:function, file.py:function)"
     )
     data: str = Field(
-        "digits", description="registered data set, or a data factory REF returning (train, test)"
+        "digits",
+        description="registered data set, or a data factory REF returning (train, test); "
+        "not given: the zoo model's own (gpt: text), else digits",
     )
     loss: str | None = Field(None, description="loss(model, batch) REF; default: cross-entropy of (x, y)")
     metrics: str | None = Field(
@@ -391,6 +393,8 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
     merged: dict[str, Any] = {}
     for layer in layers:
         merged = merge(merged, {k: v for k, v in layer.items() if v is not None})
+    if "data" not in merged and "model" in merged:
+        merged["data"] = model_data(str(merged["model"]))
     cfg = validated(RunConfig, merged)
     cfg.validate_options()
     own = strategy_defaults(cfg, merged)
@@ -398,6 +402,17 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
         cfg = validated(RunConfig, merge(own, merged))
     check_loop_features(cfg)
     return cfg
+
+
+def model_data(model: str) -> str:
+    """The data set of a run that names ``model`` and no data: the one a zoo model is meant for
+    (``gpt``: ``text``), else the default."""
+    from parambox.models.registry import MODELS, data_for, import_builders
+
+    import_builders()
+    if model in MODELS:
+        return data_for(model) or RunConfig.model_fields["data"].default
+    return RunConfig.model_fields["data"].default
 
 
 def check_loop_features(cfg: RunConfig) -> None:
@@ -452,7 +467,10 @@ def strategy_defaults(cfg: RunConfig, given: dict[str, Any]) -> dict[str, Any]:
     own: dict[str, Any] = {}
     if not any(k in given for k in OPTIMIZER_CHOICE):
         own.update({k: v for k, v in cls.default_optimizer.items() if k not in given})
-    own.update({k: v for k, v in cls.default_run.items() if k not in given})
+    from parambox.data.registry import is_sequence
+
+    run = {**cls.default_run, **(cls.default_run_sequence if is_sequence(cfg.data) else {})}
+    own.update({k: v for k, v in run.items() if k not in given})
     options = {k: v for k, v in cls.options_defaults(built).items() if k not in mine}
     if options:
         own["options"] = {cfg.strategy: options}

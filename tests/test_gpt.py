@@ -89,6 +89,23 @@ def test_gpt_refuses_image_data_and_image_models_refuse_text():
         workload.build_model()
 
 
+def test_a_zoo_model_brings_its_data_set_and_strategies_their_sequence_defaults():
+    from parambox.config import build_config
+    from parambox.strategies.sandblaster.strategy import Sandblaster
+
+    assert build_config({"model": "gpt"}).data == "text"  # the model's own data set
+    assert build_config({"model": "lenet"}).data == "digits" and build_config({}).data == "digits"
+    assert build_config({"model": "gpt", "data": "digits"}).data == "digits"  # the user's choice stands
+    on_text = build_config({"strategy": "sandblaster", "model": "gpt"})
+    on_digits = build_config({"strategy": "sandblaster"})
+    assert (on_digits.batch_size, on_digits.steps) == (1438, 200)  # the whole digits training set
+    sequence = Sandblaster.default_run_sequence
+    assert (on_text.batch_size, on_text.steps) == (sequence["batch_size"], sequence["steps"])
+    assert on_text.weight_decay == on_digits.weight_decay == 1e-3  # the rest of its default run
+    given = build_config({"strategy": "sandblaster", "model": "gpt", "batch_size": 16})
+    assert given.batch_size == 16 and given.steps == sequence["steps"]
+
+
 def test_stdlib_corpus_is_deterministic_offline_and_split_disjoint(monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("the text corpus must not touch the network")

@@ -9,14 +9,25 @@ from parambox.data.base import Dataset
 from parambox.errors import UserError
 
 DATASETS: dict[str, Callable[[Path | None, int], Dataset]] = {}
+# The registered data sets of sequences (``Dataset.sequence``), known without loading one: a strategy's
+# defaults may differ on them (``Strategy.default_run_sequence``).
+SEQUENCE_DATA: set[str] = set()
 
 
-def register(name: str):
+def register(name: str, sequence: bool = False):
     def deco(fn):
         DATASETS[name] = fn
+        if sequence:
+            SEQUENCE_DATA.add(name)
         return fn
 
     return deco
+
+
+def is_sequence(name: str) -> bool:
+    """Whether ``name`` is a registered data set of sequences (False for a factory REF)."""
+    _import_loaders()
+    return name in SEQUENCE_DATA
 
 
 def load_dataset(name: str, data_path: str | Path | None = None, seed: int = 0) -> Dataset:

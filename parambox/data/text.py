@@ -111,7 +111,7 @@ def windows_of(parts: list[torch.Tensor], context: int) -> tuple[torch.Tensor, t
     return torch.cat(xs), torch.cat(ys)
 
 
-@register("text")
+@register("text", sequence=True)
 def load_text(data_path: Path | None, seed: int) -> Dataset:
     """Windows of 128 bytes: from the standard library's sources, or from ``data_path``'s files."""
     del seed  # the split is fixed on purpose

@@ -139,6 +139,8 @@ class Strategy:
     default_optimizer: ClassVar[dict[str, Any]] = {}
     # ... other run fields, each where the user did not set it (sandblaster's full batch); ...
     default_run: ClassVar[dict[str, Any]] = {}
+    # ... those of them that differ on a registered data set of sequences (``text``); ...
+    default_run_sequence: ClassVar[dict[str, Any]] = {}
     # ... and option defaults of this form where they differ from the Options model's (one Options model
     # serves both of diloco's forms), each where the user did not set it.
     default_options: ClassVar[dict[str, Any]] = {}
