@@ -403,7 +403,7 @@ class _Server(threading.Thread):
     def _progress(self, sweep: bool) -> bool:
         """Advance the jobs whose next receive has landed or whose replies are going out; True if
         anything moved. On a ``sweep``, every job, and those past their deadline are dropped."""
-        moved, left, now = False, [], time.monotonic()
+        moved, now = False, time.monotonic()
         for job in self._due(sweep):
             try:
                 moved = self._advance(job) or moved
@@ -411,6 +411,7 @@ class _Server(threading.Thread):
             except MPI.Exception as e:
                 if _failure_class(e) is None:
                     raise
+                self.jobs.remove(job)
                 self._drop(job, "its peer failed")
                 continue
             if done:
