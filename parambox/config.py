@@ -407,12 +407,9 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
 def model_data(model: str) -> str:
     """The data set of a run that names ``model`` and no data: the one a zoo model is meant for
     (``gpt``: ``text``), else the default."""
-    from parambox.models.registry import MODELS, data_for, import_builders
+    from parambox.models.registry import data_for
 
-    import_builders()
-    if model in MODELS:
-        return data_for(model) or RunConfig.model_fields["data"].default
-    return RunConfig.model_fields["data"].default
+    return data_for(model) or RunConfig.model_fields["data"].default
 
 
 def check_loop_features(cfg: RunConfig) -> None:
