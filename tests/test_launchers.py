@@ -92,3 +92,19 @@ def test_open_mpi_options_go_only_to_the_mpiexec_that_takes_them(tmp_path, monke
     assert seen["ompi4"] == ["-n", "2", "--oversubscribe", "--bind-to", "none", "prog"]
     assert seen["mpich"] == ["-n", "2", "prog"]
     assert capsys.readouterr().err.count("no ULFM (--with-ft ulfm), so a rank that dies ends the job") == 2
+
+
+def test_a_process_that_ran_mpi_alone_still_starts_mpi_jobs_whose_ranks_have_a_transport():
+    """``before_import`` gives a process that no launcher started the "self" transport alone; an
+    mpiexec it starts later must not hand that to its ranks (they could not reach each other: a
+    pytest process that had imported the box ran test_quorum_server's job into MPI_Init's abort)."""
+    from parambox.runtime import mpi, spawn
+
+    env: dict[str, str] = {}
+    mpi.before_import(env)
+    assert env == {"OMPI_MCA_btl": "self", mpi.ALONE_ENV: "1"}
+    child = spawn.mpi_env(env)
+    assert "OMPI_MCA_btl" not in child and mpi.ALONE_ENV not in child
+    chosen = {"OMPI_MCA_btl": "self,tcp"}  # a user's own choice is kept, here and in the child
+    mpi.before_import(chosen)
+    assert chosen == {"OMPI_MCA_btl": "self,tcp"} and spawn.mpi_env(chosen)["OMPI_MCA_btl"] == "self,tcp"

@@ -57,12 +57,17 @@ def srun_without_mpi(env: Mapping[str, str] | None = None) -> str | None:
     return None
 
 
+# Set beside OMPI_MCA_btl=self where before_import chose it: an mpiexec this process starts later drops
+# both (spawn.mpi_env), or its ranks, which do need a transport, inherit "self" and cannot start.
+ALONE_ENV = "PARAMBOX_MPI_ALONE"
+
+
 def before_import(env: dict[str, str] | None = None) -> None:
     """Call before the first ``import mpi4py.MPI``: a process that no MPI launcher started runs alone,
     and then needs no shared-memory transport (which would leave a 16 MiB file in /dev/shm)."""
     env = os.environ if env is None else env
-    if not launched_by_mpi(env):
-        env.setdefault("OMPI_MCA_btl", "self")
+    if not launched_by_mpi(env) and "OMPI_MCA_btl" not in env:
+        env["OMPI_MCA_btl"], env[ALONE_ENV] = "self", "1"
 
 
 def failed_ranks(comm) -> list[int]:
