@@ -58,3 +58,24 @@ def test_a_wait_past_its_deadline_raises_with_its_message(clock):
     with pytest.raises(CommTimeout, match="no answer"):
         base.wait_until(lambda: False, 2.0, lambda: "no answer")
     assert 2.0 <= clock.now <= 2.0 + base.LONG_NAP_S + 1e-9
+
+
+@pytest.mark.parametrize("gap_s", [0.002, 0.021, 0.2])
+def test_the_servers_naps_between_landings_look_a_third_as_often_and_see_a_landing_at_most_half_late(gap_s):
+    """The memory server between two landings ``gap_s`` apart (a 256 KiB chunk lands every 21 ms at
+    0.1 Gbit/s): first naps as before, then half the quiet time, at most 4 ms."""
+    from parambox.box import server
+
+    now, nap, naps = 0.0, server.FIRST_NAP_S, []
+    while now < gap_s:
+        nap = server.next_nap(nap, False, True, now)
+        naps.append(nap)
+        now += nap
+    assert naps[:4] == pytest.approx([1e-4, 2e-4, 4e-4, 5e-4][: len(naps[:4])])
+    assert max(naps) <= server._QUIET_NAP_S == 4e-3
+    assert now - gap_s <= max(server._NAP_S, min(gap_s / 2, 4e-3)) + 1e-9
+    old_rule = 4 + (gap_s - 1.25e-3) / server._NAP_S  # doubling to 0.5 ms, then 0.5 ms naps
+    if gap_s >= 0.02:
+        assert len(naps) <= old_rule / 3
+    assert server.next_nap(nap, True, True, 0.0) == server.FIRST_NAP_S  # a landing: look soon again
+    assert server.next_nap(2e-3, False, False, 5.0) == server._IDLE_NAP_S  # idle: as before

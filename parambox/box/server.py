@@ -119,12 +119,35 @@ OUTER_CODED = 12  # an outer step whose pseudo-gradient is encoded: decoded firs
 _CODED = (PUSH_CODED, PUSH_PULL_CODED, OUTER_CODED)
 _OUTER_FLAGS = 3  # an OUTER_CODED request's ``counter``: the outer step's flags, then the encoding's code
 _HEADER = 13  # [op, tag, start, n, counter, then 8 float64 fields]
-_NAP_S = 5e-4  # the longest nap while requests are under way
+_NAP_S = 5e-4  # the longest nap while requests are under way and moving
+# Past that, nothing having moved for a while (a slow link: a 256 KiB chunk lands every 21 ms at
+# 0.1 Gbit/s), a nap is _QUIET_SHARE of the time since anything last moved, up to _QUIET_NAP_S (as a
+# client's long wait naps, box/base.py): a landing is seen at most that share late, and the kernel's
+# socket buffers keep the link busy meanwhile. A look (a wake-up, a Testsome, a sleep) is CPU taken
+# from the training on the same cores: this thread used 0.8-1.3 s of it a step of gpt-25m there.
+_QUIET_SHARE, _QUIET_NAP_S = 1 / 2, 4e-3
 _IDLE_NAP_S = 2e-3  # the longest nap of an idle server: a request waits at most this to be seen
 # How often the server looks at deadlines, and at parked pulls when no push has landed since the last
 # look: a look at every nap cost O(requests) per nap, with about a hundred under way through a step of
 # the 25M-parameter model at 0.1 Gbit/s (a bucket each way), and that came out of the training.
 _SWEEP_S = 0.1
+
+
+def next_nap(nap: float, moved: bool, serving: bool, quiet_s: float) -> float:
+    """The server's next nap after one of ``nap``: the first again once anything ``moved``; else twice
+    the last, up to ``_NAP_S`` while ``serving`` requests (``_IDLE_NAP_S`` idle), and past that, requests
+    under way but nothing moved for ``quiet_s``, ``_QUIET_SHARE`` of it, up to ``_QUIET_NAP_S``.
+
+    >>> next_nap(4e-4, True, True, 0.0) == FIRST_NAP_S, next_nap(3e-3, False, True, 0.04)
+    (True, 0.004)
+    """
+    if moved:
+        return FIRST_NAP_S
+    if not serving:
+        return min(2 * nap, _IDLE_NAP_S)
+    return min(2 * nap, max(_NAP_S, min(_QUIET_NAP_S, quiet_s * _QUIET_SHARE)))
+
+
 _FAILED = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
 
 
@@ -297,7 +320,7 @@ class _Server(threading.Thread):
         header = np.empty(_HEADER, dtype=np.int64)
         status = MPI.Status()
         req = self.comm.Irecv(header, MPI.ANY_SOURCE, REQUEST_TAG)
-        nap = FIRST_NAP_S
+        nap, moved_at = FIRST_NAP_S, time.monotonic()
         while not self._halt.is_set():
             busy = False
             try:
@@ -319,7 +342,9 @@ class _Server(threading.Thread):
             busy = self._unpark(sweep) or self._progress(sweep) or busy
             # Nap, each twice the last, from the first again after anything moved: this thread shares a core
             # with training, so no spin (a spin slowed the box's rules, bench cluster), and a sleep costs CPU too.
-            nap = FIRST_NAP_S if busy else min(2 * nap, _NAP_S if self.jobs or self.parked else _IDLE_NAP_S)
+            if busy:
+                moved_at = now
+            nap = next_nap(nap, busy, bool(self.jobs or self.parked), now - moved_at)
             time.sleep(nap)
         _cancel([req])
         for job in self.jobs:
