@@ -73,6 +73,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
         "marks its workers' environment (the launcher is `local`)",
     ),
     "PARAMBOX_SHM_PREFIX": ("the local launcher", "the run's random shared-memory name prefix"),
+    "PARAMBOX_MPI_ALONE": (
+        "parambox, in a process no MPI launcher started",
+        "set beside `OMPI_MCA_btl=self` where parambox chose that transport for a process that runs MPI alone; an `mpiexec` it starts drops both",
+    ),
     "PARAMBOX_BOARD_FD": ("the local launcher", "the descriptor of its board of workers (a memfd)"),
     "PARAMBOX_CONSOLE_FD": (
         "the local launcher",
