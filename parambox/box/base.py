@@ -438,7 +438,17 @@ def wait_until(ready: Callable[[], Any], timeout: float, what: Callable[[], str]
         if now > deadline:
             raise CommTimeout(what())
         time.sleep(pause)
-        pause = min(max(NAP_S, (now - start) * LONG_WAIT_SHARE), LONG_NAP_S, 2 * pause)
+        pause = grown_nap(pause, now - start, NAP_S, LONG_WAIT_SHARE, LONG_NAP_S)
+
+
+def grown_nap(pause: float, waited: float, short: float, share: float, longest: float) -> float:
+    """The nap after one of ``pause`` in a wait of ``waited`` so far: twice the last, up to ``short``;
+    past that ``share`` of the wait, up to ``longest`` (what waits, here and the memory server, nap).
+
+    >>> grown_nap(1e-4, 0.0, 4e-4, 1 / 64, 4e-3), grown_nap(4e-4, 0.128, 4e-4, 1 / 64, 4e-3)
+    (0.0002, 0.0008)
+    """
+    return min(2 * pause, max(short, min(longest, waited * share)))
 
 
 def open_box(

@@ -97,6 +97,7 @@ from parambox.box.base import (
     _is_host_flat,
     _StagedPull,
     decode_push,
+    grown_nap,
     wait_until,
 )
 from parambox.box.layout import shard_range
@@ -145,7 +146,7 @@ def next_nap(nap: float, moved: bool, serving: bool, quiet_s: float) -> float:
         return FIRST_NAP_S
     if not serving:
         return min(2 * nap, _IDLE_NAP_S)
-    return min(2 * nap, max(_NAP_S, min(_QUIET_NAP_S, quiet_s * _QUIET_SHARE)))
+    return grown_nap(nap, quiet_s, _NAP_S, _QUIET_SHARE, _QUIET_NAP_S)
 
 
 _FAILED = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
