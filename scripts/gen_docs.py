@@ -144,6 +144,10 @@ RUN_FILES: dict[str, tuple[str, dict[str, str]]] = {
             "lost_workers": "ranks lost during the run (asynchronous, or surviving in place)",
             "nonfinite_workers": "asynchronous: workers that stopped pushing after a non-finite update",
             "restarts": "replacements and restarts made (`--max-restarts`)",
+            "worker_steps": "asynchronous: each worker's steps, counted in the box",
+            "memory_ranks": "asynchronous over the rma box: how many ranks held the box and trained nothing",
+            "rebuilt_box": "asynchronous, after the box was lost across nodes: the ranks whose replicas' mean "
+            "became the center, their `steps` and the `checkpoint_step` (guide: Failures and resume)",
             "resize": "after a resume at another worker count: its `resize` record (below), without `kind`",
             "launcher": "`local`, `torchrun`, `slurm` or `mpi`",
             "num_nodes": "nodes the run spanned",

@@ -3,6 +3,8 @@ restored, and a run that diverges keeps its last finite checkpoint. In-process, 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -108,3 +110,76 @@ def test_sync_diloco_rejoins_after_a_nonfinite_round():
     assert float((s.theta.detach() - theta).abs().max()) > 0  # it contributed again
     assert all(bool(p.isfinite().all()) for p in s.params)
     s.close()
+
+
+@pytest.mark.parametrize(
+    "name,opts",
+    [
+        ("downpour", {"n_fetch": 2, "n_push": 2}),  # a push every other step: step 7's carries step 7's
+        ("diloco", {"asynchronous": True, "inner_steps": 2, "outer_lr": 1.0, "outer_momentum": 0.0}),
+    ],
+)
+def test_a_lost_box_is_rebuilt_from_the_replicas_and_each_worker_starts_from_it(
+    name, opts, tmp_path, monkeypatch, capsys
+):
+    """Issue 50: a box lost across nodes (``training/salvage.py``). The workers keep their replicas; the
+    restart puts back their mean as the center (not the checkpoint's), rank 0 goes on at its own step,
+    and its next exchange carries only what it did since: here one worker, so the center equals ``x``
+    after it (downpour's push; diloco's round with outer lr 1 and no momentum). Before, ``x - snap``
+    (``pulled - x``) would have carried the whole run since the start a second time."""
+    from types import SimpleNamespace
+
+    from parambox.training import salvage
+
+    prefixes = [new_prefix(), new_prefix()]  # the lost box, and the restarted job's
+    monkeypatch.setenv(PREFIX_ENV, prefixes[0])
+    s = build_strategy(name, context(momentum=0.0), opts)
+    data = batches(8)
+    try:
+        train(s, 4)
+        committed = checkpoint.rank_state(s.model.state_dict(), s.state_dict())  # last.pt's, at step 4
+        for step in range(4, 7):
+            s.step(data[step], step)
+        salvage.save(SimpleNamespace(strategy=s, world=s.world, run_dir=tmp_path), 7, {})
+        mine = {k: v.clone() for k, v in s.model.state_dict().items()}
+        other = {k: v + 0.5 for k, v in mine.items()}  # another worker's replica of the same box
+        ckpt = tmp_path / "checkpoints"
+        checkpoint.save_rank_state(ckpt, 1, 6, checkpoint.rank_state(other, s.salvage_state(6)))
+        older = {**s.salvage_state(3), "box": s.membership.born - 1}  # a box before the commit's
+        checkpoint.save_rank_state(ckpt, 2, 3, checkpoint.rank_state(other, older))
+        checkpoint.save_rank_state(ckpt, 3, 9, checkpoint.rank_state(other, s.state_dict()))  # not salvaged
+        assert salvage.salvaged(ckpt, s.membership.born + 1) == ([], [], [])  # a later commit: none
+    finally:
+        s.close()
+    monkeypatch.setenv(PREFIX_ENV, prefixes[1])
+    fresh = build_strategy(name, context(momentum=0.0), opts)
+    try:
+        resumed = checkpoint.Resumed(4, committed, 1, {}, 4, rank0=committed)
+        salvage.rebuild(SimpleNamespace(strategy=fresh, world=fresh.world, run_dir=tmp_path), resumed)
+        assert "rebuilt from the replicas that ranks 0, 1 kept" in capsys.readouterr().err
+        assert resumed.step == 7 and resumed.state["replica"].keys() == mine.keys()
+        assert fresh.rebuilt == {"ranks": [0, 1], "steps": [7, 6], "checkpoint_step": 4}
+        fresh.load_model_state(resumed.state["replica"])
+        fresh.load_state_dict(resumed.state["strategy"])
+        vector = nn.utils.parameters_to_vector
+        mean = torch.cat([(mine[k] + other[k]).flatten() / 2 for k, _ in fresh.model.named_parameters()])
+        center = fresh.box.pull(torch.empty(fresh.numel))
+        assert torch.allclose(center, mean) and torch.equal(fresh.x, center)
+        assert torch.equal(vector(fresh.model.parameters()), fresh.x)  # (the layout is the parameters')
+        taken = [data[7]] if name == "downpour" else [data[7], data[6]]  # to the next exchange
+        for step, batch in enumerate(taken, start=7):
+            fresh.step(batch, step)
+        # The closed form: plain SGD from the rebuilt center over those steps (outer lr 1: diloco's
+        # theta - (pulled - x) is x when pulled is the center)
+        ref = copy.deepcopy(fresh.model)
+        nn.utils.vector_to_parameters(center, ref.parameters())
+        sgd = torch.optim.SGD(ref.parameters(), lr=fresh.optimizer.param_groups[0]["lr"])
+        for batch in taken:
+            sgd.zero_grad()
+            ce(ref, batch).backward()
+            sgd.step()
+        assert torch.allclose(fresh.box.pull(torch.empty(fresh.numel)), vector(ref.parameters()), atol=1e-6)
+    finally:
+        fresh.close()
+        for prefix in prefixes:
+            assert remove_segments(prefix) == []

@@ -594,7 +594,8 @@ class ServerBox(ParameterBox):
             raise BoxLost(
                 f"{what}: {who} died, and the part of the box it held went with it. Across nodes the box "
                 "is held by its memory ranks (box.memory_ranks) or, without them, by the workers: either's "
-                "death ends the run; --max-restarts N restarts the job from the last checkpoint"
+                "death ends the run; --max-restarts N restarts the job, an asynchronous run's box rebuilt from the "
+                "workers' replicas"
             ) from None
 
     def apply(self, header: np.ndarray, lo: int, hi: int, src: np.ndarray) -> None:

@@ -74,6 +74,8 @@ from parambox.strategies.center import DONE, FINAL, NONFINITE, CenterClient, Cou
 from parambox.strategies.grads import GradViews, bind_flat_replica
 from parambox.strategies.membership import Membership
 
+SALVAGED = "salvaged"  # in a rank's state: it outlived a lost box, kept for the rebuild (training/salvage.py)
+
 
 class AsyncOptions(Options):
     termination: Literal["all", "fastest", "average"] = Field(
@@ -102,6 +104,10 @@ class AsyncStrategy(Strategy):
     # Across nodes with several workers a node, the center is cached in each node's shm box and one
     # exchange per node crosses the link (``box/node_cache.py``; ``box.two_level=false``: off).
     caches_center: ClassVar[bool] = True
+    # A lost box is rebuilt from the workers' replicas (``training/salvage.py``): each holds a whole one.
+    rebuilds_center: ClassVar[bool] = True
+    # What rank 0's resume state holds of the box beyond the center (from the checkpoint, in a rebuild).
+    box_state_keys: ClassVar[tuple[str, ...]] = ("box_extra",)
 
     @classmethod
     def memory_ranks(cls, box: BoxConfig, *, emulated_nodes: bool = False) -> int:
@@ -142,6 +148,7 @@ class AsyncStrategy(Strategy):
         self.client = CenterClient(self.box, self.numel, timers=self.timers)
         self.rejoined = rejoining() and not self.serves  # a replacement of a dead worker
         self.halted = False
+        self.rebuilt: dict[str, Any] | None = None  # a lost box rebuilt from replicas (training/salvage.py)
         self._final = False
         self._leads = rank == 0  # rank 0, or the worker that took over its part at the end (finish)
         # Who is in the run (start, counted steps, status, termination, lost peers): the box's counters.
@@ -295,6 +302,7 @@ class AsyncStrategy(Strategy):
         state = super().state_dict()
         self.membership.settle()
         state["steps_done"] = self.membership.steps_done
+        state["box"] = self.membership.born  # (a rebuild takes replicas of this box or a later one)
         if self.leads:
             state["center"] = self.box.pull(torch.empty(self.numel)).clone()
             if self.extra_numel:  # the strategy's own state in the box (Adagrad's sums, diloco's momentum)
@@ -315,6 +323,29 @@ class AsyncStrategy(Strategy):
                 self.box.write(state["box_extra"], self.extra_start)
 
         self.membership.resume(int(state.get("steps_done", 0)), put_back)
+        if state.get(SALVAGED):  # its replica went into the rebuilt center: start from that
+            self.client.pull(self.x)
+            self.restart_from_center()
+
+    # -- a lost box, rebuilt (training/salvage.py) --------------------------------------------------------
+    def salvage_state(self, step: int) -> dict[str, Any]:
+        """What a worker keeps when the box is lost: its optimizer, its count of steps and which box it
+        outlived (no box op)."""
+        return {**Strategy.state_dict(self), "steps_done": step, "box": self.membership.born, SALVAGED: True}
+
+    def rebuilt_center(self, replicas: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The mean of the workers' replicas (their model state_dicts), as the flat center."""
+        if self.result is None:
+            self._make_result()
+        total = torch.zeros(self.numel)
+        for replica in replicas:
+            self.result.load_state_dict(replica)
+            total += self.result_x.cpu()
+        return total / len(replicas)
+
+    def restart_from_center(self) -> None:
+        """After ``x`` took the rebuilt center: what this rule keeps of its last exchange starts afresh
+        there, as a replacement's does (nothing owed to the center, which holds this replica's share)."""
 
     def total_samples(self, local: int) -> float:
         """Every worker's samples, counted in the box (also those of lost and replaced workers)."""
@@ -330,6 +361,8 @@ class AsyncStrategy(Strategy):
         extra = self.membership.summary()
         if self.memory_ranks:
             extra["memory_ranks"] = self.memory_ranks
+        if self.rebuilt is not None:  # this life's center: the replicas' mean (training/salvage.py)
+            extra["rebuilt_box"] = self.rebuilt
         return extra
 
     def close(self) -> None:

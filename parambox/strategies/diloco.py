@@ -627,6 +627,8 @@ class AsyncDiloco(AsyncStrategy):
     # The memory server applies the outer step itself, one request each way an arrival, in ticket
     # order; a node's cache would apply Alg. 3's step to a stale theta. Its exchange is every H steps.
     caches_center = False
+    # the outer momentum is in the box's extra state; the ticket lock and a quorum's counts beside it
+    box_state_keys = ("box_extra", "outer_state", "ticket", "quorum")
 
     def __init__(self, ctx: Context, options: DilocoOptions):
         numel = Layout.from_model(ctx.model).numel
@@ -898,6 +900,11 @@ class AsyncDiloco(AsyncStrategy):
             ):  # the pending step: its arrivals' mean is in outer_state
                 state["quorum"] = self.outer.counters(self.world.world_size)
         return state
+
+    def restart_from_center(self) -> None:
+        self.pulled.copy_(self.x)  # a round starts at the rebuilt center
+        self.round_steps, self.round_samples = 0, 0
+        self.round_target = self.options.inner_steps
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not self.serves and self.world.rank == 0 and "outer_state" in state:

@@ -466,6 +466,12 @@ class Downpour(AsyncStrategy):
             state["adagrad_local"] = self.adagrad.local
         return state
 
+    def restart_from_center(self) -> None:
+        worker = self.worker
+        worker.snap.copy_(self.x)  # x is the center now: nothing of it is this worker's update
+        worker.acc.zero_()
+        worker.acc_live, worker.fetched_for = False, -1
+
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         if "downpour" in state:

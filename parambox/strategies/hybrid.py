@@ -74,6 +74,7 @@ class Hybrid(AsyncStrategy):
     tolerates_worker_loss = False  # a group's allreduce needs all its members
     needs_process_group = True  # the groups' allreduce and broadcast
     box_name = "hybrid-center"
+    rebuilds_center = False  # its ranks hold a group's model, not a whole replica of the center
     caches_center = False  # two levels by construction: a group's allreduce, then its leader's exchange
 
     @classmethod

@@ -58,6 +58,9 @@ class Membership:
         # step's count, its adds): they travel while the next steps compute (across nodes each is a
         # trip over the link, queued behind whatever the exchange is sending; up to COUNTS_IN_FLIGHT).
         self.steps_done = 0
+        # When rank 0 put the center in this box (microseconds): the box's identity, which a replica kept
+        # when the box was lost names (training/salvage.py)
+        self.born = 0
         self._counting: collections.deque[tuple[int, list[Count]]] = collections.deque()
         # What the last settled adds told of the run (termination alignment reads it, no trip of its
         # own): the run's total after that step's add, this worker's steps at it, and whether any
@@ -77,6 +80,7 @@ class Membership:
         else:
             self.await_ready(1)
         self.steps_done = self.box.read_counter(m.steps(self.rank))
+        self.born = self.box.read_counter(m.started)
 
     def await_ready(self, generation: int) -> None:
         """Until rank 0 has put the center in the box (``generation`` 1) or back (2, resume): only
@@ -114,6 +118,7 @@ class Membership:
         else:
             self.set_status(self.rank, RESUMED)
             self.await_ready(2)
+        self.born = self.box.read_counter(m.started)
 
     def resumed(self) -> bool:
         """This rank has been resumed in this run (its count carried on; rank 0: the center put back)."""

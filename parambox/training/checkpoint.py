@@ -155,6 +155,12 @@ def save_rank_state(ckpt_dir: Path, rank: int, step: int, state: dict[str, Any],
                 old.unlink(missing_ok=True)
 
 
+def drop_rank_states(ckpt_dir: Path, rank: int) -> None:
+    """Remove every state file of ``rank``."""
+    for path, _ in rank_states(ckpt_dir, rank):
+        path.unlink(missing_ok=True)
+
+
 def rank_states(ckpt_dir: Path, rank: int) -> list[tuple[Path, int]]:
     """This rank's state files with their steps, newest first."""
     found = []

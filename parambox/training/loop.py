@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from parambox.config import RunConfig
 from parambox.data import BatchSource
-from parambox.errors import REQUEUE_REQUESTED, REQUEUE_SIGNAL, Preempted, warn
+from parambox.errors import REQUEUE_REQUESTED, REQUEUE_SIGNAL, BoxLost, Preempted, warn
 from parambox.numerics import is_finite
 from parambox.runtime import dist as pbdist
 from parambox.runtime.control import SPARE_ENV, current_life
@@ -24,7 +24,7 @@ from parambox.runtime.heap import keep_freed_memory
 from parambox.runtime.world import World
 from parambox.strategies import Context, Strategy, build_strategy, strategy_class
 from parambox.strategies.tensors import map_tensors
-from parambox.training import checkpoint, joining, resize
+from parambox.training import checkpoint, joining, resize, salvage
 from parambox.training.cadence import CheckpointCadence
 from parambox.training.faults import FaultPlan
 from parambox.training.metrics import MetricsLogger
@@ -127,6 +127,7 @@ def stop_on_signal() -> Iterator[StopRequest]:
 def _loop(run: Run, resume: bool, stop: StopRequest) -> dict[str, Any] | None:
     cfg, world = run.cfg, run.world
     log = MetricsLogger(run.run_dir, world.rank, cfg.tensorboard, leads=run.strategy.leads)
+    step = None
     try:
         step = run.strategy.rejoin_step()  # a replacement carries on where its predecessor was
         resized = None
@@ -180,6 +181,9 @@ def _loop(run: Run, resume: bool, stop: StopRequest) -> dict[str, Any] | None:
         log.write({"kind": "eval", "step": step, **final, **log.resources()})
         save_checkpoint(run, step)
         return write_summary(run, step, wall, samples, final, resized)
+    except BoxLost:  # the job restarts: the center is rebuilt from the workers' replicas (salvage.py)
+        salvage.save(run, step, loop_state(run))
+        raise
     finally:
         log.close()
 
@@ -386,6 +390,8 @@ def save_checkpoint(run: Run, step: int, barrier: bool = True) -> None:
             prune_others=not own_pace,
             data=run.batches.sampler.state(step),
         )
+        if own_pace:  # a replica rank 0 kept when a box was lost: last.pt holds newer now
+            checkpoint.drop_rank_states(ckpt_dir, 0)
 
 
 def checkpoint_cadence(run: Run) -> CheckpointCadence:
@@ -421,6 +427,7 @@ def restore(run: Run) -> tuple[int, dict[str, Any] | None]:
     )
     if resumed.world_size != run.world.world_size:  # under torchrun / srun: not checked before
         run.strategy.check_resize(resumed.world_size, run.world.world_size, run.strategy.options)
+    salvage.rebuild(run, resumed)  # (an asynchronous run restarted after its box was lost)
     resized = resize.continue_stream(run.batches.sampler, run.cfg, resumed, run.strategy.ctx)
     if resumed.joiner:  # new to the run, or an asynchronous rank that never checkpointed
         run.strategy.load_model_state(resumed.model)  # the run's weights (an asynchronous run's center)
