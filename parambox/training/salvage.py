@@ -53,7 +53,8 @@ def salvaged(ckpt_dir: Path, committed_box: int) -> tuple[list[int], list[int], 
     found: list[tuple[int, int, dict[str, Any]]] = []
     for path in ckpt_dir.glob("rank*-step*.pt"):
         with contextlib.suppress(Exception):  # (a file that is not a rank's state is not a replica)
-            state = torch.load(path, weights_only=True, map_location="cpu")
+            # mapped, not read: every resume of rank 0 looks, and only a flag is wanted of most files
+            state = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
             if state["strategy"].get(SALVAGED) and state["strategy"]["box"] >= committed_box:
                 rank, step = (int(s) for s in path.stem.removeprefix("rank").split("-step"))
                 found.append((rank, step, state))
