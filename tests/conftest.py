@@ -204,7 +204,10 @@ def _run_fresh(
 
     # The session's zygote forks its workers, as pick's does for the runs it starts (a fresh launcher
     # would otherwise import torch twice over: once itself, once in a zygote of its own).
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **zygote.shared_env(), **(env or {}))
+    from parambox.runtime.mpi import for_children
+
+    # As from a user's shell: not the transport an in-process MPI test of this worker chose for itself
+    full_env = for_children(dict(os.environ, PYTHONUNBUFFERED="1", **zygote.shared_env(), **(env or {})))
     cmd = [*(prefix or []), sys.executable, "-m", "parambox", *args]
     if prefix and prefix[-1] == "-m":  # torchrun takes the module itself
         cmd = [*prefix, "parambox", *args]

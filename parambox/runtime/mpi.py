@@ -70,6 +70,19 @@ def before_import(env: dict[str, str] | None = None) -> None:
         env["OMPI_MCA_btl"], env[ALONE_ENV] = "self", "1"
 
 
+def for_children(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a process this one starts, without the transport ``before_import`` chose for this
+    process alone (an MPI job of one): an ``mpiexec`` started with it could not connect its ranks.
+
+    >>> for_children({"OMPI_MCA_btl": "self", ALONE_ENV: "1", "X": "1"})
+    {'X': '1'}
+    """
+    out = dict(env)
+    if out.pop(ALONE_ENV, None) and out.get("OMPI_MCA_btl") == "self":
+        del out["OMPI_MCA_btl"]
+    return out
+
+
 def failed_ranks(comm) -> list[int]:
     """Ranks of ``comm`` known dead (empty unless fault tolerant). Drives MPI's progress engine first:
     a rank that only does one-sided operations on shared memory would otherwise never hear of it."""

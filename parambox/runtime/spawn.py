@@ -38,7 +38,7 @@ import psutil
 
 from parambox.errors import UserError, warn
 from parambox.runtime import scratch, zygote
-from parambox.runtime.mpi import ALONE_ENV
+from parambox.runtime.mpi import for_children
 from parambox.runtime.world import LOCAL_LAUNCHER_ENV
 
 STOP_GRACE_S = 3.0
@@ -170,9 +170,7 @@ TCP_EAGER_ENV = {
 def mpi_env(env: dict[str, str]) -> dict[str, str]:
     """Open MPI as root, without the UCX one-sided component (it fails on hosts without UCX devices),
     and with the memory server's messages sent eagerly over TCP (``TCP_EAGER_ENV``)."""
-    out = dict(env, **MPI_ENV)
-    if out.pop(ALONE_ENV, None) and out.get("OMPI_MCA_btl") == "self":
-        del out["OMPI_MCA_btl"]  # this process's own choice as an MPI job of one, not its ranks'
+    out = for_children(dict(env, **MPI_ENV))  # not this process's own choice as an MPI job of one
     out.setdefault("OMPI_MCA_osc", "^ucx")
     for key, value in TCP_EAGER_ENV.items():
         out.setdefault(key, value)
