@@ -134,7 +134,9 @@ def test_a_tied_gpt_cut_between_its_embedding_and_head_follows_single(
     assert len(summary(out)["pipeline"]["shared_parameters"]) == 1
     weights = final_weights(out)
     assert torch.equal(weights["0.tok.weight"], weights["6.weight"])  # one weight, as in the model
-    assert max_abs_diff(weights, final_weights(one)) <= 2e-5
+    # AdamW divides by the root of the squared gradients: where a gradient is near 0 the order of the sums
+    # shows (pipeline-dp: 3.0e-5 on one host, under 2e-5 on another); still 30x under one step (lr 0.003)
+    assert max_abs_diff(weights, final_weights(one)) <= 1e-4
 
 
 # -- tier (c): resume and accuracy --------------------------------------------------------------
