@@ -55,7 +55,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     ),
     "PARAMBOX_MPI_DIR": (
         "you",
-        "the SLURM script's parent folder for Open MPI's private files (default /dev/shm)",
+        "the parent folder of an MPI job's private folder for Open MPI's files, locally and in the SLURM script (default /dev/shm)",
     ),
     "PARAMBOX_STRATEGIES": (
         "parambox.strategies.register",
@@ -107,7 +107,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
         "steps of the notebook's runs (the test makes them short)",
     ),
     "PARAMBOX_NOTEBOOK_OUT": ("examples/notebook.ipynb", "where the notebook writes its runs and report"),
-    "PARAMBOX_TEST_WORKERS": ("scripts/test.sh", "pytest-xdist workers (default 2)"),
+    "PARAMBOX_TEST_WORKERS": ("scripts/test.sh", "pytest-xdist workers (default: one more than the cores)"),
 }
 # Strings that look like variables and are not: the perfmodel worker's output marker.
 NOT_ENV_VARS = {"PARAMBOX_RESULT"}

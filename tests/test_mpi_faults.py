@@ -26,8 +26,21 @@ FAST = ["--model", "mlp", "--eval-every", "0", "--no-progress", "--threads", "1"
 SHM = Path("/dev/shm")
 
 
-def _private_dirs() -> set[str]:
-    return {p.name for p in SHM.glob("pb_mpi.*")}
+@pytest.fixture
+def mpi_dir(monkeypatch):
+    """A folder of this test's own in /dev/shm that its MPI jobs make their private folders in
+    (``PARAMBOX_MPI_DIR``): what they leave is judged there, whatever tests beside it do."""
+    import shutil
+    import tempfile
+
+    parent = Path(tempfile.mkdtemp(prefix="pbtest-", dir=SHM))
+    monkeypatch.setenv("PARAMBOX_MPI_DIR", str(parent))
+    yield parent
+    shutil.rmtree(parent, ignore_errors=True)
+
+
+def _private_dirs(parent: Path = SHM) -> set[str]:
+    return {p.name for p in parent.glob("pb_mpi.*")}
 
 
 def _await_metrics(launcher, out: Path, seconds: float = 90) -> None:
@@ -107,12 +120,12 @@ def test_rma_box_under_mpiexec_with_ft_ulfm(tmp_path, server):
     assert "worker rank 1 is lost" in proc.stderr
 
 
-@pytest.mark.solo  # looks at /dev/shm or /tmp
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_open_mpi_files_live_in_a_private_directory_that_goes(tmp_path):
-    """While the job runs its shared-memory files are in /dev/shm/pb_mpi.*; when it ends they are gone."""
-    before = _private_dirs()
+def test_open_mpi_files_live_in_a_private_directory_that_goes(tmp_path, mpi_dir):
+    """While the job runs its shared-memory files are in /dev/shm/pb_mpi.* (here in the test's own
+    PARAMBOX_MPI_DIR in /dev/shm); when it ends they are gone."""
+    before = _private_dirs(mpi_dir)
     out = tmp_path / "run"
     launcher = start(
         "train", "--strategy", "easgd", "--box", "rma", "--steps", "100000", *FAST, "--out", str(out)
@@ -128,21 +141,22 @@ def test_open_mpi_files_live_in_a_private_directory_that_goes(tmp_path):
     ]
     maps = "".join(Path(f"/proc/{p.pid}/maps").read_text() for p in ranks).splitlines()
     mapped = {line.split()[-1] for line in maps if "sm_segment" in line}
-    private = _private_dirs() - before
+    private = _private_dirs(mpi_dir) - before
     assert (
-        len(private) == 1 and mapped and all(m.startswith(f"/dev/shm/{next(iter(private))}/") for m in mapped)
+        len(private) == 1
+        and mapped
+        and all(m.startswith(f"{mpi_dir}/{next(iter(private))}/") for m in mapped)
     )
     launcher.send_signal(signal.SIGINT)
     launcher.communicate(timeout=30)
-    assert _private_dirs() - before == set()
+    assert _private_dirs(mpi_dir) - before == set()
 
 
-@pytest.mark.solo  # looks at /dev/shm or /tmp
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("server", [False, True], ids=["windows", "server"])
-def test_sigkilled_launcher_under_mpi_leaves_no_rank_and_no_file(tmp_path, server):
-    before, tmp_before = _private_dirs(), set(Path("/tmp").iterdir())
+def test_sigkilled_launcher_under_mpi_leaves_no_rank_and_no_file(tmp_path, server, mpi_dir):
+    before, tmp_before = _private_dirs(mpi_dir), set(Path("/tmp").iterdir())
     out = tmp_path / "run"
     box = ["--box", "rma", "--set", f"box.server={str(server).lower()}"]
     launcher = start("train", "--strategy", "easgd", *box, "--steps", "100000", *FAST, "--out", str(out))
@@ -153,9 +167,9 @@ def test_sigkilled_launcher_under_mpi_leaves_no_rank_and_no_file(tmp_path, serve
     _, alive = psutil.wait_procs(job, timeout=15)
     assert not alive, alive
     deadline = time.monotonic() + 10
-    while _private_dirs() - before and time.monotonic() < deadline:
+    while _private_dirs(mpi_dir) - before and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _private_dirs() - before == set()
+    assert _private_dirs(mpi_dir) - before == set()
     assert not {p for p in set(Path("/tmp").iterdir()) - tmp_before if "pb" in p.name or "ompi" in p.name}
 
 
@@ -195,30 +209,29 @@ def test_srun_with_the_rma_box_says_so_in_one_line(tmp_path):
     assert not any(n.startswith("sm_segment") for n in {p.name for p in SHM.iterdir()} - before)
 
 
-@pytest.mark.solo  # looks at /dev/shm or /tmp
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not slurm_running(), reason=NO_SLURM)
-def test_slurm_submit_with_the_rma_box_runs_to_the_end(tmp_path):
-    """The issue's Must show: `parambox slurm --submit -- --strategy easgd --box rma` on the one-node SLURM."""
-    before = _private_dirs()
+def test_slurm_submit_with_the_rma_box_runs_to_the_end(tmp_path, mpi_dir):
+    """The issue's Must show: `parambox slurm --submit -- --strategy easgd --box rma` on the one-node SLURM
+    (its job script makes its private folder in the PARAMBOX_MPI_DIR it inherits)."""
+    before = _private_dirs(mpi_dir)
     out = tmp_path / "run"
     args = ["slurm", "--submit", "--wait", "--script", str(tmp_path / "job.sbatch"), "--"]
     args += ["--strategy", "easgd", "--box", "rma", "--steps", "60", *FAST, "--out", str(out)]
     run_cli(*args, timeout=290)
     s = summary(out)
     assert s["launcher"] == "mpi" and s["worker_steps"] == [60] and s["memory_ranks"] == 1
-    assert _private_dirs() - before == set()
+    assert _private_dirs(mpi_dir) - before == set()
 
 
-@pytest.mark.solo  # looks at /dev/shm or /tmp
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_user_error_under_mpi_leaves_nothing(tmp_path):
+def test_a_user_error_under_mpi_leaves_nothing(tmp_path, mpi_dir):
     """Every rank fails with the same bad input: one line, exit 2, and Open MPI's files are gone."""
-    before = _private_dirs()
+    before = _private_dirs(mpi_dir)
     proc = run_cli(
         "train", "--strategy", "hogwild", "--box", "rma", *FAST, "--out", str(tmp_path / "r"), check=False
     )
     assert proc.returncode == 2 and "use --box shm" in proc.stderr and "Traceback" not in proc.stderr
-    assert _private_dirs() - before == set()
+    assert _private_dirs(mpi_dir) - before == set()

@@ -250,7 +250,8 @@ def start_mpi(
         warn(f"{mpiexec} is not Open MPI 5's: no ULFM (--with-ft ulfm), so a rank that dies ends the job")
     binding = [] if bind or not open_mpi else ["--bind-to", "none"]
     ft = ["--with-ft", "ulfm"] if fault_tolerant and ulfm else []
-    private, lock = scratch.make(MPI_DIR_PREFIX, SHM_ROOT if os.path.isdir(SHM_ROOT) else None)
+    root = os.environ.get("PARAMBOX_MPI_DIR") or (SHM_ROOT if os.path.isdir(SHM_ROOT) else None)
+    private, lock = scratch.make(MPI_DIR_PREFIX, root)
     env.update(dict.fromkeys(MPI_FILE_PARAMS, private))
     if mpi_command is not None:  # mpiexec reads options up to the program: --with-ft may come last
         argv, env = mpi_command(mpiexec, world_size, [*ft, *cmd], env)
