@@ -7,6 +7,8 @@ python -m pip install -q -e ".[dev]"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc="${OMPI_MCA_osc:-^ucx}"
 python -m ruff check parambox tests
 python -m ruff format --check parambox tests
-# Two pytest workers (both cores: many tests wait on their own workers), a test file each; a test marked
-# solo runs alone, and tests marked lock(NAME) one at a time (tests/conftest.py).
-python -m pytest -q -p no:benchmark -n "${PARAMBOX_TEST_WORKERS:-2}" --dist loadfile --durations=25 "$@"
+# One pytest worker more than the cores, a test file each: many tests wait on their own workers, paced
+# runs and SLURM's clock (with one a core the cores were idle for a tenth of the suite); a test marked solo
+# runs alone, and tests marked lock(NAME) one at a time (tests/conftest.py).
+python -m pytest -q -p no:benchmark -n "${PARAMBOX_TEST_WORKERS:-$(($(nproc) + 1))}" --dist loadfile \
+  --durations=25 "$@"

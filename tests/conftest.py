@@ -1,7 +1,7 @@
 """Shared fixtures: run the CLI (in this process, or as a user would), and kill any orphaned worker after
-each test. Under pytest-xdist (``scripts/test.sh`` runs ``-n 2 --dist loadgroup``) a test marked
-``solo`` runs alone: the ones that judge what is left in /dev/shm or /tmp, where a test beside them
-would leave its own files. Tests marked ``lock(NAME)`` run one at a time among themselves: "netns",
+each test. Under pytest-xdist (``scripts/test.sh``: a worker more than the cores, ``--dist loadfile``)
+a test marked ``solo`` runs alone: the ones that judge what is left in /dev/shm or /tmp, where a test
+beside them would leave its own files. Tests marked ``lock(NAME)`` run one at a time among themselves: "netns",
 the emulated-cluster tests (their checks see every network namespace)."""
 
 from __future__ import annotations
