@@ -34,7 +34,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PARAMBOX_FAULT": (
         "you",
         "inject faults for tests and demos: `RANK:STEP:KIND[,...]`, KIND one of `kill`, `stop`, `hang`, "
-        "`nan`, `slow`, `lose-exchange`, `partition=T`, `kill-resume`; first life of a worker only",
+        "`nan`, `slow`, `lose-exchange`, `partition=T`, `kill-resume`, `kill-join`; first life of a worker only",
     ),
     "PARAMBOX_DEBUG": ("you", "a user error prints its traceback too (CLI and workers)"),
     "PARAMBOX_HEARTBEAT": (

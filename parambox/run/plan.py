@@ -221,7 +221,17 @@ def check_fault_ranks(plan: Plan) -> None:
 
 
 # The kinds of fault parambox.training.faults injects (its docstring says what each does)
-FAULT_KINDS = ("kill", "nan", "slow", "hang", "stop", "partition", "lose-exchange", "kill-resume")
+FAULT_KINDS = (
+    "kill",
+    "nan",
+    "slow",
+    "hang",
+    "stop",
+    "partition",
+    "lose-exchange",
+    "kill-resume",
+    "kill-join",
+)
 
 
 # What a resume may change: how long it runs, how it waits, what it logs, and how many workers it has

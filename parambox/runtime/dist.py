@@ -6,6 +6,7 @@ import contextlib
 import ipaddress
 import itertools
 import os
+import signal
 import socket
 import threading
 import time
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from parambox.errors import CommTimeout
 from parambox.runtime.control import HEARTBEAT_ENV
 from parambox.runtime.elastic import ElasticGroup, destroy_default_group
+from parambox.runtime.faults import FaultPlan
 from parambox.runtime.spawn import free_port
 from parambox.runtime.world import World
 
@@ -72,6 +74,8 @@ def init_distributed(
     global _ELASTIC
     if world.world_size == 1 or dist.is_initialized():
         return
+    if any(r == world.rank and kind == "kill-join" for r, _, kind in FaultPlan.from_env().faults):
+        os.kill(os.getpid(), signal.SIGKILL)  # PARAMBOX_FAULT's kill-join: dead before any peer heard of it
     if world.device.type == "cuda":
         torch.cuda.set_device(world.device)  # nccl's barriers and object collectives use the current GPU
     group = ElasticGroup.from_env(world.rank, world.world_size, timeout_s, world.backend)

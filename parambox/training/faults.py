@@ -9,7 +9,8 @@ wait in TCP's retransmissions) or ``lose-exchange`` (a run that survives in plac
 exchange fails on this rank after it finished on the others, as when a peer dies at the very end of
 a collective and this rank's last send to it fails: the others go on to the next step); in a
 ``--resume`` life, ``kill-resume`` (SIGKILL this worker as it restores its checkpoint; STEP is
-ignored). The plan is
+ignored); ``kill-join`` (SIGKILL this worker as it is about to join its process group, before any
+peer has heard of it; STEP is ignored: ``parambox.runtime.dist.init_distributed``). The plan is
 read once, in set-up, and handed to the loop (``lose-exchange`` to the strategy).
 """
 
