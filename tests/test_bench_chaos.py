@@ -104,3 +104,57 @@ def test_rounds_alternate_and_their_ratios_are_medians(monkeypatch):
     assert r["faults"] == {"kill": 3, "stop": 3, "kill-at-start": 3} and r["replacements"] == 6
     assert r["faults_by_rank"] == {"kill@0": 3, "stop@2": 3}
     assert (r["accuracy_clean"], r["accuracy_chaos"]) == (0.99, 0.98)
+
+
+def test_the_fault_loop_draws_a_memory_rank_with_the_workers_for_a_kill_only(monkeypatch, tmp_path):
+    """easgd-rma's memory rank (rank 3, after the 3 workers) logs no steps: it is drawn with the workers
+    that train, for a SIGKILL, never stopped, and never once fewer than two workers train."""
+    import random
+    import signal
+    from types import SimpleNamespace
+
+    from parambox.bench import chaos
+
+    class Proc:
+        def __init__(self, rank, status="running"):
+            self.rank, self._status, self.signals = rank, status, []
+
+        def create_time(self):
+            return 0.0
+
+        def status(self):
+            return self._status
+
+        def send_signal(self, sig):
+            self.signals.append(sig)
+
+    procs = [Proc(r) for r in range(4)]
+    fake = SimpleNamespace(
+        Process=lambda: SimpleNamespace(children=lambda recursive: procs),
+        STATUS_STOPPED="stopped",
+        STATUS_ZOMBIE="zombie",
+        Error=Exception,
+    )
+    training = {0, 1, 2}
+    monkeypatch.setattr(chaos, "psutil", fake)
+    monkeypatch.setattr(chaos, "_rank_of", lambda p: p.rank)
+    monkeypatch.setattr(chaos, "_last_step", lambda out, rank: (1.0, 100) if rank in training else (0.0, 0))
+    assert chaos.SETUPS["easgd-rma"].memory_ranks == 1 and chaos.WORKERS == 3
+    rng = random.Random(0)
+    drawn = {chaos._hit_one(tmp_path, 3000, rng, "kill", True, None, 1)[0] for _ in range(60)}
+    assert drawn == {0, 1, 2, 3}
+    assert chaos._hit_one(tmp_path, 3000, rng, "kill", True, [3], 1)[0] == 3
+    assert procs[3].signals[-1] == signal.SIGKILL
+    assert chaos._hit_one(tmp_path, 3000, rng, "stop", True, [3], 1) is None  # a memory rank is not stopped
+    assert chaos._hit_one(tmp_path, 3000, rng, "kill", True, [3], 0) is None  # a setup without one
+    training = {0}  # the last worker training finishes in peace, with or without the box
+    monkeypatch.setattr(chaos, "_last_step", lambda out, rank: (1.0, 100) if rank in training else (0.0, 0))
+    assert chaos._hit_one(tmp_path, 3000, rng, "kill", True, None, 1) is None
+
+
+def test_hit_ranks_take_the_memory_rank_only_with_a_setup_that_has_one():
+    ok = run_cli("bench", "chaos", "--quick", "--setups", "nope", "--hit-ranks", "3", check=False)
+    assert ok.returncode == 2 and "unknown setups" in ok.stderr  # the setups are checked first
+    bad = run_cli("bench", "chaos", "--quick", "--setups", "easgd", "--hit-ranks", "3", check=False)
+    assert bad.returncode == 2 and "ranks of its 3 workers (0-2)" in bad.stderr, bad.stderr
+    assert "memory" not in bad.stderr

@@ -17,9 +17,11 @@ Setups (``SETUPS``): ``easgd`` and ``diloco-async`` (asynchronous over the shm b
 replaced by a new process that pulls the center and trains on; the run ends once the workers' steps
 add up to ``workers x --steps``, ``termination=average``), ``allreduce``
 (``on_failure=shrink``: the survivors go on in place over a new process group, and the replacement
-joins at a step boundary with its state from the leader); those three by default, and ``box-sync``
-(the same as allreduce's, through the shm box's slots) on request. Any rank may be hit, rank 0 too
-(a synchronous run's oldest survivor then leads).
+joins at a step boundary with its state from the leader); those three by default, and on request
+``box-sync`` (the same as allreduce's, through the shm box's slots) and ``easgd-rma`` (easgd over the
+rma box under mpiexec, its center on a memory rank that the loop may kill too; a dead worker of an MPI
+job is lost, not replaced). Any rank may be hit, rank 0 too (a synchronous run's oldest survivor then
+leads).
 
 Reported per setup: ``throughput_retained`` (both runs do the same training, every rank's
 ``--steps``: the clean run's time over the chaos run's, each from the launcher's start to its exit,
@@ -59,6 +61,7 @@ class ChaosSetup:
     steps: int  # the full form's: ~10 min of clean training here (3 workers on 2 cores, LeNet on MNIST)
     quick_steps: int  # the quick form's (the MLP): a few seconds
     hits_rank0: bool = True  # the fault loop may hit rank 0
+    memory_ranks: int = 0  # ranks after the workers that hold the box (--box rma): the loop may kill them
 
 
 # The asynchronous setups end on the workers' total steps (``termination=average``: ShmCaffe's
@@ -83,6 +86,25 @@ SETUPS = {
         ("--strategy", "box-sync", "--set", "on_failure=shrink", "--checkpoint-every", "500"),
         55_000,
         800,
+    ),
+    # On request (--setups easgd-rma): easgd over the rma box under mpiexec, its center on a memory rank
+    # (rank 3) that the loop may kill too. On one host Open MPI's windows outlive it: the workers train on.
+    # A worker that dies is lost, not replaced (an MPI job has a fixed set of ranks): the others train its
+    # share (termination=average).
+    "easgd-rma": ChaosSetup(
+        (
+            "--strategy",
+            "easgd",
+            "--box",
+            "rma",
+            "--set",
+            f"easgd.{_SHARED_END}",
+            "--set",
+            "box.memory_ranks=1",
+        ),
+        75_000,
+        3000,
+        memory_ranks=1,
     ),
 }
 DEFAULT_SETUPS = ("easgd", "diloco-async", "allreduce")  # torchft's chaos run's kinds of rule
@@ -129,8 +151,12 @@ def run_bench_chaos(
     bad = [k for k in kinds or () if k not in KINDS]
     if bad or kinds == []:
         raise UserError(f"bench chaos: --faults takes a comma list of {', '.join(KINDS)}, got {kinds}")
-    if hit_ranks is not None and (not hit_ranks or not all(0 <= r < WORKERS for r in hit_ranks)):
-        raise UserError(f"bench chaos: --hit-ranks are ranks of its {WORKERS} workers (0-{WORKERS - 1})")
+    most = WORKERS + max(SETUPS[s].memory_ranks for s in setups)  # the workers, then any memory ranks
+    if hit_ranks is not None and (not hit_ranks or not all(0 <= r < most for r in hit_ranks)):
+        raise UserError(
+            f"bench chaos: --hit-ranks are ranks of its {WORKERS} workers (0-{WORKERS - 1})"
+            + (f" or its memory ranks ({WORKERS}-{most - 1})" if most > WORKERS else "")
+        )
     plan = dict(QUICK if quick else FULL)
     plan["kinds"] = list(kinds or KINDS)
     if hit_ranks is not None:
@@ -224,7 +250,9 @@ class _FaultLoop:
         kinds = self.plan.get("kinds", KINDS)
         kind = kinds[len(self.log) % len(kinds)]
         ranks = self.plan.get("hit_ranks")
-        hit = _hit_one(out, self.plan["steps"], self.rng, kind, self.setup.hits_rank0, ranks)
+        hit = _hit_one(
+            out, self.plan["steps"], self.rng, kind, self.setup.hits_rank0, ranks, self.setup.memory_ranks
+        )
         if hit is None:  # nobody training yet (or all near their end): look again soon
             self.next_at = now + RETRY_S
             return
@@ -340,25 +368,32 @@ def _hit_one(
     kind: str,
     hits_rank0: bool,
     ranks: list[int] | None = None,
+    memory_ranks: int = 0,
 ) -> tuple[int, psutil.Process] | None:
     """SIGKILL or SIGSTOP one random worker that is training (it has logged steps in this life, and is
     not about to finish: a replacement still starting up is spared), while at least two are; returns
     its rank and process (one of ``ranks`` where given). The workers are below this process: under the
-    run's launcher, or under this process's zygote."""
-    workers = {}
+    run's launcher, or under this process's zygote. A live memory rank (ranks ``WORKERS`` on, which log
+    no steps) is drawn with the workers, for a SIGKILL only: a stopped one would stall the box, not test it."""
+    workers, memory = {}, {}
     for child in psutil.Process().children(recursive=True):
         try:
             rank = _rank_of(child)
             born = child.create_time()
-            if child.status() == psutil.STATUS_STOPPED:
+            if child.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE):
                 continue
         except (psutil.Error, ValueError):
+            continue
+        if WORKERS <= rank < WORKERS + memory_ranks:
+            memory[rank] = child
             continue
         logged, step = _last_step(out, rank)
         if rank >= (0 if hits_rank0 else 1) and logged > born and 0 < step < steps - SPARE_STEPS:
             workers[rank] = child
     if len(workers) < 2:  # the last one training finishes in peace: failures hit a run, not its tail end
         return None
+    if kind == "kill":
+        workers |= memory
     eligible = sorted(r for r in workers if ranks is None or r in ranks)
     if not eligible:
         return None

@@ -70,7 +70,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     chaos.add_argument(
         "--hit-ranks",
         default=None,
-        help="the ranks the fault loop may hit, a comma list (default any, 0 too)",
+        help="the ranks the fault loop may hit, a comma list (default any, 0 and easgd-rma's memory rank 3 too)",
     )
     defaults = p.add_argument_group("bench defaults (each strategy's default run over seeds)")
     defaults.add_argument("--seeds", default=None, help="seeds, a range or a list: 0-9 (default), 0,3,5")
