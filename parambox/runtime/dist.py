@@ -74,8 +74,8 @@ def init_distributed(
     global _ELASTIC
     if world.world_size == 1 or dist.is_initialized():
         return
-    if any(r == world.rank and kind == "kill-join" for r, _, kind in FaultPlan.from_env().faults):
-        os.kill(os.getpid(), signal.SIGKILL)  # PARAMBOX_FAULT's kill-join: dead before any peer heard of it
+    if FaultPlan.from_env().kills_at_join(world.rank):
+        os.kill(os.getpid(), signal.SIGKILL)  # dead before any peer heard of it
     if world.device.type == "cuda":
         torch.cuda.set_device(world.device)  # nccl's barriers and object collectives use the current GPU
     group = ElasticGroup.from_env(world.rank, world.world_size, timeout_s, world.backend)

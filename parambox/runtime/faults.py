@@ -48,6 +48,10 @@ class FaultPlan:
         """The step whose exchange ``lose-exchange`` fails on ``rank``; None if none."""
         return next((st for r, st, kind in self.faults if r == rank and kind == "lose-exchange"), None)
 
+    def kills_at_join(self, rank: int) -> bool:
+        """``kill-join``: ``rank`` dies as it is about to join its process group."""
+        return any(r == rank and kind == "kill-join" for r, _, kind in self.faults)
+
     def __bool__(self) -> bool:
         return bool(self.faults)
 
