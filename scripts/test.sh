@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run the whole test suite: lint, format check, then the three test tiers.
+# Set up (idempotent) and run the test suite: lint, format check, then the unit, multi-process and CLI tests.
+# --tier long runs the long end-to-end runs instead (a minute or so each), --tier all both; CI runs the two.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q torch==2.13.0            # the CPU wheel; an unpinned torch pulls a multi-GB CUDA build

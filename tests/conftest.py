@@ -2,7 +2,12 @@
 each test. Under pytest-xdist (``scripts/test.sh``: a worker more than the cores, ``--dist loadfile``)
 a test marked ``solo`` runs alone: the ones that judge what is left in /dev/shm or /tmp, where a test
 beside them would leave its own files. Tests marked ``lock(NAME)`` run one at a time among themselves: "netns",
-the emulated-cluster tests (their checks see every network namespace)."""
+the emulated-cluster tests (their checks see every network namespace).
+
+Tests marked ``long`` (an end-to-end run of a minute or so: a SLURM job through its time limits, a study,
+a chaos bench, an emulated cluster's failure) are the long tier: ``--tier long`` runs only them, ``--tier
+all`` everything, and the default suite leaves them out (CI runs both, ``.ci/run``). A test named by its
+id on the command line runs whatever its tier."""
 
 from __future__ import annotations
 
@@ -65,6 +70,20 @@ os.environ.setdefault("PARAMBOX_BENCH_DEADLINE_S", "100")
 LOCKS = "PARAMBOX_TEST_LOCKS"  # the directory of the lock files every xdist worker shares
 
 
+TIERS = ("suite", "long", "all")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--tier", choices=TIERS, default="suite",
+        help="suite: every test but those marked long (the default); long: only those; all: both",
+    )  # fmt: skip
+
+
+def _in_tier(item, tier: str) -> bool:
+    return tier == "all" or (item.get_closest_marker("long") is not None) == (tier == "long")
+
+
 def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER") is None and getattr(config.option, "numprocesses", None):
         os.environ[LOCKS] = tempfile.mkdtemp(prefix="pytest-locks-")  # the workers inherit it
@@ -78,8 +97,14 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The files with the most slow tests first (in their own order): under ``--dist loadfile`` the
+    """The tests of the ``--tier`` asked for (all of those named by id), then the files with the most slow tests first (in their own order): under ``--dist loadfile`` the
     long files then start early, and the suite does not end on one worker finishing a long file alone."""
+    tier = config.getoption("tier")
+    if not any("::" in arg for arg in config.args):
+        dropped = [item for item in items if not _in_tier(item, tier)]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if _in_tier(item, tier)]
     slow: dict[str, int] = {}
     for item in items:
         slow[item.fspath.strpath] = slow.get(item.fspath.strpath, 0) + (

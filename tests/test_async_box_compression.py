@@ -102,11 +102,15 @@ def test_resume_restores_the_error_each_worker_owes(tmp_path, strategy):
 # Measured test accuracy with int8 over the memory server: easgd 0.969 (and 0.967 in another run) and
 # 0.981 at seeds 0, 1 (uncompressed 0.972, 0.967); asynchronous diloco 0.964, 0.967 (uncompressed 0.969,
 # 0.964); downpour 0.978.
-SERVER_RUNS = [("digits-easgd", "easgd"), ("digits-diloco-async", "diloco"), ("digits-downpour", "downpour")]
+SERVER_RUNS = [
+    pytest.param("digits-easgd", "easgd", id="easgd"),
+    pytest.param("digits-diloco-async", "diloco", id="diloco", marks=pytest.mark.long),
+    pytest.param("digits-downpour", "downpour", id="downpour", marks=pytest.mark.long),
+]
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("preset,strategy", SERVER_RUNS, ids=[s for _, s in SERVER_RUNS])
+@pytest.mark.parametrize("preset,strategy", SERVER_RUNS)
 def test_the_memory_server_decodes_the_pushes_of_a_cli_run(tmp_path, preset, strategy):
     """``--box rma --set box.server=true``: the codes (easgd's elastic pushes, diloco's arrivals before
     their outer step, downpour's pushes) go to the memory rank, which decodes them (no warning that bytes

@@ -65,6 +65,7 @@ def test_default_digits_run_reaches_093(strategy, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(170)
+@pytest.mark.long
 def test_easgd_over_the_rma_box_on_the_network_path(tmp_path):
     out = tmp_path / "run"
     env = {**MPI_ENV, "OMPI_MCA_osc": "rdma", "OMPI_MCA_btl": "self,tcp"}

@@ -209,6 +209,7 @@ def test_a_group_restart_says_its_cause_and_keeps_its_logs(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_an_mpi_job_whose_rank_0_hangs_is_stopped(tmp_path):
     """U2: an asynchronous ``--box rma`` run with a hung rank 0 never ended: the memory rank served on,
     and nothing watched mpiexec. Now the launcher stops a job none of whose ranks made progress for

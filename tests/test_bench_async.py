@@ -14,6 +14,7 @@ from tests.conftest import run_cli
 
 @pytest.mark.slow
 @pytest.mark.timeout(170)
+@pytest.mark.long
 def test_bench_async_smoke():
     proc = run_cli("bench", "async", "--json", "--rounds", "1", "--steps", "2")
     result = json.loads(proc.stdout)

@@ -13,6 +13,7 @@ from tests.conftest import run_cli
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.long
 def test_bench_chaos_quick():
     result = json.loads(
         run_cli("bench", "chaos", "--quick", "--timeout", "2.5", "--json", timeout=390).stdout
@@ -39,6 +40,7 @@ def test_bench_chaos_quick():
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
+@pytest.mark.long
 def test_bench_chaos_quick_box_sync_survives_in_place():
     """box-sync on request, every fault of the loop on rank 0 (--hit-ranks 0): a kill of rank 1 before
     its first step (a restart of all), then rank 0 SIGSTOPped past --timeout and rank 0 killed, each

@@ -66,6 +66,7 @@ def test_train_on_two_nodes_over_gloo_through_a_partition(tmp_path):
 
 @pytest.mark.slow
 @needs_root
+@pytest.mark.long
 def test_a_partition_longer_than_the_timeout_is_survived_by_a_restart(tmp_path):
     """Issue 18: node 1's link down for 6 s at rank 2's step 10, with --timeout 3. Every rank's step
     times out; the launcher restarts all of them from the step-10 checkpoint (node 1's ranks wait in
@@ -127,6 +128,7 @@ def _mpi_rank(run_dir: Path, rank: int) -> psutil.Process | None:
 
 @pytest.mark.slow
 @needs_root
+@pytest.mark.long
 def test_a_memory_rank_lost_across_nodes_restarts_the_job_with_the_box_rebuilt_from_the_replicas(tmp_path):
     """Issue 50: across nodes a memory rank's part of the box is its own memory, lost with it (on one
     host Open MPI's windows outlive it). With --max-restarts the launcher starts the MPI job again, every

@@ -40,6 +40,7 @@ def test_regression_example_learns(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.long
 def test_transformer_lm_example_reaches_its_bound(tmp_path):
     sys.path.insert(0, str(EXAMPLES))
     try:
@@ -56,6 +57,7 @@ def test_transformer_lm_example_reaches_its_bound(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.long
 def test_notebook_executes(tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

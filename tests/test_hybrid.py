@@ -94,6 +94,7 @@ def test_groups_and_options():
 
 @pytest.mark.slow
 @pytest.mark.timeout(170)
+@pytest.mark.long
 def test_digits_4_workers_2_groups_over_the_rma_box_reaches_093(tmp_path):
     """The two groups talk only through MPI windows (osc rdma over tcp, the network path)."""
     out = tmp_path / "run"

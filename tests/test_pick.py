@@ -899,6 +899,7 @@ def test_pick_reaches_a_perplexity_that_falls_to_the_target(tmp_path):
 @needs_root
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.long
 def test_pick_quick_on_the_emulated_cluster_leaves_nothing(tmp_path):
     """The same on 2 emulated nodes at 0.1 Gbit/s: the runs are on the cluster, which is gone after.
     Across nodes downpour's pushes cross the link encoded (the rma box's memory server decodes them):

@@ -33,6 +33,7 @@ def steps_per_s(run_dir: Path, rank: int) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.long
 def test_a_worker_5x_slower_does_not_hold_the_others_up(tmp_path):
     runs = {"slow": {"PARAMBOX_FAULT": f"{SLOW_RANK}:0:slow"}, "even": {}}
     with ThreadPoolExecutor(2) as pool:

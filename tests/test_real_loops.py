@@ -57,6 +57,7 @@ def finals(out: Path, name: str, n: int = 2) -> list[dict[str, torch.Tensor]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.long
 def test_the_user_loop_on_every_strategy_resumes_where_it_stopped(tmp_path):
     """Must show (issue 48): K = 2 micro-steps with no_sync, clip_grad_norm_ between backward and step,
     AdamW with warmup + cosine through param_groups, on 2 ranks. allreduce, ps-sync and box-sync equal

@@ -282,6 +282,7 @@ def test_reproduce_rejects_an_unknown_claim(tmp_path):
 @pytest.mark.lock("netns")  # emulated nodes: one cluster at a time (their checks see all namespaces)
 @needs_root
 @pytest.mark.slow
+@pytest.mark.long
 def test_time_to_accuracy_quick_on_the_emulated_cluster(tmp_path):
     out = tmp_path / "tta"
     run_cli("sweep", "--study", "time-to-accuracy", "--quick", "--out", str(out), timeout=230)
@@ -315,6 +316,7 @@ def test_reproduce_workload_flags_go_with_the_time_to_target_claim(tmp_path, arg
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_reproduce_tau_h_quick_on_text_to_a_perplexity(tmp_path):
     """The tau-H claim's quick form on the text set (a bigram: 16 steps go from perplexity 256 to ~110):
     steps to the target are the first evaluation at or under it, and the rule is judged on perplexity."""

@@ -144,6 +144,7 @@ def test_rank0_killed_without_restarts_the_others_finish_and_one_writes_the_resu
 
 @pytest.mark.slow  # mpiexec's start and end: ~40 s of wall time
 @pytest.mark.timeout(170)
+@pytest.mark.long
 def test_the_memory_rank_killed_on_one_host_the_workers_finish(tmp_path):
     """On one host Open MPI's windows live in shared memory, which outlives the memory rank that
     allocated them: SIGKILLed while the workers train, they finish and the result is written."""

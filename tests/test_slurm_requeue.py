@@ -208,6 +208,7 @@ def test_srun_ranks_checkpoint_on_sigusr1_at_the_same_step_and_exit_75(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+@pytest.mark.long
 def test_mpiexec_passes_sigusr1_on_and_the_memory_rank_stops_too(tmp_path):
     """The script's mpiexec variant (the rma box): mpiexec passes SIGUSR1 on; the worker checkpoints at
     its next step boundary, the memory rank (serving the box, with no step to stop at) leaves once the
@@ -326,6 +327,7 @@ def checkpoint_step(out: Path) -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.skipif(not slurm_running(), reason=NO_SLURM)
+@pytest.mark.long
 def test_a_one_minute_job_requeued_three_times_ends_at_the_uninterrupted_runs_accuracy(tmp_path):
     out, started, final = tmp_path / "run", time.monotonic(), {}
     job_id, toml = submit(tmp_path, out, tasks=2, limit="1", steps=STEPS_OPEN)
@@ -370,6 +372,7 @@ def test_a_one_minute_job_requeued_three_times_ends_at_the_uninterrupted_runs_ac
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.skipif(not slurm_running(), reason=NO_SLURM)
+@pytest.mark.long
 def test_a_requeued_job_resumes_on_the_task_count_of_its_new_allocation(tmp_path):
     """A job requeued at 2 tasks comes back on an allocation of 1 (a new submission of the same script
     for the same run directory: this SLURM cannot change a pending job's tasks per node)."""

@@ -153,6 +153,7 @@ def test_a_killed_rank_and_its_loaders_leave_nothing_in_tmp(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("strategy", ["box-sync"])
+@pytest.mark.long
 def test_under_mpiexec_with_ft_ulfm_a_killed_rank_is_survived_in_place(tmp_path, strategy):
     """The same closed form under ``mpiexec --with-ft ulfm -n 3`` (no local launcher): rank 0 serves the
     regroup store, ULFM tells the survivors who died, and they agree on the new group over MPI. The

@@ -125,6 +125,7 @@ def _kill(agent: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.long
 def test_a_node_joins_then_dies_and_the_run_finishes_at_each_size(tmp_path):
     out, logs = tmp_path / "run", tmp_path / "logs"
     agent = [
