@@ -1,8 +1,8 @@
 """Shared fixtures: run the CLI (in this process, or as a user would), and kill any orphaned worker after
 each test. Under pytest-xdist (``scripts/test.sh``: a worker more than the cores, ``--dist loadfile``)
 a test marked ``solo`` runs alone: the ones that judge what is left in /dev/shm or /tmp, where a test
-beside them would leave its own files. Tests marked ``lock(NAME)`` run one at a time among themselves: "netns",
-the emulated-cluster tests (their checks see every network namespace).
+beside them would leave its own files. Tests marked ``lock(NAME)`` run one at a time among themselves:
+"netns", the emulated-cluster tests (their checks see every network namespace).
 
 Tests marked ``long`` (an end-to-end run of a minute or so: a SLURM job through its time limits, a study,
 a chaos bench, an emulated cluster's failure) are the long tier: ``--tier long`` runs only them, ``--tier
@@ -97,8 +97,9 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The tests of the ``--tier`` asked for (all of those named by id), then the files with the most slow tests first (in their own order): under ``--dist loadfile`` the
-    long files then start early, and the suite does not end on one worker finishing a long file alone."""
+    """The tests of the ``--tier`` asked for (every one named by id), the files with the most slow tests
+    first (in their own order): under ``--dist loadfile`` the long files then start early, and the suite
+    does not end on one worker finishing a long file alone."""
     tier = config.getoption("tier")
     if not any("::" in arg for arg in config.args):
         dropped = [item for item in items if not _in_tier(item, tier)]

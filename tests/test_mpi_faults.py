@@ -9,9 +9,11 @@ a private directory that a reaper removes, also after a SIGKILL of the launcher 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,9 +32,6 @@ SHM = Path("/dev/shm")
 def mpi_dir(monkeypatch):
     """A folder of this test's own in /dev/shm that its MPI jobs make their private folders in
     (``PARAMBOX_MPI_DIR``): what they leave is judged there, whatever tests beside it do."""
-    import shutil
-    import tempfile
-
     parent = Path(tempfile.mkdtemp(prefix="pbtest-", dir=SHM))
     monkeypatch.setenv("PARAMBOX_MPI_DIR", str(parent))
     yield parent
