@@ -155,18 +155,29 @@ def test_box_sync_pushes_each_bucket_during_backward_and_pulls_it_once_every_nod
     assert r.link_bytes_per_step == pytest.approx(after.link_bytes_per_step)
 
 
-def test_a_setups_measured_exchange_cpu_lengthens_the_compute_at_the_ceilings_share_of_a_core():
+def test_the_boxs_exchange_cpu_lengthens_the_compute_at_the_ceilings_share_of_a_core():
     from parambox.perfmodel.simulate import against_measured
 
-    ring = ring_allreduce_s(2, S, Network(RATE, NET.latency))
-    # the ceiling's 50 ms of CPU in a 100 ms step: half a core each; weight-avg's exchange adds 10 ms
-    # of CPU, 20 ms of compute at that share; measured as the closed form with that compute says
-    rates = {"ceiling": 2 * 64 / 0.1, "weight-avg": 2 * 64 / (0.12 + ring / 4)}
-    cpu = {"ceiling": 50.0, "weight-avg": 60.0}
-    row = against_measured(rates, 2, 64, S, NET, cpu)["weight-avg"]
+    # the ceiling's 50 ms of CPU in a 100 ms step: half a core each; easgd's exchange adds 10 ms of
+    # CPU (the memory server's, whenever the other worker comes): 20 ms of compute at that share
+    measured = simulate("easgd-tau4", 2, 0.12, S, NET).step_s
+    rates = {"ceiling": 2 * 64 / 0.1, "easgd-tau4": 2 * 64 / measured}
+    row = against_measured(rates, 2, 64, S, NET, {"ceiling": 50.0, "easgd-tau4": 60.0})["easgd-tau4"]
     assert row["exchange_cpu_ms"] == pytest.approx(10.0)
     assert row["error_with_cpu"] == pytest.approx(0.0, abs=1e-9) and row["error"] < -0.1
-    assert "error_with_cpu" not in against_measured(rates, 2, 64, S, NET)["weight-avg"]
+    assert "error_with_cpu" not in against_measured(rates, 2, 64, S, NET)["easgd-tau4"]
+
+
+def test_a_collectives_exchange_cpu_first_fills_the_workers_wait_on_the_link():
+    from parambox.perfmodel.simulate import against_measured
+
+    wait = ring_allreduce_s(2, S, Network(RATE, NET.latency)) / 4  # weight-avg: a ring every 4 steps
+    assert 0.004 < wait < 0.02
+    for cpu_ms, step in ((60.0, 0.12), (52.0, 0.1 + wait)):  # 20 ms of compute, then 4 ms: the longer
+        rates = {"ceiling": 2 * 64 / 0.1, "weight-avg": 2 * 64 / step}
+        row = against_measured(rates, 2, 64, S, NET, {"ceiling": 50.0, "weight-avg": cpu_ms})["weight-avg"]
+        assert row["simulated_with_cpu_ms"] == pytest.approx(step * 1e3, rel=1e-9)
+        assert row["error_with_cpu"] == pytest.approx(0.0, abs=1e-9)
 
 
 def _bench(step_s: dict[str, float], compute_s: float) -> dict:

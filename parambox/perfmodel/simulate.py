@@ -29,7 +29,8 @@ here are payload; docs/results/cluster-throughput.md).
 The CPU the exchange itself takes (serving threads, summing, encoding, polling) is not simulated: on
 a cluster it runs on cores the compute leaves free. Where the workers fill the cores, as on the
 emulated cluster, :func:`against_measured` adds it to the compute from the run's own measurement
-(each setup's CPU a step less the ceiling's, at the ceiling's share of a core).
+(each setup's CPU a step less the ceiling's, at the ceiling's share of a core; a collective's only
+where it outlasts the worker's wait on the link).
 
 >>> net = Network.from_gbps(1.0)
 >>> r = simulate("ceiling", nodes=4, compute_s=0.05, size_bytes=4e6, net=net)
@@ -415,10 +416,14 @@ def against_measured(
 
     ``cpu_ms`` (each setup's CPU a step a worker, all its threads, the ceiling's included): the
     exchange's own CPU (``exchange_cpu_ms``: the setup's less the ceiling's) taken from the compute's
-    cores, which the workers fill here: the compute grows by that CPU over the ceiling's share of a
-    core (its CPU / its wall time), and ``error_with_cpu`` is the simulation with that compute. Exact
-    where the exchange's CPU runs while the worker would compute; an upper bound where it runs while
-    the worker waits on the link anyway."""
+    cores, which the workers fill here, at the ceiling's share of a core (its CPU / its wall time);
+    ``error_with_cpu`` is the simulation with it. Where it runs decides what it costs:
+
+    - a collective's (gloo's ring: reducing, copying, sending) runs inside the collective, which every
+      rank waits on: it first fills the time the worker waits on the link, so the step is about the longer
+      of the links-alone step and the compute plus that CPU (allreduce, ddp, weight-avg, diloco);
+    - the box's (the memory server summing and serving the other workers' pushes and pulls, whenever
+      they come) runs while this worker computes: the compute grows by all of it."""
     if "ceiling" not in samples_per_s:
         return {}
     compute_s = nodes * batch / samples_per_s["ceiling"]
@@ -438,8 +443,10 @@ def against_measured(
         }
         if cpu and cpu.get(setup):
             extra = max(0.0, cpu[setup] - cpu["ceiling"]) / 1e3
-            busy = compute_s + extra / share
-            with_cpu = simulate(setup, nodes, busy, size_bytes, net, batch=batch).step_s
+            taken = extra / share  # compute seconds a step that CPU takes at the ceiling's share
+            if PATTERNS[setup].exchange in ("allreduce", "ps"):  # a collective: within the link wait
+                taken = max(0.0, taken - (sim - compute_s))
+            with_cpu = simulate(setup, nodes, compute_s + taken, size_bytes, net, batch=batch).step_s
             out[setup].update(
                 exchange_cpu_ms=extra * 1e3,
                 simulated_with_cpu_ms=with_cpu * 1e3,
