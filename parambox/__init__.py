@@ -15,8 +15,10 @@ The library API, for a user's own model, data, loss and script::
 In a training loop of your own, ``parambox.DistributedOptimizer(model, torch_optimizer,
 strategy="easgd")`` (see :class:`parambox.optim.DistributedOptimizer`).
 
-``parambox.train`` (see :func:`parambox.api.train.train`), ``parambox.DistributedOptimizer``, ``parambox.UserError`` (a ``ValueError``: bad
-input, one line naming it) and ``parambox.STRATEGIES`` (the strategy names) are imported on first use,
+``parambox.train`` (see :func:`parambox.api.train.train`), ``parambox.DistributedOptimizer``,
+``parambox.UserError`` (a ``ValueError``: bad input, one line naming it), ``parambox.BoxLost`` (a rank
+that held part of the rma box died: what ``DistributedOptimizer`` raises then) and
+``parambox.STRATEGIES`` (the strategy names) are imported on first use,
 so ``import parambox`` itself loads neither torch nor pydantic.
 """
 
@@ -26,17 +28,18 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["STRATEGIES", "DistributedOptimizer", "UserError", "train"]
+__all__ = ["STRATEGIES", "BoxLost", "DistributedOptimizer", "UserError", "train"]
 
 if TYPE_CHECKING:
     from parambox.api.train import train
-    from parambox.errors import UserError
+    from parambox.errors import BoxLost, UserError
     from parambox.optim import DistributedOptimizer
 
 # name -> (module, attribute): the public API, resolved lazily by __getattr__.
 _LAZY = {
     "train": ("parambox.api.train", "train"),
     "UserError": ("parambox.errors", "UserError"),
+    "BoxLost": ("parambox.errors", "BoxLost"),
     "DistributedOptimizer": ("parambox.optim", "DistributedOptimizer"),
 }
 

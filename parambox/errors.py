@@ -29,7 +29,12 @@ class CommTimeout(RuntimeError):
 
 
 class BoxLost(CommTimeout):
-    """A rank that held part of the rma box died: what it held went with it (the message names it)."""
+    """A rank that held part of the rma box died: what it held went with it. ``lost`` names the rank and
+    the request that found it; the message adds what the run can do (``remedy``)."""
+
+    def __init__(self, lost: str, remedy: str):
+        super().__init__(f"{lost}. {remedy}")
+        self.lost = lost
 
 
 def warn(text: str) -> None:

@@ -41,7 +41,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from parambox.box import BoxConfig
-from parambox.errors import UserError, warn
+from parambox.errors import BoxLost, UserError, warn
 from parambox.runtime import dist as pbdist
 from parambox.runtime.world import World
 from parambox.strategies import Context, StepResult, Strategy, strategy_class
@@ -193,7 +193,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         DiLoCo's outer momentum, the step count) under ``"parambox"``. This rank's: save it with the
         model's ``state_dict()``; load both on every rank before the first step to resume."""
         own = self.strategy.optimizer is self.optimizer  # its state is the "optimizer" entry already
-        rule = {k: v for k, v in self.strategy.state_dict().items() if not (own and k == "optimizer")}
+        with self._box_lost():
+            state = self.strategy.state_dict()
+        rule = {k: v for k, v in state.items() if not (own and k == "optimizer")}
         return {
             "optimizer": self.optimizer.state_dict(),
             "parambox": {"strategy": self.name, "step": self.step_count, "rule": rule},
@@ -257,7 +259,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise UserError("DistributedOptimizer: used after close()")
         self._begun = True
         self._check_aligned(stepping=True)
-        self.strategy.begin_step(self.step_count)
+        with self._box_lost():
+            self.strategy.begin_step(self.step_count)
+
+    @contextlib.contextmanager
+    def _box_lost(self) -> Iterator[None]:
+        """A lost box (an asynchronous rule's over ``box="rma"`` across nodes) as this loop can act on
+        it: this rank released, its model keeping its replica, and what to do said for a script."""
+        try:
+            yield
+        except BoxLost as e:
+            self.abort()
+            raise BoxLost(e.lost, LOOP_REMEDY) from None
 
     def _check_aligned(self, stepping: bool) -> None:
         """Every rank steps, or every rank closes; anything else is a ``UserError`` on every rank."""
@@ -297,13 +310,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return None
         self._begun = False
         self._stepped = True
-        if self.strategy.should_stop(self.step_count):
+        if self.should_stop():
             if not self._warned:
                 self._warned = True
                 warn(f"rank {self.rank}: {self.name} has ended this worker's run; step() does nothing now")
             return loss
         detached = loss.detach() if isinstance(loss, torch.Tensor) else None
-        self.last_result = self.strategy.end_step(detached, 0, self.step_count)
+        with self._box_lost():
+            self.last_result = self.strategy.end_step(detached, 0, self.step_count)
         self.step_count += 1
         return loss
 
@@ -330,7 +344,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def should_stop(self) -> bool:
         """True once this worker should leave the loop: ``steps`` done, termination alignment of the
         asynchronous strategies (``termination = fastest | average``), or a non-finite update."""
-        return self.strategy.should_stop(self.step_count)
+        with self._box_lost():
+            return self.strategy.should_stop(self.step_count)
 
     # -- the end -------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -343,8 +358,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._unclosed.detach()
         self._hook.remove()
         try:
-            self.strategy.finish()
-            result = self.strategy.eval_model()
+            with self._box_lost():
+                self.strategy.finish()
+                result = self.strategy.eval_model()
             _own_memory_(self.model)
             self._detached = True
             self._publish(result)
@@ -401,6 +417,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 _WATCHED: dict[int, weakref.ReferenceType[DistributedOptimizer]] = {}  # id(model) -> its optimizer
 _GLOBAL_HOOK: Any = None
+
+
+# What a script does when the box is lost (BoxLost's remedy under DistributedOptimizer).
+LOOP_REMEDY = (
+    "This rank's model keeps its weights (an asynchronous rule's replica: the center as it last pulled it, "
+    "plus its own steps since); restart the job from your last checkpoint (opt.state_dict() holds what "
+    "the box held as of then). Across nodes the box is held by its memory ranks (box.memory_ranks) or, "
+    "without them, by the workers"
+)
 
 
 def _watch_forward(opt: DistributedOptimizer) -> _Unwatch:

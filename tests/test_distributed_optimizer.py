@@ -191,6 +191,37 @@ def test_an_error_in_the_loop_releases_without_waiting():
     assert dopt.closed and all(p.grad is None for p in model.parameters())
 
 
+def test_a_lost_box_is_boxlost_with_what_a_script_does_and_the_rank_keeps_its_weights(monkeypatch):
+    """The box's server says which rank died (and the CLI's remedy); the loop gets parambox.BoxLost
+    with the script's remedy, this rank released and its model holding the weights of its last step."""
+    from parambox.errors import BoxLost
+
+    model, opt = sgd_model()
+    dopt = parambox.DistributedOptimizer(model, opt, "easgd", {"tau": 1})
+    dopt.zero_grad()
+    model(torch.ones(2, 8)).sum().backward()
+    dopt.step()
+    weights = [p.detach().clone() for p in model.parameters()]
+
+    def lost(*args, **kwargs):
+        raise BoxLost(
+            "box 'center' push: rank 3 died, and the part of the box it held went with it", "--max-restarts"
+        )
+
+    monkeypatch.setattr(dopt.strategy, "end_step", lost)
+    dopt.zero_grad()
+    model(torch.ones(2, 8)).sum().backward()
+    with pytest.raises(parambox.BoxLost) as caught:
+        dopt.step()
+    message = str(caught.value)
+    assert message.startswith("box 'center' push: rank 3 died") and "--max-restarts" not in message
+    assert "restart the job from your last checkpoint" in message and caught.value.lost in message
+    assert dopt.closed and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+    with pytest.raises(UserError, match="after close"):
+        dopt.zero_grad()
+
+
 # -- tier (b)/(c): under torchrun -----------------------------------------------------------------------
 
 

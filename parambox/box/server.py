@@ -592,10 +592,10 @@ class ServerBox(ParameterBox):
                 raise
             who = f"rank {', '.join(map(str, dead))}" if dead else "a rank of the box"
             raise BoxLost(
-                f"{what}: {who} died, and the part of the box it held went with it. Across nodes the box "
-                "is held by its memory ranks (box.memory_ranks) or, without them, by the workers: either's "
-                "death ends the run; --max-restarts N restarts the job, an asynchronous run's box rebuilt from the "
-                "workers' replicas"
+                f"{what}: {who} died, and the part of the box it held went with it",
+                "Across nodes the box is held by its memory ranks (box.memory_ranks) or, without them, by the "
+                "workers: either's death ends the run; --max-restarts N restarts the job, an asynchronous "
+                "run's box rebuilt from the workers' replicas",
             ) from None
 
     def apply(self, header: np.ndarray, lo: int, hi: int, src: np.ndarray) -> None:
