@@ -134,7 +134,8 @@ RUN_FILES: dict[str, tuple[str, dict[str, str]]] = {
             "steps": "target steps per worker",
             "model": "the model (zoo name or reference)",
             "data": "the data set (name or reference)",
-            "batch_size": "per-worker batch size",
+            "batch_size": "per-worker batch size as configured (resumed at another size: the batch the "
+            "workers used since is under `resize`)",
             "lr": "learning rate",
             "final_test_loss": "test loss at the end (null without a test set)",
             "final_test_<metric>": "each of the metrics' final value, e.g. `final_test_accuracy`",
