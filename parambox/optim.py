@@ -513,13 +513,23 @@ def _world(model: nn.Module) -> _ModelWorld:
 
 
 def _box_config(box: str | dict[str, Any] | BoxConfig) -> BoxConfig:
-    if isinstance(box, BoxConfig):
-        return box
     try:
-        return BoxConfig(backend=box) if isinstance(box, str) else BoxConfig(**box)
+        config = (
+            box
+            if isinstance(box, BoxConfig)
+            else BoxConfig(backend=box)
+            if isinstance(box, str)
+            else BoxConfig(**box)
+        )
     except ValidationError as e:
         err = e.errors()[0]
         raise UserError(f"box {'.'.join(str(x) for x in err['loc'])!r}: {err['msg']}") from None
+    if config.spare_ranks:  # a spare becomes a worker inside parambox's loop; a user's loop has no such place
+        raise UserError(
+            "box.spare_ranks is for `parambox train` (its loop hands a dead worker's place to a spare); "
+            "DistributedOptimizer takes none"
+        )
+    return config
 
 
 def _state(model: nn.Module) -> list[torch.Tensor]:

@@ -95,6 +95,7 @@ def test_the_sharded_rma_box_is_reachable_from_the_cli(tmp_path):
         "num_shards": None,
         "box_ranks": [1],
         "memory_ranks": 0,  # decided once by the plan: the user placed the shards
+        "spare_ranks": None,
         "server": None,  # decided where the box opens: on across nodes, off on one
         "two_level": None,  # likewise: on across nodes with several workers a node
     }

@@ -106,6 +106,25 @@ SETUPS = {
         3000,
         memory_ranks=1,
     ),
+    # On request (--setups easgd-rma-spares): the same with four spare ranks (box.spare_ranks, ranks 3-6,
+    # the memory rank 7): a dead worker's place goes to a spare, which does its steps. The loop hits the
+    # workers only (and a spare that took a worker's place): the first memory rank hands the places out.
+    "easgd-rma-spares": ChaosSetup(
+        (
+            "--strategy",
+            "easgd",
+            "--box",
+            "rma",
+            "--set",
+            f"easgd.{_SHARED_END}",
+            "--set",
+            "box.memory_ranks=1",
+            "--set",
+            "box.spare_ranks=4",
+        ),
+        75_000,
+        3000,
+    ),
 }
 DEFAULT_SETUPS = ("easgd", "diloco-async", "allreduce")  # torchft's chaos run's kinds of rule
 KINDS = ("kill", "stop")  # the fault loop's kinds, in turn; kill-at-start comes from PARAMBOX_FAULT

@@ -17,7 +17,9 @@ from parambox.runtime.world import World
 
 BACKENDS = ("shm", "rma")
 _OPTIONS = {"shm": {"stripe_bytes"}, "rma": {"num_shards", "box_ranks", "memory_ranks", "server", "comm"}}
-_LEVEL_OPTIONS = {"rma": {"two_level"}}  # how strategies use the backend, not open_box's options
+_LEVEL_OPTIONS = {
+    "rma": {"two_level", "spare_ranks"}
+}  # how strategies use the backend, not open_box's options
 
 
 class BoxConfig(BaseModel):
@@ -48,6 +50,17 @@ class BoxConfig(BaseModel):
         ),
     )
 
+    spare_ranks: int | None = Field(
+        None,
+        ge=0,
+        description=(
+            "rma, asynchronous strategies: K more ranks of the MPI job that train nothing until a worker "
+            "dies, then one of them takes its place (its rank, data and steps, from the center), as a "
+            "replacement does under the local launcher; placed after the workers, before the memory "
+            "ranks, which they need (default 0)"
+        ),
+    )
+
     server: bool | None = Field(
         None,
         description=(
@@ -67,7 +80,15 @@ class BoxConfig(BaseModel):
 
     @model_validator(mode="after")
     def _options_of_its_backend(self) -> BoxConfig:
-        for field in ("stripe_bytes", "num_shards", "box_ranks", "memory_ranks", "server", "two_level"):
+        for field in (
+            "stripe_bytes",
+            "num_shards",
+            "box_ranks",
+            "memory_ranks",
+            "spare_ranks",
+            "server",
+            "two_level",
+        ):
             if getattr(self, field) is not None and field not in _OPTIONS[self.backend] | _LEVEL_OPTIONS.get(
                 self.backend, set()
             ):
@@ -75,6 +96,11 @@ class BoxConfig(BaseModel):
         if self.memory_ranks and (self.box_ranks is not None or self.num_shards is not None):
             raise ValueError(
                 "box.memory_ranks places the shards itself: drop box.box_ranks and box.num_shards"
+            )
+        if self.spare_ranks and self.memory_ranks == 0:
+            raise ValueError(
+                "box.spare_ranks needs box.memory_ranks >= 1: a worker that holds part of the box "
+                "takes it with it, and no spare can bring it back"
             )
         return self
 
@@ -88,7 +114,8 @@ class BoxConfig(BaseModel):
 
     def options(self) -> dict[str, Any]:
         """The backend options that are set, as ``open_box`` takes them."""
-        return {k: v for k, v in self.model_dump(exclude={"backend", "two_level"}).items() if v is not None}
+        exclude = {"backend", "two_level", "spare_ranks"}
+        return {k: v for k, v in self.model_dump(exclude=exclude).items() if v is not None}
 
     @property
     def needs_mpi(self) -> bool:

@@ -197,6 +197,20 @@ class _try:
             self.lock.release()
 
 
+_ADOPTED: dict[str, ParameterBox] = {}
+
+
+def adopt_box(name: str, box: ParameterBox) -> None:
+    """Hand an open box to the next ``adopted_box(name)`` in this process: a spare rank opened it
+    with the others as it started, and the strategy it builds for the worker it replaces keeps it
+    (opening it again would be a collective nobody else joins)."""
+    _ADOPTED[name] = box
+
+
+def adopted_box(name: str) -> ParameterBox | None:
+    return _ADOPTED.pop(name, None)
+
+
 def open_center_box(
     box: BoxConfig,
     world: World,

@@ -87,8 +87,10 @@ class Plan:
 
     @property
     def processes(self) -> int:
-        """The run's processes: its workers, plus the rma box's memory ranks."""
-        return self.cfg.workers + self.strategy_cls.memory_ranks(self.cfg.box)
+        """The run's processes: its workers, plus the rma box's spare and memory ranks."""
+        return (
+            self.cfg.workers + (self.cfg.box.spare_ranks or 0) + self.strategy_cls.memory_ranks(self.cfg.box)
+        )
 
     @property
     def external(self) -> bool:
@@ -121,9 +123,19 @@ def resolve(cfg: RunConfig, caller: Caller, resume: bool = False) -> Plan:
         cfg.init_from = check_init_from(cfg.init_from, caller)
     if cls.max_workers == 1 and "workers" not in cfg.model_fields_set:
         cfg.workers = 1  # `--strategy single` needs no `--workers 1`
+    if cfg.box.spare_ranks and not cls.takes_spare_ranks:
+        raise UserError(
+            f"box.spare_ranks: strategy {cls.name!r} has no worker a spare could replace alone (the "
+            "asynchronous strategies over --box rma do: downpour, dynsgd, easgd, eamsgd, asynchronous diloco)"
+        )
     if cfg.box.backend == "rma" and cfg.box.memory_ranks is None:  # decided once, recorded for the workers
         ranks = cls.memory_ranks(cfg.box, emulated_nodes=cfg.cluster.enabled)
         cfg.box = cfg.box.model_copy(update={"memory_ranks": ranks})
+    if cfg.box.spare_ranks and cfg.box.memory_ranks == 0:
+        raise UserError(
+            "box.spare_ranks needs box.memory_ranks >= 1: a worker that holds part of the box takes it "
+            "with it, and no spare can bring it back"
+        )
     plan = Plan(cfg, cls, World.from_env(), caller, resume, restarted)
     check_fault_ranks(plan)
     if plan.external:

@@ -65,14 +65,15 @@ from pydantic import Field
 from torch import nn
 
 from parambox.box import BoxConfig, Layout
-from parambox.box.node_cache import open_center_box
+from parambox.box.node_cache import adopted_box, open_center_box
 from parambox.errors import CommTimeout, UserError, warn
 from parambox.numerics import is_finite
 from parambox.runtime.control import rejoining
+from parambox.runtime.spawn import process_identity
 from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
 from parambox.strategies.center import DONE, FINAL, NONFINITE, CenterClient, CounterMap
 from parambox.strategies.grads import GradViews, bind_flat_replica
-from parambox.strategies.membership import Membership
+from parambox.strategies.membership import Membership, unplace
 
 SALVAGED = "salvaged"  # in a rank's state: it outlived a lost box, kept for the rebuild (training/salvage.py)
 
@@ -97,6 +98,7 @@ class AsyncStrategy(Strategy):
     Options = AsyncOptions
     tolerates_worker_loss = True
     tolerates_rank0_loss = True  # the center lives in the box; another worker takes the result
+    takes_spare_ranks = True  # a worker is one replica against the box: a spare rank can take its place
     lockstep = False
     # No collective anywhere (the box is the only channel): a dead rank cannot block a rendezvous.
     needs_process_group = False
@@ -132,9 +134,9 @@ class AsyncStrategy(Strategy):
             self._make_result()
         self.x, self.g = bind_flat_replica(self.model, self.layout, ctx.world.device)
         self.grad_views = GradViews.of_flat(self.model, self.layout, self.g)
-        self.counters = CounterMap(n, extra_counters)
+        self.counters = CounterMap(n, extra_counters, self.spare_ranks)
         self.extra_start, self.extra_numel = self.numel, extra_numel
-        self.box = open_center_box(
+        self.box = adopted_box(self.box_name) or open_center_box(
             box_config,
             self.world,
             self.numel + extra_numel,
@@ -146,6 +148,8 @@ class AsyncStrategy(Strategy):
             timeout=ctx.timeout_s,
         )
         self.client = CenterClient(self.box, self.numel, timers=self.timers)
+        if self.spare is not None:  # its identity, which the memory rank hands on with the worker's place
+            self.box.set_counter(self.counters.spare_ident(self.spare), process_identity())
         self.rejoined = rejoining() and not self.serves  # a replacement of a dead worker
         self.halted = False
         self.rebuilt: dict[str, Any] | None = None  # a lost box rebuilt from replicas (training/salvage.py)
@@ -160,6 +164,7 @@ class AsyncStrategy(Strategy):
             ctx.steps,
             options.termination,
             options.lost_after_s or ctx.timeout_s,
+            spares=self.spare_ranks,
         )
         if not self.serves:
             self._join()
@@ -181,12 +186,23 @@ class AsyncStrategy(Strategy):
         self.memory_ranks = box.memory_ranks or 0
         if self.memory_ranks and not self.tolerates_worker_loss:
             raise UserError(f"box.memory_ranks serves asynchronous strategies, not {self.name!r}")
-        self.num_workers = self.world.world_size - self.memory_ranks
+        self.spare_ranks = box.spare_ranks or 0
+        if self.spare_ranks and not self.memory_ranks:
+            raise UserError(
+                "box.spare_ranks needs box.memory_ranks >= 1: a worker that holds part of the box takes "
+                "it with it, and no spare can bring it back"
+            )
+        self.num_workers = self.world.world_size - self.memory_ranks - self.spare_ranks
         if self.num_workers < 1:
             raise UserError(
-                f"box.memory_ranks={self.memory_ranks} leaves none of the {self.world.world_size} ranks to train"
+                f"box.memory_ranks={self.memory_ranks} and box.spare_ranks={self.spare_ranks} leave none "
+                f"of the {self.world.world_size} ranks to train"
             )
-        self.serves = self.world.rank >= self.num_workers  # a memory rank: holds the box, trains nothing
+        # A memory rank holds the box and trains nothing; so does a spare rank (``spare``: its index)
+        # until the memory rank gives it a dead worker's place (``await_place``).
+        self.serves = self.world.rank >= self.num_workers
+        index = self.world.rank - self.num_workers
+        self.spare = index if 0 <= index < self.spare_ranks else None
         return box
 
     def _join(self) -> None:
@@ -200,6 +216,18 @@ class AsyncStrategy(Strategy):
             self.membership.reached = self.membership.steps_done >= self.ctx.steps
             # a replacement of a rank 0 that another worker took for lost, and whose result it took
             self.halted = self.world.rank == 0 and self.membership.result_taken()
+
+    def await_place(self) -> tuple[int, int] | None:
+        """A spare rank: until the memory rank gives it a dead worker's place (that worker's rank, and
+        the life of it the spare starts: 1 for its first replacement), or the run ends without needing
+        it (None)."""
+        m, box, index = self.counters, self.box, self.spare
+        while True:
+            if value := box.read_counter(m.assign(index)):
+                return unplace(value)
+            if self.membership.run_over() or self.num_workers + self.spare_ranks in box.failed_ranks():
+                return None  # the run's result is taken, or the memory rank that hands places out died
+            time.sleep(0.01)
 
     def data_partition(self) -> tuple[int, int]:
         # Memory ranks read no data; they get a valid shard all the same.
@@ -261,6 +289,8 @@ class AsyncStrategy(Strategy):
         center; the others wait for that, and where rank 0 is lost first one of them takes its part
         (:meth:`Membership.await_leader`); a memory rank serves until then."""
         rank, members = self.world.rank, self.membership
+        if self.spare is not None:  # a spare the run never needed (await_place said so)
+            return
         if self.serves:
             # Past twice the longest a worker may legitimately stand still (a leader waits lost_after_s
             # for a stalled peer): the launcher's watch on mpiexec uses the same bound.

@@ -156,6 +156,9 @@ class Strategy:
         """The class that really runs with these options (e.g. easgd's synchronous form); ``cls`` here."""
         return cls
 
+    # ``box.spare_ranks``: ranks of the MPI job that wait to take a dead worker's place (AsyncStrategy)
+    takes_spare_ranks: ClassVar[bool] = False
+
     @classmethod
     def memory_ranks(cls, box: BoxConfig, *, emulated_nodes: bool = False) -> int:
         """Processes the run needs beyond its ``--workers``: ranks that hold the rma box and train

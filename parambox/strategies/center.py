@@ -34,18 +34,26 @@ class CounterMap:
     resumed one back), ``started`` (the run's start, microseconds since the epoch), ``lead`` (the
     workers that claimed rank 0's part at the end, rank 0 being lost: the first to claim leads).
 
+    With ``spares`` (``box.spare_ranks``), after the strategy's own: ``proc(r)``, the MPI rank that
+    now runs worker ``r``, plus one (0: rank ``r`` itself), and per spare ``assign(i)``, the worker it
+    is to replace, plus one (0: none yet), and ``spare_ident(i)``, its process's identity.
+
     >>> m = CounterMap(2, extra=1)
     >>> m.version, m.steps(1), m.status(1), m.ident(1), m.total, m.reached, m.extra(0), m.num_counters
     (0, 2, 4, 6, 7, 8, 13, 14)
+    >>> m = CounterMap(2, extra=1, spares=1)
+    >>> m.proc(1), m.assign(0), m.spare_ident(0), m.num_counters
+    (15, 16, 17, 18)
     """
 
     version = VERSION_COUNTER
 
-    def __init__(self, world_size: int, extra: int = 0):
-        self.world_size, self.num_extra = world_size, extra
+    def __init__(self, world_size: int, extra: int = 0, spares: int = 0):
+        self.world_size, self.num_extra, self.spares = world_size, extra, spares
         base = 1 + 3 * world_size
         self.total, self.reached, self.samples, self.ready, self.started, self.lead = range(base, base + 6)
-        self.num_counters = 7 + 3 * world_size + extra
+        self._spare_base = 7 + 3 * world_size + extra
+        self.num_counters = self._spare_base + (world_size + 2 * spares if spares else 0)
 
     def steps(self, r: int) -> int:
         return 1 + r  # the box's step_counter(r)
@@ -59,6 +67,18 @@ class CounterMap:
     def extra(self, k: int) -> int:
         assert 0 <= k < self.num_extra
         return 7 + 3 * self.world_size + k
+
+    def proc(self, r: int) -> int:
+        assert self.spares and 0 <= r < self.world_size
+        return self._spare_base + r
+
+    def assign(self, i: int) -> int:
+        assert 0 <= i < self.spares
+        return self._spare_base + self.world_size + i
+
+    def spare_ident(self, i: int) -> int:
+        assert 0 <= i < self.spares
+        return self._spare_base + self.world_size + self.spares + i
 
 
 class CenterClient:

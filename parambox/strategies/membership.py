@@ -48,8 +48,12 @@ class Membership:
         steps: int,
         termination: str,
         lost_after_s: float,
+        spares: int = 0,
     ):
         self.box, self.m, self.rank, self.num_workers = box, counters, rank, num_workers
+        self.spares = (
+            spares  # box.spare_ranks: MPI ranks num_workers .. + spares - 1 wait to replace a worker
+        )
         self.steps, self.termination, self.lost_after_s = steps, termination, lost_after_s
         self.board = WorkerBoard.from_env()  # the local launcher's word on dead peers
         self.lost: set[int] = set()
@@ -183,7 +187,7 @@ class Membership:
     def is_lost(self, r: int, seen: Seen) -> bool:
         """Dead (MPI or the launcher says so; without either, a local process that is gone), or its
         step count stood still ``lost_after_s``. A replacement under way counts as progress."""
-        if self.box.read_counter(self.m.status(r)) & LOST or r in self.box.failed_ranks():
+        if self.box.read_counter(self.m.status(r)) & LOST or self._dead_to_mpi(r):
             return True
         life = 0
         if self.board is not None:
@@ -197,6 +201,14 @@ class Membership:
             seen[r] = (count, now, life)
             return False
         return now - seen[r][1] > self.lost_after_s
+
+    def process_of(self, r: int) -> int:
+        """The MPI rank that runs worker ``r``: ``r``, or the spare rank that took its place."""
+        return (self.box.read_counter(self.m.proc(r)) or r + 1) - 1 if self.spares else r
+
+    def _dead_to_mpi(self, r: int, failed: set[int] | None = None) -> bool:
+        failed = set(self.box.failed_ranks()) if failed is None else failed
+        return bool(failed) and self.process_of(r) in failed
 
     # -- the end ---------------------------------------------------------------------------------------
     def await_peers(self) -> None:
@@ -224,12 +236,14 @@ class Membership:
 
         >>> membership.serve(deadline_s=2 * timeout)  # doctest: +SKIP
         """
-        marks = self.rank == self.num_workers  # the first memory rank: one writer of LOST bits
+        # The first memory rank: the one writer of LOST bits and of the spares' places.
+        marks = self.rank == self.num_workers + self.spares
+        places = _Places(self, self.num_workers, self.spares)
         progress, moved, looked = None, time.monotonic(), 0.0
         while True:
-            for r in self.box.failed_ranks():
-                if r < self.num_workers and marks:
-                    self.set_status(r, LOST)
+            failed = self.box.failed_ranks()  # also drives MPI's progress and failure detection
+            if marks:
+                places.follow(failed)
             status = self.box.read_counter(self.m.status(0))
             if status & FINAL or (status & LOST and self._all_lost()):
                 return
@@ -265,7 +279,7 @@ class Membership:
         process on this host exited. A replacement under way is not gone (the launcher's board)."""
         failed = set(self.box.failed_ranks())
         for r in range(self.num_workers):
-            if self.box.read_counter(self.m.status(r)) & LOST or r in failed:
+            if self.box.read_counter(self.m.status(r)) & LOST or self._dead_to_mpi(r, failed):
                 continue
             if self.board is not None:
                 if not self.board.dead(r):
@@ -295,7 +309,7 @@ class Membership:
     def _leader_lost(self, status: int, seen: Seen) -> bool:
         if not status & DONE:
             return self.is_lost(0, seen)
-        if status & LOST or 0 in self.box.failed_ranks():
+        if status & LOST or self._dead_to_mpi(0):
             return True
         if self.board is not None:
             return self.board.dead(0)
@@ -312,6 +326,11 @@ class Membership:
         count apart (``_RANK0_CLAIM``): a replacement of a rank 0 that claimed, then died, leads."""
         return self.box.add_counter(self.m.lead, _RANK0_CLAIM) % _RANK0_CLAIM == 0
 
+    def run_over(self) -> bool:
+        """The leader took the run's result, or every worker is lost: nothing will need a spare."""
+        status = self.box.read_counter(self.m.status(0))
+        return bool(status & FINAL or (status & LOST and self._all_lost()))
+
     def _all_lost(self) -> bool:
         return all(self.box.read_counter(self.m.status(r)) & LOST for r in range(self.num_workers))
 
@@ -326,9 +345,66 @@ class Membership:
     def summary(self) -> dict[str, object]:
         """The leader: the workers lost or halted on non-finite values, and every worker's step count."""
         m, n = self.m, self.num_workers
-        return {
+        out: dict[str, object] = {
             "workers": n,
             "lost_workers": sorted(self.lost),
             "nonfinite_workers": [r for r in range(n) if self.box.read_counter(m.status(r)) & NONFINITE],
             "worker_steps": [self.box.read_counter(m.steps(r)) for r in range(n)],
         }
+        if self.spares:  # [worker, the MPI rank that runs it now] for each worker a spare replaced
+            out["spare_ranks"] = self.spares
+            out["replaced_by_spares"] = [[r, self.process_of(r)] for r in range(n) if self.process_of(r) != r]
+        return out
+
+
+def place(worker: int, life: int) -> int:
+    """A spare's ``assign`` counter: the worker it replaces and that worker's life it starts (its
+    ``k``-th replacement), in one int64 (0: no place yet).
+
+    >>> place(1, 2), unplace(place(1, 2))
+    (8589934594, (1, 2))
+    """
+    return life << 32 | (worker + 1)
+
+
+def unplace(value: int) -> tuple[int, int]:
+    return (value & 0xFFFFFFFF) - 1, value >> 32
+
+
+class _Places:
+    """The first memory rank's book of who runs each worker: for each rank MPI says died, a worker's
+    process gets a spare rank in its place (``box.spare_ranks``) while one is left and the worker was
+    not done, else the worker is marked ``LOST``; a spare that died waiting is struck off."""
+
+    def __init__(self, members: Membership, num_workers: int, spares: int):
+        self.members, self.m, self.box = members, members.m, members.box
+        self.free = list(range(num_workers, num_workers + spares))  # MPI ranks of the waiting spares
+        self.runs = {r: r for r in range(num_workers)}  # worker -> the MPI rank that runs it
+        self.lives = dict.fromkeys(range(num_workers), 0)  # worker -> its replacements so far
+        self.seen: set[int] = set()
+
+    def follow(self, failed: list[int]) -> None:
+        for rank in failed:
+            if rank in self.seen:
+                continue
+            self.seen.add(rank)
+            if rank in self.free:
+                self.free.remove(rank)
+                continue
+            worker = next((w for w, p in self.runs.items() if p == rank), None)
+            if worker is None:
+                continue  # another memory rank
+            if self.free and not self.box.read_counter(self.m.status(worker)) & DONE:
+                self._replace(worker, self.free.pop(0))
+            else:
+                self.members.set_status(worker, LOST)
+
+    def _replace(self, worker: int, spare: int) -> None:
+        m, box, index = self.m, self.box, spare - self.members.num_workers
+        self.runs[worker] = spare
+        self.lives[worker] += 1
+        box.set_counter(m.proc(worker), spare + 1)
+        box.set_counter(m.ident(worker), box.read_counter(m.spare_ident(index)))
+        # last: the spare starts once the rest is true
+        box.set_counter(m.assign(index), place(worker, self.lives[worker]))
+        warn(f"worker rank {worker} died; spare rank {spare} takes its place")

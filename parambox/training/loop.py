@@ -262,6 +262,10 @@ def setup(
         # loading is ~0.5 s on MNIST; a user's data set could take minutes).
         pbdist.finish_rejoin()
         strategy = build_strategy(cfg.strategy, ctx, cfg.strategy_options())
+        if getattr(strategy, "spare", None) is not None:  # box.spare_ranks: wait for a dead worker's place
+            strategy, world, rates = _take_a_place(
+                cfg, world, run_dir, workload, board, strategy, rates, resume
+            )
         dp_rank, dp_size, batch_size = _slice(cfg, strategy)
         try:
             check_batch_fits(workload.data, batch_size, dp_size)
@@ -275,6 +279,47 @@ def setup(
     pin = world.device.type == "cuda"  # page-locked host batches copy to the GPU asynchronously
     batches = workload.data.batch_source(batch_size, dp_rank, dp_size, cfg.seed, cfg.augment, pin)
     return Run(cfg, world, run_dir, workload, strategy, batches, board, FaultPlan.from_env(), rates)
+
+
+def _take_a_place(
+    cfg: RunConfig,
+    world: World,
+    run_dir: Path,
+    workload: Workload,
+    board: pbdist.ProgressBoard,
+    spare: Strategy,
+    rates: ScheduledRates,
+    resume: bool,
+) -> tuple[Strategy, World, ScheduledRates]:
+    """A spare rank (``box.spare_ranks``), once it opened the box with the others: until the memory
+    rank gives it a dead worker's place, then that worker from here on (its rank, data, checkpoints and
+    steps), a replacement as the local launcher's are: it pulls the center and does the steps its
+    predecessor had not. The spare's own strategy stays where the run ends without needing it."""
+    from dataclasses import replace
+
+    from parambox.box.node_cache import adopt_box
+    from parambox.runtime import spawn
+    from parambox.runtime.control import LIFE_ENV, REJOIN_ENV
+
+    spawn.name_this_process(
+        f"parambox-spare{spare.spare}"
+    )  # not a rank's name (ps, bench chaos) until it has one
+    place = spare.await_place()
+    if place is None:
+        return spare, world, rates
+    worker, life = place
+    adopt_box(spare.box_name, spare.box)  # the box it opened with the others: no second collective
+    # a replacement's life: its predecessor's faults (PARAMBOX_FAULT) are not injected again
+    os.environ.update({REJOIN_ENV: "1", SPARE_ENV: "1", LIFE_ENV: str(life)})
+    spawn.name_this_process(spawn.rank_name(worker))
+    world = replace(world, rank=worker)
+    torch.manual_seed(cfg.seed)
+    rates = ScheduledRates(
+        make_optimizer_factory(cfg), Schedule(cfg.lr_schedule, cfg.warmup_steps, cfg.steps)
+    )
+    ctx = make_context(cfg, world, run_dir, workload, board, rates)
+    ctx.resuming = resume
+    return build_strategy(cfg.strategy, ctx, cfg.strategy_options()), world, rates
 
 
 def _slice(cfg: RunConfig, strategy: Strategy) -> tuple[int, int, int]:

@@ -1,0 +1,146 @@
+"""Spare ranks (``box.spare_ranks``): an MPI job's ranks that wait to take a dead worker's place.
+
+Tier (a): the first memory rank's book of places (who runs each worker, which spares wait) over a
+box of plain counters; the config's checks. Tier (c): ``parambox train --box rma`` with a spare, a
+worker SIGKILLed half way: the spare takes its rank and does its steps, nobody is lost.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from parambox.strategies.center import DONE, LOST, CounterMap
+from parambox.strategies.membership import unplace
+from tests.conftest import MPI_ENV, run_cli, summary
+
+
+class _Box:
+    """Counters, and MPI's word on failed ranks (settable)."""
+
+    def __init__(self, num_counters: int):
+        self.values = [0] * num_counters
+        self.failed: list[int] = []
+
+    def read_counter(self, i: int) -> int:
+        return self.values[i]
+
+    def add_counter(self, i: int, v: int) -> int:
+        self.values[i] += v
+        return self.values[i] - v
+
+    def set_counter(self, i: int, v: int) -> None:
+        self.values[i] = v
+
+    def failed_ranks(self) -> list[int]:
+        return list(self.failed)
+
+
+def _members(monkeypatch, workers: int = 2, spares: int = 2):
+    """The first memory rank's view (MPI rank ``workers + spares``) and its book of places."""
+    from parambox.runtime.control import WorkerBoard
+    from parambox.strategies.membership import Membership, _Places
+
+    monkeypatch.setattr(WorkerBoard, "from_env", classmethod(lambda cls, env=None: None))  # mpiexec
+    m = CounterMap(workers, extra=1, spares=spares)
+    box = _Box(m.num_counters)
+    members = Membership(box, m, workers + spares, workers, 10, "all", 60.0, spares=spares)
+    for i in range(spares):
+        box.set_counter(m.spare_ident(i), 1000 + i)
+    return members, _Places(members, workers, spares), box, m
+
+
+def test_a_dead_worker_gets_the_first_waiting_spare_and_mpi_names_its_new_process(monkeypatch):
+    members, places, box, m = _members(monkeypatch)
+    box.failed = [1]
+    places.follow(box.failed_ranks())
+    assert unplace(box.read_counter(m.assign(0))) == (1, 1) and box.read_counter(m.assign(1)) == 0
+    assert box.read_counter(m.proc(1)) == 3 and members.process_of(1) == 2  # MPI rank 2, + 1
+    assert box.read_counter(m.ident(1)) == 1000  # the spare's identity: its process, not the dead one
+    assert members.process_of(0) == 0
+    assert not box.read_counter(m.status(1)) & LOST
+    assert not members.is_lost(1, {1: (-1, 0.0, 0)})  # MPI rank 1 is dead, worker 1 is not
+    places.follow(box.failed_ranks())  # the same death seen again: nothing more
+    assert box.read_counter(m.assign(1)) == 0
+    assert members.summary()["replaced_by_spares"] == [[1, 2]]
+
+
+def test_the_spare_that_replaced_a_worker_dies_too_then_the_next_then_the_worker_is_lost(monkeypatch):
+    members, places, box, m = _members(monkeypatch)
+    box.failed = [1]
+    places.follow(box.failed)
+    box.failed = [1, 2]  # the process that ran worker 1 (MPI rank 2) died as well
+    places.follow(box.failed)
+    assert unplace(box.read_counter(m.assign(1))) == (1, 2) and members.process_of(1) == 3  # its life 2
+    box.failed = [1, 2, 3]  # and the last spare: no one left to take its place
+    places.follow(box.failed)
+    assert box.read_counter(m.status(1)) & LOST
+    assert members.is_lost(1, {1: (-1, 0.0, 0)})
+
+
+def test_a_spare_that_died_waiting_is_struck_off_and_a_done_worker_is_not_replaced(monkeypatch):
+    members, places, box, m = _members(monkeypatch)
+    box.failed = [2]  # spare 0 died before anyone needed it
+    places.follow(box.failed)
+    box.set_counter(m.status(0), DONE)
+    box.failed = [2, 0, 1]  # worker 0 after its last step, worker 1 while training
+    places.follow(box.failed)
+    assert box.read_counter(m.status(0)) & LOST and box.read_counter(m.assign(0)) == 0
+    assert unplace(box.read_counter(m.assign(1))) == (1, 1) and members.process_of(1) == 3  # the second spare
+
+
+def test_spare_ranks_are_refused_where_no_spare_can_take_a_place():
+    from pydantic import ValidationError
+
+    from parambox.box import BoxConfig
+
+    assert BoxConfig(backend="rma", spare_ranks=2).options() == {}  # not open_box's option
+    with pytest.raises(ValidationError, match="box.spare_ranks needs box.memory_ranks >= 1"):
+        BoxConfig(backend="rma", spare_ranks=1, memory_ranks=0)
+    with pytest.raises(ValidationError, match="not an option of the shm backend"):
+        BoxConfig(spare_ranks=1)
+    err = run_cli(
+        "train", "--strategy", "allreduce", "--box", "rma", "--set", "box.spare_ranks=1", check=False
+    )
+    assert err.returncode == 2 and "box.spare_ranks: strategy 'allreduce' has no worker" in err.stderr
+    assert "Traceback" not in err.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["easgd", "downpour"])
+def test_a_spare_rank_takes_the_place_of_a_killed_worker(tmp_path, strategy):
+    """``--workers 2 --box rma --set box.spare_ranks=1``: ranks 0-1 train, rank 2 waits, rank 3 holds
+    the box. Rank 1 SIGKILLed at step 100 of 300: the spare becomes worker 1, pulls the center, does
+    the 200 steps it had not, and writes its checkpoints; no worker is lost."""
+    out = tmp_path / "run"
+    args = ["train", "--strategy", strategy, "--box", "rma", "--workers", "2", "--steps", "300"]
+    args += ["--set", "box.spare_ranks=1", "--out", str(out), "--no-progress"]
+    proc = run_cli(*args, env={**MPI_ENV, "PARAMBOX_FAULT": "1:100:kill"}, timeout=230)
+    s = summary(out)
+    assert (s["lost_workers"], s["worker_steps"], s["workers"]) == ([], [300, 300], 2)
+    assert s["replaced_by_spares"] == [[1, 2]] and s["spare_ranks"] == 1 and s["memory_ranks"] == 1
+    assert s["final_test_accuracy"] >= 0.93, s["final_test_accuracy"]
+    assert "worker rank 1 died; spare rank 2 takes its place" in proc.stderr
+    lives = [line for line in (out / "metrics.rank1.jsonl").read_text().splitlines() if '"world"' in line]
+    assert len(lives) == 2 and '"from_spare": true' in lives[1] and '"step": 100' in lives[1]
+    assert '"life": 1' in lives[1]  # a replacement: the fault of its predecessor's life is not its own
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_spare_rank_under_a_users_own_mpiexec(tmp_path):
+    """`mpiexec --with-ft ulfm -n 4 ... --set box.spare_ranks=1`: the job's 4 ranks are 2 workers, the
+    spare and the memory rank; rank 0 killed at step 100 of 300: the spare takes its place, writes the
+    result and the run loses nobody."""
+    from parambox.runtime.spawn import find_mpiexec
+
+    out = tmp_path / "run"
+    prefix = [find_mpiexec() or "mpiexec", "--with-ft", "ulfm", "-n", "4", "--oversubscribe"]
+    args = ["train", "--strategy", "easgd", "--box", "rma", "--steps", "300", "--set", "box.spare_ranks=1"]
+    args += ["--out", str(out), "--no-progress"]
+    proc = run_cli(*args, prefix=prefix, env={**MPI_ENV, "PARAMBOX_FAULT": "0:100:kill"}, timeout=230)
+    s = summary(out)
+    assert (s["lost_workers"], s["worker_steps"], s["launcher"]) == ([], [300, 300], "mpi")
+    assert s["replaced_by_spares"] == [[0, 2]] and s["workers"] == 2
+    assert s["final_test_accuracy"] >= 0.93, s["final_test_accuracy"]
+    assert "worker rank 0 died; spare rank 2 takes its place" in proc.stderr
