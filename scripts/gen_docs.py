@@ -150,6 +150,7 @@ RUN_FILES: dict[str, tuple[str, dict[str, str]]] = {
             "spare_ranks": "asynchronous over the rma box: how many ranks waited to take a dead worker's place",
             "replaced_by_spares": "`[worker, MPI rank]` for each worker a spare rank took the place of "
             "(guide: Failures and resume)",
+            "spares_used": "how many spare ranks took a dead worker's place",
             "rebuilt_box": "asynchronous, after the box was lost across nodes: the ranks whose replicas' mean "
             "became the center, their `steps` and the `checkpoint_step` (guide: Failures and resume)",
             "resize": "after a resume at another worker count: its `resize` record (below), without `kind`",

@@ -61,7 +61,7 @@ def test_a_dead_worker_gets_the_first_waiting_spare_and_mpi_names_its_new_proces
     assert not members.is_lost(1, {1: (-1, 0.0, 0)})  # MPI rank 1 is dead, worker 1 is not
     places.follow(box.failed_ranks())  # the same death seen again: nothing more
     assert box.read_counter(m.assign(1)) == 0
-    assert members.summary()["replaced_by_spares"] == [[1, 2]]
+    assert members.summary()["replaced_by_spares"] == [[1, 2]] and members.summary()["spares_used"] == 1
 
 
 def test_the_spare_that_replaced_a_worker_dies_too_then_the_next_then_the_worker_is_lost(monkeypatch):
@@ -119,6 +119,7 @@ def test_a_spare_rank_takes_the_place_of_a_killed_worker(tmp_path, strategy):
     s = summary(out)
     assert (s["lost_workers"], s["worker_steps"], s["workers"]) == ([], [300, 300], 2)
     assert s["replaced_by_spares"] == [[1, 2]] and s["spare_ranks"] == 1 and s["memory_ranks"] == 1
+    assert s["spares_used"] == 1
     assert s["final_test_accuracy"] >= 0.93, s["final_test_accuracy"]
     assert "worker rank 1 died; spare rank 2 takes its place" in proc.stderr
     lives = [line for line in (out / "metrics.rank1.jsonl").read_text().splitlines() if '"world"' in line]

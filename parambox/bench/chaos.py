@@ -237,7 +237,7 @@ def _summary(steps: int, pairs: list[dict[str, dict[str, Any]]]) -> dict[str, An
                 collections.Counter(f"{f['kind']}@{f['rank']}" for c in chaos for f in c["fault_log"]).items()
             )
         ),
-        "replacements": sum(c["restarts"] for c in chaos),
+        "replacements": sum(c["restarts"] + c.get("spares_used", 0) for c in chaos),
         "lost_workers": [c["lost_workers"] for c in chaos],
         "mean_recovery_s": statistics.mean(recoveries) if recoveries else None,
         "runs": pairs,
@@ -325,6 +325,7 @@ def _run(
         "steps_logged": _logged_steps(out),
         "final_test_accuracy": s["final_test_accuracy"],
         "restarts": s["restarts"],
+        "spares_used": s.get("spares_used", 0),  # box.spare_ranks: places a spare rank took
         "lost_workers": s["lost_workers"],
     }
     if faults is not None:

@@ -354,6 +354,7 @@ class Membership:
         if self.spares:  # [worker, the MPI rank that runs it now] for each worker a spare replaced
             out["spare_ranks"] = self.spares
             out["replaced_by_spares"] = [[r, self.process_of(r)] for r in range(n) if self.process_of(r) != r]
+            out["spares_used"] = sum(bool(self.box.read_counter(m.assign(i))) for i in range(self.spares))
         return out
 
 
