@@ -12,24 +12,15 @@ import pytest
 from parambox.strategies.center import DONE, LOST, CounterMap
 from parambox.strategies.membership import unplace
 from tests.conftest import MPI_ENV, run_cli, summary
+from tests.test_audit_failures import _Counters
 
 
-class _Box:
+class _Box(_Counters):
     """Counters, and MPI's word on failed ranks (settable)."""
 
     def __init__(self, num_counters: int):
-        self.values = [0] * num_counters
+        super().__init__(num_counters)
         self.failed: list[int] = []
-
-    def read_counter(self, i: int) -> int:
-        return self.values[i]
-
-    def add_counter(self, i: int, v: int) -> int:
-        self.values[i] += v
-        return self.values[i] - v
-
-    def set_counter(self, i: int, v: int) -> None:
-        self.values[i] = v
 
     def failed_ranks(self) -> list[int]:
         return list(self.failed)

@@ -68,6 +68,16 @@ class ChaosSetup:
 # alignment; torchft's replicas likewise count one global step): a replaced worker's lag is then
 # trained by whoever is running, not by it alone at the end while the others wait.
 _SHARED_END = "termination=average"
+_EASGD_RMA = (
+    "--strategy",
+    "easgd",
+    "--box",
+    "rma",
+    "--set",
+    f"easgd.{_SHARED_END}",
+    "--set",
+    "box.memory_ranks=1",
+)
 SETUPS = {
     "easgd": ChaosSetup(("--strategy", "easgd", "--set", f"easgd.{_SHARED_END}"), 75_000, 3000),
     "diloco-async": ChaosSetup(
@@ -92,16 +102,7 @@ SETUPS = {
     # A worker that dies is lost, not replaced (an MPI job has a fixed set of ranks): the others train its
     # share (termination=average).
     "easgd-rma": ChaosSetup(
-        (
-            "--strategy",
-            "easgd",
-            "--box",
-            "rma",
-            "--set",
-            f"easgd.{_SHARED_END}",
-            "--set",
-            "box.memory_ranks=1",
-        ),
+        _EASGD_RMA,
         75_000,
         3000,
         memory_ranks=1,
@@ -110,18 +111,7 @@ SETUPS = {
     # the memory rank 7): a dead worker's place goes to a spare, which does its steps. The loop hits the
     # workers only (and a spare that took a worker's place): the first memory rank hands the places out.
     "easgd-rma-spares": ChaosSetup(
-        (
-            "--strategy",
-            "easgd",
-            "--box",
-            "rma",
-            "--set",
-            f"easgd.{_SHARED_END}",
-            "--set",
-            "box.memory_ranks=1",
-            "--set",
-            "box.spare_ranks=4",
-        ),
+        (*_EASGD_RMA, "--set", "box.spare_ranks=4"),
         75_000,
         3000,
     ),
