@@ -7,6 +7,10 @@ worker SIGKILLed half way: the spare takes its rank and does its steps, nobody i
 
 from __future__ import annotations
 
+import signal
+import subprocess
+from contextlib import contextmanager
+
 import pytest
 
 from parambox.strategies.center import DONE, LOST, CounterMap
@@ -79,6 +83,70 @@ def test_a_spare_that_died_waiting_is_struck_off_and_a_done_worker_is_not_replac
     assert unplace(box.read_counter(m.assign(1))) == (1, 1) and members.process_of(1) == 3  # the second spare
 
 
+@contextmanager
+def _processes(box, m, workers: int):
+    """Each worker's process: a real one on this host (``sleep``), its identity in the box."""
+    from parambox.runtime.spawn import process_identity
+
+    procs = [subprocess.Popen(["sleep", "120"]) for _ in range(workers)]
+    try:
+        for r, proc in enumerate(procs):
+            box.set_counter(m.ident(r), process_identity() >> 32 << 32 | proc.pid)
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGSTOP, and on once the kernel shows it stopped (delivery is not instant)."""
+    from parambox.box.base import wait_until
+    from parambox.runtime.spawn import is_stopped
+
+    proc.send_signal(signal.SIGSTOP)
+    wait_until(lambda: is_stopped(proc.pid), 10.0, lambda: "the process did not stop")
+
+
+def test_a_stopped_worker_is_killed_half_way_to_lost_where_a_spare_waits_and_its_spare_gets_a_fresh_clock(
+    monkeypatch,
+):
+    """lost_after_s 60: worker 1's process stopped at t=0 is SIGKILLed at t=30, before a leader would
+    count it lost; MPI's word on its death then gives the place to a spare, whose clock starts afresh.
+    Worker 0, running, is left alone."""
+    members, places, box, m = _members(monkeypatch)
+    with _processes(box, m, 2) as procs:
+        _stop(procs[1])
+        for now in (100.0, 129.9):
+            places.kill_stopped(now)
+        assert procs[1].poll() is None and procs[0].poll() is None
+        places.kill_stopped(130.0)
+        assert procs[1].wait(timeout=10) == -signal.SIGKILL and procs[0].poll() is None
+        seen = {1: (0, 0.0, 0)}  # a leader's view: worker 1's count stood still since t=0 ...
+        assert members.is_lost(1, seen)  # ... past lost_after_s: lost, had no spare taken over
+        box.failed = [1]
+        places.follow(box.failed)
+        assert not members.is_lost(1, seen) and seen[1][2] == 3  # the spare (MPI rank 2) runs it now
+
+
+def test_a_stopped_worker_with_no_spare_or_done_is_killed_at_lost_after_s(monkeypatch):
+    for spares, done in ((0, False), (2, True)):
+        members, places, box, m = _members(monkeypatch, spares=spares)
+        with _processes(box, m, 2) as procs:
+            box.set_counter(m.status(0), DONE if done else 0)
+            _stop(procs[0])
+            places.kill_stopped(0.0)
+            places.kill_stopped(59.9)
+            assert procs[0].poll() is None
+            places.kill_stopped(60.0)
+            assert procs[0].wait(timeout=10) == -signal.SIGKILL
+            box.set_counter(m.status(1), LOST)  # a lost worker's process is not the book's to kill
+            _stop(procs[1])
+            places.kill_stopped(0.0)
+            places.kill_stopped(1000.0)
+            assert procs[1].poll() is None
+
+
 def test_spare_ranks_are_refused_where_no_spare_can_take_a_place():
     from pydantic import ValidationError
 
@@ -136,3 +204,24 @@ def test_a_spare_rank_under_a_users_own_mpiexec(tmp_path):
     assert s["replaced_by_spares"] == [[0, 2]] and s["workers"] == 2
     assert s["final_test_accuracy"] >= 0.93, s["final_test_accuracy"]
     assert "worker rank 0 died; spare rank 2 takes its place" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("spares", [1, 0])
+def test_a_stopped_worker_is_killed_and_replaced_by_a_spare_or_lost(tmp_path, spares):
+    """Rank 1 SIGSTOPs itself at step 100 of 300 and nobody wakes it (``--timeout 4``). The first memory
+    rank SIGKILLs it: with a spare waiting after 2 s, and the spare does its 200 steps; with none after
+    4 s, and it is lost. Either way the job ends by itself (before, with no spare, the stopped rank held
+    the job's end until the launcher stopped the whole job as hung)."""
+    out = tmp_path / "run"
+    args = ["train", "--strategy", "easgd", "--box", "rma", "--workers", "2", "--steps", "300"]
+    args += ["--timeout", "4", "--set", f"box.spare_ranks={spares}", "--out", str(out), "--no-progress"]
+    proc = run_cli(*args, env={**MPI_ENV, "PARAMBOX_FAULT": "1:100:stop"}, timeout=230)
+    s = summary(out)
+    assert f"worker rank 1 was stopped for {4 // (1 + spares)} s; killing it" in proc.stderr
+    if spares:
+        assert (s["lost_workers"], s["worker_steps"], s["replaced_by_spares"]) == ([], [300, 300], [[1, 2]])
+    else:
+        assert (s["lost_workers"], s["worker_steps"]) == ([1], [300, 100])
+    assert s["final_test_accuracy"] >= 0.93, s["final_test_accuracy"]

@@ -13,13 +13,16 @@ process on this host is gone; any worker once its step count stood still ``lost_
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
+import signal
 import time
 from collections.abc import Callable
 
 from parambox.box.base import Count, wait_until
 from parambox.errors import CommTimeout, warn
 from parambox.runtime.control import WorkerBoard
-from parambox.runtime.spawn import identity_gone, process_identity
+from parambox.runtime.spawn import identity_gone, is_stopped, process_identity
 from parambox.strategies.center import DONE, FINAL, LOST, NONFINITE, RESUMED, CounterMap
 
 _POLL_S = 0.01
@@ -186,16 +189,21 @@ class Membership:
 
     def is_lost(self, r: int, seen: Seen) -> bool:
         """Dead (MPI or the launcher says so; without either, a local process that is gone), or its
-        step count stood still ``lost_after_s``. A replacement under way counts as progress."""
-        if self.box.read_counter(self.m.status(r)) & LOST or self._dead_to_mpi(r):
+        step count stood still ``lost_after_s``. A replacement under way counts as progress. With
+        spare ranks, a death (MPI's word, a process gone) is the first memory rank's to act on (a
+        spare's place, or ``LOST``, within milliseconds): a leader that saw it first would count lost a
+        worker that a spare is taking over."""
+        if self.box.read_counter(self.m.status(r)) & LOST or (not self.spares and self._dead_to_mpi(r)):
             return True
         life = 0
         if self.board is not None:
             if self.board.dead(r):
                 return True
             life = self.board.life(r)
-        elif identity_gone(self.box.read_counter(self.m.ident(r))):
+        elif not self.spares and identity_gone(self.box.read_counter(self.m.ident(r))):
             return True
+        if self.spares:  # the MPI rank that runs it: a spare that took its place starts the clock again
+            life = self.box.read_counter(self.m.proc(r))
         count, now = self.box.read_counter(self.m.steps(r)), time.monotonic()
         if (count, life) != (seen[r][0], seen[r][2]):
             seen[r] = (count, now, life)
@@ -239,6 +247,7 @@ class Membership:
         # The first memory rank: the one writer of LOST bits and of the spares' places.
         marks = self.rank == self.num_workers + self.spares
         places = _Places(self, self.num_workers, self.spares)
+        kills = marks and getattr(self.box, "fault_tolerant", False)  # a dead rank does not end the job
         progress, moved, looked = None, time.monotonic(), 0.0
         while True:
             failed = self.box.failed_ranks()  # also drives MPI's progress and failure detection
@@ -250,6 +259,8 @@ class Membership:
             now = time.monotonic()
             if now - looked >= _SERVE_LOOK_S:  # the counters all, a few times a second (not every poll)
                 looked = now
+                if kills:
+                    places.kill_stopped(now)
                 if self._all_gone():
                     raise CommTimeout(
                         f"memory rank {self.rank}: every worker is gone and none took the center; nothing left to serve"
@@ -383,6 +394,7 @@ class _Places:
         self.runs = {r: r for r in range(num_workers)}  # worker -> the MPI rank that runs it
         self.lives = dict.fromkeys(range(num_workers), 0)  # worker -> its replacements so far
         self.seen: set[int] = set()
+        self.stopped: dict[int, float] = {}  # worker -> when its process was first seen stopped
 
     def follow(self, failed: list[int]) -> None:
         for rank in failed:
@@ -409,3 +421,26 @@ class _Places:
         # last: the spare starts once the rest is true
         box.set_counter(m.assign(index), place(worker, self.lives[worker]))
         warn(f"worker rank {worker} died; spare rank {spare} takes its place")
+
+    def kill_stopped(self, now: float) -> None:
+        """Under ``--with-ft ulfm``: SIGKILL a worker's process on this host that the kernel shows
+        stopped (SIGSTOP, a suspended process); MPI then says it died, and ``follow`` gives its place to
+        a spare or marks it LOST. Left alive it would stall the job's end until it wakes, and a done
+        rank 0 its peers' wait for the result (the local launcher kills such a rank too). Killed once
+        stopped for half of ``lost_after_s`` where a spare waits to take over (before a leader counts
+        the worker lost), else for ``lost_after_s``."""
+        m, box = self.m, self.box
+        for worker in range(self.members.num_workers):
+            ident, status = box.read_counter(m.ident(worker)), box.read_counter(m.status(worker))
+            pid = ident & 0xFFFFFFFF
+            if status & LOST or identity_gone(ident) is not False or not is_stopped(pid):
+                self.stopped.pop(worker, None)  # lost, gone, on another host, or running
+                continue
+            since = self.stopped.setdefault(worker, now)
+            # A done worker needs no spare (its death lets another lead, or the job end)
+            limit = self.members.lost_after_s / (2 if self.free and not status & DONE else 1)
+            if now - since >= limit:
+                warn(f"worker rank {worker} was stopped for {limit:g} s; killing it (pid {pid})")
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+                del self.stopped[worker]
