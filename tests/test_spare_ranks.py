@@ -147,6 +147,16 @@ def test_a_stopped_worker_with_no_spare_or_done_is_killed_at_lost_after_s(monkey
             assert procs[1].poll() is None
 
 
+def test_a_worker_stopped_when_the_result_is_taken_is_killed_at_once(monkeypatch):
+    """The run is over (FINAL): a worker stopped now, however briefly, would hold the job's end until
+    it wakes; a running one is left to end by itself."""
+    members, places, box, m = _members(monkeypatch, spares=0)
+    with _processes(box, m, 2) as procs:
+        _stop(procs[1])
+        places.kill_stopped(5.0, at_end=True)
+        assert procs[1].wait(timeout=10) == -signal.SIGKILL and procs[0].poll() is None
+
+
 def test_spare_ranks_are_refused_where_no_spare_can_take_a_place():
     from pydantic import ValidationError
 

@@ -255,6 +255,8 @@ class Membership:
                 places.follow(failed)
             status = self.box.read_counter(self.m.status(0))
             if status & FINAL or (status & LOST and self._all_lost()):
+                if kills:  # the run is over: a worker stopped now would hold the job's end
+                    places.kill_stopped(time.monotonic(), at_end=True)
                 return
             now = time.monotonic()
             if now - looked >= _SERVE_LOOK_S:  # the counters all, a few times a second (not every poll)
@@ -422,13 +424,13 @@ class _Places:
         box.set_counter(m.assign(index), place(worker, self.lives[worker]))
         warn(f"worker rank {worker} died; spare rank {spare} takes its place")
 
-    def kill_stopped(self, now: float) -> None:
+    def kill_stopped(self, now: float, at_end: bool = False) -> None:
         """Under ``--with-ft ulfm``: SIGKILL a worker's process on this host that the kernel shows
         stopped (SIGSTOP, a suspended process); MPI then says it died, and ``follow`` gives its place to
         a spare or marks it LOST. Left alive it would stall the job's end until it wakes, and a done
         rank 0 its peers' wait for the result (the local launcher kills such a rank too). Killed once
         stopped for half of ``lost_after_s`` where a spare waits to take over (before a leader counts
-        the worker lost), else for ``lost_after_s``."""
+        the worker lost), else for ``lost_after_s``; ``at_end`` (the result taken): at once."""
         m, box = self.m, self.box
         for worker in range(self.members.num_workers):
             ident, status = box.read_counter(m.ident(worker)), box.read_counter(m.status(worker))
@@ -439,8 +441,9 @@ class _Places:
             since = self.stopped.setdefault(worker, now)
             # A done worker needs no spare (its death lets another lead, or the job end)
             limit = self.members.lost_after_s / (2 if self.free and not status & DONE else 1)
-            if now - since >= limit:
-                warn(f"worker rank {worker} was stopped for {limit:g} s; killing it (pid {pid})")
+            if at_end or now - since >= limit:
+                when = "at the run's end" if at_end else f"for {limit:g} s"
+                warn(f"worker rank {worker} was stopped {when}; killing it (pid {pid})")
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
                 del self.stopped[worker]
