@@ -7,8 +7,10 @@ worker SIGKILLed half way: the spare takes its rank and does its steps, nobody i
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -81,6 +83,46 @@ def test_a_spare_that_died_waiting_is_struck_off_and_a_done_worker_is_not_replac
     places.follow(box.failed)
     assert box.read_counter(m.status(0)) & LOST and box.read_counter(m.assign(0)) == 0
     assert unplace(box.read_counter(m.assign(1))) == (1, 1) and members.process_of(1) == 3  # the second spare
+
+
+def _next_keeper(box, m, workers: int = 2, spares: int = 2):
+    """The second memory rank's view (MPI rank ``workers + spares + 1``)."""
+    from parambox.strategies.membership import Membership
+
+    return Membership(box, m, workers + spares + 1, workers, 10, "all", 60.0, spares=spares)
+
+
+def test_the_next_memory_rank_takes_the_book_of_places_over_from_the_box(monkeypatch):
+    """2 workers, spares at MPI ranks 2-3, memory ranks 4-5. Rank 4 gave worker 1's place to spare 2,
+    then died: rank 5 reads the book from the box (worker 1 runs on rank 2 in its life 1, spare 3
+    waits), acts on no death twice, and gives worker 1's next death to spare 3 as its life 2."""
+    from parambox.strategies.membership import _Places
+
+    _, places, box, m = _members(monkeypatch)
+    box.failed = [1]
+    places.follow(box.failed)
+    box.failed = [1, 4]
+    second = _next_keeper(box, m)
+    assert second.keeps_places(box.failed) and not second.keeps_places([1])
+    book = _Places(second, 2, 2)
+    assert (book.runs, book.lives, book.free) == ({0: 0, 1: 2}, {0: 0, 1: 1}, [3])
+    book.follow(box.failed)  # rank 1's death was acted on already; rank 4 is a memory rank
+    assert box.read_counter(m.assign(1)) == 0 and not box.read_counter(m.status(1)) & LOST
+    box.failed = [1, 4, 2]
+    book.follow(box.failed)
+    assert unplace(box.read_counter(m.assign(1))) == (1, 2) and second.process_of(1) == 3
+
+
+def test_a_place_half_given_when_its_keeper_died_is_given_again(monkeypatch):
+    """Rank 4 wrote worker 0's new process (spare 3) and died before the spare's ``assign``: the
+    spare would wait for ever. The next keeper finishes the place, as worker 0's life 1."""
+    from parambox.strategies.membership import _Places
+
+    _, _, box, m = _members(monkeypatch)
+    box.set_counter(m.proc(0), 3 + 1)
+    book = _Places(_next_keeper(box, m), 2, 2)
+    assert unplace(box.read_counter(m.assign(1))) == (0, 1) and box.read_counter(m.ident(0)) == 1001
+    assert book.free == [2] and book.runs == {0: 3, 1: 1}
 
 
 @contextmanager
@@ -222,16 +264,58 @@ def test_a_spare_rank_under_a_users_own_mpiexec(tmp_path):
 def test_a_stopped_worker_is_killed_and_replaced_by_a_spare_or_lost(tmp_path, spares):
     """Rank 1 SIGSTOPs itself at step 100 of 300 and nobody wakes it (``--timeout 4``). The first memory
     rank SIGKILLs it: with a spare waiting after 2 s, and the spare does its 200 steps; with none after
-    4 s, and it is lost. Either way the job ends by itself (before, with no spare, the stopped rank held
+    4 s (or as the run ends, where the leader counted it lost first), and it is lost. Either way the
+    job ends by itself (before, with no spare, the stopped rank held
     the job's end until the launcher stopped the whole job as hung)."""
     out = tmp_path / "run"
     args = ["train", "--strategy", "easgd", "--box", "rma", "--workers", "2", "--steps", "300"]
     args += ["--timeout", "4", "--set", f"box.spare_ranks={spares}", "--out", str(out), "--no-progress"]
     proc = run_cli(*args, env={**MPI_ENV, "PARAMBOX_FAULT": "1:100:stop"}, timeout=230)
     s = summary(out)
-    assert f"worker rank 1 was stopped for {4 // (1 + spares)} s; killing it" in proc.stderr
+    # with no spare, the leader may count it lost (after 4 s of no steps) before its kill: then it is
+    # killed as the run ends
+    when = "for 2 s" if spares else "(for 4 s|at the run's end)"
+    assert re.search(f"worker rank 1 was stopped {when}; killing it", proc.stderr), proc.stderr
     if spares:
         assert (s["lost_workers"], s["worker_steps"], s["replaced_by_spares"]) == ([], [300, 300], [[1, 2]])
     else:
         assert (s["lost_workers"], s["worker_steps"]) == ([1], [300, 100])
     assert s["final_test_accuracy"] >= 0.93, s["final_test_accuracy"]
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(240)
+def test_the_second_memory_rank_hands_out_the_places_once_the_first_died(tmp_path):
+    """2 workers, a spare (rank 2), memory ranks 3 and 4 (``box.memory_ranks=2``). Rank 3 SIGKILLed
+    once the workers train (on one host the box outlives it), then worker 1 SIGKILLed at step 1500 of
+    2000: rank 4 keeps the book now and gives the place to the spare; nobody is lost."""
+    from tests.test_restarts import FAST, start, worker
+
+    out = tmp_path / "run"
+    args = ["train", "--strategy", "easgd", "--box", "rma", "--workers", "2", "--steps", "2000", *FAST]
+    args += [
+        "--timeout",
+        "10",
+        "--set",
+        "box.spare_ranks=1",
+        "--set",
+        "box.memory_ranks=2",
+        "--out",
+        str(out),
+    ]
+    launcher = start(*args, env={**MPI_ENV, "PARAMBOX_FAULT": "1:1500:kill"})
+    try:
+        mine = out / "metrics.rank1.jsonl"
+        deadline = time.monotonic() + 120
+        while not (mine.exists() and '"step"' in mine.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        worker(launcher, 3).kill()
+        _, err = launcher.communicate(timeout=200)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, err
+    s = summary(out)
+    assert (s["lost_workers"], s["worker_steps"], s["replaced_by_spares"]) == ([], [2000, 2000], [[1, 2]]), s
+    assert "the memory ranks before rank 4 died; it keeps the book of places" in err
+    assert "worker rank 1 died; spare rank 2 takes its place" in err

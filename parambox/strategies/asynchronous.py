@@ -222,11 +222,12 @@ class AsyncStrategy(Strategy):
         the life of it the spare starts: 1 for its first replacement), or the run ends without needing
         it (None)."""
         m, box, index = self.counters, self.box, self.spare
+        memory = range(self.num_workers + self.spare_ranks, self.world.world_size)
         while True:
             if value := box.read_counter(m.assign(index)):
                 return unplace(value)
-            if self.membership.run_over() or self.num_workers + self.spare_ranks in box.failed_ranks():
-                return None  # the run's result is taken, or the memory rank that hands places out died
+            if self.membership.run_over() or set(memory) <= set(box.failed_ranks()):
+                return None  # the run's result is taken, or every memory rank (which hand places out) died
             time.sleep(0.01)
 
     def data_partition(self) -> tuple[int, int]:

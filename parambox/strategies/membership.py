@@ -244,25 +244,31 @@ class Membership:
 
         >>> membership.serve(deadline_s=2 * timeout)  # doctest: +SKIP
         """
-        # The first memory rank: the one writer of LOST bits and of the spares' places.
-        marks = self.rank == self.num_workers + self.spares
-        places = _Places(self, self.num_workers, self.spares)
-        kills = marks and getattr(self.box, "fault_tolerant", False)  # a dead rank does not end the job
+        # The first live memory rank keeps the book: the one writer of LOST bits and of the spares'
+        # places; where a memory rank before it died (on one host the box outlives it), the next one
+        # takes the book over from the box's counters.
+        places: _Places | None = None
+        fault_tolerant = getattr(self.box, "fault_tolerant", False)  # a dead rank does not end the job
         progress, moved, looked = None, time.monotonic(), 0.0
         while True:
             failed = self.box.failed_ranks()  # also drives MPI's progress and failure detection
-            if marks:
+            if places is None and self.keeps_places(failed):
+                if self.rank > self.num_workers + self.spares:
+                    warn(f"the memory ranks before rank {self.rank} died; it keeps the book of places")
+                places = _Places(self, self.num_workers, self.spares)
+            kills = places if places is not None and fault_tolerant else None  # stopped workers
+            if places is not None:
                 places.follow(failed)
             status = self.box.read_counter(self.m.status(0))
             if status & FINAL or (status & LOST and self._all_lost()):
-                if kills:  # the run is over: a worker stopped now would hold the job's end
-                    places.kill_stopped(time.monotonic(), at_end=True)
+                if kills is not None:  # the run is over: a worker stopped now would hold the job's end
+                    kills.kill_stopped(time.monotonic(), at_end=True)
                 return
             now = time.monotonic()
             if now - looked >= _SERVE_LOOK_S:  # the counters all, a few times a second (not every poll)
                 looked = now
-                if kills:
-                    places.kill_stopped(now)
+                if kills is not None:
+                    kills.kill_stopped(now)
                 if self._all_gone():
                     raise CommTimeout(
                         f"memory rank {self.rank}: every worker is gone and none took the center; nothing left to serve"
@@ -275,6 +281,10 @@ class Membership:
                         "(rank 0 hung or stopped?); it stops serving"
                     )
             time.sleep(_SERVE_POLL_S)
+
+    def keeps_places(self, failed: list[int]) -> bool:
+        """This memory rank keeps the book of places: every memory rank before it is dead to MPI."""
+        return all(r in failed for r in range(self.num_workers + self.spares, self.rank))
 
     def _progress(self) -> tuple[int, ...]:
         """What moves while any worker gets on: the start, each one's steps and status, the lead."""
@@ -391,12 +401,25 @@ class _Places:
     not done, else the worker is marked ``LOST``; a spare that died waiting is struck off."""
 
     def __init__(self, members: Membership, num_workers: int, spares: int):
+        """The book as the box's counters tell it: at the start, or where the memory rank that kept it
+        died (a place it had begun to give, its ``proc`` written and not its ``assign``, is given again)."""
         self.members, self.m, self.box = members, members.m, members.box
-        self.free = list(range(num_workers, num_workers + spares))  # MPI ranks of the waiting spares
-        self.runs = {r: r for r in range(num_workers)}  # worker -> the MPI rank that runs it
-        self.lives = dict.fromkeys(range(num_workers), 0)  # worker -> its replacements so far
+        given = [
+            unplace(v) if (v := self.box.read_counter(self.m.assign(i))) else None for i in range(spares)
+        ]
+        self.runs = {r: members.process_of(r) for r in range(num_workers)}  # worker -> its MPI rank
+        # worker -> its replacements so far (each spare that took a place took the worker's next life)
+        self.lives = {r: sum(g is not None and g[0] == r for g in given) for r in range(num_workers)}
+        running = set(self.runs.values())
+        # MPI ranks of the waiting spares
+        self.free = [
+            num_workers + i for i in range(spares) if given[i] is None and num_workers + i not in running
+        ]
         self.seen: set[int] = set()
         self.stopped: dict[int, float] = {}  # worker -> when its process was first seen stopped
+        for worker, rank in self.runs.items():
+            if rank != worker and given[rank - num_workers] is None:
+                self._replace(worker, rank)
 
     def follow(self, failed: list[int]) -> None:
         for rank in failed:
@@ -407,8 +430,8 @@ class _Places:
                 self.free.remove(rank)
                 continue
             worker = next((w for w, p in self.runs.items() if p == rank), None)
-            if worker is None:
-                continue  # another memory rank
+            if worker is None or self.box.read_counter(self.m.status(worker)) & LOST:
+                continue  # a memory rank, a process a spare replaced, or a worker already lost
             if self.free and not self.box.read_counter(self.m.status(worker)) & DONE:
                 self._replace(worker, self.free.pop(0))
             else:
