@@ -149,6 +149,12 @@ def test_the_fault_loop_draws_a_memory_rank_with_the_workers_for_a_kill_only(mon
     assert procs[3].signals[-1] == signal.SIGKILL
     assert chaos._hit_one(tmp_path, 3000, rng, "stop", True, [3], 1) is None  # a memory rank is not stopped
     assert chaos._hit_one(tmp_path, 3000, rng, "kill", True, [3], 0) is None  # a setup without one
+    # easgd-rma-spares-memory: spares at 3-6 (waiting: no steps, not hit), memory ranks at 7-8
+    setup = chaos.SETUPS["easgd-rma-spares-memory"]
+    assert (setup.spare_ranks, setup.memory_ranks) == (4, 2)
+    procs[:] = [Proc(r) for r in range(9)]
+    drawn = {chaos._hit_one(tmp_path, 3000, rng, "kill", True, None, 2, 4)[0] for _ in range(100)}
+    assert drawn == {0, 1, 2, 7, 8}
     training = {0}  # the last worker training finishes in peace, with or without the box
     monkeypatch.setattr(chaos, "_last_step", lambda out, rank: (1.0, 100) if rank in training else (0.0, 0))
     assert chaos._hit_one(tmp_path, 3000, rng, "kill", True, None, 1) is None

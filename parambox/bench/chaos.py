@@ -62,6 +62,7 @@ class ChaosSetup:
     quick_steps: int  # the quick form's (the MLP): a few seconds
     hits_rank0: bool = True  # the fault loop may hit rank 0
     memory_ranks: int = 0  # ranks after the workers that hold the box (--box rma): the loop may kill them
+    spare_ranks: int = 0  # ranks between the workers and the memory ranks that wait (box.spare_ranks)
 
 
 # The asynchronous setups end on the workers' total steps (``termination=average``: ShmCaffe's
@@ -115,6 +116,16 @@ SETUPS = {
         75_000,
         3000,
     ),
+    # On request (--setups easgd-rma-spares-memory): 3 workers, 4 spares and two memory ranks (7, 8), the
+    # memory ranks drawn with the workers for a kill: where the one handing out places dies, the other
+    # takes the book over (on one host the box outlives them both).
+    "easgd-rma-spares-memory": ChaosSetup(
+        (*_EASGD_RMA, "--set", "box.spare_ranks=4", "--set", "box.memory_ranks=2"),
+        75_000,
+        3000,
+        memory_ranks=2,
+        spare_ranks=4,
+    ),
 }
 DEFAULT_SETUPS = ("easgd", "diloco-async", "allreduce")  # torchft's chaos run's kinds of rule
 KINDS = ("kill", "stop")  # the fault loop's kinds, in turn; kill-at-start comes from PARAMBOX_FAULT
@@ -160,11 +171,12 @@ def run_bench_chaos(
     bad = [k for k in kinds or () if k not in KINDS]
     if bad or kinds == []:
         raise UserError(f"bench chaos: --faults takes a comma list of {', '.join(KINDS)}, got {kinds}")
-    most = WORKERS + max(SETUPS[s].memory_ranks for s in setups)  # the workers, then any memory ranks
+    # the workers, then any spare ranks and memory ranks
+    most = WORKERS + max(SETUPS[s].spare_ranks + SETUPS[s].memory_ranks for s in setups)
     if hit_ranks is not None and (not hit_ranks or not all(0 <= r < most for r in hit_ranks)):
         raise UserError(
             f"bench chaos: --hit-ranks are ranks of its {WORKERS} workers (0-{WORKERS - 1})"
-            + (f" or its memory ranks ({WORKERS}-{most - 1})" if most > WORKERS else "")
+            + (f" or its spare and memory ranks ({WORKERS}-{most - 1})" if most > WORKERS else "")
         )
     plan = dict(QUICK if quick else FULL)
     plan["kinds"] = list(kinds or KINDS)
@@ -260,7 +272,14 @@ class _FaultLoop:
         kind = kinds[len(self.log) % len(kinds)]
         ranks = self.plan.get("hit_ranks")
         hit = _hit_one(
-            out, self.plan["steps"], self.rng, kind, self.setup.hits_rank0, ranks, self.setup.memory_ranks
+            out,
+            self.plan["steps"],
+            self.rng,
+            kind,
+            self.setup.hits_rank0,
+            ranks,
+            self.setup.memory_ranks,
+            self.setup.spare_ranks,
         )
         if hit is None:  # nobody training yet (or all near their end): look again soon
             self.next_at = now + RETRY_S
@@ -379,12 +398,14 @@ def _hit_one(
     hits_rank0: bool,
     ranks: list[int] | None = None,
     memory_ranks: int = 0,
+    spare_ranks: int = 0,
 ) -> tuple[int, psutil.Process] | None:
     """SIGKILL or SIGSTOP one random worker that is training (it has logged steps in this life, and is
     not about to finish: a replacement still starting up is spared), while at least two are; returns
     its rank and process (one of ``ranks`` where given). The workers are below this process: under the
-    run's launcher, or under this process's zygote. A live memory rank (ranks ``WORKERS`` on, which log
-    no steps) is drawn with the workers, for a SIGKILL only: a stopped one would stall the box, not test it."""
+    run's launcher, or under this process's zygote. A live memory rank (ranks ``WORKERS`` on, after any
+    ``spare_ranks``; they log no steps) is drawn with the workers, for a SIGKILL only: a stopped one
+    would stall the box, not test it. A spare is hit once it has taken a worker's place (its rank's name)."""
     workers, memory = {}, {}
     for child in psutil.Process().children(recursive=True):
         try:
@@ -394,7 +415,7 @@ def _hit_one(
                 continue
         except (psutil.Error, ValueError):
             continue
-        if WORKERS <= rank < WORKERS + memory_ranks:
+        if WORKERS + spare_ranks <= rank < WORKERS + spare_ranks + memory_ranks:
             memory[rank] = child
             continue
         logged, step = _last_step(out, rank)
