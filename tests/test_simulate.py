@@ -180,6 +180,23 @@ def test_a_collectives_exchange_cpu_first_fills_the_workers_wait_on_the_link():
         assert row["error_with_cpu"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_an_overlapped_exchanges_cpu_lies_on_its_path_as_well_as_the_computes():
+    """downpour-overlap with the link the bottleneck: the exchange behind the compute waits for its own
+    CPU too (the bytes wait for the core that moves them), so the step is the link's time plus it;
+    counted against the compute alone, the overlap would hide it."""
+    from parambox.perfmodel.simulate import against_measured
+
+    link = ALPHA + 2 * (S / 2) / RATE  # the fused push-pull over both directions of each link
+    r = simulate("downpour-overlap", 2, 0.001, S, NET, exchange_cpu_s=0.01)
+    assert r.step_s == pytest.approx(link + 0.01, rel=1e-6)
+    compute = link / 4  # the ceiling: half a core (its 1/8 link of CPU in a 1/4 link step)
+    rates = {"ceiling": 2 * 64 / compute, "downpour-overlap": 2 * 64 / (link + 0.01)}
+    cpu = {"ceiling": compute * 1e3 / 2, "downpour-overlap": compute * 1e3 / 2 + 5.0}  # 10 ms at that share
+    row = against_measured(rates, 2, 64, S, NET, cpu)["downpour-overlap"]
+    assert row["error_with_cpu"] == pytest.approx(0.0, abs=1e-6)
+    assert row["simulated_ms"] == pytest.approx(link * 1e3, rel=1e-6)  # over the links alone: hidden
+
+
 def _bench(step_s: dict[str, float], compute_s: float) -> dict:
     rates = {name: 2 * 64 / s for name, s in step_s.items()} | {"ceiling": 2 * 64 / compute_s}
     return {"nodes": 2, "workers": 2, "batch_per_worker": 64, "by_gbps": {"1": {"samples_per_s": rates}}}

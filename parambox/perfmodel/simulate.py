@@ -30,7 +30,7 @@ The CPU the exchange itself takes (serving threads, summing, encoding, polling) 
 a cluster it runs on cores the compute leaves free. Where the workers fill the cores, as on the
 emulated cluster, :func:`against_measured` adds it to the compute from the run's own measurement
 (each setup's CPU a step less the ceiling's, at the ceiling's share of a core; a collective's only
-where it outlasts the worker's wait on the link).
+where it outlasts the worker's wait on the link; an overlapped exchange's on its own path as well).
 
 >>> net = Network.from_gbps(1.0)
 >>> r = simulate("ceiling", nodes=4, compute_s=0.05, size_bytes=4e6, net=net)
@@ -264,11 +264,13 @@ def simulate(
     jitter: float = 0.0,
     seed: int = 0,
     average_bytes_per_s: float = 5e9,
+    exchange_cpu_s: float = 0.0,
 ) -> SimResult:
     """``setup`` (a key of ``PATTERNS``, or a ``Pattern``) on ``nodes`` nodes, each step ``compute_s`` of compute on
     ``batch`` samples and ``size_bytes`` of gradient or weights; measured over ``steps`` steps after one
     exchange period of warm-up (default 4 periods, at least 8 steps). ``average_bytes_per_s``: how fast
-    ps-sync's server sums the gathered gradients (its ``average`` phase)."""
+    ps-sync's server sums the gathered gradients (its ``average`` phase). ``exchange_cpu_s``: the seconds
+    of a core an overlapped exchange waits for besides its links (its CPU on cores the compute fills)."""
     if isinstance(setup, Pattern):
         pattern, setup = setup, f"{setup.exchange} every {setup.period}"
     elif setup in PATTERNS:
@@ -297,7 +299,9 @@ def simulate(
                 if pattern.overlap:
                     if background is not None:
                         yield background
-                    background = env.process(_exchange(run, pattern, me, k, size_bytes, average_bytes_per_s))
+                    background = env.process(
+                        _exchange(run, pattern, me, k, size_bytes, average_bytes_per_s, exchange_cpu_s)
+                    )
                 else:
                     timed = yield env.process(_exchange(run, pattern, me, k, size_bytes, average_bytes_per_s))
                     if me == 0 and k >= warm:
@@ -357,8 +361,19 @@ def _bucketed_step(run: _Cluster, pattern: Pattern, me: int, k: int, compute_s: 
     yield comm
 
 
-def _exchange(run: _Cluster, pattern: Pattern, me: int, k: int, size_bytes: float, average_bps: float):
-    """One exchange of ``pattern`` at step ``k``; returns node 0's phase times for ps-sync."""
+def _exchange(
+    run: _Cluster,
+    pattern: Pattern,
+    me: int,
+    k: int,
+    size_bytes: float,
+    average_bps: float,
+    cpu_s: float = 0.0,
+):
+    """One exchange of ``pattern`` at step ``k``, then ``cpu_s`` of the CPU it waits for; returns node
+    0's phase times for ps-sync."""
+    if cpu_s > 0:
+        yield run.env.timeout(cpu_s)
     if pattern.exchange == "allreduce":
         yield from run.ring_allreduce(me, ("allreduce", k), size_bytes)
     elif pattern.exchange == "box-sync":
@@ -423,7 +438,11 @@ def against_measured(
       rank waits on: it first fills the time the worker waits on the link, so the step is about the longer
       of the links-alone step and the compute plus that CPU (allreduce, ddp, weight-avg, diloco);
     - the box's (the memory server summing and serving the other workers' pushes and pulls, whenever
-      they come) runs while this worker computes: the compute grows by all of it."""
+      they come) runs while this worker computes: the compute grows by all of it;
+    - an overlapped exchange's (downpour with ``overlap``: the push-pull in a thread behind the next
+      step) lies on both of the step's paths at once: it takes the core from the compute, and the
+      exchange's bytes wait for the CPU that moves and serves them, so the exchange grows by it too
+      (by ``period`` steps' worth). A sequential step has one path, and counts it once."""
     if "ceiling" not in samples_per_s:
         return {}
     compute_s = nodes * batch / samples_per_s["ceiling"]
@@ -446,7 +465,11 @@ def against_measured(
             taken = extra / share  # compute seconds a step that CPU takes at the ceiling's share
             if PATTERNS[setup].exchange in ("allreduce", "ps"):  # a collective: within the link wait
                 taken = max(0.0, taken - (sim - compute_s))
-            with_cpu = simulate(setup, nodes, compute_s + taken, size_bytes, net, batch=batch).step_s
+            pattern = PATTERNS[setup]
+            behind = taken * pattern.period if pattern.overlap else 0.0  # on the exchange's path too
+            with_cpu = simulate(
+                setup, nodes, compute_s + taken, size_bytes, net, batch=batch, exchange_cpu_s=behind
+            ).step_s
             out[setup].update(
                 exchange_cpu_ms=extra * 1e3,
                 simulated_with_cpu_ms=with_cpu * 1e3,
