@@ -260,24 +260,30 @@ def test_a_spare_rank_under_a_users_own_mpiexec(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("spares", [1, 0])
-def test_a_stopped_worker_is_killed_and_replaced_by_a_spare_or_lost(tmp_path, spares):
-    """Rank 1 SIGSTOPs itself at step 100 of 300 and nobody wakes it (``--timeout 4``). The first memory
-    rank SIGKILLs it: with a spare waiting after 2 s, and the spare does its 200 steps; with none after
-    4 s (or as the run ends, where the leader counted it lost first), and it is lost. Either way the
-    job ends by itself (before, with no spare, the stopped rank held
-    the job's end until the launcher stopped the whole job as hung)."""
+@pytest.mark.parametrize(
+    ("strategy", "rank", "spares"), [("easgd", 1, 1), ("easgd", 1, 0), ("downpour", 0, 1)]
+)
+def test_a_stopped_worker_is_killed_and_replaced_by_a_spare_or_lost(tmp_path, strategy, rank, spares):
+    """A worker (rank 0, the leader, too) SIGSTOPs itself at step 100 of 300 and nobody wakes it
+    (``--timeout 4``). The first memory rank SIGKILLs it: with a spare waiting after 2 s, and the spare
+    does its 200 steps; with none after 4 s (or as the run ends, where the leader counted it lost
+    first), and it is lost. Either way the job ends by itself (before, with no spare, the stopped rank
+    held the job's end until the launcher stopped the whole job as hung)."""
     out = tmp_path / "run"
-    args = ["train", "--strategy", "easgd", "--box", "rma", "--workers", "2", "--steps", "300"]
+    args = ["train", "--strategy", strategy, "--box", "rma", "--workers", "2", "--steps", "300"]
     args += ["--timeout", "4", "--set", f"box.spare_ranks={spares}", "--out", str(out), "--no-progress"]
-    proc = run_cli(*args, env={**MPI_ENV, "PARAMBOX_FAULT": "1:100:stop"}, timeout=230)
+    proc = run_cli(*args, env={**MPI_ENV, "PARAMBOX_FAULT": f"{rank}:100:stop"}, timeout=230)
     s = summary(out)
     # with no spare, the leader may count it lost (after 4 s of no steps) before its kill: then it is
     # killed as the run ends
     when = "for 2 s" if spares else "(for 4 s|at the run's end)"
-    assert re.search(f"worker rank 1 was stopped {when}; killing it", proc.stderr), proc.stderr
+    assert re.search(f"worker rank {rank} was stopped {when}; killing it", proc.stderr), proc.stderr
     if spares:
-        assert (s["lost_workers"], s["worker_steps"], s["replaced_by_spares"]) == ([], [300, 300], [[1, 2]])
+        assert (s["lost_workers"], s["worker_steps"], s["replaced_by_spares"]) == (
+            [],
+            [300, 300],
+            [[rank, 2]],
+        )
     else:
         assert (s["lost_workers"], s["worker_steps"]) == ([1], [300, 100])
     assert s["final_test_accuracy"] >= 0.93, s["final_test_accuracy"]
