@@ -12,7 +12,14 @@ import importlib
 import os
 import sys
 
-from parambox.errors import REQUEUE_EXIT, Preempted, UserError, terminate_as_interrupt, validation_message
+from parambox.errors import (
+    REQUEUE_EXIT,
+    Preempted,
+    RunFailed,
+    UserError,
+    terminate_as_interrupt,
+    validation_message,
+)
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("parambox.commands.train", "train a model with any strategy"),
@@ -75,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
             return int(importlib.import_module(args._module).run(args) or 0)
         except UserError as e:
             return _fail(str(e))
+        except RunFailed as e:
+            print(f"parambox: error: {e}", file=sys.stderr)
+            return 1
         except Preempted as e:
             where = "" if e.step is None else f" at step {e.step}"
             print(f"parambox: stopped{where} for a requeue (SIGUSR1)", file=sys.stderr)

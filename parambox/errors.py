@@ -24,6 +24,11 @@ class UserError(ValueError):
     """
 
 
+class RunFailed(RuntimeError):
+    """A run that a benchmark started failed (not the user's input): the CLI prints the message, which
+    says where the run's log was kept, without a traceback, and exits with code 1."""
+
+
 class CommTimeout(RuntimeError):
     """A blocking wait ran past its timeout; the message names the phase and the missing peers."""
 

@@ -166,3 +166,34 @@ def test_hit_ranks_take_the_memory_rank_only_with_a_setup_that_has_one():
     bad = run_cli("bench", "chaos", "--quick", "--setups", "easgd", "--hit-ranks", "3", check=False)
     assert bad.returncode == 2 and "ranks of its 3 workers (0-2)" in bad.stderr, bad.stderr
     assert "memory" not in bad.stderr
+
+
+def test_a_run_that_fails_is_one_line_on_the_cli_and_its_log_is_kept(tmp_path, monkeypatch, capsys):
+    """A chaos run that exits non-zero: its log and files are kept past the bench's scratch folder, and
+    the CLI prints where, with the log's last lines, exit code 1 and no traceback."""
+    import re
+    import shutil
+    from pathlib import Path
+
+    from parambox import cli
+    from parambox.bench import chaos
+    from parambox.commands import bench
+    from parambox.errors import RunFailed
+
+    out = tmp_path / "bad-run"
+    with pytest.raises(RunFailed) as failed:
+        chaos._run(["train", "--strategy", "no-such-rule"], out)
+    kept = Path(re.search(r"kept in (\S+)", str(failed.value))[1])
+    try:
+        assert "no-such-rule" in (kept / "bad-run.log").read_text() and "no-such-rule" in str(failed.value)
+        assert str(failed.value).startswith("bench chaos: the bad-run run exited 2; its log is kept in ")
+    finally:
+        shutil.rmtree(kept)
+
+    def fail(args):
+        raise failed.value
+
+    monkeypatch.setattr(bench, "run", fail)
+    assert cli.main(["bench", "chaos", "--quick"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("parambox: error: bench chaos: the bad-run run exited 2") and "Traceback" not in err

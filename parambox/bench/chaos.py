@@ -39,10 +39,12 @@ import collections
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +52,7 @@ from typing import Any
 
 import psutil
 
+from parambox.errors import RunFailed
 from parambox.runtime import scratch, spawn, zygote
 
 WORKERS = 3
@@ -322,8 +325,7 @@ def _run(
             spawn.stop([launcher])
     command_s = time.monotonic() - t0
     if launcher.returncode != 0 or not (out / "summary.json").exists():
-        tail = log.read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"the {out.name} run exited {launcher.returncode}:\n{tail}")
+        raise _failed(out, log, launcher.returncode)
     s = json.loads((out / "summary.json").read_text())
     result = {
         "command_s": command_s,
@@ -434,6 +436,18 @@ def _hit_one(
     except psutil.Error:
         return None
     return rank, workers[rank]
+
+
+def _failed(out: Path, log: Path, code: int | None) -> RunFailed:
+    """A run that failed, its log and files kept (the bench's scratch folder goes when it ends)."""
+    kept = Path(tempfile.mkdtemp(prefix=f"parambox-chaos-{out.name}-"))
+    shutil.copy(log, kept)
+    if out.is_dir():
+        shutil.copytree(out, kept / out.name, ignore=shutil.ignore_patterns("*.pt"))
+    tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+    return RunFailed(
+        f"bench chaos: the {out.name} run exited {code}; its log is kept in {kept}\n" + "\n".join(tail)
+    )
 
 
 def _rank_of(child: psutil.Process) -> int:

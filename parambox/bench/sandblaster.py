@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from parambox.bench.workers import warm
+from parambox.errors import RunFailed, UserError
 from parambox.runtime import scratch, spawn, zygote
 
 # The quick form's worker is 10x slower, not 5x: on a loaded 2-core machine the fast worker's
@@ -94,14 +95,14 @@ def _run(plan: dict[str, Any], backup: bool, out: Path) -> dict[str, Any]:
         _, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         spawn.stop([proc])
-        raise RuntimeError(f"bench sandblaster: a run took over {RUN_TIMEOUT_S:g} s") from None
+        raise RunFailed(f"bench sandblaster: a run took over {RUN_TIMEOUT_S:g} s") from None
     if proc.returncode != 0:
-        raise RuntimeError(f"bench sandblaster: a run exited {proc.returncode}: {stderr.strip()[-500:]}")
+        raise RunFailed(f"bench sandblaster: a run exited {proc.returncode}: {stderr.strip()[-500:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     every = [r for r in rows if r["kind"] == "step"]
     steps = every[1:]  # the first pays one-off set-up: not timed
     if not steps:
-        raise RuntimeError("bench sandblaster: give at least 2 --steps (the first is not timed)")
+        raise UserError("bench sandblaster: give at least 2 --steps (the first is not timed)")
     summary = json.loads((out / "summary.json").read_text())
 
     def med(key: str) -> float:
