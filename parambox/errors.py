@@ -25,8 +25,8 @@ class UserError(ValueError):
 
 
 class RunFailed(RuntimeError):
-    """A run that a benchmark started failed (not the user's input): the CLI prints the message, which
-    says where the run's log was kept, without a traceback, and exits with code 1."""
+    """A run that a benchmark or a measurement started failed (not the user's input): the CLI prints the
+    message (the run, its last lines, where its log was kept if it was) without a traceback, exit 1."""
 
 
 class CommTimeout(RuntimeError):

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from parambox.bench.rounds import paired_ratio
 from parambox.bench.workers import BATCH, close_setups, exit_worker, random_batches, run_setups, spawn_workers
+from parambox.errors import RunFailed
 from parambox.numerics import is_finite
 from parambox.runtime import scratch, spawn
 from parambox.runtime.dist import destroy_distributed
@@ -204,7 +205,7 @@ def _rma_job(memory_ranks: int, steps: int, warmup: int) -> float:
         rates = [json.loads(f.read_text()) for f in Path(tmp).glob("rate*.json")]
         if proc.returncode != 0 or len(rates) != 2:
             tail = " | ".join((err or "").strip().splitlines()[-3:])
-            raise RuntimeError(f"bench async: the rma job (memory ranks {memory_ranks}) failed: {tail}")
+            raise RunFailed(f"bench async: the rma job (memory ranks {memory_ranks}) failed: {tail}")
         return float(sum(rates))
 
 

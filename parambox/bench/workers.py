@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from parambox.errors import RunFailed
 from parambox.runtime import scratch, spawn
 from parambox.runtime.mpi import exit_now
 
@@ -91,7 +92,7 @@ def wait_all(procs: list, grace_s: float = 30.0, deadline_s: float | None = None
                 procs[i].send_signal(signal.SIGABRT)
             time.sleep(2.0)  # for the stacks to be written
             spawn.stop(procs)
-            raise RuntimeError(f"workers {hung} still running after {deadline_s:g} s: their stacks are above")
+            raise RunFailed(f"workers {hung} still running after {deadline_s:g} s: their stacks are above")
         if failed_at is None and any(codes):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > grace_s:
@@ -134,5 +135,5 @@ def spawn_workers(
             spawn.stop(procs)
             spawn.remove_segments(prefix)
         if any(codes):
-            raise RuntimeError(f"{module} workers exited with {codes}")
+            raise RunFailed(f"{module} workers exited with {codes}")
         return json.loads(out.read_text())

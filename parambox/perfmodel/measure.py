@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from parambox.errors import RunFailed
 from parambox.perfmodel._worker import RESULT_MARKER
 from parambox.perfmodel.compute import ComputeProfile, profile_from_times
 from parambox.perfmodel.sample import Sample
@@ -56,7 +57,7 @@ def run_workers(
             for p in procs:
                 p.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            raise RuntimeError(
+            raise RunFailed(
                 f"{spec['mode']} measurement: workers still running after {timeout_s:.0f} s"
             ) from None
         finally:
@@ -72,11 +73,11 @@ def _result(mode: str, procs: list[subprocess.Popen], texts: list[str]) -> dict:
     for rank, (p, text) in enumerate(zip(procs, texts)):
         if p.returncode != 0:
             tail = text.strip().splitlines()[-1:] or ["(no output)"]
-            raise RuntimeError(f"{mode} measurement: worker {rank} exited {p.returncode}: {tail[0]}")
+            raise RunFailed(f"{mode} measurement: worker {rank} exited {p.returncode}: {tail[0]}")
     for line in texts[0].splitlines():
         if line.startswith(RESULT_MARKER):
             return json.loads(line[len(RESULT_MARKER) :])
-    raise RuntimeError(f"{mode} measurement: worker 0 printed no result")
+    raise RunFailed(f"{mode} measurement: worker 0 printed no result")
 
 
 def network_from_probe(probe: dict) -> tuple[float, float]:
