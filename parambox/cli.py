@@ -82,9 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             return int(importlib.import_module(args._module).run(args) or 0)
         except UserError as e:
             return _fail(str(e))
-        except RunFailed as e:
-            print(f"parambox: error: {e}", file=sys.stderr)
-            return 1
+        except RunFailed as e:  # not the user's input: exit 1
+            return _fail(str(e), code=1)
         except Preempted as e:
             where = "" if e.step is None else f" at step {e.step}"
             print(f"parambox: stopped{where} for a requeue (SIGUSR1)", file=sys.stderr)
@@ -110,10 +109,10 @@ def _spawns_local_workers(argv: list[str]) -> bool:
 _EXTERNAL_RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, code: int = 2) -> int:
     print(f"parambox: error: {message}", file=sys.stderr)
     if os.environ.get("PARAMBOX_DEBUG"):
         import traceback
 
         traceback.print_exc()
-    return 2
+    return code

@@ -463,9 +463,9 @@ def against_measured(
         if cpu and cpu.get(setup):
             extra = max(0.0, cpu[setup] - cpu["ceiling"]) / 1e3
             taken = extra / share  # compute seconds a step that CPU takes at the ceiling's share
-            if PATTERNS[setup].exchange in ("allreduce", "ps"):  # a collective: within the link wait
-                taken = max(0.0, taken - (sim - compute_s))
             pattern = PATTERNS[setup]
+            if pattern.exchange in ("allreduce", "ps"):  # a collective: within the link wait
+                taken = max(0.0, taken - (sim - compute_s))
             behind = taken * pattern.period if pattern.overlap else 0.0  # on the exchange's path too
             with_cpu = simulate(
                 setup, nodes, compute_s + taken, size_bytes, net, batch=batch, exchange_cpu_s=behind

@@ -256,19 +256,19 @@ class Membership:
                 if self.rank > self.num_workers + self.spares:
                     warn(f"the memory ranks before rank {self.rank} died; it keeps the book of places")
                 places = _Places(self, self.num_workers, self.spares)
-            kills = places if places is not None and fault_tolerant else None  # stopped workers
             if places is not None:
                 places.follow(failed)
+            kills = places is not None and fault_tolerant  # stopped workers' processes
             status = self.box.read_counter(self.m.status(0))
             if status & FINAL or (status & LOST and self._all_lost()):
-                if kills is not None:  # the run is over: a worker stopped now would hold the job's end
-                    kills.kill_stopped(time.monotonic(), at_end=True)
+                if kills:  # the run is over: a worker stopped now would hold the job's end
+                    places.kill_stopped(time.monotonic(), at_end=True)
                 return
             now = time.monotonic()
             if now - looked >= _SERVE_LOOK_S:  # the counters all, a few times a second (not every poll)
                 looked = now
-                if kills is not None:
-                    kills.kill_stopped(now)
+                if kills:
+                    places.kill_stopped(now)
                 if self._all_gone():
                     raise CommTimeout(
                         f"memory rank {self.rank}: every worker is gone and none took the center; nothing left to serve"
