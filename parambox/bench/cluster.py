@@ -133,6 +133,16 @@ def strategy_setup(name: str, box: str = "shm", what: str = "", **options: Any) 
 SETUPS: dict[str, Setup] = {
     "ddp": Setup("torch DistributedDataParallel (gloo)", make=_ddp),
     "allreduce": strategy_setup("allreduce"),
+    "allreduce-powersgd": strategy_setup(
+        "allreduce",
+        what="parambox allreduce, its gradients PowerSGD rank 4 (error feedback)",
+        compression="powersgd",
+    ),
+    "allreduce-topk": strategy_setup(
+        "allreduce",
+        what="parambox allreduce, the top 1 % of its gradients' entries a step (error feedback)",
+        compression="topk",
+    ),
     "box-sync": strategy_setup("box-sync", box="rma", what="parambox box-sync over the rma box"),
     "weight-avg": strategy_setup("weight-avg", period=4),
     "easgd-tau4": strategy_setup("easgd", box="rma", tau=4),
@@ -174,6 +184,14 @@ SETUPS: dict[str, Setup] = {
         "(Streaming DiLoCo's overlap and quantization, inner_steps 16)",
         inner_steps=16,
         compression="int8",
+        overlap=True,
+    ),
+    "diloco-int4-overlap": strategy_setup(
+        "diloco",
+        what="parambox diloco, int4 outer gradients (error feedback: MuLoCo's and SparseLoCo's 4 bits), each "
+        "round's exchange behind the next round (inner_steps 16)",
+        inner_steps=16,
+        compression="int4",
         overlap=True,
     ),
     "diloco-bf16-overlap": strategy_setup(
