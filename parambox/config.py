@@ -358,9 +358,10 @@ def split_tables(raw: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def parse_set(items: list[str]) -> dict[str, Any]:
+def parse_set(items: list[str], strategy: str | None = None) -> dict[str, Any]:
     """``["lr=0.1", "easgd.tau=4", "box.num_shards=2"]`` -> ``{"lr": 0.1, "options": {"easgd": {"tau": 4}},
-    "box": {"num_shards": 2}}``."""
+    "box": {"num_shards": 2}}``. A strategy's option given bare (``tau=4``) is refused with the table it
+    belongs in (``strategy``'s where it has it)."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
@@ -376,10 +377,31 @@ def parse_set(items: list[str]) -> dict[str, Any]:
         elif key.replace("-", "_") in RunConfig.model_fields:
             out[key.replace("-", "_")] = value
         else:
+            owners = _option_owners(key.replace("-", "_"))
+            if owners:  # a strategy's option given bare: name the table it lives in
+                mine = strategy if strategy in owners else owners[0]
+                raise UserError(
+                    f"--set {item!r}: {key!r} is a strategy's option; give it as STRATEGY.{key}, e.g. "
+                    f"--set {mine}.{key}={text} (strategies with it: {', '.join(owners)})"
+                )
             raise UserError(
                 f"--set {item!r}: unknown key {key!r}{unknown_hint(key, list(RunConfig.model_fields))}"
             )
     return out
+
+
+def _option_owners(key: str) -> list[str]:
+    """The registered strategies whose options have a field ``key``, by name."""
+    from parambox.strategies import STRATEGIES, strategy_class
+
+    owners = []
+    for name in sorted(STRATEGIES):
+        try:
+            if key in strategy_class(name).Options.model_fields:
+                owners.append(name)
+        except UserError:  # a user strategy that cannot load: its own error comes where it is used
+            continue
+    return owners
 
 
 def _parse_value(text: str) -> Any:

@@ -15,6 +15,11 @@ BAD = [
     (["--workers", "two"], "'workers'"),
     (["--optimizer", "rmsprop"], "'optimizer'"),
     (["--set", "nope=1"], "unknown key 'nope'"),
+    (["--set", "compression=topk"], "give it as STRATEGY.compression, e.g. --set allreduce.compression=topk"),
+    (
+        ["--strategy", "easgd", "--set", "tau=4"],
+        "e.g. --set easgd.tau=4 (strategies with it: eamsgd, easgd, hybrid)",
+    ),
     (["--set", "allreduce.bucket_mb=-3"], "bucket_mb"),
     (["--set", "weight-avg.nope=3"], "nope"),
     (["--set", "nostrategy.x=1"], "[nostrategy] names no strategy"),

@@ -91,7 +91,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     layers.append({f: getattr(args, f) for f in [*FLAGS.values(), "augment", "tensorboard", "progress"]})
     cluster = {"nodes": args.emulate_nodes, "link_gbps": args.link_gbps}
     layers.append({"cluster": {k: v for k, v in cluster.items() if v is not None}})
-    layers.append(parse_set(args.set))
+    layers.append(parse_set(args.set, args.strategy))
     return build(*layers)
 
 
