@@ -125,6 +125,52 @@ def test_a_place_half_given_when_its_keeper_died_is_given_again(monkeypatch):
     assert book.free == [2] and book.runs == {0: 3, 1: 1}
 
 
+def _spare_view(box, m, rank: int, workers: int = 2, spares: int = 2):
+    """A spare's view (MPI rank ``rank``, among ``workers .. workers + spares - 1``)."""
+    from parambox.strategies.membership import Membership
+
+    return Membership(box, m, rank, workers, 10, "all", 60.0, spares=spares)
+
+
+def test_the_first_waiting_spare_keeps_the_book_once_every_memory_rank_died(monkeypatch):
+    """2 workers, spares at MPI ranks 2-3, memory ranks 4-5: while a memory rank lives no spare keeps
+    the book; once both died, spare 2 does (it is not a free spare of its own book), spare 3 waits for a
+    place; spare 3 keeps it once spare 2 died too, or once spare 2 had taken a worker's place."""
+    from parambox.strategies.membership import _Places
+
+    _, _, box, m = _members(monkeypatch)
+    memory = range(4, 6)
+    first, second = _spare_view(box, m, 2), _spare_view(box, m, 3)
+    assert not first.spare_keeps_places([4], memory) and not second.spare_keeps_places([4], memory)
+    assert first.spare_keeps_places([4, 5], memory) and not second.spare_keeps_places([4, 5], memory)
+    book = _Places(first, 2, 2)
+    assert (book.runs, book.free) == ({0: 0, 1: 1}, [3])
+    box.failed = [4, 5, 1]
+    book.follow(box.failed)  # worker 1 died: the spare still waiting takes its place
+    assert unplace(box.read_counter(m.assign(1))) == (1, 1) and first.process_of(1) == 3
+    assert second.spare_keeps_places([4, 5, 2], memory)  # the keeper died
+    box.set_counter(m.assign(1), 0)
+    box.set_counter(m.assign(0), 7)  # spare 2 runs a worker: it is no longer a spare in the line
+    assert second.spare_keeps_places([4, 5], memory)
+
+
+def test_a_place_half_given_to_the_spare_that_keeps_the_book_goes_to_the_next_or_is_lost(monkeypatch):
+    """The last memory rank wrote worker 1's new process (spare 2) and died before the spare's
+    ``assign``: spare 2, keeping the book now, cannot also run worker 1, so spare 3 gets its place;
+    with no spare left, worker 1 is lost."""
+    from parambox.strategies.membership import _Places
+
+    _, _, box, m = _members(monkeypatch)
+    box.set_counter(m.proc(1), 2 + 1)
+    book = _Places(_spare_view(box, m, 2), 2, 2)
+    assert unplace(box.read_counter(m.assign(1))) == (1, 1) and box.read_counter(m.assign(0)) == 0
+    assert book.runs == {0: 0, 1: 3} and book.free == []
+    _, _, box, m = _members(monkeypatch, spares=1)
+    box.set_counter(m.proc(1), 2 + 1)
+    _Places(_spare_view(box, m, 2, spares=1), 2, 1)
+    assert box.read_counter(m.status(1)) & LOST and box.read_counter(m.assign(0)) == 0
+
+
 @contextmanager
 def _processes(box, m, workers: int):
     """Each worker's process: a real one on this host (``sleep``), its identity in the box."""
@@ -325,3 +371,32 @@ def test_the_second_memory_rank_hands_out_the_places_once_the_first_died(tmp_pat
     assert (s["lost_workers"], s["worker_steps"], s["replaced_by_spares"]) == ([], [2000, 2000], [[1, 2]]), s
     assert "the memory ranks before rank 4 died; it keeps the book of places" in err
     assert "worker rank 1 died; spare rank 2 takes its place" in err
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(240)
+def test_a_spare_keeps_the_book_once_the_one_memory_rank_died(tmp_path):
+    """2 workers, spares at ranks 2 and 3, one memory rank (rank 4, the default). Rank 4 SIGKILLed once
+    the workers train (on one host the box outlives it), then worker 1 SIGKILLed at step 1500 of 2000:
+    spare 2 keeps the book now and gives the place to spare 3; nobody is lost."""
+    from tests.test_restarts import FAST, start, worker
+
+    out = tmp_path / "run"
+    args = ["train", "--strategy", "easgd", "--box", "rma", "--workers", "2", "--steps", "2000", *FAST]
+    args += ["--timeout", "10", "--set", "box.spare_ranks=2", "--out", str(out)]
+    launcher = start(*args, env={**MPI_ENV, "PARAMBOX_FAULT": "1:1500:kill"})
+    try:
+        mine = out / "metrics.rank1.jsonl"
+        deadline = time.monotonic() + 120
+        while not (mine.exists() and '"step"' in mine.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        worker(launcher, 4).kill()
+        _, err = launcher.communicate(timeout=200)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, err
+    s = summary(out)
+    assert (s["lost_workers"], s["worker_steps"], s["replaced_by_spares"]) == ([], [2000, 2000], [[1, 3]]), s
+    assert "every memory rank died; spare rank 2 keeps the book of places" in err
+    assert "worker rank 1 died; spare rank 3 takes its place" in err

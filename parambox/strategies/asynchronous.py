@@ -220,14 +220,19 @@ class AsyncStrategy(Strategy):
     def await_place(self) -> tuple[int, int] | None:
         """A spare rank: until the memory rank gives it a dead worker's place (that worker's rank, and
         the life of it the spare starts: 1 for its first replacement), or the run ends without needing
-        it (None)."""
-        m, box, index = self.counters, self.box, self.spare
+        it (None). Where every memory rank died (on one host the box outlives them), the first spare
+        still waiting keeps the book of places in their stead until the run ends (then None)."""
+        m, box, index, members = self.counters, self.box, self.spare, self.membership
         memory = range(self.num_workers + self.spare_ranks, self.world.world_size)
         while True:
             if value := box.read_counter(m.assign(index)):
                 return unplace(value)
-            if self.membership.run_over() or set(memory) <= set(box.failed_ranks()):
-                return None  # the run's result is taken, or every memory rank (which hand places out) died
+            if members.run_over():
+                return None
+            if members.spare_keeps_places(box.failed_ranks(), memory):
+                warn(f"every memory rank died; spare rank {self.world.rank} keeps the book of places")
+                members.serve(deadline_s=2 * max(self.ctx.timeout_s, members.lost_after_s))
+                return None
             time.sleep(0.01)
 
     def data_partition(self) -> tuple[int, int]:

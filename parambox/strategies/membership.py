@@ -286,6 +286,15 @@ class Membership:
         """This memory rank keeps the book of places: every memory rank before it is dead to MPI."""
         return all(r in failed for r in range(self.num_workers + self.spares, self.rank))
 
+    def spare_keeps_places(self, failed: list[int], memory: range) -> bool:
+        """This waiting spare rank keeps the book of places: every memory rank (``memory``) is dead to
+        MPI (on one host the box outlives them), and so is every spare before it still waiting (one
+        that took a worker's place is that worker now, and a spare keeping the book waits on)."""
+        dead, first = set(failed), self.num_workers
+        return set(memory) <= dead and all(
+            r in dead or self.box.read_counter(self.m.assign(r - first)) for r in range(first, self.rank)
+        )
+
     def _progress(self) -> tuple[int, ...]:
         """What moves while any worker gets on: the start, each one's steps and status, the lead."""
         m, read = self.m, self.box.read_counter
@@ -396,7 +405,7 @@ def unplace(value: int) -> tuple[int, int]:
 
 
 class _Places:
-    """The first memory rank's book of who runs each worker: for each rank MPI says died, a worker's
+    """The first live memory rank's (or, all dead, the first waiting spare's) book of who runs each worker: for each rank MPI says died, a worker's
     process gets a spare rank in its place (``box.spare_ranks``) while one is left and the worker was
     not done, else the worker is marked ``LOST``; a spare that died waiting is struck off."""
 
@@ -411,15 +420,23 @@ class _Places:
         # worker -> its replacements so far (each spare that took a place took the worker's next life)
         self.lives = {r: sum(g is not None and g[0] == r for g in given) for r in range(num_workers)}
         running = set(self.runs.values())
-        # MPI ranks of the waiting spares
+        # MPI ranks of the waiting spares (not this one: a spare that keeps the book keeps only that)
         self.free = [
-            num_workers + i for i in range(spares) if given[i] is None and num_workers + i not in running
+            r
+            for i in range(spares)
+            if given[i] is None and (r := num_workers + i) not in running and r != members.rank
         ]
         self.seen: set[int] = set()
         self.stopped: dict[int, float] = {}  # worker -> when its process was first seen stopped
         for worker, rank in self.runs.items():
-            if rank != worker and given[rank - num_workers] is None:
+            if rank == worker or given[rank - num_workers] is not None:
+                continue
+            if rank != members.rank:
                 self._replace(worker, rank)
+            elif self.free:  # half given to the spare that keeps the book now: the next spare's
+                self._replace(worker, self.free.pop(0))
+            else:
+                members.set_status(worker, LOST)
 
     def follow(self, failed: list[int]) -> None:
         for rank in failed:
