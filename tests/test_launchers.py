@@ -94,6 +94,24 @@ def test_open_mpi_options_go_only_to_the_mpiexec_that_takes_them(tmp_path, monke
     assert capsys.readouterr().err.count("no ULFM (--with-ft ulfm), so a rank that dies ends the job") == 2
 
 
+def test_a_process_that_ran_mpi_alone_leaves_no_session_directory(tmp_path):
+    """An Open MPI 5 singleton's Finalize empties its session directory and leaves it
+    (``<TMPDIR>/ompi.<host>.<uid>/jf.<n>/<job>``): one more each run of a process that used the rma
+    box alone. parambox removes its own at exit; another job's, not empty, is left alone."""
+    import os
+    import subprocess
+    import sys
+
+    other = tmp_path / f"ompi.host.{os.getuid()}" / "jf.0" / "123"
+    (other / "0").mkdir(parents=True)  # a live job's, made before: not this process's to remove
+    code = "import parambox.box.rma\nfrom mpi4py import MPI\nassert MPI.COMM_WORLD.Get_size() == 1"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    subprocess.run([sys.executable, "-c", code], env={**env, "TMPDIR": str(tmp_path)}, check=True, timeout=60)
+    jobs = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("ompi.*/jf.*/*"))
+    assert jobs == [f"ompi.host.{os.getuid()}/jf.0/123"], jobs
+    assert (other / "0").is_dir()
+
+
 def test_a_process_that_ran_mpi_alone_still_starts_mpi_jobs_whose_ranks_have_a_transport():
     """``before_import`` gives a process that no launcher started the "self" transport alone; an
     mpiexec it starts later must not hand that to its ranks (they could not reach each other: a

@@ -19,12 +19,15 @@ Nothing here imports mpi4py at module level (importing it initialises MPI).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import os
 import sys
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 from parambox.errors import CommTimeout
 
@@ -64,10 +67,37 @@ ALONE_ENV = "PARAMBOX_MPI_ALONE"
 
 def before_import(env: dict[str, str] | None = None) -> None:
     """Call before the first ``import mpi4py.MPI``: a process that no MPI launcher started runs alone,
-    and then needs no shared-memory transport (which would leave a 16 MiB file in /dev/shm)."""
+    and then needs no shared-memory transport (which would leave a 16 MiB file in /dev/shm); the
+    session directory it makes is removed when it exits (``_singleton_dirs``)."""
+    own = env is None
     env = os.environ if env is None else env
-    if not launched_by_mpi(env) and "OMPI_MCA_btl" not in env:
+    if launched_by_mpi(env):
+        return
+    if "OMPI_MCA_btl" not in env:
         env["OMPI_MCA_btl"], env[ALONE_ENV] = "self", "1"
+    if own:
+        before = _singleton_dirs()
+        # registered before mpi4py's own exit hook, so it runs after MPI_Finalize (hooks run last first)
+        atexit.register(_remove_new_dirs, before)
+
+
+def _singleton_dirs() -> set[Path]:
+    """Open MPI 5's per-job session directories of this user (``<tmp>/ompi.<host>.<uid>/jf.<n>/<job>``):
+    a singleton's Finalize empties its own and leaves it, one more empty directory each run."""
+    base = os.environ.get("TMPDIR") or os.environ.get("TEMP") or os.environ.get("TMP") or "/tmp"
+    return set(Path(base).glob(f"ompi.*.{os.getuid()}/jf.*/*"))
+
+
+def _remove_new_dirs(before: set[Path]) -> None:
+    """At exit: ``MPI_Finalize`` (mpi4py's own comes later, after every Python exit hook, and then
+    finds it done), then remove the session directories made since ``before`` that are empty now (this
+    process's; a live job's holds its files, and ``rmdir`` leaves a directory that is not empty)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        finalize_with_deadline(1)
+    for d in _singleton_dirs() - before:
+        with contextlib.suppress(OSError):
+            d.rmdir()
 
 
 def for_children(env: dict[str, str]) -> dict[str, str]:
