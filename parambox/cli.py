@@ -23,7 +23,10 @@ from parambox.errors import (
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("parambox.commands.train", "train a model with any strategy"),
-    "sweep": ("parambox.commands.sweep", "grid over workers x batch size x learning rate"),
+    "sweep": (
+        "parambox.commands.sweep",
+        "studies of many runs: workers x batch size x learning rate, scaling, time to accuracy",
+    ),
     "bench": (
         "parambox.commands.bench",
         "benchmarks measured side by side (sync, box, async, local, cluster, optimizer, api)",
@@ -52,15 +55,33 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"parambox: error: {message}\n")
 
 
+DESCRIPTION = (
+    "Distributed training with any strategy (synchronous, asynchronous, local SGD, model parallel) over a "
+    "shared parameter box or collectives, and the benchmarks that compare them. "
+    "`parambox COMMAND --help` says more."
+)
+
+
+def _plain(text: str | None) -> str | None:
+    """A command's description (its module's docstring) as ``--help`` prints it: without reST's literal
+    markers.
+
+    >>> _plain("``parambox sweep``: the grid (``--study grid``)")
+    'parambox sweep: the grid (--study grid)'
+    """
+    return None if text is None else text.replace("``", "")
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     """The command line as its command reads it (argparse's errors: one line, exit 2); nothing runs."""
-    parser = _Parser(prog="parambox", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="parambox", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
         if argv[:1] == [name]:  # only the chosen command's module is imported
             importlib.import_module(module).configure(p)
+            p.description = _plain(p.description)
     args = parser.parse_args(argv)
     args._argv = list(argv)  # the local launcher hands the same command to its workers
     return args

@@ -84,7 +84,19 @@ def test_an_interrupt_stops_every_worker_after_its_checkpoint(tmp_path, short_tm
 def test_python_dash_m_and_help():
     proc = run_cli("--help")
     assert "train" in proc.stdout and "bench" in proc.stdout
+    assert "Distributed training with any strategy" in proc.stdout and "``" not in proc.stdout
     assert "--strategy" in run_cli("train", "--help").stdout
+
+
+@pytest.mark.parametrize("command", ["train", "sweep", "bench", "reproduce", "report", "pick", "predict"])
+def test_a_commands_help_reads_as_text(command, capsys):
+    """``--help`` prints the command's module docstring: without reST's literal markers."""
+    from parambox.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and f"parambox {command}" in out and "``" not in out
 
 
 def test_a_rendezvous_port_is_taken_below_the_ephemeral_range():
