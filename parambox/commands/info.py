@@ -35,8 +35,19 @@ def collect() -> dict:
         "strategies": sorted(STRATEGIES),
         "models": sorted(MODELS),
         "data": sorted(DATASETS),
-        "presets": {name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in sorted(PRESETS.items())},
+        "presets": {name: first_sentence(fn.__doc__ or "") for name, fn in sorted(PRESETS.items())},
     }
+
+
+def first_sentence(doc: str) -> str:
+    r"""A docstring's first sentence, over as many lines as it takes.
+
+    >>> first_sentence("DiLoCo on the default run: AdamW inner steps,\n    every 10 steps an outer step. More.")
+    'DiLoCo on the default run: AdamW inner steps, every 10 steps an outer step.'
+    """
+    paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+    end = paragraph.find(". ")
+    return paragraph if end < 0 else paragraph[: end + 1]
 
 
 def run(args: argparse.Namespace) -> int:
