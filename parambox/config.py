@@ -154,8 +154,10 @@ class RunConfig(BaseModel):
         "accuracy",
         description="the test metric (a key of metrics()) that pick, report and the accuracy studies aim at",
     )
-    tensorboard: bool = False
-    progress: bool = True
+    tensorboard: bool = Field(False, description="also write TensorBoard events (OUT/tensorboard)")
+    progress: bool = Field(
+        True, description="a progress bar and, at the end, the summary table (false: quiet, for scripts)"
+    )
     options: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-strategy options")
 
     @field_validator("box", mode="before")

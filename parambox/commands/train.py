@@ -76,9 +76,21 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="rate-limit each emulated node's link to G Gbit/s (default: unshaped)",
     )
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    p.add_argument("--augment", dest="augment", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument(
+        "--augment",
+        dest="augment",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="train-time augmentation (default: on where the data set has one: CIFAR-10's crops and flips)",
+    )
     p.add_argument("--tensorboard", action="store_true", default=None, help="also write TensorBoard events")
-    p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        default=None,
+        help="quiet: no progress bar and no summary table (the figures are in OUT/summary.json)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
