@@ -66,7 +66,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--box-bandwidth-gbps", type=float, help="the box's aggregate bandwidth (default servers x bandwidth)")
     a("--overlap", type=float, default=0.0, help="fraction of T_comm hidden behind compute, 0..1 (default 0)")
     a("--global-batch", type=int, default=1024, help="global batch for strong scaling (default 1024)")
-    a("--scaling", choices=["strong", "weak", "both"], default="strong")
+    a(
+        "--scaling",
+        choices=["strong", "weak", "both"],
+        default="strong",
+        help="strong: --global-batch cut over the workers; weak: --local-batch a worker (default strong)",
+    )
     a("--local-batch", type=int, default=64, help="per-worker batch for weak scaling (default 64)")
     a("--comp-ms", type=float, help="give T_comp: milliseconds per sample (linear, no small-batch penalty)")
     a("--comp-table", help="give T_comp: BATCH:MS per step, e.g. 1:2.5,16:9,64:30 (log-log interpolated)")

@@ -14,7 +14,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories to report on"
     )
     parser.add_argument("--out", type=Path, required=True, help="directory for the figures and index.md/html")
-    parser.add_argument("--title", default="parambox report")
+    parser.add_argument("--title", default="parambox report", help="the page's title")
     parser.add_argument(
         "--smooth",
         type=float,

@@ -35,14 +35,18 @@ from parambox.runtime.spawn import MPI_ENV, MPI_FILE_PARAMS, TCP_EAGER_ENV, find
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--tasks-per-node", type=int, default=2)
-    p.add_argument("--cpus-per-task", type=int, default=None)
-    p.add_argument("--gpus-per-node", type=int, default=0)
+    p.add_argument("--nodes", type=int, default=1, help="#SBATCH --nodes")
+    p.add_argument(
+        "--tasks-per-node", type=int, default=2, help="tasks a node, one per rank (#SBATCH --ntasks-per-node)"
+    )
+    p.add_argument(
+        "--cpus-per-task", type=int, default=None, help="#SBATCH --cpus-per-task (default: SLURM's)"
+    )
+    p.add_argument("--gpus-per-node", type=int, default=0, help="#SBATCH --gpus-per-node (0: CPU workers)")
     p.add_argument("--time", default="01:00:00", help="wall-clock limit, HH:MM:SS")
-    p.add_argument("--partition", default=None)
-    p.add_argument("--account", default=None)
-    p.add_argument("--job-name", default="parambox")
+    p.add_argument("--partition", default=None, help="#SBATCH --partition (default: the cluster's)")
+    p.add_argument("--account", default=None, help="#SBATCH --account")
+    p.add_argument("--job-name", default="parambox", help="#SBATCH --job-name")
     p.add_argument("--script", default=None, help="write the script here (default: print it)")
     p.add_argument("--submit", action="store_true", help="submit it with sbatch")
     p.add_argument(

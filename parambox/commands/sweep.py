@@ -75,10 +75,15 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--loss-threshold", type=float, help="grid: min loss a run must reach (default per data set)"
     )
     p.add_argument("--target-accuracy", type=float, help="scaling: test accuracy for time-to-accuracy (0..1)")
-    for flag in ("--model", "--data", "--data-path"):
-        p.add_argument(flag)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--momentum", type=float)
+    p.add_argument(
+        "--model", help="every run's model: a zoo name, or a factory (module:function, file.py:function)"
+    )
+    p.add_argument(
+        "--data", help="every run's data set: a registered one, or a factory returning (train, test)"
+    )
+    p.add_argument("--data-path", help="where the data set's files are (CIFAR-10, your own text)")
+    p.add_argument("--seed", type=int, help="every run's seed (the studies take --seeds)")
+    p.add_argument("--momentum", type=float, help="every run's SGD momentum")
     p.add_argument(
         "--emulate-nodes", type=int, metavar="N", help="every run on N emulated nodes (needs root)"
     )
