@@ -40,6 +40,31 @@ def test_ps_sync_gathers_and_broadcasts_through_one_link(n):
     assert r.step_s == pytest.approx(0.1 + 2 * one_link + n * S / 2e9, rel=1e-9)
 
 
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_a_compressed_collective_all_gathers_every_ranks_message(n):
+    """wire < 1 (int8, int4, topk): each rank's message is that share of the float32 bytes and gloo's
+    ring all-gather moves n-1 of them over each link, after n-1 latencies."""
+    wire = 0.25
+    r = simulate(Pattern("allreduce", period=4, wire=wire), n, 0.1, S, NET, steps=8)
+    gather = (n - 1) * ALPHA + (n - 1) * wire * S / RATE
+    assert r.phases_s["exchange"] * 8 / 2 == pytest.approx(gather, rel=1e-9)
+    assert r.step_s == pytest.approx(0.1 + gather / 4, rel=1e-9)
+    assert r.link_bytes_per_step == pytest.approx(2 * (n - 1) * wire * S / 4, rel=1e-9)  # sent + received
+
+
+def test_a_compressed_collectives_cpu_lies_outside_its_wait_on_the_link():
+    """diloco-int8: encoding before the all-gather and decoding after are on the step's path, so the
+    whole of the exchange's CPU lengthens the step (a plain collective's first fills its link wait)."""
+    from parambox.perfmodel.simulate import _INT8, against_measured
+
+    gather = ALPHA + _INT8 * S / RATE  # 2 nodes: one message each way
+    step = 0.1 + 0.004 + gather / 16  # 2 ms of CPU a step at the ceiling's half a core: 4 ms
+    rates = {"ceiling": 2 * 64 / 0.1, "diloco-int8": 2 * 64 / step}
+    row = against_measured(rates, 2, 64, S, NET, {"ceiling": 50.0, "diloco-int8": 52.0})["diloco-int8"]
+    assert row["simulated_ms"] == pytest.approx((0.1 + gather / 16) * 1e3, rel=1e-9)
+    assert row["error_with_cpu"] == pytest.approx(0.0, abs=1e-9)
+
+
 @pytest.mark.parametrize("n", [2, 3, 6])
 def test_the_box_moves_each_shard_once_each_way(n):
     piece_phase = ALPHA + (n - 1) * (S / n) / RATE  # n-1 pieces in and out of every link at once

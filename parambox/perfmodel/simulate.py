@@ -16,6 +16,10 @@ setups, plus ``ps-sync``):
   (``downpour.bucket_mb``);
 - ``allreduce`` with a ``period``: a whole-model allreduce every ``period`` steps (weight-avg, DiLoCo);
 - ``ps``: rank 0 gathers every gradient, averages it, broadcasts the weights (ps-sync, SHM-Learn-Dist §6);
+- ``wire`` below 1: a compressed collective (``compression=int8 | int4 | topk``, ``strategies/compress.py``):
+  each rank's message is that share of the float32 bytes, and gloo's ring all-gather moves n-1 messages
+  over each link after n-1 latencies (every rank decodes and sums them; allreduce's compressed
+  gradients go once, at the end of backward, not in buckets);
 - ``overlap``: the exchange runs behind the next steps' compute; the next exchange first waits for it.
 
 The network: every node has one full-duplex link to a non-blocking switch (the emulated cluster's
@@ -30,7 +34,8 @@ The CPU the exchange itself takes (serving threads, summing, encoding, polling) 
 a cluster it runs on cores the compute leaves free. Where the workers fill the cores, as on the
 emulated cluster, :func:`against_measured` adds it to the compute from the run's own measurement
 (each setup's CPU a step less the ceiling's, at the ceiling's share of a core; a collective's only
-where it outlasts the worker's wait on the link; an overlapped exchange's on its own path as well).
+where it outlasts the worker's wait on the link, except a compressed one's, which encodes before and
+decodes after it; an overlapped exchange's on its own path as well).
 
 >>> net = Network.from_gbps(1.0)
 >>> r = simulate("ceiling", nodes=4, compute_s=0.05, size_bytes=4e6, net=net)
@@ -67,8 +72,13 @@ class Pattern:
     period: int = 1
     overlap: bool = False
     bucketed: bool = False  # the exchange starts per bucket during backward
+    # A compressed collective: each rank's message is this share of the float32 bytes (int8 1/4 plus a
+    # float32 scale per 256 elements, int4 1/8 plus the scales, topk at ratio r 2r: an index and a value
+    # each), and the messages are all-gathered (strategies/compress.py), not reduced
+    wire: float = 1.0
 
 
+_INT8, _INT4 = (1 + 4 / 256) / 4, (1 / 2 + 4 / 256) / 4  # compress.py's bytes per element, over float32's 4
 PATTERNS: dict[str, Pattern] = {
     "ceiling": Pattern("none"),
     "ddp": Pattern("allreduce", bucketed=True),
@@ -82,6 +92,10 @@ PATTERNS: dict[str, Pattern] = {
     "eamsgd-tau16": Pattern("box", period=16),
     "diloco": Pattern("allreduce", period=16),
     "diloco-overlap": Pattern("allreduce", period=16, overlap=True),
+    "diloco-int8": Pattern("allreduce", period=16, wire=_INT8),
+    "diloco-int8-overlap": Pattern("allreduce", period=16, overlap=True, wire=_INT8),
+    "diloco-int4-overlap": Pattern("allreduce", period=16, overlap=True, wire=_INT4),
+    "allreduce-topk": Pattern("allreduce", wire=2 * 0.01),
     "diloco-async": Pattern("box", period=16),
     "diloco-async-overlap": Pattern("box", period=16, overlap=True),
     "ps-sync": Pattern("ps"),
@@ -237,6 +251,25 @@ class _Cluster:
         sent.callbacks.append(lambda _e: self.event(("ring in", tag, (me + 1) % n)).succeed())
         yield self.env.all_of([sent, self.event(("ring in", tag, me))])
 
+    def ring_allgather(self, me: int, tag: tuple, nbytes: float):
+        """Node ``me``'s part of a ring all-gather of one ``nbytes`` message a node (gloo's): n-1 rounds
+        of one message to the next node, as one flow of (n-1) messages after n-1 latencies."""
+        n = self.n
+        if n == 1:
+            return
+        yield self.gate(("gather", tag))
+        yield self.env.timeout((n - 2) * self.fabric.latency)
+        sent = self.fabric.send(me, (me + 1) % n, (n - 1) * nbytes)
+        sent.callbacks.append(lambda _e: self.event(("gather in", tag, (me + 1) % n)).succeed())
+        yield self.env.all_of([sent, self.event(("gather in", tag, me))])
+
+    def collective(self, me: int, tag: tuple, nbytes: float, wire: float):
+        """An allreduce of ``nbytes``, or, compressed (``wire`` < 1), the all-gather of the messages."""
+        if wire < 1:
+            yield from self.ring_allgather(me, tag, wire * nbytes)
+        else:
+            yield from self.ring_allreduce(me, tag, nbytes)
+
     def push_pull(self, me: int, nbytes: float, barrier: tuple | None = None):
         """Every shard's piece to its node and the new values back: fused (the server returns each
         piece as it adds it), or push, ``barrier``, pull (box-sync)."""
@@ -375,7 +408,7 @@ def _exchange(
     if cpu_s > 0:
         yield run.env.timeout(cpu_s)
     if pattern.exchange == "allreduce":
-        yield from run.ring_allreduce(me, ("allreduce", k), size_bytes)
+        yield from run.collective(me, ("allreduce", k), size_bytes, pattern.wire)
     elif pattern.exchange == "box-sync":
         yield from run.push_pull(me, size_bytes, barrier=("box-sync", k))
     elif pattern.exchange == "box":
@@ -437,6 +470,8 @@ def against_measured(
     - a collective's (gloo's ring: reducing, copying, sending) runs inside the collective, which every
       rank waits on: it first fills the time the worker waits on the link, so the step is about the longer
       of the links-alone step and the compute plus that CPU (allreduce, ddp, weight-avg, diloco);
+    - a compressed collective's (encoding the message before the all-gather, decoding every rank's
+      after it) lies before and after the link wait, not within it: the step grows by all of it;
     - the box's (the memory server summing and serving the other workers' pushes and pulls, whenever
       they come) runs while this worker computes: the compute grows by all of it;
     - an overlapped exchange's (downpour with ``overlap``: the push-pull in a thread behind the next
@@ -464,7 +499,7 @@ def against_measured(
             extra = max(0.0, cpu[setup] - cpu["ceiling"]) / 1e3
             taken = extra / share  # compute seconds a step that CPU takes at the ceiling's share
             pattern = PATTERNS[setup]
-            if pattern.exchange in ("allreduce", "ps"):  # a collective: within the link wait
+            if pattern.exchange in ("allreduce", "ps") and pattern.wire == 1:  # within the link wait
                 taken = max(0.0, taken - (sim - compute_s))
             behind = taken * pattern.period if pattern.overlap else 0.0  # on the exchange's path too
             with_cpu = simulate(

@@ -28,7 +28,8 @@ from parambox.workload.targets import Target
 
 SIM_LINK_GBPS, SIM_LATENCY_US = 1.0, 10.0  # predict's default latency; the seeds' Ethernet-class link
 VALIDATION_SETUPS = (
-    "ddp,allreduce,box-sync,downpour,downpour-overlap,weight-avg,easgd-tau4,diloco,diloco-async,ceiling"
+    "ddp,allreduce,allreduce-topk,box-sync,downpour,downpour-overlap,weight-avg,easgd-tau4,diloco,diloco-int8,"
+    "diloco-async,ceiling"
 )
 VALIDATION_TOLERANCE = 0.15  # issue 20: step time error <= 15 %
 SCALING_SAMPLES = 12288  # the scaling study's samples per run (the report's)
