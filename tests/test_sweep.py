@@ -157,3 +157,17 @@ def test_sweep_writes_results_marks_divergence_and_resumes(tmp_path, capsys):
     # The same --out with other settings is refused before anything runs.
     assert main([*flags[:8], "640", *flags[9:]]) == 2
     assert "holds a finished run with steps=" in capsys.readouterr().err
+
+
+def test_the_loss_figure_of_a_grid_whose_every_run_failed_says_so_without_a_warning(tmp_path):
+    """Every run of a worker count failed (a killed worker): the figure is still written, with a note
+    and no legend (matplotlib's "No artists with labels" warning used to reach the user's screen)."""
+    import warnings
+
+    from parambox.studies.figures.grid import loss_curves
+
+    runs = [{"status": "failed", "run_dir": str(tmp_path / "r"), "strategy": "allreduce"}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = loss_curves(runs, 2, tmp_path / "loss.png")
+    assert path.stat().st_size > 0

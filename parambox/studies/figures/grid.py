@@ -165,6 +165,9 @@ def loss_curves(runs: list[dict], n: int, path: Path) -> Path:
     ax.set_ylabel("training loss (moving mean)")
     ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=2)
+    else:  # every run failed: say so on the figure (a legend of nothing warns on the user's screen)
+        ax.text(0.5, 0.5, "no run to plot: every one failed", transform=ax.transAxes, ha="center")
     ax.set_title(f"{n} worker(s): training loss against time; dotted: not qualifying", fontsize=9)
     return save_figure(fig, path)
