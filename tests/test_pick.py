@@ -947,3 +947,22 @@ def test_the_cli_leaves_unset_sizes_to_pick_settings_and_quick_and_flags_overrid
     assert (mine.confirm, mine.eval_every) == (0, 3)
     assert (plain.validate_runs, quick.validate_runs) == (PickSettings.validate_runs, 1)
     assert settings("--quick", "--validate-runs", "2").validate_runs == 2
+
+
+@pytest.mark.slow
+def test_a_reference_run_that_fails_is_one_line_and_not_the_users_error(tmp_path):
+    """A worker of the reference run killed: pick stops with one line naming the run's own failure and
+    its log, exit 1 (a run that failed, not input refused: that is exit 2)."""
+    proc = run_cli(
+        "pick", "--workers", "2", "--strategies", "allreduce", "--compression", "none", "--quick",
+        "--target-accuracy", "0.9", "--out", str(tmp_path / "pick"),
+        env={"PARAMBOX_FAULT": "1:3:kill"}, check=False, fresh=True,
+    )  # fmt: skip
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr
+    assert len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line = err[0]
+    assert line.startswith("parambox: error: the reference run (allreduce) failed: worker rank 1 failed"), (
+        line
+    )
+    assert line.count("parambox: error:") == 1 and line.count("(log: ") == 1, line

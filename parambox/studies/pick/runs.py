@@ -46,6 +46,7 @@ class Measured:
     steps: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
     error: str | None = None
+    user_error: bool = False  # the run refused the user's input (exit 2), rather than failing
     reached_s: float | None = None  # training seconds to the target, evaluations left out
     reached_wall_s: float | None = None  # the same with the evaluations' pauses in
     lead_s: float = 0.0  # training other ranks did before rank 0's clock started (``clock_lead``)
@@ -270,7 +271,8 @@ def _run(config: dict[str, Any], run_dir: Path, timeout_s: float, done: Callable
     if code == "timeout":
         out.error = f"ran past {timeout_s:.0f} s"
     elif code not in (0, "reached"):
-        out.error = _last_error(run_dir / "train.log", code)
+        out.error = _last_error(run_dir / "train.log", code).removeprefix("parambox: error: ")
+        out.user_error = code == 2
     elif not out.steps:
         out.error = "no step records"
     return out

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from parambox.errors import UserError
+from parambox.errors import RunFailed, UserError
 from parambox.studies.pick import model as pm
 from parambox.studies.pick import runs, scores
 from parambox.studies.pick.budget import Budget, BudgetSpent, breadth_first, write_json
@@ -355,9 +355,10 @@ def _reference(s: PickSettings, base: dict[str, Any], reference: Candidate, budg
             f"the budget ran out before the reference run ({REFERENCE}) reached test {s.goal} (best "
             f"{_best(s, ref)}): ease the target or raise --budget"
         )
-    if ref.error:
-        raise UserError(
-            f"the reference run ({REFERENCE}) failed: {ref.error} (log: {ref.run_dir / 'train.log'})"
+    if ref.error:  # the user's input refused (exit 2), or a run that failed (exit 1)
+        log = "" if "(log: " in ref.error else f" (log: {ref.run_dir / 'train.log'})"
+        raise (UserError if ref.user_error else RunFailed)(
+            f"the reference run ({REFERENCE}) failed: {ref.error}{log}"
         )
     reported = sorted({k.removeprefix("test_") for e in ref.evals for k in e if k.startswith("test_")})
     like = [m for m in reported if "acc" in m.lower()]
