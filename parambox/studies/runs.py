@@ -183,9 +183,11 @@ def _lockstep(run_dir: Path) -> bool:
 
 
 def _last_error(log: Path, code: int) -> str:
+    """A failed run's reason: the last line of its log that names an error (the CLI's own prefix off:
+    the study prints it after its own ``failed:``)."""
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
     errors = [line for line in lines if "error" in line.lower()]
-    return (errors or lines or [f"exit code {code}"])[-1].strip()[:300]
+    return (errors or lines or [f"exit code {code}"])[-1].strip().removeprefix("parambox: error: ")[:300]
 
 
 # Per data set: (samples per run, loss threshold). 24,576 = 2^13 * 3 divides every global batch of

@@ -271,7 +271,7 @@ def _run(config: dict[str, Any], run_dir: Path, timeout_s: float, done: Callable
     if code == "timeout":
         out.error = f"ran past {timeout_s:.0f} s"
     elif code not in (0, "reached"):
-        out.error = _last_error(run_dir / "train.log", code).removeprefix("parambox: error: ")
+        out.error = _last_error(run_dir / "train.log", code)
         out.user_error = code == 2
     elif not out.steps:
         out.error = "no step records"
