@@ -335,6 +335,29 @@ def test_a_stopped_worker_is_killed_and_replaced_by_a_spare_or_lost(tmp_path, st
     assert s["final_test_accuracy"] >= 0.93, s["final_test_accuracy"]
 
 
+def _memory_rank_then_worker_1_killed(tmp_path, memory_rank: int, *settings: str) -> tuple[dict, str]:
+    """``parambox train --strategy easgd --box rma`` of 2 workers and 2000 steps with these ``--set``
+    settings under mpiexec: MPI rank ``memory_rank`` SIGKILLed once the workers train, worker 1 at step
+    1500. The run's summary and its stderr, once it ended with exit 0."""
+    from tests.test_restarts import FAST, start, worker
+
+    out = tmp_path / "run"
+    args = ["train", "--strategy", "easgd", "--box", "rma", "--workers", "2", "--steps", "2000", *FAST]
+    args += ["--timeout", "10", *(a for kv in settings for a in ("--set", kv)), "--out", str(out)]
+    launcher = start(*args, env={**MPI_ENV, "PARAMBOX_FAULT": "1:1500:kill"})
+    try:
+        mine = out / "metrics.rank1.jsonl"
+        deadline = time.monotonic() + 120
+        while not (mine.exists() and '"step"' in mine.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        worker(launcher, memory_rank).kill()
+        _, err = launcher.communicate(timeout=200)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, err
+    return summary(out), err
+
+
 @pytest.mark.slow
 @pytest.mark.long
 @pytest.mark.timeout(240)
@@ -342,32 +365,7 @@ def test_the_second_memory_rank_hands_out_the_places_once_the_first_died(tmp_pat
     """2 workers, a spare (rank 2), memory ranks 3 and 4 (``box.memory_ranks=2``). Rank 3 SIGKILLed
     once the workers train (on one host the box outlives it), then worker 1 SIGKILLed at step 1500 of
     2000: rank 4 keeps the book now and gives the place to the spare; nobody is lost."""
-    from tests.test_restarts import FAST, start, worker
-
-    out = tmp_path / "run"
-    args = ["train", "--strategy", "easgd", "--box", "rma", "--workers", "2", "--steps", "2000", *FAST]
-    args += [
-        "--timeout",
-        "10",
-        "--set",
-        "box.spare_ranks=1",
-        "--set",
-        "box.memory_ranks=2",
-        "--out",
-        str(out),
-    ]
-    launcher = start(*args, env={**MPI_ENV, "PARAMBOX_FAULT": "1:1500:kill"})
-    try:
-        mine = out / "metrics.rank1.jsonl"
-        deadline = time.monotonic() + 120
-        while not (mine.exists() and '"step"' in mine.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        worker(launcher, 3).kill()
-        _, err = launcher.communicate(timeout=200)
-    finally:
-        launcher.kill()
-    assert launcher.returncode == 0, err
-    s = summary(out)
+    s, err = _memory_rank_then_worker_1_killed(tmp_path, 3, "box.spare_ranks=1", "box.memory_ranks=2")
     assert (s["lost_workers"], s["worker_steps"], s["replaced_by_spares"]) == ([], [2000, 2000], [[1, 2]]), s
     assert "the memory ranks before rank 4 died; it keeps the book of places" in err
     assert "worker rank 1 died; spare rank 2 takes its place" in err
@@ -380,23 +378,7 @@ def test_a_spare_keeps_the_book_once_the_one_memory_rank_died(tmp_path):
     """2 workers, spares at ranks 2 and 3, one memory rank (rank 4, the default). Rank 4 SIGKILLed once
     the workers train (on one host the box outlives it), then worker 1 SIGKILLed at step 1500 of 2000:
     spare 2 keeps the book now and gives the place to spare 3; nobody is lost."""
-    from tests.test_restarts import FAST, start, worker
-
-    out = tmp_path / "run"
-    args = ["train", "--strategy", "easgd", "--box", "rma", "--workers", "2", "--steps", "2000", *FAST]
-    args += ["--timeout", "10", "--set", "box.spare_ranks=2", "--out", str(out)]
-    launcher = start(*args, env={**MPI_ENV, "PARAMBOX_FAULT": "1:1500:kill"})
-    try:
-        mine = out / "metrics.rank1.jsonl"
-        deadline = time.monotonic() + 120
-        while not (mine.exists() and '"step"' in mine.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        worker(launcher, 4).kill()
-        _, err = launcher.communicate(timeout=200)
-    finally:
-        launcher.kill()
-    assert launcher.returncode == 0, err
-    s = summary(out)
+    s, err = _memory_rank_then_worker_1_killed(tmp_path, 4, "box.spare_ranks=2")
     assert (s["lost_workers"], s["worker_steps"], s["replaced_by_spares"]) == ([], [2000, 2000], [[1, 3]]), s
     assert "every memory rank died; spare rank 2 keeps the book of places" in err
     assert "worker rank 1 died; spare rank 3 takes its place" in err

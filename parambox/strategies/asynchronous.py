@@ -231,9 +231,16 @@ class AsyncStrategy(Strategy):
                 return None
             if members.spare_keeps_places(box.failed_ranks(), memory):
                 warn(f"every memory rank died; spare rank {self.world.rank} keeps the book of places")
-                members.serve(deadline_s=2 * max(self.ctx.timeout_s, members.lost_after_s))
+                self._serve()
                 return None
             time.sleep(0.01)
+
+    def _serve(self) -> None:
+        """Serve the box and keep the book until the run's end (a memory rank; a spare where every
+        memory rank died). Past twice the longest a worker may legitimately stand still (a leader waits
+        lost_after_s for a stalled peer) it gives up: the launcher's watch on mpiexec uses the same bound."""
+        members = self.membership
+        members.serve(deadline_s=2 * max(self.ctx.timeout_s, members.lost_after_s))
 
     def data_partition(self) -> tuple[int, int]:
         # Memory ranks read no data; they get a valid shard all the same.
@@ -298,9 +305,7 @@ class AsyncStrategy(Strategy):
         if self.spare is not None:  # a spare the run never needed (await_place said so)
             return
         if self.serves:
-            # Past twice the longest a worker may legitimately stand still (a leader waits lost_after_s
-            # for a stalled peer): the launcher's watch on mpiexec uses the same bound.
-            members.serve(deadline_s=2 * max(self.ctx.timeout_s, members.lost_after_s))
+            self._serve()
             return
         members.settle()  # every step counted before DONE says so
         if not self.halted:

@@ -405,8 +405,8 @@ def unplace(value: int) -> tuple[int, int]:
 
 
 class _Places:
-    """The first live memory rank's (or, all dead, the first waiting spare's) book of who runs each worker: for each rank MPI says died, a worker's
-    process gets a spare rank in its place (``box.spare_ranks``) while one is left and the worker was
+    """The book of who runs each worker, kept by the first live memory rank (all dead: the first
+    waiting spare). For each rank MPI says died, a worker's process gets a spare rank in its place (``box.spare_ranks``) while one is left and the worker was
     not done, else the worker is marked ``LOST``; a spare that died waiting is struck off."""
 
     def __init__(self, members: Membership, num_workers: int, spares: int):
