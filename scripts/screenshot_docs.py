@@ -119,7 +119,12 @@ class DevTools:
     def wait_for(self, expression: str, timeout: float = 20.0):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            value = self.evaluate(expression)
+            try:
+                value = self.evaluate(expression)
+            except RuntimeError as e:  # the page navigated while the expression ran: ask the new one
+                if "navigated or closed" not in str(e) and "context" not in str(e):
+                    raise
+                value = None
             if value:
                 return value
             time.sleep(0.2)
