@@ -65,6 +65,46 @@ def test_a_compressed_collectives_cpu_lies_outside_its_wait_on_the_link():
     assert row["error_with_cpu"] == pytest.approx(0.0, abs=1e-9)
 
 
+SHAPES = [(256, 4096), (256,), (10, 256), (10,)]  # two layers: matrices PowerSGD compresses, biases sent whole
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_powersgd_is_two_ring_allreduces_of_its_own_message_sizes(n):
+    """allreduce-powersgd: the P's (with the biases and the flags) reduced, then the Q's, one after the
+    other, each gloo's ring; their sizes are those PowerSGD itself sends for the model's shapes."""
+    import torch
+
+    from parambox.strategies.powersgd import PowerSGD
+
+    size = 4.0 * sum(math.prod(s) for s in SHAPES)
+    first = 4.0 * (256 * 4 + 10 * 4 + 256 + 10 + len(SHAPES))  # P: rows x rank 4; biases; one flag each
+    second = 4.0 * (4096 * 4 + 256 * 4)  # Q: columns x rank 4
+    ps = PowerSGD([torch.Size(s) for s in SHAPES], rank=4)
+    assert ps.message_bytes(tail=len(SHAPES)) == first + second  # what the strategy sends
+    r = simulate("allreduce-powersgd", n, 0.1, size, NET, shapes=SHAPES)
+    rings = ring_allreduce_s(n, first, Network(RATE, ALPHA)) + ring_allreduce_s(n, second, Network(RATE, ALPHA))
+    assert r.phases_s["exchange"] == pytest.approx(rings, rel=1e-9)
+    assert r.step_s == pytest.approx(0.1 + rings, rel=1e-9)
+    assert r.link_bytes_per_step == pytest.approx(2 * 2 * (n - 1) / n * (first + second), rel=1e-9)
+    with pytest.raises(UserError, match="parameter shapes"):
+        simulate("allreduce-powersgd", n, 0.1, size, NET)
+
+
+def test_powersgds_cpu_lies_outside_its_wait_on_the_link():
+    """Its products and orthogonalization run between and around its allreduces: all of its CPU
+    lengthens the step, as a compressed collective's does."""
+    from parambox.perfmodel.simulate import against_measured
+
+    size = 4.0 * sum(math.prod(s) for s in SHAPES)
+    alone = simulate("allreduce-powersgd", 2, 0.1, size, NET, shapes=SHAPES).step_s
+    step = alone + 0.004  # 2 ms of CPU a step at the ceiling's half a core: 4 ms
+    rates = {"ceiling": 2 * 64 / 0.1, "allreduce-powersgd": 2 * 64 / step}
+    cpu = {"ceiling": 50.0, "allreduce-powersgd": 52.0}
+    row = against_measured(rates, 2, 64, size, NET, cpu, shapes=SHAPES)["allreduce-powersgd"]
+    assert row["simulated_ms"] == pytest.approx(alone * 1e3, rel=1e-9)
+    assert row["error_with_cpu"] == pytest.approx(0.0, abs=1e-9)
+
+
 @pytest.mark.parametrize("n", [2, 3, 6])
 def test_the_box_moves_each_shard_once_each_way(n):
     piece_phase = ALPHA + (n - 1) * (S / n) / RATE  # n-1 pieces in and out of every link at once
@@ -162,6 +202,19 @@ def test_predict_simulate_adds_simulated_curves(tmp_path):
     assert all(math.isfinite(s) for s in curves["sim:ps-sync"]["speedup"])
     bad = run_cli("predict", "--simulate", "allgather", check=False)
     assert bad.returncode == 2 and "choose from" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_predict_simulates_powersgd_from_the_users_models_shapes():
+    args = ["predict", "--comp-table", "1:1,64:20", "--bandwidth-gbps", "0.1", "--topology", "ring"]
+    out = run_cli(*args, "--simulate", "allreduce,allreduce-powersgd", "--max-workers", "4", "--json")
+    curves = json.loads(out.stdout)["strong"]["topologies"]
+    full, low = curves["sim:allreduce"]["t_comm_ms"][-1], curves["sim:allreduce-powersgd"]["t_comm_ms"][-1]
+    assert 0 < low < full / 50  # alexnet (the default model) at rank 4, against its whole gradient
+    bad = run_cli(*args, "--simulate", "allreduce-powersgd", "--parameters", "1000000", check=False)
+    assert bad.returncode == 2 and "drop --parameters" in bad.stderr and "Traceback" not in bad.stderr
+    ranked = run_cli(*args, "--parameters", "1000000", "--nodes", "4", "--json")  # every other setup
+    setups = {r["setup"] for r in json.loads(ranked.stdout)["setups"]["ranking"]}
+    assert "allreduce" in setups and "allreduce-powersgd" not in setups
 
 
 # -- reproduce's simulated claims (studies/simulated.py) ------------------------------------------

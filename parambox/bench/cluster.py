@@ -386,13 +386,20 @@ def run_bench_cluster(
         entry = summarize(data, loopback["per_round"])
         entry.update(link_gbps=g, cluster_setup_s=setup_s, load_average_1m=[load0, os.getloadavg()[0]])
         if workers_per_node == 1:
-            entry["simulated"] = _simulated(entry, nodes, g, bench.batch, 4.0 * size["parameters"])
+            entry["simulated"] = _simulated(
+                entry, nodes, g, bench.batch, 4.0 * size["parameters"], model_shapes(bench)
+            )
         result["by_gbps"][f"{g:g}"] = entry
     return result
 
 
 def _simulated(
-    entry: dict[str, Any], nodes: int, gbps: float, batch: int, size_bytes: float
+    entry: dict[str, Any],
+    nodes: int,
+    gbps: float,
+    batch: int,
+    size_bytes: float,
+    shapes: list[tuple[int, ...]],
 ) -> dict[str, dict[str, float]]:
     """Each setup of one rate's ``entry`` beside the event simulator's step for it on these links,
     without and with the exchange's measured CPU on the workers' cores (``perfmodel/simulate.py``)."""
@@ -400,7 +407,7 @@ def _simulated(
     from parambox.perfmodel.topology import Network
 
     net = Network.from_gbps(gbps, 10.0)
-    return against_measured(entry["samples_per_s"], nodes, batch, size_bytes, net, cpu_ms_of(entry))
+    return against_measured(entry["samples_per_s"], nodes, batch, size_bytes, net, cpu_ms_of(entry), shapes)
 
 
 def cpu_ms_of(entry: dict[str, Any]) -> dict[str, float]:
@@ -416,6 +423,11 @@ def cpu_ms_of(entry: dict[str, Any]) -> dict[str, float]:
 def cnn_bytes() -> float:
     """The gradient bytes of the benchmark CNN."""
     return 4.0 * Workbench().size()["parameters"]
+
+
+def model_shapes(bench: Workbench | None = None) -> list[tuple[int, ...]]:
+    """The parameter shapes of ``bench``'s model (default: the benchmark CNN)."""
+    return [tuple(p.shape) for p in (bench or Workbench()).build().parameters()]
 
 
 def _describe(setup: Setup) -> dict[str, Any]:

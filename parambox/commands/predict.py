@@ -215,14 +215,27 @@ def _simulated(args: argparse.Namespace) -> list[str]:
     """The setups to simulate: --simulate's, or all of them (``all``) but the no-communication ceiling and
     torch's own DDP (a baseline, not a setup of parambox's)."""
     if args.simulate == "all":
-        return [p for p in PATTERNS if p not in ("ceiling", "ddp")]
+        return _every_setup(args)
     if not args.simulate:
         return []
     names = list(dict.fromkeys(t.strip() for t in args.simulate.split(",") if t.strip()))
     bad = [t for t in names if t not in PATTERNS]
     if bad or not names:
         raise UserError(f"--simulate {args.simulate!r}: choose from {', '.join(PATTERNS)}")
+    shaped = [t for t in names if PATTERNS[t].low_rank]
+    if shaped and args.parameters:
+        raise UserError(
+            f"--simulate {shaped[0]} sizes PowerSGD's messages from the model's parameter shapes, which "
+            "--parameters overrides: drop --parameters"
+        )
     return names
+
+
+def _every_setup(args: argparse.Namespace) -> list[str]:
+    """Every setup but the ceiling and DDP; not the low-rank ones where --parameters hides the shapes."""
+    return [
+        p for p in PATTERNS if p not in ("ceiling", "ddp") and not (args.parameters and PATTERNS[p].low_rank)
+    ]
 
 
 def _grid(args: argparse.Namespace) -> list[int]:
@@ -242,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
     if parameters < 1:
         raise UserError(f"--parameters must be >= 1, got {parameters}")
     size_bytes = 4.0 * parameters
+    shapes = None if args.parameters else [tuple(p.shape) for p in build().parameters()]
     batches = {"strong": args.global_batch, "weak": args.local_batch}
     batches = {k: v for k, v in batches.items() if args.scaling in (k, "both")}
     validate_batch = (args.validate_batch or min(args.global_batch, 64)) if args.validate else None
@@ -261,12 +275,14 @@ def run(args: argparse.Namespace) -> int:
     for setup in _simulated(args):
         _say(args, f"simulating {setup} at n = 1..{min(_grid(args)[-1], SIMULATED_MAX_NODES)}")
         for scaling, batch in batches.items():
-            curve = simulate_curve(setup, compute, size_bytes, net, batch, scaling == "weak", _grid(args))
+            curve = simulate_curve(
+                setup, compute, size_bytes, net, batch, scaling == "weak", _grid(args), shapes=shapes
+            )
             curve.topology = f"sim:{setup}"
             curves[scaling].append(curve)
     result = result_json(args, sample, data, parameters, net, source, compute, curves, batches)
     if args.nodes is not None:
-        result["setups"] = _rank_setups(args, compute, size_bytes, net, batches)
+        result["setups"] = _rank_setups(args, compute, size_bytes, net, batches, shapes)
     if validate_batch is not None:
         _say(args, f"validating: 1 and 2 processes x {args.threads} thread(s), global batch {validate_batch}")
         v = _validate(args, sample, validate_batch, compute, size_bytes)
@@ -277,14 +293,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rank_setups(args, compute: ComputeProfile, size_bytes: float, net: Network, batches: dict) -> dict:
+def _rank_setups(
+    args, compute: ComputeProfile, size_bytes: float, net: Network, batches: dict, shapes: list | None
+) -> dict:
     """--nodes N: every setup of --simulate (default all) simulated at n = N alone, ranked."""
     scaling = "strong" if "strong" in batches else "weak"
-    setups = _simulated(args) or [p for p in PATTERNS if p not in ("ceiling", "ddp")]
+    setups = _simulated(args) or _every_setup(args)
     _say(args, f"ranking {len(setups)} setups on {args.nodes} nodes (simulated)")
     curves = []
     for setup in setups:
-        c = simulate_curve(setup, compute, size_bytes, net, batches[scaling], scaling == "weak", [args.nodes])
+        c = simulate_curve(
+            setup, compute, size_bytes, net, batches[scaling], scaling == "weak", [args.nodes], shapes=shapes
+        )
         c.topology = f"sim:{setup}"
         curves.append(c)
     rows = rank_setups(curves, args.nodes, batches[scaling], scaling == "weak")

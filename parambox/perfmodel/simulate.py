@@ -20,6 +20,9 @@ setups, plus ``ps-sync``):
   each rank's message is that share of the float32 bytes, and gloo's ring all-gather moves n-1 messages
   over each link after n-1 latencies (every rank decodes and sums them; allreduce's compressed
   gradients go once, at the end of backward, not in buckets);
+- ``low_rank``: PowerSGD of that rank (``compression=powersgd``, ``strategies/powersgd.py``): two ring
+  allreduces one after the other, the P's (with the tensors sent whole), then the Q's, their sizes
+  PowerSGD's own for the model's ``shapes``, at the end of backward;
 - ``overlap``: the exchange runs behind the next steps' compute; the next exchange first waits for it.
 
 The network: every node has one full-duplex link to a non-blocking switch (the emulated cluster's
@@ -76,6 +79,12 @@ class Pattern:
     # float32 scale per 256 elements, int4 1/8 plus the scales, topk at ratio r 2r: an index and a value
     # each), and the messages are all-gathered (strategies/compress.py), not reduced
     wire: float = 1.0
+    low_rank: int = 0  # PowerSGD's rank: two allreduces, sized from the model's shapes
+
+    @property
+    def compressed(self) -> bool:
+        """Its messages are encoded and decoded around the link wait (not reduced within it)."""
+        return self.wire < 1 or self.low_rank > 0
 
 
 _INT8, _INT4 = (1 + 4 / 256) / 4, (1 / 2 + 4 / 256) / 4  # compress.py's bytes per element, over float32's 4
@@ -96,6 +105,7 @@ PATTERNS: dict[str, Pattern] = {
     "diloco-int8-overlap": Pattern("allreduce", period=16, overlap=True, wire=_INT8),
     "diloco-int4-overlap": Pattern("allreduce", period=16, overlap=True, wire=_INT4),
     "allreduce-topk": Pattern("allreduce", wire=2 * 0.01),
+    "allreduce-powersgd": Pattern("allreduce", low_rank=4),
     "diloco-async": Pattern("box", period=16),
     "diloco-async-overlap": Pattern("box", period=16, overlap=True),
     "ps-sync": Pattern("ps"),
@@ -298,12 +308,14 @@ def simulate(
     seed: int = 0,
     average_bytes_per_s: float = 5e9,
     exchange_cpu_s: float = 0.0,
+    shapes: list[tuple[int, ...]] | None = None,
 ) -> SimResult:
     """``setup`` (a key of ``PATTERNS``, or a ``Pattern``) on ``nodes`` nodes, each step ``compute_s`` of compute on
     ``batch`` samples and ``size_bytes`` of gradient or weights; measured over ``steps`` steps after one
     exchange period of warm-up (default 4 periods, at least 8 steps). ``average_bytes_per_s``: how fast
     ps-sync's server sums the gathered gradients (its ``average`` phase). ``exchange_cpu_s``: the seconds
-    of a core an overlapped exchange waits for besides its links (its CPU on cores the compute fills)."""
+    of a core an overlapped exchange waits for besides its links (its CPU on cores the compute fills).
+    ``shapes``: the model's parameter shapes, which a ``low_rank`` pattern's message sizes come from."""
     if isinstance(setup, Pattern):
         pattern, setup = setup, f"{setup.exchange} every {setup.period}"
     elif setup in PATTERNS:
@@ -312,6 +324,7 @@ def simulate(
         raise UserError(f"simulate: setup {setup!r}; choose from {', '.join(PATTERNS)}")
     if nodes < 1 or not compute_s > 0 or size_bytes < 0 or jitter < 0:
         raise UserError("simulate: nodes >= 1, compute_s > 0, size_bytes >= 0, jitter >= 0")
+    rounds = low_rank_bytes(setup, pattern.low_rank, shapes) if pattern.low_rank else ()
     warm = pattern.period
     steps = steps or max(8, 4 * pattern.period)
     run = _Cluster(nodes, net, seed, jitter)
@@ -333,10 +346,14 @@ def simulate(
                     if background is not None:
                         yield background
                     background = env.process(
-                        _exchange(run, pattern, me, k, size_bytes, average_bytes_per_s, exchange_cpu_s)
+                        _exchange(
+                            run, pattern, me, k, size_bytes, average_bytes_per_s, exchange_cpu_s, rounds
+                        )
                     )
                 else:
-                    timed = yield env.process(_exchange(run, pattern, me, k, size_bytes, average_bytes_per_s))
+                    timed = yield env.process(
+                        _exchange(run, pattern, me, k, size_bytes, average_bytes_per_s, rounds=rounds)
+                    )
                     if me == 0 and k >= warm:
                         for name, s in (timed or {}).items():
                             phases[name].append(s)
@@ -352,6 +369,16 @@ def simulate(
     per_step = {name: sum(v) / steps for name, v in phases.items()}
     wire = statistics.mean(run.fabric.wire) / (warm + steps)
     return SimResult(setup, nodes, step_s, nodes * batch / step_s, wire, per_step)
+
+
+def low_rank_bytes(setup: str, rank: int, shapes: list[tuple[int, ...]] | None) -> tuple[float, float]:
+    """The bytes of a PowerSGD round's two allreduces for a model of these parameter ``shapes``."""
+    from parambox.strategies.powersgd import round_elements
+
+    if not shapes:
+        raise UserError(f"simulate: {setup} sizes its messages from the model's parameter shapes; none given")
+    first, second = round_elements(shapes, rank, tail=len(shapes))
+    return 4.0 * first, 4.0 * second
 
 
 def _bucketed_step(run: _Cluster, pattern: Pattern, me: int, k: int, compute_s: float, size_bytes: float):
@@ -402,12 +429,16 @@ def _exchange(
     size_bytes: float,
     average_bps: float,
     cpu_s: float = 0.0,
+    rounds: tuple[float, ...] = (),
 ):
     """One exchange of ``pattern`` at step ``k``, then ``cpu_s`` of the CPU it waits for; returns node
-    0's phase times for ps-sync."""
+    0's phase times for ps-sync. ``rounds``: a low-rank pattern's allreduces, their bytes."""
     if cpu_s > 0:
         yield run.env.timeout(cpu_s)
-    if pattern.exchange == "allreduce":
+    if pattern.low_rank:
+        for i, nbytes in enumerate(rounds):
+            yield from run.ring_allreduce(me, ("low rank", k, i), nbytes)
+    elif pattern.exchange == "allreduce":
         yield from run.collective(me, ("allreduce", k), size_bytes, pattern.wire)
     elif pattern.exchange == "box-sync":
         yield from run.push_pull(me, size_bytes, barrier=("box-sync", k))
@@ -456,6 +487,7 @@ def against_measured(
     size_bytes: float,
     net: Network,
     cpu_ms: dict[str, float] | None = None,
+    shapes: list[tuple[int, ...]] | None = None,
 ) -> dict[str, dict[str, float]]:
     """``bench cluster``'s view of one link rate (one worker per node): each setup's measured ms per
     step beside its simulation, given that run's own compute time (its ``ceiling`` setup: the same
@@ -465,13 +497,15 @@ def against_measured(
     ``cpu_ms`` (each setup's CPU a step a worker, all its threads, the ceiling's included): the
     exchange's own CPU (``exchange_cpu_ms``: the setup's less the ceiling's) taken from the compute's
     cores, which the workers fill here, at the ceiling's share of a core (its CPU / its wall time);
-    ``error_with_cpu`` is the simulation with it. Where it runs decides what it costs:
+    ``error_with_cpu`` is the simulation with it (``shapes``: the model's parameter shapes, for a
+    low-rank setup's messages). Where it runs decides what it costs:
 
     - a collective's (gloo's ring: reducing, copying, sending) runs inside the collective, which every
       rank waits on: it first fills the time the worker waits on the link, so the step is about the longer
       of the links-alone step and the compute plus that CPU (allreduce, ddp, weight-avg, diloco);
     - a compressed collective's (encoding the message before the all-gather, decoding every rank's
-      after it) lies before and after the link wait, not within it: the step grows by all of it;
+      after it; PowerSGD's products and orthogonalization between and around its two allreduces) lies
+      before and after the link wait, not within it: the step grows by all of it;
     - the box's (the memory server summing and serving the other workers' pushes and pulls, whenever
       they come) runs while this worker computes: the compute grows by all of it;
     - an overlapped exchange's (downpour with ``overlap``: the push-pull in a thread behind the next
@@ -488,7 +522,7 @@ def against_measured(
         if setup == "ceiling" or setup not in PATTERNS or not rate > 0:
             continue
         measured = nodes * batch / rate
-        sim = simulate(setup, nodes, compute_s, size_bytes, net, batch=batch).step_s
+        sim = simulate(setup, nodes, compute_s, size_bytes, net, batch=batch, shapes=shapes).step_s
         out[setup] = {
             "compute_ms": compute_s * 1e3,
             "measured_ms": measured * 1e3,
@@ -499,11 +533,18 @@ def against_measured(
             extra = max(0.0, cpu[setup] - cpu["ceiling"]) / 1e3
             taken = extra / share  # compute seconds a step that CPU takes at the ceiling's share
             pattern = PATTERNS[setup]
-            if pattern.exchange in ("allreduce", "ps") and pattern.wire == 1:  # within the link wait
+            if pattern.exchange in ("allreduce", "ps") and not pattern.compressed:  # within the link wait
                 taken = max(0.0, taken - (sim - compute_s))
             behind = taken * pattern.period if pattern.overlap else 0.0  # on the exchange's path too
             with_cpu = simulate(
-                setup, nodes, compute_s + taken, size_bytes, net, batch=batch, exchange_cpu_s=behind
+                setup,
+                nodes,
+                compute_s + taken,
+                size_bytes,
+                net,
+                batch=batch,
+                exchange_cpu_s=behind,
+                shapes=shapes,
             ).step_s
             out[setup].update(
                 exchange_cpu_ms=extra * 1e3,
@@ -522,6 +563,7 @@ def simulate_curve(
     weak: bool = False,
     worker_counts: list[int] = DEFAULT_WORKER_COUNTS,
     jitter: float = 0.0,
+    shapes: list[tuple[int, ...]] | None = None,
 ) -> ScalingCurve:
     """``predict_curve``'s curve for ``setup``, each point simulated (n <= ``SIMULATED_MAX_NODES``):
     strong scaling splits the global ``batch`` over n, weak keeps ``batch`` per worker."""
@@ -532,7 +574,9 @@ def simulate_curve(
             t_iter.append(None), t_comp.append(None), t_comm.append(None)
             continue
         tc = compute.time_s(local)
-        step = simulate(setup, n, tc, size_bytes, net, batch=max(1, round(local)), jitter=jitter).step_s
+        step = simulate(
+            setup, n, tc, size_bytes, net, batch=max(1, round(local)), jitter=jitter, shapes=shapes
+        ).step_s
         t_iter.append(step)
         t_comp.append(tc)
         t_comm.append(max(0.0, step - tc))

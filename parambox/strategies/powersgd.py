@@ -27,6 +27,7 @@ As with the other encodings, nothing is lost, only late: over rounds, the sum of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -54,19 +55,8 @@ class PowerSGD:
         min_compression_rate: float = MIN_COMPRESSION_RATE,
     ):
         self.numel = sum(s.numel() for s in shapes)
-        self.matrices: list[tuple[int, int, int]] = []  # (offset, rows, columns)
-        plain: list[torch.Tensor] = []
-        offset = 0
-        for s in shapes:
-            n = s.numel()
-            rows = s[0] if len(s) >= 2 else 0
-            cols = n // rows if rows else 0
-            r = min(rank, rows, cols)
-            if rows and _should_compress(rows, cols, r, min_compression_rate)[0]:
-                self.matrices.append((offset, rows, cols))
-            else:
-                plain.append(torch.arange(offset, offset + n))
-            offset += n
+        self.matrices, spans = _split(shapes, rank, min_compression_rate)
+        plain = [torch.arange(a, b) for a, b in spans]
         self.rank = rank
         self.plain = (torch.cat(plain) if plain else torch.zeros(0, dtype=torch.long)).to(device)
         generator = torch.Generator().manual_seed(seed)
@@ -80,8 +70,11 @@ class PowerSGD:
 
     def message_bytes(self, tail: int) -> int:
         """Bytes one rank sends per round (both allreduces) with a float32 tail of ``tail`` elements."""
-        low_rank = sum((rows + cols) * q.shape[1] for (_, rows, cols), q in zip(self.matrices, self.qs))
-        return 4 * (low_rank + self.plain.numel() + tail)
+        return 4 * sum(self.round_elements(tail))
+
+    def round_elements(self, tail: int) -> tuple[int, int]:
+        """The float32 elements of a round's two allreduces: the P's, the uncompressed and the tail; the Q's."""
+        return _round_elements(self.matrices, self.rank, self.plain.numel(), tail)
 
     def forget_error_(self) -> None:
         """Owe nothing (a rank new to the run)."""
@@ -141,3 +134,33 @@ class PowerSGD:
         if "q" in state:
             for q, saved in zip(self.qs, state["q"]):
                 q.copy_(saved)
+
+
+def round_elements(shapes: list[torch.Size], rank: int, tail: int = 0) -> tuple[int, int]:
+    """:meth:`PowerSGD.round_elements` for tensors of these ``shapes``, with nothing allocated (the simulator's)."""
+    matrices, spans = _split(shapes, rank, MIN_COMPRESSION_RATE)
+    return _round_elements(matrices, rank, sum(b - a for a, b in spans), tail)
+
+
+def _split(
+    shapes: list[torch.Size], rank: int, min_compression_rate: float
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+    """The compressed matrices ``(offset, rows, columns)`` and the spans sent whole ``(start, end)``."""
+    matrices, spans, offset = [], [], 0
+    for s in shapes:
+        n = math.prod(s)
+        rows = s[0] if len(s) >= 2 else 0
+        cols = n // rows if rows else 0
+        if rows and _should_compress(rows, cols, min(rank, rows, cols), min_compression_rate)[0]:
+            matrices.append((offset, rows, cols))
+        else:
+            spans.append((offset, offset + n))
+        offset += n
+    return matrices, spans
+
+
+def _round_elements(
+    matrices: list[tuple[int, int, int]], rank: int, plain: int, tail: int
+) -> tuple[int, int]:
+    first = sum(rows * min(rank, rows, cols) for _, rows, cols in matrices) + plain + tail
+    return first, sum(cols * min(rank, rows, cols) for _, rows, cols in matrices)

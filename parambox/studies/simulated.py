@@ -28,7 +28,7 @@ from parambox.workload.targets import Target
 
 SIM_LINK_GBPS, SIM_LATENCY_US = 1.0, 10.0  # predict's default latency; the seeds' Ethernet-class link
 VALIDATION_SETUPS = (
-    "ddp,allreduce,allreduce-topk,box-sync,downpour,downpour-overlap,weight-avg,easgd-tau4,diloco,diloco-int8,"
+    "ddp,allreduce,allreduce-topk,allreduce-powersgd,box-sync,downpour,downpour-overlap,weight-avg,easgd-tau4,diloco,diloco-int8,"
     "diloco-async,ceiling"
 )
 VALIDATION_TOLERANCE = 0.15  # issue 20: step time error <= 15 %
@@ -67,7 +67,7 @@ def measure_simulator(ctx):
 
 def validation_rows(bench: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per (rate, setup) of a ``bench cluster`` JSON: measured and simulated ms per step."""
-    from parambox.bench.cluster import cpu_ms_of
+    from parambox.bench.cluster import cpu_ms_of, model_shapes
     from parambox.perfmodel.simulate import against_measured
     from parambox.perfmodel.topology import Network
 
@@ -81,6 +81,7 @@ def validation_rows(bench: dict[str, Any]) -> list[dict[str, Any]]:
             cnn_bytes(),
             net,
             cpu_ms_of(entry),
+            model_shapes(),
         )
         rows += [{"nodes": bench["nodes"], "gbps": float(gbps), "setup": k, **v} for k, v in sims.items()]
     return rows
