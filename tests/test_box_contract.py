@@ -34,6 +34,7 @@ CHECKS = [
     "push_hot",
     "pull_after_push",
     "push_pull",
+    "elastic",
     "counters",
     "shard_bounds",
     "mismatch",
@@ -138,6 +139,41 @@ class Worker:
         ok = ok and bool(got[:5].eq(0).all() and got[5:].eq(2 * rounds * SIZE).all())
         ok = ok and float(wide.min()) >= 2 * rounds
         return ok, f"answers (min, max) {seen[:3]}..., last {float(got[5:].min())}..{float(got.max())}"
+
+    def check_elastic(self):
+        """EASGD's exchange by every rank at once: in whatever order they land, each moves the center
+        by alpha e and its own x by -alpha e, so x summed over the ranks plus the center is what it was
+        (1 + 2 + 3); the values before ``start`` are untouched. Alone (the others at a barrier), one
+        exchange is the closed form: e = x - c, c + alpha e after."""
+        import torch
+
+        n, alpha = PUSH_PULL_NUMEL, 0.25
+        box, total = self.open(n + 5, "elastic"), self.open(n, "elastic-sum")
+        x, e = torch.full((n,), float(self.rank + 1)), torch.empty(n)
+        box.barrier()
+        for _ in range(6):
+            box.elastic_async(x, e, alpha, 5).wait()
+            x.sub_(e, alpha=alpha)
+        box.barrier()
+        alone = True
+        if self.rank == 0:
+            before = box.pull(torch.empty(n), start=5)
+            box.elastic_async(x, e, alpha, 5).wait()
+            after = box.pull(torch.empty(n), start=5)
+            alone = torch.equal(e, x - before) and torch.allclose(after, before + alpha * e, atol=1e-6)
+            x.sub_(e, alpha=alpha)
+        box.barrier()
+        total.push(x)
+        total.barrier()
+        c, xs = box.pull(torch.empty(n + 5)), total.pull(torch.empty(n))
+        box.close()
+        total.close()
+        kept = float((xs + c[5:] - 6.0).abs().max())
+        ok = alone and bool(c[:5].eq(0).all()) and kept < 1e-4 and 1.0 < float(c[5:].min()) < 3.0
+        return (
+            ok,
+            f"alone {alone}, sum x + c - 6 at most {kept:.2e}, c {float(c[5:].min()):.4f}..{float(c.max()):.4f}",
+        )
 
     def check_counters(self):
         box = self.open(8, "count", num_counters=1 + SIZE)

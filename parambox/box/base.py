@@ -294,6 +294,32 @@ class ParameterBox(ABC):
         stage = torch.empty(out.numel(), dtype=torch.float32)
         return _StagedPull(self._push_pull(src, stage, float(scale), start), stage, out)
 
+    # True where ``elastic_async`` is one request that moves the center under its lock (the rma memory
+    # server); elsewhere it is a pull, then a push.
+    fuses_elastic: ClassVar[bool] = False
+
+    def elastic_async(self, x: torch.Tensor, out: torch.Tensor, alpha: float, start: int = 0) -> Handle:
+        """EASGD's exchange with the values ``c`` at ``[start, start + x.numel())``: ``out = x - c``
+        and ``c += alpha out``, ``c`` as it was when read. On the memory server (``fuses_elastic``) one
+        request whose answer flows back while ``x`` still flows out, each chunk read and moved under
+        its shard's lock; elsewhere a pull, then a push (a push of another process may land between)."""
+        src = _host_flat(x)
+        self._span(src.numel(), start)
+        if out.numel() != src.numel():
+            raise ValueError(
+                f"box {self.name!r}: elastic exchange of {src.numel()} values into {out.numel()}"
+            )
+        if _is_host_flat(out):
+            return self._elastic(src, out.view(-1), float(alpha), start)
+        stage = torch.empty(out.numel(), dtype=torch.float32)
+        return _StagedPull(self._elastic(src, stage, float(alpha), start), stage, out)
+
+    def _elastic(self, x: torch.Tensor, out: torch.Tensor, alpha: float, start: int) -> Handle:
+        """A backend that applies the exchange where the values live overrides this."""
+        self._pull_into(out, start).wait()
+        torch.sub(x, out, out=out)
+        return self._push_from(out, alpha, start)
+
     # -- encoded pushes ----------------------------------------------------------------------------
     # True where the box's own servers decode an encoded push (the rma memory server): the codes cross
     # the link; elsewhere the pushing process decodes it and the box moves float32.
