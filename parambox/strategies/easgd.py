@@ -3,7 +3,10 @@
 Asynchronous form, over the box (``shm`` or ``rma``): every ``tau`` local steps a worker pulls the
 center ``c``, computes ``d = alpha (x - c)``, moves ``x <- x - d`` and pushes ``c <- c + d``;
 between exchanges it takes local steps ``x <- x - eta g`` (its own optimizer). The exchange runs
-block by block over the flat replica (``CenterClient.elastic_``): about one pass over memory.
+block by block over the flat replica (``CenterClient.elastic_``): about one pass over memory. On the
+rma box's memory server (across nodes) it is one request a shard: ``x`` goes out, the server moves ``c``
+under the shard's lock and answers ``x - c`` as each chunk lands, so no other push lands between the read
+of ``c`` and its update, and the link's two directions carry the exchange together.
 ``compression`` encodes each push with error feedback, ``c <- c + alpha D(Q(x - c + err))`` while ``x`` moves
 by the exact ``alpha (x - c)`` (``CenterClient.elastic_encoded_``): the rma box's memory server decodes the
 codes, elsewhere the worker (``box_encoder``'s warning); the error is in each worker's checkpoint.
