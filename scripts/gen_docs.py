@@ -108,7 +108,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     ),
     "PARAMBOX_NOTEBOOK_OUT": ("examples/notebook.ipynb", "where the notebook writes its runs and report"),
     "PARAMBOX_TEST_WORKERS": ("scripts/test.sh", "pytest-xdist workers (default: one more than the cores)"),
-    "PARAMBOX_TESTS_SET_UP": ("scripts/test.sh", "1: skip the installs and the lint (run already: CI's second tier)"),
+    "PARAMBOX_TESTS_SET_UP": (
+        "scripts/test.sh",
+        "1: skip the installs and the lint (run already: CI's second tier)",
+    ),
 }
 # Strings that look like variables and are not: the perfmodel worker's output marker.
 NOT_ENV_VARS = {"PARAMBOX_RESULT"}
