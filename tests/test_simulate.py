@@ -65,7 +65,12 @@ def test_a_compressed_collectives_cpu_lies_outside_its_wait_on_the_link():
     assert row["error_with_cpu"] == pytest.approx(0.0, abs=1e-9)
 
 
-SHAPES = [(256, 4096), (256,), (10, 256), (10,)]  # two layers: matrices PowerSGD compresses, biases sent whole
+SHAPES = [
+    (256, 4096),
+    (256,),
+    (10, 256),
+    (10,),
+]  # two layers: matrices PowerSGD compresses, biases sent whole
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
@@ -82,7 +87,9 @@ def test_powersgd_is_two_ring_allreduces_of_its_own_message_sizes(n):
     ps = PowerSGD([torch.Size(s) for s in SHAPES], rank=4)
     assert ps.message_bytes(tail=len(SHAPES)) == first + second  # what the strategy sends
     r = simulate("allreduce-powersgd", n, 0.1, size, NET, shapes=SHAPES)
-    rings = ring_allreduce_s(n, first, Network(RATE, ALPHA)) + ring_allreduce_s(n, second, Network(RATE, ALPHA))
+    rings = ring_allreduce_s(n, first, Network(RATE, ALPHA)) + ring_allreduce_s(
+        n, second, Network(RATE, ALPHA)
+    )
     assert r.phases_s["exchange"] == pytest.approx(rings, rel=1e-9)
     assert r.step_s == pytest.approx(0.1 + rings, rel=1e-9)
     assert r.link_bytes_per_step == pytest.approx(2 * 2 * (n - 1) / n * (first + second), rel=1e-9)
