@@ -82,6 +82,22 @@ def test_easgd_over_the_rma_box_on_the_network_path(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_easgd_over_the_memory_server_exchanges_in_one_request(tmp_path):
+    """``box.server=true`` (the default across nodes) on one host: each elastic exchange is one request
+    (``ELASTIC``), timed as a push-pull; the run trains as over the windows."""
+    out = tmp_path / "run"
+    args = ["train", "--strategy", "easgd", "--box", "rma", "--set", "box.server=true", "--steps", "300"]
+    run_cli(*args, "--out", str(out), "--no-progress", env=MPI_ENV)
+    s = summary(out)
+    assert s["config"]["box"]["server"] is True and s["worker_steps"] == [300, 300]
+    assert s["final_test_accuracy"] >= 0.9, s["final_test_accuracy"]
+    for rank in (0, 1):
+        phases = {k for r in records(out, rank) for k in r["comm"]}
+        assert "push_pull" in phases and not {"pull", "push"} & phases, phases
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_sharded_rma_box_is_reachable_from_the_cli(tmp_path):
     """``--set box.box_ranks=[1]``: the whole center lives on rank 1 (the local launcher uses mpiexec)."""

@@ -243,14 +243,30 @@ def test_box_sync_pushes_each_bucket_during_backward_and_pulls_it_once_every_nod
 def test_the_boxs_exchange_cpu_lengthens_the_compute_at_the_ceilings_share_of_a_core():
     from parambox.perfmodel.simulate import against_measured
 
-    # the ceiling's 50 ms of CPU in a 100 ms step: half a core each; easgd's exchange adds 10 ms of
-    # CPU (the memory server's, whenever the other worker comes): 20 ms of compute at that share
-    measured = simulate("easgd-tau4", 2, 0.12, S, NET).step_s
-    rates = {"ceiling": 2 * 64 / 0.1, "easgd-tau4": 2 * 64 / measured}
-    row = against_measured(rates, 2, 64, S, NET, {"ceiling": 50.0, "easgd-tau4": 60.0})["easgd-tau4"]
+    # the ceiling's 50 ms of CPU in a 100 ms step: half a core each; downpour's exchange adds 10 ms of
+    # CPU (the memory server's, serving the other worker's buckets during this one's backward): 20 ms
+    # of compute at that share
+    measured = simulate("downpour", 2, 0.12, S, NET).step_s
+    rates = {"ceiling": 2 * 64 / 0.1, "downpour": 2 * 64 / measured}
+    row = against_measured(rates, 2, 64, S, NET, {"ceiling": 50.0, "downpour": 60.0})["downpour"]
     assert row["exchange_cpu_ms"] == pytest.approx(10.0)
     assert row["error_with_cpu"] == pytest.approx(0.0, abs=1e-9) and row["error"] < -0.1
-    assert "error_with_cpu" not in against_measured(rates, 2, 64, S, NET)["easgd-tau4"]
+    assert "error_with_cpu" not in against_measured(rates, 2, 64, S, NET)["downpour"]
+
+
+def test_a_periodic_box_exchanges_cpu_first_fills_the_workers_wait_on_the_link():
+    """easgd every 4 steps: the workers exchange in step, so the server's CPU for the other's request
+    runs while this worker waits on its own exchange; only what outlasts that wait lengthens the step."""
+    from parambox.perfmodel.simulate import against_measured
+
+    alone = simulate("easgd-tau4", 2, 0.1, S, NET).step_s
+    wait = alone - 0.1  # a step's share of the exchange's wait on the link
+    assert 0.004 < wait < 0.05
+    for taken, step in ((wait / 2, alone), (wait + 0.004, simulate("easgd-tau4", 2, 0.104, S, NET).step_s)):
+        rates = {"ceiling": 2 * 64 / 0.1, "easgd-tau4": 2 * 64 / step}  # taken: compute s at half a core
+        cpu = {"ceiling": 50.0, "easgd-tau4": 50.0 + taken * 1e3 / 2}
+        row = against_measured(rates, 2, 64, S, NET, cpu)["easgd-tau4"]
+        assert row["error_with_cpu"] == pytest.approx(0.0, abs=1e-9), (taken, row)
 
 
 def test_a_collectives_exchange_cpu_first_fills_the_workers_wait_on_the_link():

@@ -507,7 +507,10 @@ def against_measured(
       after it; PowerSGD's products and orthogonalization between and around its two allreduces) lies
       before and after the link wait, not within it: the step grows by all of it;
     - the box's (the memory server summing and serving the other workers' pushes and pulls, whenever
-      they come) runs while this worker computes: the compute grows by all of it;
+      they come) runs while this worker computes where the exchange is in buckets during backward
+      (downpour, box-sync): the compute grows by all of it; where it is periodic (easgd, asynchronous
+      diloco: every ``period`` steps, the workers in step), the others' requests come while this worker
+      waits on its own exchange: it first fills that wait, as a collective's does;
     - an overlapped exchange's (downpour with ``overlap``: the push-pull in a thread behind the next
       step) lies on both of the step's paths at once: it takes the core from the compute, and the
       exchange's bytes wait for the CPU that moves and serves them, so the exchange grows by it too
@@ -533,7 +536,7 @@ def against_measured(
             extra = max(0.0, cpu[setup] - cpu["ceiling"]) / 1e3
             taken = extra / share  # compute seconds a step that CPU takes at the ceiling's share
             pattern = PATTERNS[setup]
-            if pattern.exchange in ("allreduce", "ps") and not pattern.compressed:  # within the link wait
+            if _cpu_within_wait(pattern):
                 taken = max(0.0, taken - (sim - compute_s))
             behind = taken * pattern.period if pattern.overlap else 0.0  # on the exchange's path too
             with_cpu = simulate(
@@ -552,6 +555,13 @@ def against_measured(
                 error_with_cpu=with_cpu / measured - 1,
             )
     return out
+
+
+def _cpu_within_wait(pattern: Pattern) -> bool:
+    """The exchange's CPU first fills the worker's wait on the link (``against_measured``'s rules)."""
+    if pattern.exchange in ("allreduce", "ps"):
+        return not pattern.compressed
+    return pattern.exchange == "box" and pattern.period > 1 and not pattern.overlap
 
 
 def simulate_curve(

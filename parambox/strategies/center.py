@@ -264,7 +264,7 @@ class CenterClient:
             x[lo:hi].sub_(e, alpha=alpha)
             with self.timers.phase("push"):
                 self.box.push(e, alpha, self.start + lo)
-        with self.timers.phase("push"):
+        with self.timers.phase("push_pull" if fused else "push"):
             version = self.box.add_counter(VERSION_COUNTER, 1)
             self.pulled_version = pulled.wait()
             self.staleness = version - self.pulled_version
