@@ -124,6 +124,18 @@ def test_the_box_moves_each_shard_once_each_way(n):
     assert fused.link_bytes_per_step == pytest.approx(4 * (n - 1) / n * S, rel=1e-9)
 
 
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_an_encoded_push_to_the_box_lands_then_its_float32_answer_comes_back(n):
+    """wire < 1 on the box (downpour's, easgd's, asynchronous diloco's compression): the codes to every
+    shard, decoded once landed, then the float32 values back: two phases, one after the other."""
+    wire, piece = 0.25, S / n
+    r = simulate(Pattern("box", wire=wire), n, 0.1, S, NET)
+    assert r.phases_s["exchange"] == pytest.approx(2 * ALPHA + (n - 1) * (1 + wire) * piece / RATE, rel=1e-9)
+    assert r.link_bytes_per_step == pytest.approx(
+        2 * (n - 1) * (1 + wire) * piece, rel=1e-9
+    )  # sent + received
+
+
 def test_flows_share_links_max_min_fairly():
     fabric = Fabric(simpy.Environment(), 5, 90.0, 0.0)
     env = fabric.env

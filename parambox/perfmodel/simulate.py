@@ -20,6 +20,9 @@ setups, plus ``ps-sync``):
   each rank's message is that share of the float32 bytes, and gloo's ring all-gather moves n-1 messages
   over each link after n-1 latencies (every rank decodes and sums them; allreduce's compressed
   gradients go once, at the end of backward, not in buckets);
+- ``wire`` below 1 on the box: an encoded push (``compression`` of downpour, easgd, asynchronous
+  diloco), that share of the float32 bytes out to each shard, which the memory server decodes once all
+  of it has landed and then answers in float32: the push, then the pull, one after the other;
 - ``low_rank``: PowerSGD of that rank (``compression=powersgd``, ``strategies/powersgd.py``): two ring
   allreduces one after the other, the P's (with the tensors sent whole), then the Q's, their sizes
   PowerSGD's own for the model's ``shapes``, at the end of backward;
@@ -88,6 +91,7 @@ class Pattern:
 
 
 _INT8, _INT4 = (1 + 4 / 256) / 4, (1 / 2 + 4 / 256) / 4  # compress.py's bytes per element, over float32's 4
+_BF16 = 2 / 4
 PATTERNS: dict[str, Pattern] = {
     "ceiling": Pattern("none"),
     "ddp": Pattern("allreduce", bucketed=True),
@@ -96,6 +100,7 @@ PATTERNS: dict[str, Pattern] = {
     "downpour": Pattern("box", bucketed=True),
     "downpour-overlap": Pattern("box", overlap=True),
     "weight-avg": Pattern("allreduce", period=4),
+    "post-local-sgd": Pattern("allreduce", period=4),  # torch's PeriodicModelAverager: weight-avg's exchange
     "easgd-tau4": Pattern("box", period=4),
     "easgd-tau16": Pattern("box", period=16),
     "eamsgd-tau16": Pattern("box", period=16),
@@ -104,10 +109,16 @@ PATTERNS: dict[str, Pattern] = {
     "diloco-int8": Pattern("allreduce", period=16, wire=_INT8),
     "diloco-int8-overlap": Pattern("allreduce", period=16, overlap=True, wire=_INT8),
     "diloco-int4-overlap": Pattern("allreduce", period=16, overlap=True, wire=_INT4),
+    "diloco-bf16-overlap": Pattern("allreduce", period=16, overlap=True, wire=_BF16),
+    "diloco-h32-overlap": Pattern("allreduce", period=32, overlap=True),
+    "diloco-h32-int8-overlap": Pattern("allreduce", period=32, overlap=True, wire=_INT8),
     "allreduce-topk": Pattern("allreduce", wire=2 * 0.01),
     "allreduce-powersgd": Pattern("allreduce", low_rank=4),
     "diloco-async": Pattern("box", period=16),
     "diloco-async-overlap": Pattern("box", period=16, overlap=True),
+    "downpour-int8": Pattern("box", wire=_INT8),  # encoded whole after backward, not in buckets
+    "easgd-tau4-int8": Pattern("box", period=4, wire=_INT8),
+    "diloco-async-int8": Pattern("box", period=16, wire=_INT8),
     "ps-sync": Pattern("ps"),
 }
 
@@ -280,11 +291,16 @@ class _Cluster:
         else:
             yield from self.ring_allreduce(me, tag, nbytes)
 
-    def push_pull(self, me: int, nbytes: float, barrier: tuple | None = None):
+    def push_pull(self, me: int, nbytes: float, barrier: tuple | None = None, wire: float = 1.0):
         """Every shard's piece to its node and the new values back: fused (the server returns each
-        piece as it adds it), or push, ``barrier``, pull (box-sync)."""
+        piece as it adds it), or push, ``barrier``, pull (box-sync); ``wire`` below 1: an encoded push of
+        that share of the bytes, decoded once landed, then the float32 answer."""
         others = [j for j in range(self.n) if j != me]
         piece = nbytes / self.n
+        if wire < 1:
+            yield self.env.all_of([self.fabric.send(me, j, wire * piece) for j in others])
+            yield self.env.all_of([self.fabric.send(j, me, piece) for j in others])
+            return
         if barrier is None:
             yield self.env.all_of(
                 [self.fabric.send(me, j, piece) for j in others]
@@ -443,7 +459,7 @@ def _exchange(
     elif pattern.exchange == "box-sync":
         yield from run.push_pull(me, size_bytes, barrier=("box-sync", k))
     elif pattern.exchange == "box":
-        yield from run.push_pull(me, size_bytes)
+        yield from run.push_pull(me, size_bytes, wire=pattern.wire)
     elif pattern.exchange == "ps":
         return (yield from _parameter_server(run, me, k, size_bytes, average_bps))
     return None
@@ -510,7 +526,8 @@ def against_measured(
       they come) runs while this worker computes where the exchange is in buckets during backward
       (downpour, box-sync): the compute grows by all of it; where it is periodic (easgd, asynchronous
       diloco: every ``period`` steps, the workers in step), the others' requests come while this worker
-      waits on its own exchange: it first fills that wait, as a collective's does;
+      waits on its own exchange: it first fills that wait, as a collective's does (not where its pushes
+      are encoded: the encoding lies on the step's path);
     - an overlapped exchange's (downpour with ``overlap``: the push-pull in a thread behind the next
       step) lies on both of the step's paths at once: it takes the core from the compute, and the
       exchange's bytes wait for the CPU that moves and serves them, so the exchange grows by it too
@@ -561,7 +578,7 @@ def _cpu_within_wait(pattern: Pattern) -> bool:
     """The exchange's CPU first fills the worker's wait on the link (``against_measured``'s rules)."""
     if pattern.exchange in ("allreduce", "ps"):
         return not pattern.compressed
-    return pattern.exchange == "box" and pattern.period > 1 and not pattern.overlap
+    return pattern.exchange == "box" and pattern.period > 1 and not pattern.overlap and not pattern.compressed
 
 
 def simulate_curve(
