@@ -233,7 +233,10 @@ def test_predict_simulates_powersgd_from_the_users_models_shapes():
     assert bad.returncode == 2 and "drop --parameters" in bad.stderr and "Traceback" not in bad.stderr
     ranked = run_cli(*args, "--parameters", "1000000", "--nodes", "4", "--json")  # every other setup
     setups = {r["setup"] for r in json.loads(ranked.stdout)["setups"]["ranking"]}
-    assert "allreduce" in setups and "allreduce-powersgd" not in setups
+    assert "allreduce" in setups and "easgd-tau4-int8" in setups
+    assert (
+        not {"allreduce-powersgd", "ddp", "post-local-sgd", "ceiling"} & setups
+    )  # no shapes; not parambox's
 
 
 # -- reproduce's simulated claims (studies/simulated.py) ------------------------------------------

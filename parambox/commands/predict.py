@@ -213,7 +213,7 @@ def _compute(
 
 def _simulated(args: argparse.Namespace) -> list[str]:
     """The setups to simulate: --simulate's, or all of them (``all``) but the no-communication ceiling and
-    torch's own DDP (a baseline, not a setup of parambox's)."""
+    torch's own DDP and PostLocalSGD (baselines, not setups of parambox's)."""
     if args.simulate == "all":
         return _every_setup(args)
     if not args.simulate:
@@ -231,11 +231,16 @@ def _simulated(args: argparse.Namespace) -> list[str]:
     return names
 
 
+_NOT_PARAMBOXS = (
+    "ceiling",
+    "ddp",
+    "post-local-sgd",
+)  # the no-communication ceiling and torch's own baselines
+
+
 def _every_setup(args: argparse.Namespace) -> list[str]:
-    """Every setup but the ceiling and DDP; not the low-rank ones where --parameters hides the shapes."""
-    return [
-        p for p in PATTERNS if p not in ("ceiling", "ddp") and not (args.parameters and PATTERNS[p].low_rank)
-    ]
+    """Every setup of parambox's; not the low-rank ones where --parameters hides the shapes."""
+    return [p for p in PATTERNS if p not in _NOT_PARAMBOXS and not (args.parameters and PATTERNS[p].low_rank)]
 
 
 def _grid(args: argparse.Namespace) -> list[int]:
