@@ -231,16 +231,12 @@ def _simulated(args: argparse.Namespace) -> list[str]:
     return names
 
 
-_NOT_PARAMBOXS = (
-    "ceiling",
-    "ddp",
-    "post-local-sgd",
-)  # the no-communication ceiling and torch's own baselines
-
-
 def _every_setup(args: argparse.Namespace) -> list[str]:
-    """Every setup of parambox's; not the low-rank ones where --parameters hides the shapes."""
-    return [p for p in PATTERNS if p not in _NOT_PARAMBOXS and not (args.parameters and PATTERNS[p].low_rank)]
+    """Every setup of parambox's (not bench cluster's references: the ceiling, torch's DDP and
+    PostLocalSGD); not the low-rank ones where --parameters hides the shapes."""
+    from parambox.bench.cluster import REFERENCES
+
+    return [p for p in PATTERNS if p not in REFERENCES and not (args.parameters and PATTERNS[p].low_rank)]
 
 
 def _grid(args: argparse.Namespace) -> list[int]:

@@ -71,7 +71,7 @@ def validation_rows(bench: dict[str, Any]) -> list[dict[str, Any]]:
     from parambox.perfmodel.simulate import against_measured
     from parambox.perfmodel.topology import Network
 
-    rows = []
+    rows, shapes = [], model_shapes()
     for gbps, entry in bench["by_gbps"].items():
         net = Network.from_gbps(float(gbps), SIM_LATENCY_US)
         sims = against_measured(
@@ -81,7 +81,7 @@ def validation_rows(bench: dict[str, Any]) -> list[dict[str, Any]]:
             cnn_bytes(),
             net,
             cpu_ms_of(entry),
-            model_shapes(),
+            shapes,
         )
         rows += [{"nodes": bench["nodes"], "gbps": float(gbps), "setup": k, **v} for k, v in sims.items()]
     return rows
