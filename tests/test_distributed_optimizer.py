@@ -3,6 +3,7 @@ strategy on any module under torchrun with closed-form asserts (tier b), the use
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -329,3 +330,58 @@ def test_a_forgotten_close_is_warned_at_exit():
     )
     assert proc.returncode == 0 and proc.stderr.count("was never closed") == 1, proc.stderr
     assert "DistributedOptimizer('allreduce') was never closed" in proc.stderr, proc.stderr
+
+
+RMA_LOOP = """
+import json, os, sys, warnings
+import torch, torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch import nn
+import parambox
+
+warnings.simplefilter("error", UserWarning)  # torch's "lr_scheduler.step() before optimizer.step()"
+x, y = load_digits(return_X_y=True)
+x, y = torch.tensor(x / 16, dtype=torch.float32), torch.tensor(y)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
+schedule = torch.optim.lr_scheduler.StepLR(optimizer, 100, gamma=0.5)
+opt = parambox.DistributedOptimizer(model, optimizer, "easgd", steps=200, box="rma")
+g = torch.Generator().manual_seed(opt.rank)
+if opt.trains or not os.environ.get("SKIP"):
+    for _ in range(200):
+        i = torch.randint(0, 1400, (32,), generator=g)
+        loss = F.cross_entropy(model(x[i]), y[i])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        schedule.step()
+opt.close()
+accuracy = float((model(x[1400:]).argmax(1) == y[1400:]).float().mean())
+print(json.dumps({"rank": opt.rank, "trains": opt.trains, "accuracy": accuracy, "lr": schedule.get_last_lr()[0]}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("skip", [False, True])
+def test_rma_box_memory_rank_in_a_users_loop_says_so_and_serves(tmp_path, skip):
+    """``mpiexec -n 3`` on the rma box: rank 2 holds EASGD's center and trains nothing. It says so once,
+    naming ``opt.trains`` and ``memory_ranks=0`` (before: "easgd has ended this worker's run", and torch's
+    scheduler warned that the optimizer never stepped); its loop, run or skipped, changes nothing: every
+    rank ends with the same trained model."""
+    from tests.conftest import MPI_ENV, run_mpi_script
+
+    script = tmp_path / "loop.py"
+    script.write_text(RMA_LOOP)
+    env = {**os.environ, **MPI_ENV, "OMP_NUM_THREADS": "1", "SKIP": "1" if skip else ""}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    stdout, stderr, code = run_mpi_script(str(script), 3, env, timeout=200)
+    assert code == 0, stderr[-3000:]
+    lines = sorted((json.loads(s) for s in stdout.splitlines() if s.startswith("{")), key=lambda x: x["rank"])
+    assert [line["trains"] for line in lines] == [True, True, False]
+    assert len({line["accuracy"] for line in lines}) == 1 and lines[0]["accuracy"] > 0.85
+    assert [line["lr"] for line in lines[:2]] == [0.05, 0.05]
+    told = [line for line in stderr.splitlines() if "parambox: warning" in line]
+    assert len(told) == 1 and "rank 2 holds easgd's box and trains nothing" in told[0], stderr[-3000:]
+    assert "opt.trains" in told[0] and "'memory_ranks': 0" in told[0]
