@@ -124,6 +124,24 @@ def test_the_box_moves_each_shard_once_each_way(n):
     assert fused.link_bytes_per_step == pytest.approx(4 * (n - 1) / n * S, rel=1e-9)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_hybrid_one_worker_a_node_is_its_leaders_fused_exchange_every_tau_steps(n):
+    """bench cluster's hybrid (groups = nodes, one worker each): no group allreduce, and every 4 steps
+    the leader's EASGD exchange, one fused push-pull against every shard (the memory server's ELASTIC)."""
+    r = simulate("hybrid", n, 0.1, S, NET, steps=8)
+    exchange = ALPHA + 2 * (n - 1) * (S / n) / RATE
+    assert r.phases_s["exchange"] * 8 / 2 == pytest.approx(exchange, rel=1e-9)
+    assert r.step_s == pytest.approx(0.1 + exchange / 4, rel=1e-9)
+
+
+def test_every_bench_cluster_setup_has_a_pattern():
+    """The simulator answers for every setup bench cluster measures (and ps-sync, which it does not)."""
+    from parambox.bench.cluster import SETUPS
+    from parambox.perfmodel.simulate import PATTERNS
+
+    assert set(PATTERNS) - set(SETUPS) == {"ps-sync"} and set(SETUPS) <= set(PATTERNS)
+
+
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_an_encoded_push_to_the_box_lands_then_its_float32_answer_comes_back(n):
     """wire < 1 on the box (downpour's, easgd's, asynchronous diloco's compression): the codes to every

@@ -11,8 +11,8 @@ setups, plus ``ps-sync``):
   1 MB, each started once backward has finished it (``box-sync.bucket_mb``); a bucket's sums come
   back once every node's push of it has landed (the memory server's gated pulls: the rma box cut
   over every node, ``box/levels.py``), while later buckets still flow out;
-- ``box``: one fused push-pull against every shard, no barrier (EASGD and asynchronous DiLoCo every
-  ``period`` steps); Downpour's in buckets of 1 MB, each started once backward has finished it
+- ``box``: one fused push-pull against every shard, no barrier (EASGD, hybrid's group leaders and
+  asynchronous DiLoCo every ``period`` steps); Downpour's in buckets of 1 MB, each started once backward has finished it
   (``downpour.bucket_mb``);
 - ``allreduce`` with a ``period``: a whole-model allreduce every ``period`` steps (weight-avg, DiLoCo);
 - ``ps``: rank 0 gathers every gradient, averages it, broadcasts the weights (ps-sync, SHM-Learn-Dist §6);
@@ -103,6 +103,9 @@ PATTERNS: dict[str, Pattern] = {
     "post-local-sgd": Pattern("allreduce", period=4),  # torch's PeriodicModelAverager: weight-avg's exchange
     "easgd-tau4": Pattern("box", period=4),
     "easgd-tau16": Pattern("box", period=16),
+    # One worker a node (bench cluster's groups = nodes): each group's allreduce is of one rank, and its
+    # leader's exchange is easgd's, every tau = 4 steps
+    "hybrid": Pattern("box", period=4),
     "eamsgd-tau16": Pattern("box", period=16),
     "diloco": Pattern("allreduce", period=16),
     "diloco-overlap": Pattern("allreduce", period=16, overlap=True),
