@@ -302,6 +302,34 @@ def test_own_loop_example_under_torchrun():
     assert float(accuracies.pop()) > 0.85
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_own_loop_example_under_mpiexec_on_the_rma_box():
+    """Example (c) across nodes' way: ``mpiexec -n 3 ... --strategy easgd --box rma``. Rank 2 holds the
+    box (``opt.trains`` False: it skips the loop), the two others train, and all three end with the
+    same model."""
+    from parambox.runtime import spawn
+    from tests.conftest import MPI_ENV
+
+    if spawn.find_mpiexec() is None:
+        pytest.skip("no mpiexec found")
+    env = {**os.environ, **MPI_ENV, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(ROOT / "examples/own_loop.py"), "--strategy", "easgd", "--box", "rma"]
+    proc = spawn.start_mpi(cmd, 3, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        spawn.stop([proc])
+    assert proc.returncode == 0, stderr[-3000:]
+    lines = re.findall(r"rank (\d): easgd (final loss [\d.]+|held the box), test accuracy ([\d.]+)", stdout)
+    done = {rank: what for rank, what, _ in lines}
+    assert sorted(done) == ["0", "1", "2"], stdout
+    assert done["2"] == "held the box" and done["0"].startswith("final loss"), stdout
+    accuracies = {accuracy for _, _, accuracy in lines}
+    assert len(accuracies) == 1 and float(accuracies.pop()) > 0.85, stdout
+
+
 @pytest.mark.timeout(240)
 def test_uneven_step_counts_are_refused_on_every_rank(tmp_path):
     """Before: rank 0's close() met rank 1's gradient allreduce; rank 0 exited 0 with a chance-level
