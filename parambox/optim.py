@@ -147,13 +147,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._detached = False  # the parameters still live in the strategy's buffers
         self._stepped = False  # a step ran in this process (load_state_dict must come before)
         self._hook = _watch_forward(self)
-        if not self.trains:
-            warn(
-                f"rank {self.rank} holds {strategy}'s box and trains nothing (box 'rma' keeps the box on "
-                "the last rank, where no dead worker takes it along): its step() does nothing and close() "
-                "serves the workers; skip its loop with `if opt.trains:`, or give "
-                "box={'backend': 'rma', 'memory_ranks': 0} to train on every rank"
-            )
         # Synchronous rules pair every rank's collectives step by step: a rank that stops early would
         # have its close() matched against another's gradient exchange (a silently wrong model). Each
         # step opens with a one-element allreduce of "still stepping" (close() sends 0), so uneven step
@@ -324,6 +317,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._begun = False
         self._stepped = True
         if not self.trains:  # the wrapped optimizer steps with no gradient: a scheduler on it sees a step
+            if not self._warned:
+                self._warned = True
+                warn(
+                    f"rank {self.rank} holds {self.name}'s box and trains nothing (box 'rma' keeps the box on "
+                    "the last rank, where no dead worker takes it along): its step() does nothing and close() "
+                    "serves the workers; skip its loop with `if opt.trains:`, or give "
+                    "box={'backend': 'rma', 'memory_ranks': 0} to train on every rank"
+                )
             for p in self.model.parameters():
                 p.grad = None
             self.optimizer.step()
