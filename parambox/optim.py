@@ -43,6 +43,7 @@ from torch import nn
 from parambox.box import BoxConfig
 from parambox.errors import BoxLost, UserError, warn
 from parambox.runtime import dist as pbdist
+from parambox.runtime import mpi as pbmpi
 from parambox.runtime.world import World
 from parambox.strategies import Context, StepResult, Strategy, strategy_class
 from parambox.strategies.base import broadcast_tensors_
@@ -380,18 +381,33 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with self._box_lost():
                 self.strategy.finish()
                 result = self.strategy.eval_model()
+                from_box = self.strategy.result_from_box()  # a rank died: no broadcast over its group
             _own_memory_(self.model)
             self._detached = True
-            self._publish(result)
+            self._publish(result, from_box)
         finally:
             self._release()
 
-    def _publish(self, result: nn.Module | None) -> None:
-        """Rank 0's result model into every rank's ``model``."""
+    def _publish(self, result: nn.Module | None, from_box: bool = False) -> None:
+        """Rank 0's result model into every rank's ``model``; ``from_box``: a rank died, and every rank
+        read the result's weights from the box already (each keeps its own buffers)."""
         if result is not None and result is not self.model:
             with torch.no_grad():
                 for dst, src in zip(_state(self.model), _state(result)):
                     dst.copy_(src)
+        if from_box:
+            pbmpi.finalize_at_exit()  # under ULFM, after a death, MPI_Finalize may never return
+            if result is not None:
+                buffers = (
+                    "; buffers (batch-norm statistics) stay each rank's own"
+                    if any(True for _ in self.model.buffers())
+                    else ""
+                )
+                warn(
+                    f"rank {self.rank}: a rank of the run died, so every rank read the run's result from the "
+                    f"box instead of a broadcast over the broken process group{buffers}"
+                )
+            return
         if self.world.world_size > 1:
             with pbdist.collective("result weights broadcast", self.board):
                 broadcast_tensors_(_state(self.model))

@@ -302,6 +302,70 @@ def test_own_loop_example_under_torchrun():
     assert float(accuracies.pop()) > 0.85
 
 
+FT_LOOP = """
+import json, os, sys
+import torch, torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch import nn
+import parambox
+
+x, y = load_digits(return_X_y=True)
+x, y = torch.tensor(x / 16, dtype=torch.float32), torch.tensor(y)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+opt = parambox.DistributedOptimizer(
+    model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5), "easgd", steps=300,
+    box=os.environ["BOX"], timeout=20,
+)
+g = torch.Generator().manual_seed(opt.rank)
+for step in range(300 if opt.trains else 0):
+    if opt.rank == 1 and step == 100:
+        os.kill(os.getpid(), 9)
+    i = torch.randint(0, 1400, (32,), generator=g)
+    opt.zero_grad()
+    F.cross_entropy(model(x[i]), y[i]).backward()
+    opt.step()
+opt.close()
+accuracy = float((model(x[1400:]).argmax(1) == y[1400:]).float().mean())
+print(json.dumps({"rank": opt.rank, "accuracy": accuracy, "weights": float(sum(p.sum() for p in model.parameters()))}))
+"""
+
+
+@pytest.mark.solo  # failure detection under load
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("box", ["rma", "shm"])
+def test_a_worker_killed_in_a_users_loop_under_ulfm_the_others_close_with_one_model(tmp_path, box):
+    """``mpiexec --with-ft ulfm -n 3``, EASGD in a user's loop, rank 1 SIGKILLed at step 100 of 300 (rma:
+    ranks 0 and 1 train, rank 2 holds the box; shm: three workers). The strategy finishes without it,
+    and close() no longer fails: its broadcast of the result went over the process group, which the
+    death broke (before: CommTimeout "result weights broadcast ... timed out" and a traceback on every
+    survivor). Every survivor reads the center from the box and ends with the same model."""
+    from parambox.runtime import spawn
+    from tests.conftest import MPI_ENV
+
+    if spawn.find_mpiexec() is None:
+        pytest.skip("no mpiexec found")
+    script = tmp_path / "loop.py"
+    script.write_text(FT_LOOP)
+    env = {**os.environ, **MPI_ENV, "OMP_NUM_THREADS": "1", "BOX": box}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(script)]
+    proc = spawn.start_mpi(
+        cmd, 3, env, fault_tolerant=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        spawn.stop([proc])
+    assert proc.returncode == 0, stderr[-3000:]
+    lines = sorted((json.loads(s) for s in stdout.splitlines() if s.startswith("{")), key=lambda x: x["rank"])
+    assert [line["rank"] for line in lines] == [0, 2], stdout
+    assert lines[0]["weights"] == lines[1]["weights"] and lines[0]["accuracy"] > 0.85, lines
+    assert "worker rank 1 is lost" in stderr and "read the run's result from the box" in stderr
+    assert "Traceback" not in stderr, stderr[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_own_loop_example_under_mpiexec_on_the_rma_box():

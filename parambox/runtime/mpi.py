@@ -177,6 +177,27 @@ def finalize_with_deadline(code: int, seconds: float = FINALIZE_DEADLINE_S) -> N
     timer.cancel()
 
 
+def finalize_at_exit() -> None:
+    """After a rank of the job died (ULFM): this process's exit calls ``MPI_Finalize`` with a deadline
+    (``finalize_with_deadline``), before mpi4py's own exit hook, which holds the GIL and sometimes never
+    returns then. A user's script that got to its end then ends: 1 past the deadline where an uncaught
+    exception ended it, else 0. Once a process; nothing without MPI."""
+    global _FINALIZE_AT_EXIT
+    if _FINALIZE_AT_EXIT or sys.modules.get("mpi4py.MPI") is None:
+        return
+    _FINALIZE_AT_EXIT = True
+
+    def finalize() -> None:
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            finalize_with_deadline(1 if getattr(sys, "last_value", None) is not None else 0)
+
+    atexit.register(finalize)
+
+
+_FINALIZE_AT_EXIT = False
+
+
 def exit_now(code: int) -> None:
     """End a worker without running C++ static destructors: gloo's helper threads sometimes abort
     there ("terminate called without an active exception") even after destroy_process_group().

@@ -71,7 +71,7 @@ from parambox.numerics import is_finite
 from parambox.runtime.control import rejoining
 from parambox.runtime.spawn import process_identity
 from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
-from parambox.strategies.center import DONE, FINAL, NONFINITE, CenterClient, CounterMap
+from parambox.strategies.center import BROKEN, DONE, FINAL, NONFINITE, CenterClient, CounterMap
 from parambox.strategies.grads import GradViews, bind_flat_replica
 from parambox.strategies.membership import Membership, unplace
 
@@ -320,12 +320,23 @@ class AsyncStrategy(Strategy):
             self.box.sync_levels()  # and rank 0's node takes the center every node's updates made
             self.box.pull(self.result_x)
             self._final = True
+            if members.lost or self.box.failed_ranks():  # a rank died: the process group is broken
+                members.set_status(0, BROKEN)
             members.set_status(0, FINAL)
         elif not self.box.outlives_processes:
             members.await_final()  # the box's shards live on the workers: keep ours until rank 0 has read c
         self.timers.pop()
 
     # -- results, checkpoints, summary ------------------------------------------------------------------
+    def result_from_box(self) -> bool:
+        """After ``finish``: True where the leader found a rank of the run dead (``BROKEN``), and then
+        this rank's replica is the center, read from the box (the leader's result holds it already)."""
+        if self.spare is not None or not self.box.read_counter(self.counters.status(0)) & BROKEN:
+            return False
+        if not self.leads:
+            self.client.pull(self.x)
+        return True
+
     def eval_model(self) -> nn.Module | None:
         """The leader: a model holding the center weights (the run's result); None elsewhere."""
         if self.result is None or not self.leads:

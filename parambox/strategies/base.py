@@ -305,6 +305,11 @@ class Strategy:
         """After the last step: synchronise or collect the final weights (collective on all ranks)."""
 
     # -- evaluation and checkpoints -------------------------------------------------------------
+    def result_from_box(self) -> bool:
+        """After ``finish``, where a rank of the run died and its process group with it: True once this
+        rank's model holds the run's result read from the box (no broadcast). Not collective."""
+        return False
+
     def eval_model(self) -> nn.Module | None:
         """The model whose weights are the run's result, on the leader (None elsewhere). Collective."""
         return self.model if self.leads else None

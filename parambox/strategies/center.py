@@ -22,8 +22,9 @@ from parambox.strategies.base import PhaseTimers
 from parambox.strategies.compress import PushEncoder
 
 # Status bits, each set once with add_counter: DONE, NONFINITE, FINAL by the worker itself, LOST by
-# the memory rank that MPI told of the worker's death.
-DONE, NONFINITE, FINAL, LOST, RESUMED = 1, 2, 4, 8, 16
+# the memory rank that MPI told of the worker's death; BROKEN in status(0) by the leader, before FINAL,
+# where a rank of the run died (the run's process group is broken: the ranks read the result from the box).
+DONE, NONFINITE, FINAL, LOST, RESUMED, BROKEN = 1, 2, 4, 8, 16, 32
 
 
 class CounterMap:
