@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import statistics
 import subprocess
 import sys
 import time
@@ -345,9 +346,11 @@ def test_dylu_reads_a_workers_speed_from_its_steps_not_its_pauses(slower):
     8 / 3 (rounded: 3) while the other is active."""
     res = run_forked(dylu, slow={0: 0.01, 1: 0.01 * slower})
     fast, slow = res[0]["probe"], res[1]["probe"]
-    assert min(fast) >= 7, fast  # H, or one step off where the timing wobbles past SAME_SPEED
+    # H, or a step or two off where the timing wobbles past SAME_SPEED on a loaded machine (a CI run
+    # saw [6, 7, 8, 8, 8]); the pause read as the round's mean made it 1
+    assert min(fast) >= 6 and statistics.median(fast) >= 7, fast
     if slower == 1.0:
-        assert min(slow) >= 7, slow
+        assert min(slow) >= 6 and statistics.median(slow) >= 7, slow
     else:  # its first 5 rounds (~15 steps) end before rank 0 is done; then it is the only one: H
         assert all(2 <= h <= 4 for h in slow[:5]), slow
 

@@ -333,6 +333,7 @@ print(json.dumps({"rank": opt.rank, "accuracy": accuracy, "weights": float(sum(p
 
 @pytest.mark.solo  # failure detection under load
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("box", ["rma", "shm"])
 def test_a_worker_killed_in_a_users_loop_under_ulfm_the_others_close_with_one_model(tmp_path, box):
