@@ -398,11 +398,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if from_box:
             pbmpi.finalize_at_exit()  # under ULFM, after a death, MPI_Finalize may never return
             if result is not None:
-                buffers = (
-                    "; buffers (batch-norm statistics) stay each rank's own"
-                    if any(True for _ in self.model.buffers())
-                    else ""
-                )
+                has_buffers = next(self.model.buffers(), None) is not None
+                buffers = "; buffers (batch-norm statistics) stay each rank's own" if has_buffers else ""
                 warn(
                     f"rank {self.rank}: a rank of the run died, so every rank read the run's result from the "
                     f"box instead of a broadcast over the broken process group{buffers}"

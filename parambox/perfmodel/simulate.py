@@ -12,8 +12,8 @@ setups, plus ``ps-sync``):
   back once every node's push of it has landed (the memory server's gated pulls: the rma box cut
   over every node, ``box/levels.py``), while later buckets still flow out;
 - ``box``: one fused push-pull against every shard, no barrier (EASGD, hybrid's group leaders and
-  asynchronous DiLoCo every ``period`` steps); Downpour's in buckets of 1 MB, each started once backward has finished it
-  (``downpour.bucket_mb``);
+  asynchronous DiLoCo every ``period`` steps); Downpour's in buckets of 1 MB, each started once
+  backward has finished it (``downpour.bucket_mb``);
 - ``allreduce`` with a ``period``: a whole-model allreduce every ``period`` steps (weight-avg, DiLoCo);
 - ``ps``: rank 0 gathers every gradient, averages it, broadcasts the weights (ps-sync, SHM-Learn-Dist §6);
 - ``wire`` below 1: a compressed collective (``compression=int8 | int4 | topk``, ``strategies/compress.py``):

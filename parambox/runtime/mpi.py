@@ -92,9 +92,7 @@ def _remove_new_dirs(before: set[Path]) -> None:
     """At exit: ``MPI_Finalize`` (mpi4py's own comes later, after every Python exit hook, and then
     finds it done), then remove the session directories made since ``before`` that are empty now (this
     process's; a live job's holds its files, and ``rmdir`` leaves a directory that is not empty)."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        finalize_with_deadline(1)
+    finalize_with_deadline(1)
     for d in _singleton_dirs() - before:
         with contextlib.suppress(OSError):
             d.rmdir()
@@ -163,7 +161,11 @@ def await_request(req, deadline: float, what) -> None:
 
 
 def finalize_with_deadline(code: int, seconds: float = FINALIZE_DEADLINE_S) -> None:
-    """``MPI_Finalize``; if it has not returned after ``seconds``, end the process with ``code``."""
+    """``MPI_Finalize``, where this process initialised MPI and has not finalised it yet; if it has not
+    returned after ``seconds``, end the process with ``code``."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
 
     def bail() -> None:
         sys.stdout.flush()
@@ -186,13 +188,7 @@ def finalize_at_exit() -> None:
     if _FINALIZE_AT_EXIT or sys.modules.get("mpi4py.MPI") is None:
         return
     _FINALIZE_AT_EXIT = True
-
-    def finalize() -> None:
-        mpi = sys.modules.get("mpi4py.MPI")
-        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-            finalize_with_deadline(1 if getattr(sys, "last_value", None) is not None else 0)
-
-    atexit.register(finalize)
+    atexit.register(lambda: finalize_with_deadline(1 if getattr(sys, "last_value", None) is not None else 0))
 
 
 _FINALIZE_AT_EXIT = False
@@ -202,11 +198,9 @@ def exit_now(code: int) -> None:
     """End a worker without running C++ static destructors: gloo's helper threads sometimes abort
     there ("terminate called without an active exception") even after destroy_process_group().
     Everything worth keeping is already on disk (checkpoints fsynced, metrics closed)."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        # mpiexec counts a rank that exits without it as failed; after a rank's death under ULFM
-        # it sometimes never returns, so it gets a deadline.
-        finalize_with_deadline(code)
+    # mpiexec counts a rank that exits without Finalize as failed; after a rank's death under ULFM it
+    # sometimes never returns, so it gets a deadline.
+    finalize_with_deadline(code)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
