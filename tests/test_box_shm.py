@@ -238,6 +238,19 @@ def test_creator_killed_inside_open(prefix: str) -> None:
         join_or_kill([creator], 0)
 
 
+@pytest.mark.parametrize("size", [0, 4096])
+def test_a_box_whose_creator_died_before_its_header_is_named_and_removed(prefix: str, size: int) -> None:
+    """The creator killed between making the name and writing the header (CI, under load): the late
+    attacher names local rank 0 and removes the name, as it does when the header is there."""
+    path = SHM / f"{prefix}headless"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, size)
+    os.close(fd)
+    with pytest.raises(CommTimeout, match="local rank 0"):
+        open_box("shm", _world(1, 2), 1000, 1, "headless", timeout=0.3)
+    assert _entries(prefix) == []
+
+
 def test_under_the_launcher_a_replacement_of_rank0_finds_the_box_after_the_others_exited(
     prefix: str, monkeypatch
 ) -> None:

@@ -206,15 +206,17 @@ def test_dogwild_killed_worker_is_found_lost(tmp_path):
 
 @pytest.mark.timeout(90)
 def test_dogwild_killed_worker_of_three_leaves_the_others_running(tmp_path):
-    """Three ranks, rank 1 killed at its step 1: rank 0 and rank 2 do all their steps, rank 1 is lost,
-    and the weights hold exactly the gradients rank 0 counted. (Receiving from any source, one dead
-    peer's reset used to end rank 0's only receiver: rank 2 was declared lost too, or failed.)"""
+    """Three ranks, rank 1 killed at its step 3: rank 0 and rank 2 do all their steps, rank 1 is lost,
+    and the weights hold exactly the gradients rank 0 counted. A worker alternates two message buffers,
+    so its step-0 send was taken before step 2 began and two sends may still be in flight when it dies:
+    rank 0 counts 1, 2 or 3 of its gradients (CI saw 1 on a loaded machine). (Receiving from any source,
+    one dead peer's reset used to end rank 0's only receiver: rank 2 was declared lost too, or failed.)"""
     steps = 12
     make = maker(Dogwild, DogwildOptions(), steps=steps)
     res = run_forked(make, tmp_path, n=3, faults={1: ("kill", 3)})
     assert set(res) == {0, 2} and res[0]["lost_workers"] == [1], res.get(0)
     got = res[0]["worker_steps"]
-    assert got[0] == steps and got[2] == steps and got[1] in (2, 3), got
+    assert got[0] == steps and got[2] == steps and got[1] in (1, 2, 3), got
     expected = W0.flatten() - LR * (steps * (grad(0) + grad(2)) + got[1] * grad(1))
     assert torch.equal(torch.tensor(res[0]["weights"]), expected)
     assert torch.equal(torch.tensor(res[2]["replica"]), expected)

@@ -243,7 +243,12 @@ def open_shm_box(
             raise
         return box
     fd = _open_by_name(name, path, timeout, board)
-    fd, mm = _attach(name, path, fd, want, world.local_rank, timeout)
+    try:
+        fd, mm = _attach(name, path, fd, want, world.local_rank, timeout)
+    except CommTimeout:
+        if world.local_rank > 0:
+            _unlink_quietly(path)  # its creator died before writing the header: nobody else would remove it
+        raise
     box = ShmBox(name, path, fd, mm, world.local_rank, timeout)
     if world.local_rank == 0:  # a replacement of the creator: finish what it started
         if box._hdr[_H_STATE] == _READY:
@@ -429,12 +434,16 @@ def _attach(
     """Map the segment behind ``fd`` after checking its header; flags this local rank as attached."""
     try:
         wait_until(
-            lambda: os.fstat(fd).st_size >= _PAGE, timeout, lambda: f"box {name!r}: {path} stayed empty"
+            lambda: os.fstat(fd).st_size >= _PAGE,
+            timeout,
+            lambda: f"box {name!r}: {path} stayed empty (did local rank 0 die while creating it?)",
         )
         head = mmap.mmap(fd, _PAGE, flags=mmap.MAP_SHARED)
         hdr = memoryview(head).cast("q")
         wait_until(
-            lambda: hdr[_H_MAGIC] == _MAGIC, timeout, lambda: f"box {name!r}: {path} has no box header"
+            lambda: hdr[_H_MAGIC] == _MAGIC,
+            timeout,
+            lambda: f"box {name!r}: {path} has no box header (did local rank 0 die while creating it?)",
         )
         have = (hdr[_H_NUMEL], hdr[_H_NCOUNT], hdr[_H_LAYOUT])
         with _lock(fd, _LOCK_META, timeout, lambda: f"box {name!r} attach"):
