@@ -256,6 +256,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Horovod's name: make ``.grad`` what the step will apply. Nothing to do: a synchronous
         rule's gradients are averaged when ``backward()`` returns, a local rule applies its own."""
 
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Horovod's clipping idiom, kept working: ``opt.synchronize()``, clip, then ``with
+        opt.skip_synchronize(): opt.step()``. The step inside exchanges as any step does (what horovod
+        skips there, the gradient allreduce, was done by ``backward()``)."""
+        yield
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the model's trainable parameters, in one call;
         returns the total norm before clipping."""

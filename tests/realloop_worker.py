@@ -7,6 +7,9 @@ schedule and warmup set through ``opt.param_groups``, ``zero_grad(set_to_none=Tr
 resumes from ``OUT/<strategy>-ckpt-rank<r>.pt`` (the model's and the optimizer's ``state_dict()``,
 loaded in this fresh process); every run saves that checkpoint at ``STOP`` and
 ``torch.save(model)`` mid-run. Each rank writes its final weights to ``OUT/<strategy>-rank<r>.pt``.
+A sixth argument ``horovod`` writes the loop as horovod's users do: ``backward_passes_per_step=K``
+and K plain backward passes, then ``opt.synchronize()``, the clip, ``with opt.skip_synchronize():
+opt.step()``.
 :func:`reference` is the same loop in one process on the global batch: what a synchronous rule gives.
 """
 
@@ -76,7 +79,7 @@ def reference(k: int, world_size: int) -> dict[str, torch.Tensor]:
     return {n: v.detach().clone() for n, v in model.state_dict().items()}
 
 
-def run(strategy: str, out: Path, k: int, start: int, stop: int) -> None:
+def run(strategy: str, out: Path, k: int, start: int, stop: int, horovod: bool = False) -> None:
     import parambox
 
     rank = int(os.environ.get("RANK", "0"))
@@ -87,7 +90,10 @@ def run(strategy: str, out: Path, k: int, start: int, stop: int) -> None:
     options.update({"compression": "int8"} if form == "int8" else {})  # error feedback in opt.state_dict()
     options.update({"period": 2} if strategy == "weight-avg" else {})
     model, base = build()
-    opt = parambox.DistributedOptimizer(model, base, strategy, options, steps=STEPS, timeout=60)
+    passes = k if horovod else 1
+    opt = parambox.DistributedOptimizer(
+        model, base, strategy, options, steps=STEPS, timeout=60, backward_passes_per_step=passes
+    )
     ckpt = out / f"{run_name}-ckpt-rank{rank}.pt"
     if start:
         saved = torch.load(ckpt, weights_only=True)
@@ -101,13 +107,19 @@ def run(strategy: str, out: Path, k: int, start: int, stop: int) -> None:
         for micro in range(k):
             x, y = batch(step, micro, ws)
             loss = F.mse_loss(model(x.chunk(ws)[r]), y.chunk(ws)[r]) / k
-            if micro < k - 1:
+            if micro < k - 1 and not horovod:
                 with opt.no_sync():
                     loss.backward()
             else:
                 loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
+        if horovod:
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
         opt.zero_grad(set_to_none=True)
         if step == start:
             torch.save(model, io.BytesIO())  # the user's model stays picklable mid-run
@@ -125,4 +137,4 @@ def run(strategy: str, out: Path, k: int, start: int, stop: int) -> None:
 if __name__ == "__main__":
     names, folder, k, start, stop = sys.argv[1:6]
     for name in names.split(","):
-        run(name, Path(folder), int(k), int(start), int(stop))
+        run(name, Path(folder), int(k), int(start), int(stop), sys.argv[6:] == ["horovod"])

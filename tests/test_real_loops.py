@@ -96,6 +96,18 @@ def test_synchronous_rules_on_three_ranks_with_four_micro_steps_equal_one_proces
             assert diff(state, one_process) <= 1e-5, name
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_horovod_style_loop_on_three_ranks_equals_one_process(tmp_path):
+    """horovod's idiom: backward_passes_per_step=4 and four plain backward passes, opt.synchronize(),
+    the clip, ``with opt.skip_synchronize(): opt.step()``; the synchronous rules equal one process."""
+    torchrun(3, ",".join(SYNCHRONOUS), str(tmp_path), "4", "0", "10", "horovod")
+    one_process = reference(4, 3)
+    for name in SYNCHRONOUS:
+        for state in finals(tmp_path, name, 3):
+            assert diff(state, one_process) <= 1e-5, name
+
+
 # -- tier (a): one process ------------------------------------------------------------------------------
 
 
