@@ -150,6 +150,8 @@ RUN_FILES: dict[str, tuple[str, dict[str, str]]] = {
             "nonfinite_workers": "asynchronous: workers that stopped pushing after a non-finite update",
             "restarts": "replacements and restarts made (`--max-restarts`)",
             "worker_steps": "asynchronous: each worker's steps, counted in the box",
+            "applied_gradients": "`dogwild`: per rank, the gradients the result holds",
+            "master": "`dogwild`, after its master died: the rank that took over (guide: Failures and resume)",
             "memory_ranks": "asynchronous over the rma box: how many ranks held the box and trained nothing",
             "spare_ranks": "asynchronous over the rma box: how many ranks waited to take a dead worker's place",
             "replaced_by_spares": "`[worker, MPI rank]` for each worker a spare rank took the place of "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -220,6 +221,32 @@ def test_dogwild_killed_worker_of_three_leaves_the_others_running(tmp_path):
     expected = W0.flatten() - LR * (steps * (grad(0) + grad(2)) + got[1] * grad(1))
     assert torch.equal(torch.tensor(res[0]["weights"]), expected)
     assert torch.equal(torch.tensor(res[2]["replica"]), expected)
+
+
+@pytest.mark.timeout(90)
+def test_dogwild_master_killed_the_lowest_survivor_takes_over_with_every_gradient_counted(
+    tmp_path, monkeypatch
+):
+    """Three ranks, the master (rank 0) killed at its step 3, no restart: rank 1 becomes the master from
+    its replica, rank 2 meets it, both do all their steps. The result is exactly w0 - lr sum_r c_r g_r
+    with c_r the gradients of each rank it holds (``applied_gradients``): rank 1's every one, rank 0's
+    at most 3, rank 2's all but the few its death cost (at most max_ahead + 2, and the step whose send
+    failed); rank 2's replica ends equal to it, and the failover store is removed."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the failover store's folder, in the children
+    steps = 12
+    res = run_forked(
+        maker(Dogwild, DogwildOptions(), steps=steps), tmp_path / "out", n=3, faults={0: ("kill", 3)}
+    )
+    assert set(res) == {1, 2}, res
+    lead = res[1]
+    assert lead["master"] == 1 and lead["lost_workers"] == [0], lead
+    held = lead["applied_gradients"]
+    assert held[1] == steps and held[0] <= 3 and steps - 4 <= held[2] <= steps, held
+    assert lead["worker_steps"][1:] == [steps, steps]
+    expected = W0.flatten() - LR * sum(held[r] * grad(r) for r in range(3))
+    assert torch.equal(torch.tensor(lead["weights"]), expected)
+    assert torch.equal(torch.tensor(res[2]["replica"]), expected)
+    assert not list(tmp_path.glob("parambox-dogwild-*"))
 
 
 @pytest.mark.timeout(60)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -266,29 +267,41 @@ def test_sync_run_without_restarts_left_fails_naming_the_rank(tmp_path):
 
 
 @pytest.mark.timeout(170)
-def test_dogwild_fails_naming_rank_0_when_it_dies(tmp_path):
-    """Dogwild's master, which holds the weights, is rank 0: nothing survives its death (no restarts)."""
+def test_dogwild_master_killed_without_restarts_a_survivor_takes_over_and_writes_the_result(tmp_path):
+    """Dogwild's master is rank 0: SIGKILLed at step 10 of 300 with no restart left, the lowest-ranked
+    survivor becomes the master from its replica (it says so), both survivors do all their steps, and it
+    writes the result: exit 0, rank 0 lost, a trained model, a leader line in metrics.jsonl."""
+    out = tmp_path / "r"
     proc = run_cli(
-        "train", "--strategy", "dogwild", "--steps", "100000", *FAST, "--timeout", "20",
-        "--out", str(tmp_path / "r"), env={"PARAMBOX_FAULT": "0:10:kill"}, check=False,
+        "train", "--strategy", "dogwild", "--workers", "3", "--steps", "300", *FAST, "--timeout", "20",
+        "--out", str(out), env={"PARAMBOX_FAULT": "0:10:kill"},
     )  # fmt: skip
-    line = "worker rank 0 failed: killed by signal SIGKILL; dogwild cannot go on without it: rank 0 is the master"
-    assert proc.returncode == 1 and line in proc.stderr, proc.stderr
-    assert "--max-restarts" in proc.stderr  # the way out, named
+    assert "dogwild: the master, rank 0, died; rank 1 is the master now" in proc.stderr, proc.stderr
+    s = summary(out)
+    assert (s["master"], s["lost_workers"], s["worker_steps"][1:]) == (1, [0], [300, 300]), s
+    assert s["applied_gradients"][1] == 300 and s["applied_gradients"][2] >= 300 - 4, s
+    assert s["final_test_accuracy"] >= 0.9, s
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    (took_over,) = [r for r in rows if r["kind"] == "leader"]
+    assert (took_over["rank"], took_over["lost"]) == (1, [0])
+    assert rows[-1]["kind"] == "eval"
 
 
 @pytest.mark.timeout(170)
 def test_dogwild_restarts_the_group_from_the_checkpoint_when_its_master_dies(tmp_path):
     """No replacement can rebuild the master's weights and optimizer state: with restarts left, rank 0's
     death restarts every rank from the last checkpoint (it used to replace rank 0 alone, whose empty
-    master then waited on workers that had died of its loss: the run hung)."""
+    master then waited on workers that had died of its loss: the run hung). The survivors may have
+    taken over by the time the group is stopped: the new master then leaves a newer checkpoint, the
+    step it had reached, and the group restarts from that."""
     run = tmp_path / "r"
     proc = run_cli(
         "train", "--strategy", "dogwild", "--steps", "60", *FAST, "--timeout", "20", "--checkpoint-every", "20",
         "--max-restarts", "1", "--out", str(run), env={"PARAMBOX_FAULT": "0:30:kill"},
     )  # fmt: skip
     assert "restarting the workers from the last checkpoint (1 of 1): worker rank 0 failed" in proc.stderr
-    assert "resuming from step 20 of 60" in proc.stdout + proc.stderr
+    resumed = re.search(r"resuming from step (\d+) of 60", proc.stdout + proc.stderr)
+    assert resumed and 20 <= int(resumed[1]) <= 40, proc.stderr
     s = summary(run)
     assert (s["steps"], s["restarts"], s["lost_workers"]) == (60, 1, []), s
 

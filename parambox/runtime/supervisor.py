@@ -12,7 +12,7 @@ Every 50 ms it polls the workers. What it does when one exits non-zero depends o
   or ``lose_rank0``, it is killed and replaced or lost). Where rank 0 holds what no replacement can
   rebuild (``rank0_restarts_group``: dogwild's master, the one holder of the weights and the
   optimizer's state), its death with restarts left restarts the whole group from the last checkpoint,
-  as below.
+  as below; with none left (and ``lose_rank0``) it is lost, and a survivor takes over as the master.
 - synchronous, surviving in place (``shrink_store``: ``on_failure = "shrink"``, ``runtime/elastic.py``):
   once every rank had joined the group, a dead rank (rank 0 too: the oldest survivor then leads and
   writes the result) is marked dead on the board and listed as lost, and the others regroup without it (with restarts left, a replacement is started instead:
@@ -255,8 +255,8 @@ class Supervisor:
     def _replace_or_lose(self, rank: int, code: int) -> bool:
         """True if the run goes on (the rank was replaced, or is lost and is not rank 0). A user's error
         on any rank ends the run with its line: the rank's data would otherwise go untrained, silently."""
-        if code == USER_ERROR or (rank == 0 and self.rank0_restarts_group):
-            return False
+        if code == USER_ERROR or (rank == 0 and self.rank0_restarts_group and self._restarts_left()):
+            return False  # (with no restart left, a lost rank 0 is lost as below where lose_rank0 allows)
         if self._restarts_left() and self._rank0_running(rank):
             self._start_replacement(rank)
             return True

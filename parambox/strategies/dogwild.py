@@ -57,6 +57,19 @@ caught up with the others' for the staleness bound (it starts from the newest we
 Rank 0 is not replaced: its weights and optimizer state are the run's, so with restarts left its death
 restarts every rank from the last checkpoint (``rank0_role``; the launcher's supervisor).
 
+Rank 0's death with no restart left (failover): the master's weights live on in every replica, each the
+weights it last adopted plus its own steps since. Where a worker finds the master dead (the local
+launcher's board, or its process gone from this host), the survivors check in on a ``FileStore`` of the
+run (in the temporary directory, named by a token rank 0 drew at start-up); the first to check in waits
+for every live worker (``lost_after_s`` at most) and names the members, and the lowest-ranked member
+becomes the master: its replica (with the newest weights it had received) is ``w``, its own optimizer's
+state the master's, and it meets each member over a pair group as a replacement meets rank 0. Each
+member goes on with its step and gradient counts; what it sent that the new ``w`` does not hold (at most
+the weights' lag and the sends in flight, ``max_ahead`` + 2 gradients a worker) is lost, from ``w`` and
+from its replica alike, and so is the gradient of a step whose send failed. The new master leads: it
+writes the checkpoints, ``metrics.jsonl`` and the result. ``applied_gradients`` in the summary counts, per
+rank, the gradients the result holds.
+
 Messages (float32, host memory): ``[gradient | kind, version used, loss, samples, steps done]``;
 broadcasts ``[weights | version, staleness, final, gradients taken from this worker, then per rank
 the gradients the weights hold (inf: done, halted or lost)]``. They travel over gloo also when the run's
@@ -66,7 +79,12 @@ are staged through the host buffers.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
+import os
+import random
+import tempfile
 import threading
 import time
 import warnings
@@ -83,7 +101,7 @@ from parambox.box import Layout
 from parambox.errors import CommTimeout, warn
 from parambox.numerics import is_finite
 from parambox.runtime import dist as pbdist
-from parambox.runtime.control import WorkerBoard, current_life, rejoining
+from parambox.runtime.control import DEAD, EXITED, WorkerBoard, current_life, rejoining
 from parambox.runtime.spawn import identity_gone, process_identity
 from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
 from parambox.strategies.grads import GradViews
@@ -120,6 +138,8 @@ class Dogwild(Strategy):
     Options = DogwildOptions
     tolerates_worker_loss = True
     rank0_role = "rank 0 is the master, the one holder of the weights and of the optimizer's state"
+    # With no restart left its death is survived: the lowest-ranked survivor becomes the master (failover)
+    tolerates_rank0_loss = True
     lockstep = False  # workers step on their newest weights, never waiting for each other
     # It starts the process group itself: a replacement (--max-restarts) cannot join the run's, and
     # talks to rank 0 over a pair group of its own instead.
@@ -141,6 +161,11 @@ class Dogwild(Strategy):
         self.halted = False
         self.staleness = 0.0
         self.start_step: int | None = None  # a replacement's first step
+        self.lead = 0  # the master's rank: 0, or after its death the survivor that took over (failover)
+        self.failovers = 0
+        self.dropped = 0  # this rank's gradients of steps whose send failed as the master died
+        self.board = WorkerBoard.from_env()
+        self.failover_store: Any = None  # the new master's: removed at close
         if rejoining() and self.world.rank != 0:
             self.pg = None
             self.peer = _rejoin(self)
@@ -148,37 +173,139 @@ class Dogwild(Strategy):
         pbdist.init_distributed(self.world, ctx.timeout_s)
         with self.collective("dogwild start-up"):
             self.pg = _message_group(self.world.world_size)
-            idents = _identities(self.world.world_size, self.pg)
+            self.idents, self.token = _identities(self.world.world_size, self.pg)
         if self.world.rank == 0:
-            self.master = _Master(self, idents)
+            self.master = _Master(self, self.idents)
         else:
-            self.peer = _Peer(self, idents[0], _Link(0, self.pg))
+            self.peer = _Peer(self, self.idents[0], _Link(0, self.pg))
+
+    @property
+    def is_master(self) -> bool:
+        return self.world.rank == self.lead
+
+    @property
+    def leads(self) -> bool:
+        """The master holds the run's result: rank 0, or the survivor that took over from it."""
+        return self.is_master
+
+    # -- failover: the master died, a survivor takes over ---------------------------------------------
+    def _as_peer(self, fn, *args) -> bool:
+        """``fn(*args)`` on this worker's peer; False where the master died during it and this rank
+        went through the failover instead (``fn``'s work is then undone: its gradient is lost)."""
+        try:
+            if self.peer.error is None or not self._master_dead():
+                fn(*args)
+                return True
+        except (CommTimeout, RuntimeError) as e:
+            if not self._master_dead():
+                raise
+            error: BaseException = e
+        else:
+            error = CommTimeout(f"dogwild: rank {self.lead} stopped sending weights ({self.peer.error})")
+        self._take_over(error)
+        return False
+
+    def _master_dead(self, wait_s: float = 2.0) -> bool:
+        """The master's process is dead: the local launcher's board says so, or it is gone from this
+        host (waited for ``wait_s``, the launcher's notice of a death)."""
+        if getattr(self, "idents", None) is None:
+            return False  # (a replacement that could not learn the ranks' identities)
+        deadline = time.monotonic() + wait_s
+        while True:
+            if (self.board is not None and self.board.dead(self.lead)) or identity_gone(
+                self.idents[self.lead]
+            ):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(_POLL_S)
+
+    def _alive(self, r: int) -> bool:
+        if self.board is not None and self.board.state(r) in (DEAD, EXITED):
+            return False
+        return not identity_gone(self.idents[r])
+
+    def _take_over(self, error: BaseException) -> None:
+        """The failover (see the module docstring): the survivors agree on the members, the lowest
+        ranked becomes the master, the others meet it."""
+        old, me, peer, timeout_s = self.lead, self.world.rank, self.peer, self.ctx.timeout_s
+        self.failovers += 1
+        try:
+            store = _failover_store(self.token, self.failovers, timeout_s)
+        except (OSError, RuntimeError):
+            raise error from None
+        peer._adopt()  # the newest weights received: the fewest gradients lost
+        mine = {"sent": peer.sent, "steps": peer.steps, "samples": peer.samples, "held": peer.progress}
+        store.set(f"in/{me}", json.dumps(mine))
+        if store.add("ticket", 1) == 1:
+            self._decide(store, old)
+        try:
+            store.wait(["members"], timedelta(seconds=self.lost_after_s + timeout_s))
+        except RuntimeError:
+            raise CommTimeout(
+                f"dogwild: rank {old}, the master, died, and no survivor named the members"
+            ) from None
+        members = json.loads(store.get("members"))
+        if me not in members:
+            raise CommTimeout(
+                f"dogwild: rank {old}, the master, died, and the survivors went on without rank {me}"
+            )
+        counts = {r: json.loads(store.get(f"in/{r}")) for r in members}
+        self.lead = min(members)
+        with self.collective("dogwild failover"):
+            if me == self.lead:
+                links = {r: _Link(1, pair=_failover_pair(store, r, 0, timeout_s)) for r in members if r != me}
+                self.master = _Master(self, self.idents, links=links, counts=counts, old=old)
+                self.master.optimizer.load_state_dict(peer.optimizer.state_dict())
+                self.failover_store = self.token, self.failovers
+                warn(
+                    f"dogwild: the master, rank {old}, died; rank {me} is the master now, from its replica "
+                    f"(members {members})"
+                )
+            else:
+                pair = _failover_pair(store, me, 1, timeout_s)
+                self.peer = _Peer(self, self.idents[self.lead], _Link(1, pair=pair), sent=peer.sent)
+                self.peer.samples, self.peer.steps = peer.samples, peer.steps
+
+    def _decide(self, store: dist.Store, old: int) -> None:
+        """The first survivor to check in: waits for every live worker (``lost_after_s`` at most), then
+        names the members."""
+        n, deadline = self.world.world_size, time.monotonic() + self.lost_after_s
+        while True:
+            arrived = [r for r in range(n) if r != old and store.check([f"in/{r}"])]
+            waiting = [r for r in range(n) if r != old and r not in arrived and self._alive(r)]
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(_POLL_S)
+        store.set("members", json.dumps(arrived))
 
     def rejoin_step(self) -> int | None:
         """A replacement carries on at its predecessor's step count (rank 0's word on it)."""
         return self.start_step
 
     def begin_step(self, step: int) -> None:
-        if self.world.rank == 0:
+        if not self.is_master and not self._as_peer(self.peer.begin_step):
+            self.begin_step(step)  # the master died: again, in this rank's new role
+            return
+        if self.is_master:
             if self.options.max_ahead is not None:
                 with self.timers.phase("wait_weights"):
                     # Counted in this life's gradients, not steps: after a resume the ranks restart
                     # from their own checkpoints' steps, which differ (an asynchronous run).
-                    self.master.await_progress(self.master.taken[0] - self.options.max_ahead)
+                    self.master.await_progress(self.master.taken[self.lead] - self.options.max_ahead)
             self.model.zero_grad(set_to_none=True)
-        else:
-            self.peer.begin_step()
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
-        if self.world.rank == 0:
+        if self.is_master:
             grads = [p.grad for p in self.params if p.grad is not None]
             if self.finite(loss, grads, step):
                 with self.timers.phase("apply"):
                     self.master.apply_own()
-                self.master.samples[0] += samples
-            self.master.steps[0] = step + 1
-        else:
-            self.peer.end_step(loss, samples, step)
+                self.master.samples[self.lead] += samples
+            self.master.steps[self.lead] = step + 1
+        elif not self._as_peer(self.peer.end_step, loss, samples, step):
+            self.dropped += 1  # its send failed with the master: lost, from the weights and the replica
+            self._after_failover(step + 1)
         extra = {"staleness": self.staleness}
         if self.halted:
             extra["nonfinite"] = 1.0
@@ -198,18 +325,27 @@ class Dogwild(Strategy):
     def finish(self) -> None:
         """Workers say FINAL; rank 0 serves until every worker is done, halted or lost, then sends each
         the final weights, which the workers wait for."""
-        if self.world.rank == 0:
+        if self.is_master:
             self.master.wait_for_workers()
-        else:
-            self.peer.finish()
+        elif not self._as_peer(self.peer.finish):
+            self.finish()  # the master died: again, in this rank's new role
+            return
         self.timers.pop()
 
+    def _after_failover(self, steps: int) -> None:
+        """A failover inside a step: this rank's replica is the new weights, its step count ``steps``."""
+        if self.is_master:
+            self.master.steps[self.lead] = steps
+            self.model.zero_grad(set_to_none=True)
+        else:
+            self.peer.steps = steps
+
     def eval_model(self) -> nn.Module | None:
-        """Rank 0: a snapshot of the master weights ``w``."""
-        return self.master.snapshot() if self.world.rank == 0 else None
+        """The master: a snapshot of the master weights ``w``."""
+        return self.master.snapshot() if self.is_master else None
 
     def state_dict(self) -> dict[str, Any]:
-        if self.world.rank != 0:
+        if not self.is_master:
             return {}
         with self.master.lock:
             return {
@@ -219,7 +355,7 @@ class Dogwild(Strategy):
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.world.rank == 0 and "master_weights" in state:
+        if self.is_master and "master_weights" in state:
             m = self.master
             with m.lock:
                 m.optimizer.load_state_dict(state["optimizer"])
@@ -231,17 +367,20 @@ class Dogwild(Strategy):
                 m.publish()  # the restored weights go out to every worker at once
 
     def total_samples(self, local: int) -> float:
-        """Rank 0: the samples of every gradient it applied (messages carry their sample count)."""
-        return float(sum(self.master.samples.values())) if self.world.rank == 0 else float(local)
+        """The master: the samples of every gradient it applied (messages carry their sample count)."""
+        return float(sum(self.master.samples.values())) if self.is_master else float(local)
 
     def summary_extra(self) -> dict[str, Any]:
-        if self.world.rank != 0:
+        if not self.is_master:
             return {}
         m = self.master
-        return {
+        n = self.world.world_size
+        extra = {"master": self.lead} if self.lead else {}
+        return extra | {
             "lost_workers": sorted(m.lost),
-            "nonfinite_workers": sorted(m.halted | ({0} if self.halted else set())),
-            "worker_steps": [m.steps[r] for r in range(self.world.world_size)],
+            "nonfinite_workers": sorted(m.halted | ({self.lead} if self.halted else set())),
+            "worker_steps": [m.steps[r] for r in range(n)],
+            "applied_gradients": [m.held[r] for r in range(n)],
             "weights_broadcasts": [m.broadcasts[r] for r in sorted(m.broadcasts)],
             "max_staleness": m.max_staleness,
         }
@@ -249,6 +388,26 @@ class Dogwild(Strategy):
     def close(self) -> None:
         for p in self.params:
             p.grad = None
+        if self.failover_store is not None:
+            token, generation = self.failover_store
+            with contextlib.suppress(OSError):
+                os.unlink(_failover_path(token, generation))
+
+
+def _failover_path(token: int, generation: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"parambox-dogwild-{token:x}-{generation}")
+
+
+def _failover_store(token: int, generation: int, timeout_s: float) -> dist.Store:
+    """The survivors' meeting place after the master's death (one host: the local launcher's)."""
+    store = dist.FileStore(_failover_path(token, generation), -1)
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
+
+
+def _failover_pair(store: dist.Store, r: int, rank: int, timeout_s: float) -> Any:
+    prefix = dist.PrefixStore(f"pair/{r}", store)
+    return dist.ProcessGroupGloo(prefix, rank, 2, timedelta(seconds=timeout_s))
 
 
 def _message_group(world_size: int) -> dist.ProcessGroup | None:
@@ -258,14 +417,16 @@ def _message_group(world_size: int) -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo")
 
 
-def _identities(world_size: int, group: dist.ProcessGroup | None) -> list[int]:
-    """Every rank's host hash and pid, so that a rank can tell a dead local peer from a slow one."""
+def _identities(world_size: int, group: dist.ProcessGroup | None) -> tuple[list[int], int]:
+    """Every rank's host hash and pid, so that a rank can tell a dead local peer from a slow one; and
+    rank 0's token, which names the run's failover store."""
+    token = random.getrandbits(62)
     if world_size == 1:
-        return [process_identity()]
-    mine = torch.tensor([process_identity()], dtype=torch.int64)
-    out = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+        return [process_identity()], token
+    mine = torch.tensor([process_identity(), token], dtype=torch.int64)
+    out = [torch.zeros(2, dtype=torch.int64) for _ in range(world_size)]
     dist.all_gather(out, mine, group=group)
-    return [int(t) for t in out]
+    return [int(t[0]) for t in out], int(out[0][1])
 
 
 def _first_line(e: BaseException) -> str:
@@ -314,6 +475,9 @@ def _rejoin(owner: Dogwild) -> _Peer:
     with owner.collective("dogwild rejoin"):
         pair = _pair(store, r, life, 1, timeout_s)
     start, taken, master = (int(store.get(f"dogwild/{r}/{life}/{k}")) for k in ("start", "taken", "master"))
+    owner.idents = json.loads(store.get(f"dogwild/{r}/{life}/idents"))
+    owner.idents[r] = process_identity()
+    owner.token = int(store.get(f"dogwild/{r}/{life}/token"))
     owner.start_step = start
     peer = _Peer(owner, master, _Link(0, pair=pair), sent=taken)
     deadline = time.monotonic() + timeout_s
@@ -326,12 +490,26 @@ def _rejoin(owner: Dogwild) -> _Peer:
 
 
 class _Master:
-    """Rank 0's side: the weights ``w``, the optimizer, the receiving thread, one sender per worker."""
+    """The master's side (rank 0, or the survivor that took over): the weights ``w``, the optimizer, the
+    receiving threads, one sender per worker.
 
-    def __init__(self, owner: Dogwild, idents: list[int]):
+    A master that takes over (``links``: its pair link to each surviving worker; ``counts``: every
+    member's check-in, its gradients sent, steps, samples, and the per-rank gradients the weights it
+    last adopted hold) starts from its own replica; the dead master ``old`` and every rank that is not
+    a member are lost."""
+
+    def __init__(
+        self,
+        owner: Dogwild,
+        idents: list[int],
+        links: dict[int, _Link] | None = None,
+        counts: dict[int, dict] | None = None,
+        old: int | None = None,
+    ):
         self.owner, self.idents = owner, idents
         n, numel = owner.world.world_size, owner.layout.numel
-        self.server = copy.deepcopy(owner.model)  # holds w; owner.model is rank 0's replica x
+        self.me = owner.world.rank
+        self.server = copy.deepcopy(owner.model)  # holds w; owner.model is the master's own replica x
         self.w = torch.empty_like(owner.x)
         owner.layout.bind_params_(self.server, self.w, copy_values=True)
         self.server_params = list(self.server.parameters())
@@ -345,8 +523,9 @@ class _Master:
         self.own_done = False  # rank 0's own steps are over
         self.max_staleness = 0  # updates a gradient missed, the most over the run (rank 0's own too)
         self.max_lag = 0  # the most steps rank 0 ran ahead of the weights it computed on
-        self.workers = set(range(1, n))
+        self.workers = set(links) if links is not None else set(range(1, n))
         self.applied = dict.fromkeys(range(n), 0)  # gradients applied per rank
+        self.held = dict.fromkeys(range(n), 0)  # gradients w holds per rank (applied, or inherited)
         self.steps = dict.fromkeys(range(n), 0)  # steps done per rank, as each last said
         self.samples = dict.fromkeys(range(n), 0)  # their samples
         self.last_staleness = dict.fromkeys(range(n), 0)  # of each rank's last applied gradient
@@ -357,10 +536,12 @@ class _Master:
         self.lost: set[int] = set()
         self.heard = {r: time.monotonic() for r in self.workers}
         self.inboxes = {r: torch.empty(numel + HEADER) for r in self.workers}
-        self.links = {r: _Link(r, owner.pg) for r in self.workers}
+        self.links = links if links is not None else {r: _Link(r, owner.pg) for r in self.workers}
         self.lives = dict.fromkeys(self.workers, 0)  # the life of each worker's process rank 0 talks to
         self.skew = dict.fromkeys(range(n), 0)  # a replacement's gradients counted as caught up
         self.lost_at: dict[int, float] = {}
+        if counts is not None:
+            self._inherit(counts, old)
         self.board = WorkerBoard.from_env()  # the local launcher's: replacements under way
         self.staged = None if self.w.device.type == "cpu" else torch.empty_like(self.w)
         self.used_version = 0  # the version rank 0's own replica holds
@@ -371,9 +552,30 @@ class _Master:
         for r in sorted(self.workers):
             self._start_threads(r)
         world = owner.world
-        if self.workers and self.board is not None and world.master_addr and world.master_port:
+        if counts is not None:
+            with self.lock:
+                self.publish()  # w is this rank's replica: every member adopts it at once
+        elif self.workers and self.board is not None and world.master_addr and world.master_port:
             # replacements can come (--max-restarts under the local launcher)
             threading.Thread(target=self._admit, name="dogwild-admit", daemon=True).start()
+
+    def _inherit(self, counts: dict[int, dict], old: int | None) -> None:
+        """A master that took over: every member's counts; the others are lost."""
+        now = time.monotonic()
+        mine = counts[self.me]
+        for r, c in counts.items():
+            self.taken[r], self.steps[r], self.samples[r] = c["sent"], c["steps"], c["samples"]
+        for r in range(len(self.taken)):  # held: what the weights this rank adopted hold, its own steps all
+            got = mine["held"][r] if r < len(mine["held"]) else 0
+            if got == float("inf"):  # it was done (all its gradients in), or lost (not known: none)
+                got = counts[r]["sent"] if r in counts else 0
+            self.held[r] = mine["sent"] if r == self.me else int(got)
+        for r in range(len(self.taken)):
+            if r != self.me and r not in counts:
+                self.lost.add(r)
+                self.lost_at[r] = now
+        if old is not None:
+            self.steps[old] = max(self.steps[old], self.held[old])
 
     def _start_threads(self, r: int) -> None:
         link = self.links[r]
@@ -402,6 +604,8 @@ class _Master:
             store.set(f"dogwild/{r}/{life}/start", str(self.steps[r]))
             store.set(f"dogwild/{r}/{life}/taken", str(self.taken[r]))
             store.set(f"dogwild/{r}/{life}/master", str(self.idents[0]))
+            store.set(f"dogwild/{r}/{life}/idents", json.dumps(self.idents))
+            store.set(f"dogwild/{r}/{life}/token", str(self.owner.token))
             self.lives[r] = life
         try:
             pair = _pair(store, r, life, 0, self.owner.ctx.timeout_s)
@@ -430,7 +634,7 @@ class _Master:
     def progress(self) -> list[float]:
         """Per rank, how many of its gradients ``w`` holds; inf where the rank no longer counts for
         bounded staleness (done, halted, lost). The caller holds the lock."""
-        gone = self.done | self.lost | ({0} if self.own_done or self.owner.halted else set())
+        gone = self.done | self.lost | ({self.me} if self.own_done or self.owner.halted else set())
         return [
             float("inf") if r in gone else float(self.taken[r] + self.skew[r]) for r in range(len(self.taken))
         ]
@@ -447,7 +651,7 @@ class _Master:
                     why = f"none came in {self.owner.ctx.timeout_s:.0f} s"
                     raise CommTimeout(f"dogwild: rank 0 waiting for the slowest worker's gradients ({why})")
                 self.changed.wait(_POLL_S)
-            self.max_lag = max(self.max_lag, self.taken[0] - int(min(self.progress())))
+            self.max_lag = max(self.max_lag, self.taken[self.me] - int(min(self.progress())))
 
     def _apply_(self, grads: list[torch.Tensor]) -> None:
         """One optimizer step on ``w`` with these gradients (the caller holds the lock)."""
@@ -465,8 +669,9 @@ class _Master:
             owner.staleness = float(self.version - self.used_version)
             self.max_staleness = max(self.max_staleness, self.version - self.used_version)
             self._apply_([p.grad for p in owner.params])
-            self.applied[0] += 1
-            self.taken[0] += 1
+            self.applied[self.me] += 1
+            self.held[self.me] += 1
+            self.taken[self.me] += 1
             owner.x.copy_(self.w)
             self.used_version = self.version
         owner.model.zero_grad(set_to_none=True)
@@ -515,6 +720,7 @@ class _Master:
                 self.max_staleness = max(self.max_staleness, self.version - used)
                 self._apply_(list(self.owner.layout.views(grad).values()))
                 self.applied[src] += 1
+                self.held[src] += 1
                 self.samples[src] += int(msg[numel + 3])
             else:
                 warn(f"rank 0: dropped a non-finite gradient from rank {src}")
@@ -603,7 +809,7 @@ class _Master:
             return False
         now = time.monotonic()
         return any(
-            self.board.life(r) > self.lives[r]
+            self.board.life(r) > self.lives.get(r, 0)
             and not self.board.dead(r)
             and now - self.lost_at.get(r, now) < self.owner.lost_after_s
             for r in list(self.lost)
@@ -647,6 +853,7 @@ class _Peer:
         self.version = 0  # the version of the weights in x
         self.adopted = 0  # broadcasts copied into x
         self.steps = 0
+        self.samples = 0  # of the gradients sent (a master that takes over counts them)
         self.receiver = threading.Thread(target=self._receive, name="dogwild-receive", daemon=True)
         self.receiver.start()
 
@@ -730,6 +937,7 @@ class _Peer:
             return
         self._send(GRAD, loss, samples, step + 1)
         self.sent += 1
+        self.samples += samples
         self._apply_own()
         if self.on_host:  # the message is in flight: no .grad may point into it until begin_step
             for p in owner.params:
