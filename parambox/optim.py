@@ -148,6 +148,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._detached = False  # the parameters still live in the strategy's buffers
         self._stepped = False  # a step ran in this process (load_state_dict must come before)
         self._hook = _watch_forward(self)
+        self._placed = _placement(model)  # where the strategy put the parameters: checked every step
         # Synchronous rules pair every rank's collectives step by step: a rank that stops early would
         # have its close() matched against another's gradient exchange (a silently wrong model). Each
         # step opens with a one-element allreduce of "still stepping" (close() sends 0), so uneven step
@@ -231,6 +232,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.strategy.load_state_dict(ours["rule"])
         self.step_count = int(ours["step"])
+        self._placed = _placement(self.model)
 
     # -- the loop ----------------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -271,6 +273,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _begin(self) -> None:
         if self.closed:
             raise UserError("DistributedOptimizer: used after close()")
+        if _placement(self.model) != self._placed:
+            self.abort()
+            raise UserError(
+                f"DistributedOptimizer({self.name!r}): the model's parameters were moved, cast or replaced "
+                "after it was wrapped (model.to(), .double(), .cuda(), a new layer); the strategy would "
+                "train its own copy: do that before creating the DistributedOptimizer, as with DDP"
+            )
         self._begun = True
         self._check_aligned(stepping=True)
         with self._box_lost():
@@ -346,6 +355,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         with self._box_lost():
             self.last_result = self.strategy.end_step(detached, 0, self.step_count)
         self.step_count += 1
+        self._placed = _placement(self.model)  # (a rule may rebind them as it steps)
         return loss
 
     def _skip_for_scaler(self) -> bool:
@@ -574,6 +584,11 @@ def _box_config(box: str | dict[str, Any] | BoxConfig) -> BoxConfig:
 def _state(model: nn.Module) -> list[torch.Tensor]:
     """Parameters, then buffers: each once (tied weights once), in a fixed order on every rank."""
     return [p.data for p in model.parameters()] + list(model.buffers())
+
+
+def _placement(model: nn.Module) -> list[tuple[int, int]]:
+    """Each parameter and where its data lives: a ``model.to()`` or a new layer after wrapping changes it."""
+    return [(id(p), p.data_ptr()) for p in model.parameters()]
 
 
 def _own_memory_(model: nn.Module) -> None:

@@ -102,6 +102,25 @@ def test_wrong_objects_and_misuse_are_user_errors():
         dopt.zero_grad()
 
 
+@pytest.mark.parametrize("strategy", ["allreduce", "easgd", "diloco", "dogwild"])
+def test_a_model_moved_or_cast_after_wrapping_is_refused_not_trained_apart(strategy):
+    """model.double() after wrapping gave every parameter new memory: the strategy stepped its own copy
+    and the script trained another model, silently (allreduce ended at -0.038 where plain SGD gives
+    -0.118). A no-op .to() is harmless; a cast is a one-line UserError at the next step."""
+    model, opt = sgd_model()
+    dopt = parambox.DistributedOptimizer(model, opt, strategy)
+    model.to(torch.float32)  # where it already is: nothing moves
+    dopt.zero_grad()
+    model(torch.ones(2, model.enc.in_features)).square().mean().backward()
+    dopt.step()
+    model.double()
+    with pytest.raises(
+        UserError, match=r"moved, cast or replaced after it was wrapped.*before creating"
+    ) as e:
+        dopt.zero_grad()
+    assert "\n" not in str(e.value) and dopt.closed
+
+
 def test_users_optimizer_is_the_strategys_and_a_copy_gets_its_groups():
     model = build(TiedNet, 0)
     opt = torch.optim.SGD([{"params": [model.enc.weight], "lr": 0.5}, {"params": [model.enc.bias]}], lr=0.1)
