@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -127,7 +129,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ctx = Context(
                 self.world,
                 model,
-                _optimizer_factory(model, optimizer),
+                factory := _optimizer_factory(model, optimizer),
                 _loss_outside,
                 steps or NO_TARGET,
                 timeout,
@@ -135,6 +137,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 board=self.board,
             )
             self.strategy: Strategy = cls(ctx, opts)
+            self._copies = factory.copies  # optimizers of the strategy's own (dogwild's master copy)
             self.strategy.backward_passes_per_step = backward_passes_per_step
         except BaseException:
             self._release()
@@ -149,6 +152,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._stepped = False  # a step ran in this process (load_state_dict must come before)
         self._hook = _watch_forward(self)
         self._placed = _placement(model)  # where the strategy put the parameters: checked every step
+        # The wrapped optimizer's step() called by the script itself skips the exchange: refused (the
+        # strategy's own calls run inside this object's methods, or on threads of its own)
+        self._inside, self._thread = 0, threading.get_ident()
+        self._guard = optimizer.register_step_pre_hook(functools.partial(_direct_step, weakref.ref(self)))
         # Synchronous rules pair every rank's collectives step by step: a rank that stops early would
         # have its close() matched against another's gradient exchange (a silently wrong model). Each
         # step opens with a one-element allreduce of "still stepping" (close() sends 0), so uneven step
@@ -270,6 +277,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         returns the total norm before clipping."""
         return torch.nn.utils.clip_grad_norm_(trainable(self.model), max_norm, norm_type)
 
+    @contextlib.contextmanager
+    def _own_call(self) -> Iterator[None]:
+        """The wrapped optimizer may be stepped in here (by the strategy, or for a memory rank)."""
+        self._inside += 1
+        try:
+            yield
+        finally:
+            self._inside -= 1
+
     def _begin(self) -> None:
         if self.closed:
             raise UserError("DistributedOptimizer: used after close()")
@@ -282,7 +298,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         self._begun = True
         self._check_aligned(stepping=True)
-        with self._box_lost():
+        with self._box_lost(), self._own_call():
             self.strategy.begin_step(self.step_count)
 
     @contextlib.contextmanager
@@ -344,7 +360,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
             for p in self.model.parameters():
                 p.grad = None
-            self.optimizer.step()
+            with self._own_call():
+                self.optimizer.step()
             return loss
         if self.should_stop():
             if not self._warned:
@@ -352,7 +369,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 warn(f"rank {self.rank}: {self.name} has ended this worker's run; step() does nothing now")
             return loss
         detached = loss.detach() if isinstance(loss, torch.Tensor) else None
-        with self._box_lost():
+        for copy in self._copies:  # a scheduler (or the script) set the rates on the user's optimizer
+            _follow_rates(copy, self.optimizer)
+        with self._box_lost(), self._own_call():
             self.last_result = self.strategy.end_step(detached, 0, self.step_count)
         self.step_count += 1
         self._placed = _placement(self.model)  # (a rule may rebind them as it steps)
@@ -395,7 +414,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._unclosed.detach()
         self._hook.remove()
         try:
-            with self._box_lost():
+            with self._box_lost(), self._own_call():
                 self.strategy.finish()
                 result = self.strategy.eval_model()
                 from_box = self.strategy.result_from_box()  # a rank died: no broadcast over its group
@@ -438,6 +457,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _release(self) -> None:
         """Not collective: the strategy's buffers, boxes and threads, then the process group we made."""
         strategy = getattr(self, "strategy", None)
+        if getattr(self, "_guard", None) is not None:
+            self._guard.remove()
         try:
             if not getattr(self, "_detached", True):
                 _own_memory_(self.model)
@@ -586,6 +607,19 @@ def _state(model: nn.Module) -> list[torch.Tensor]:
     return [p.data for p in model.parameters()] + list(model.buffers())
 
 
+def _direct_step(ref: weakref.ref, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The wrapped optimizer's step pre-hook: its ``step()`` called by the script, not through the
+    DistributedOptimizer, is a ``UserError`` (the exchange would be skipped: a silent local run)."""
+    opt = ref()
+    if opt is None or opt.closed or opt._inside or threading.get_ident() != opt._thread:
+        return
+    opt.abort()
+    raise UserError(
+        f"the {type(optimizer).__name__} wrapped by DistributedOptimizer({opt.name!r}) was stepped directly: "
+        f"call step() on the DistributedOptimizer (and scaler.step(opt) with it), or {opt.name} never exchanges"
+    )
+
+
 def _placement(model: nn.Module) -> list[tuple[int, int]]:
     """Each parameter and where its data lives: a ``model.to()`` or a new layer after wrapping changes it."""
     return [(id(p), p.data_ptr()) for p in model.parameters()]
@@ -612,9 +646,23 @@ def _optimizer_factory(model: nn.Module, optimizer: torch.optim.Optimizer):
         params = list(params)
         if all(id(p) in own_ids for p in params):
             return optimizer
-        return same_kind(optimizer, own, params)
+        copy = same_kind(optimizer, own, params)
+        make.copies.append(copy)
+        return copy
 
+    make.copies = []
     return make
+
+
+def _follow_rates(copy: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> None:
+    """Each of ``optimizer``'s group settings (``lr``, ``momentum``, ...) into ``copy``'s group at its
+    position, where the groups match one to one (``same_kind`` kept them)."""
+    if len(copy.param_groups) != len(optimizer.param_groups):
+        return
+    for mine, theirs in zip(copy.param_groups, optimizer.param_groups):
+        for key, value in theirs.items():
+            if key != "params":
+                mine[key] = value
 
 
 def same_kind(

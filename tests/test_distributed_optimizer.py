@@ -30,6 +30,7 @@ from tests.distopt_worker import (
     make_sgd,
     reference_anymodel,
     reference_numerics,
+    snapshot,
     uses_aux,
 )
 
@@ -119,6 +120,52 @@ def test_a_model_moved_or_cast_after_wrapping_is_refused_not_trained_apart(strat
     ) as e:
         dopt.zero_grad()
     assert "\n" not in str(e.value) and dopt.closed
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "easgd", "dogwild"])
+@pytest.mark.parametrize("through", ["optimizer", "scaler"])
+def test_the_wrapped_optimizer_stepped_directly_is_refused(strategy, through):
+    """base.step() (or scaler.step(base)) in a script that wraps base skips the exchange: easgd then
+    returned the untrained center at close(), silently. A step through the wrapper, a scheduler on the
+    base and, after close(), the base itself work as before."""
+    model, base = sgd_model()
+    opt = parambox.DistributedOptimizer(model, base, strategy)
+    sched = torch.optim.lr_scheduler.StepLR(base, 1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.ones(2, model.enc.in_features)
+    for _ in range(2):
+        opt.zero_grad()
+        scaler.scale(model(x).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    with pytest.raises(UserError, match=r"SGD wrapped by DistributedOptimizer.*stepped directly") as e:
+        base.step() if through == "optimizer" else scaler.step(base)
+    assert "\n" not in str(e.value) and opt.closed
+    base.step()  # released: a plain optimizer again
+
+
+def test_a_scheduler_on_the_users_optimizer_reaches_dogwilds_master_copy():
+    """dogwild's master steps a copy of the user's optimizer: a scheduler on the user's set rates the
+    master never saw (its weights moved at the first rate throughout). One process: the master's
+    update is plain SGD's, so the run equals torch's own loop with the same StepLR."""
+    runs = []
+    for wrap in (True, False):
+        model, base = sgd_model()
+        opt = parambox.DistributedOptimizer(model, base, "dogwild") if wrap else base
+        sched = torch.optim.lr_scheduler.StepLR(base, 1, gamma=0.3)
+        for step in range(4):
+            opt.zero_grad()
+            x, y = global_batch(step, 1)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            sched.step()
+        if wrap:
+            opt.close()
+        runs.append(snapshot(model))
+    assert max_diff(*runs) <= 1e-6
 
 
 def test_users_optimizer_is_the_strategys_and_a_copy_gets_its_groups():
