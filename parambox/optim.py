@@ -154,7 +154,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._placed = _placement(model)  # where the strategy put the parameters: checked every step
         # The wrapped optimizer's step() called by the script itself skips the exchange: refused (the
         # strategy's own calls run inside this object's methods, or on threads of its own)
-        self._inside, self._thread = 0, threading.get_ident()
+        self._inside, self._thread, self._base_steps = 0, threading.get_ident(), 0
         self._guard = optimizer.register_step_pre_hook(functools.partial(_direct_step, weakref.ref(self)))
         # Synchronous rules pair every rank's collectives step by step: a rank that stops early would
         # have its close() matched against another's gradient exchange (a silently wrong model). Each
@@ -206,14 +206,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state, plus what the strategy needs to resume (EASGD's center,
         DiLoCo's outer momentum, the step count) under ``"parambox"``. This rank's: save it with the
-        model's ``state_dict()``; load both on every rank before the first step to resume."""
+        model's ``state_dict()``; load both on every rank before the first step to resume. Loaded on
+        another rank (rank 0's file on every rank), what a rank owes of its own (its error feedback)
+        starts afresh there instead of being counted twice."""
         own = self.strategy.optimizer is self.optimizer  # its state is the "optimizer" entry already
         with self._box_lost():
             state = self.strategy.state_dict()
         rule = {k: v for k, v in state.items() if not (own and k == "optimizer")}
         return {
             "optimizer": self.optimizer.state_dict(),
-            "parambox": {"strategy": self.name, "step": self.step_count, "rule": rule},
+            "parambox": {"strategy": self.name, "step": self.step_count, "rank": self.rank, "rule": rule},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -237,7 +239,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"{ours.get('strategy')!r}, this optimizer runs {self.name!r}"
             )
         self.optimizer.load_state_dict(state_dict["optimizer"])
-        self.strategy.load_state_dict(ours["rule"])
+        rule = ours["rule"]
+        if ours.get("rank", self.rank) != self.rank:
+            # Another rank's state (DDP's habit: rank 0 saves, every rank loads): what a rank owes of
+            # its own (error feedback) starts afresh here, as for a rank new to a resized run
+            rule = self.strategy.joiner_state(rule)
+        self.strategy.load_state_dict(rule)
         self.step_count = int(ours["step"])
         self._placed = _placement(self.model)
 
@@ -371,8 +378,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         detached = loss.detach() if isinstance(loss, torch.Tensor) else None
         for copy in self._copies:  # a scheduler (or the script) set the rates on the user's optimizer
             _follow_rates(copy, self.optimizer)
+        before = self._base_steps
         with self._box_lost(), self._own_call():
             self.last_result = self.strategy.end_step(detached, 0, self.step_count)
+            unstepped = self._base_steps == before and not isinstance(self.optimizer, torch.optim.LBFGS)
+            if unstepped and all(p.grad is None for p in self.model.parameters()):
+                self.optimizer.step()  # (dogwild's master applied it with its copy) a scheduler sees a step
         self.step_count += 1
         self._placed = _placement(self.model)  # (a rule may rebind them as it steps)
         return loss
@@ -611,6 +622,8 @@ def _direct_step(ref: weakref.ref, optimizer: torch.optim.Optimizer, args: Any, 
     """The wrapped optimizer's step pre-hook: its ``step()`` called by the script, not through the
     DistributedOptimizer, is a ``UserError`` (the exchange would be skipped: a silent local run)."""
     opt = ref()
+    if opt is not None and opt._inside:
+        opt._base_steps += 1
     if opt is None or opt.closed or opt._inside or threading.get_ident() != opt._thread:
         return
     opt.abort()
