@@ -103,16 +103,7 @@ def launch(plan: Plan, run_dir: Path, callables: dict[str, Callable] | None = No
     for rank, (code, reason) in result.failed.items():
         if reason.startswith("parambox: error: "):  # bad input or a timeout, found by a worker: one line
             raise RunFailed(f"{reason} ({result.who(rank)})", code)
-        role = plan.strategy_cls.rank0_role if rank == 0 and not result.mpi_job else ""
-        why = (
-            f"; {plan.cfg.strategy} cannot go on without it: {role} (--max-restarts N restarts every rank "
-            "from the last checkpoint)"
-            if role
-            else ""
-        )
-        raise RunFailed(
-            f"parambox: error: {result.who(rank)} failed: {reason}{why} (log: {run_dir / 'logs'})", 1
-        )
+        raise RunFailed(f"parambox: error: {result.who(rank)} failed: {reason} (log: {run_dir / 'logs'})", 1)
     summary_file = run_dir / "summary.json"
     if not summary_file.exists():  # under ULFM mpiexec may end 0 though the rank that writes it died
         raise RunFailed(
@@ -144,7 +135,6 @@ def _launch_local(plan: Plan, run_dir: Path):
         use_mpi=use_mpi,
         tolerate_loss=cls.tolerates_worker_loss,
         lose_rank0=cls.tolerates_rank0_loss and not use_mpi,
-        rank0_restarts_group=bool(cls.rank0_role),
         start_workers=cfg.start_workers if shrink or cls.tolerates_worker_loss else None,
         module=WORKER_MODULE,
         cluster=cfg.cluster if cfg.cluster.enabled else None,

@@ -62,7 +62,6 @@ def launch_local(
     shrink: bool = False,
     mpi_windows: bool = False,
     lose_rank0: bool = False,
-    rank0_restarts_group: bool = False,
     start_workers: int | None = None,
 ) -> LaunchResult:
     """Run ``python -m <module> <argv>`` as ``num_workers`` ranks and supervise them.
@@ -75,9 +74,7 @@ def launch_local(
     nothing to ``metrics.jsonl`` (beside ``log_dir``) once it is the last rank running. ``shrink``: a
     synchronous run whose survivors go on in place (``runtime/elastic.py``) over a store hosted here.
     ``lose_rank0`` (with ``tolerate_loss``): rank 0 dead with no restart left is lost as any other
-    rank (another worker takes its part), not the end of the run. ``rank0_restarts_group`` (with
-    ``tolerate_loss``): rank 0 holds what no replacement can rebuild, so its death restarts the whole
-    group from the last checkpoint, with restarts left. ``start_workers``: the run starts
+    rank (another worker takes its part), not the end of the run. ``start_workers``: the run starts
     with the ranks below it; the others join it once up (``shrink``: at a step boundary; asynchronous:
     they attach to the box as replacements do).
     ``mpi_windows``: the job puts MPI windows across the emulated nodes (``box.server=false``), which
@@ -96,7 +93,6 @@ def launch_local(
         net = stack.enter_context(cluster.build(num_workers)) if cluster is not None else None
         watch = {"heartbeat": log_dir.parent / "metrics.jsonl", "stall_s": stall_timeout_s}
         watch["lose_rank0"] = lose_rank0 and tolerate_loss
-        watch["rank0_restarts_group"] = rank0_restarts_group and tolerate_loss
         env[HEARTBEAT_ENV] = str(watch["heartbeat"])  # rank 0 touches it as it steps, the others theirs
         if start_workers is not None:
             env[JOIN_FROM_ENV] = str(start_workers)  # the ranks from it on join the run once it is under way

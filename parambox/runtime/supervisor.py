@@ -9,10 +9,8 @@ Every 50 ms it polls the workers. What it does when one exits non-zero depends o
   restart left fails the run, except where the strategy's center lives in the box
   (``lose_rank0``): it is lost then, and another worker takes its part at the end (the result). So
   does rank 0 writing no progress for ``--timeout`` once the others have ended (with restarts left,
-  or ``lose_rank0``, it is killed and replaced or lost). Where rank 0 holds what no replacement can
-  rebuild (``rank0_restarts_group``: dogwild's master, the one holder of the weights and the
-  optimizer's state), its death with restarts left restarts the whole group from the last checkpoint,
-  as below; with none left (and ``lose_rank0``) it is lost, and a survivor takes over as the master.
+  or ``lose_rank0``, it is killed and replaced or lost). Dogwild's master, rank 0, is lost or
+  replaced as any rank: a survivor takes over as the master, and a replacement meets it.
 - synchronous, surviving in place (``shrink_store``: ``on_failure = "shrink"``, ``runtime/elastic.py``):
   once every rank had joined the group, a dead rank (rank 0 too: the oldest survivor then leads and
   writes the result) is marked dead on the board and listed as lost, and the others regroup without it (with restarts left, a replacement is started instead:
@@ -105,7 +103,6 @@ class Supervisor:
         shrink_store: Any = None,
         job_dir: Path | None = None,
         lose_rank0: bool = False,
-        rank0_restarts_group: bool = False,
         formed_at: int | None = None,
     ):
         self.procs, self.log_dir, self.tolerate_loss = procs, log_dir, tolerate_loss
@@ -121,9 +118,6 @@ class Supervisor:
         self.heartbeat, self.stall_s = heartbeat, stall_s
         self.shrink_store = shrink_store  # the elastic group's store (a run that survives in place)
         self.lose_rank0 = lose_rank0  # asynchronous: rank 0 may be lost (another worker takes its part)
-        # asynchronous: rank 0 holds what no replacement can rebuild (dogwild's master): its death
-        # restarts the whole group from the last checkpoint, as a synchronous run's does
-        self.rank0_restarts_group = rank0_restarts_group
         self.formed_at = formed_at  # in place: the ranks that form the group (the others join later)
         self.job_dir = job_dir  # an MPI job's run directory: its ranks' metrics files are its heartbeat
         self._job_beat: tuple[Any, float] = ((), time.monotonic())
@@ -255,8 +249,8 @@ class Supervisor:
     def _replace_or_lose(self, rank: int, code: int) -> bool:
         """True if the run goes on (the rank was replaced, or is lost and is not rank 0). A user's error
         on any rank ends the run with its line: the rank's data would otherwise go untrained, silently."""
-        if code == USER_ERROR or (rank == 0 and self.rank0_restarts_group and self._restarts_left()):
-            return False  # (with no restart left, a lost rank 0 is lost as below where lose_rank0 allows)
+        if code == USER_ERROR:
+            return False
         if self._restarts_left() and self._rank0_running(rank):
             self._start_replacement(rank)
             return True
@@ -374,9 +368,8 @@ class Supervisor:
 
     # -- synchronous: restart everyone from the last checkpoint -------------------------------------------
     def _group_restarts_for(self, rank: int) -> bool:
-        """A death of ``rank`` restarts the whole group (with restarts left): any rank of a synchronous
-        run; rank 0 of an asynchronous one whose rank 0 no replacement can stand in for."""
-        return not self.tolerate_loss or (rank == 0 and self.rank0_restarts_group)
+        """A death of ``rank`` restarts the whole group (with restarts left): any rank of a synchronous run."""
+        return not self.tolerate_loss
 
     def _restart_group(self, rank: int, code: int) -> bool:
         if code == USER_ERROR or not self._restarts_left():

@@ -97,8 +97,6 @@ class Strategy:
     # ... rank 0 included: another worker then takes its part (the result) at the end. Not where rank 0
     # holds what the others need to train (dogwild's master).
     tolerates_rank0_loss: ClassVar[bool] = False
-    # Where the others survive a loss but not rank 0's: why (the line a run that failed so ends with).
-    rank0_role: ClassVar[str] = ""
     # Every rank's steps wait for every other's (a collective each step or each period): no rank can
     # train ahead of rank 0. False where the ranks do not wait for each other (the box, a master).
     lockstep: ClassVar[bool] = True

@@ -48,27 +48,26 @@ weights to every worker that is still there, so every replica ends equal to the 
 ``HALT`` instead of the gradient and leaves the run; rank 0 checks every gradient again before
 applying it, so ``w`` stays finite.
 
-Replacements (``--max-restarts``, local launcher): a new process of a lost worker cannot join the
-run's process group, so it meets rank 0 over a gloo pair group of its own (its life's keys on the
-run's store, which rank 0 serves and watches for it), takes the dead worker's step and gradient
-counts, waits for the newest weights and carries on; rank 0 waits for a replacement under way (up to
-``lost_after_s``) before it ends, and the worker is not listed lost. Its gradient count is treated as
-caught up with the others' for the staleness bound (it starts from the newest weights).
-Rank 0 is not replaced: its weights and optimizer state are the run's, so with restarts left its death
-restarts every rank from the last checkpoint (``rank0_role``; the launcher's supervisor).
-
-Rank 0's death with no restart left (failover): the master's weights live on in every replica, each the
-weights it last adopted plus its own steps since. Where a worker finds the master dead (the local
-launcher's board, or its process gone from this host), the survivors check in on a ``FileStore`` of the
-run (in the temporary directory, named by a token rank 0 drew at start-up); the first to check in waits
-for every live worker (``lost_after_s`` at most) and names the members, and the lowest-ranked member
+The master's death (failover): the master's weights live on in every replica, each the weights it
+last adopted plus its own steps since. Where a worker finds the master dead (the local launcher's
+board, or its process gone from this host), the survivors check in on a ``FileStore`` of the run (in
+the temporary directory, named by a token rank 0 drew at start-up); the first to check in waits for
+every live worker (``lost_after_s`` at most) and names the members, and the lowest-ranked member
 becomes the master: its replica (with the newest weights it had received) is ``w``, its own optimizer's
-state the master's, and it meets each member over a pair group as a replacement meets rank 0. Each
-member goes on with its step and gradient counts; what it sent that the new ``w`` does not hold (at most
-the weights' lag and the sends in flight, ``max_ahead`` + 2 gradients a worker) is lost, from ``w`` and
-from its replica alike, and so is the gradient of a step whose send failed. The new master leads: it
-writes the checkpoints, ``metrics.jsonl`` and the result. ``applied_gradients`` in the summary counts, per
-rank, the gradients the result holds.
+state the master's, and it meets each member over a pair group. Each member goes on with its step and
+gradient counts; what it sent that the new ``w`` does not hold (at most the weights' lag and the sends
+in flight, ``max_ahead`` + 2 gradients a worker) is lost, from ``w`` and from its replica alike, and so
+is the gradient of a step whose send failed. The new master leads: it writes the checkpoints,
+``metrics.jsonl`` and the result. ``applied_gradients`` in the summary counts, per rank, the gradients
+the result holds.
+
+Replacements (``--max-restarts``, local launcher), the master's too: a new process of a lost rank
+cannot join the run's process group, so it meets the master of the moment over a gloo pair group of
+its own (its life's keys in a file of the run's temporary folder, which the master watches), takes the
+dead rank's step and gradient counts, waits for the newest weights and carries on as a worker; the
+master waits for a replacement under way (up to ``lost_after_s``) before it ends, and the rank is not
+listed lost. Its gradient count is treated as caught up with the others' for the staleness bound (it
+starts from the newest weights). Rank 0's replacement so joins the survivor that took over from it.
 
 Messages (float32, host memory): ``[gradient | kind, version used, loss, samples, steps done]``;
 broadcasts ``[weights | version, staleness, final, gradients taken from this worker, then per rank
@@ -137,8 +136,8 @@ class Dogwild(Strategy):
     comm_topology = "ps"  # every gradient into rank 0, the weights out of it to every worker
     Options = DogwildOptions
     tolerates_worker_loss = True
-    rank0_role = "rank 0 is the master, the one holder of the weights and of the optimizer's state"
-    # With no restart left its death is survived: the lowest-ranked survivor becomes the master (failover)
+    # The master's death is survived: the lowest-ranked survivor becomes the master (failover), and with
+    # restarts left a replacement of rank 0 joins it as a worker
     tolerates_rank0_loss = True
     lockstep = False  # workers step on their newest weights, never waiting for each other
     # It starts the process group itself: a replacement (--max-restarts) cannot join the run's, and
@@ -166,7 +165,7 @@ class Dogwild(Strategy):
         self.dropped = 0  # this rank's gradients of steps whose send failed as the master died
         self.board = WorkerBoard.from_env()
         self.failover_store: Any = None  # the new master's: removed at close
-        if rejoining() and self.world.rank != 0:
+        if rejoining():  # a replacement (rank 0's too): it meets the master of the moment
             self.pg = None
             self.peer = _rejoin(self)
             return
@@ -236,6 +235,7 @@ class Dogwild(Strategy):
             raise error from None
         peer._adopt()  # the newest weights received: the fewest gradients lost
         mine = {"sent": peer.sent, "steps": peer.steps, "samples": peer.samples, "held": peer.progress}
+        mine["life"] = current_life()
         store.set(f"in/{me}", json.dumps(mine))
         if store.add("ticket", 1) == 1:
             self._decide(store, old)
@@ -451,9 +451,18 @@ class _Link:
         return dist.irecv(buf, src=self.peer, group=self.group)
 
 
-def _store(world) -> dist.Store:
-    """The run's rendezvous store (rank 0 serves it: the same one its process group started on)."""
+def _store(owner: Dogwild) -> dist.Store:
+    """Where replacements meet the master: under the local launcher a file in the run's temporary
+    folder, which outlives every rank (a master that took over serves it as rank 0 did); elsewhere the
+    run's rendezvous store (rank 0 serves it: the same one its process group started on)."""
     timeout = timedelta(seconds=_STORE_TIMEOUT_S)
+    world = owner.world
+    if owner.board is not None:
+        store = dist.FileStore(
+            os.path.join(tempfile.gettempdir(), f"parambox-dogwild-{world.master_port}"), -1
+        )
+        store.set_timeout(timeout)
+        return store
     return pbdist.rendezvous_store(world, world.master_addr, world.master_port, timeout)
 
 
@@ -466,10 +475,11 @@ def _pair(store: dist.Store, r: int, life: int, rank: int, timeout_s: float) -> 
 
 
 def _rejoin(owner: Dogwild) -> _Peer:
-    """A replacement of worker ``r``: meet rank 0 over a pair group of this life, carry on at the dead
-    worker's step count and gradient count, from the newest weights (waits for them)."""
+    """A replacement of rank ``r``: meet the master (rank 0, or the survivor that took over from it) over
+    a pair group of this life, carry on at the dead rank's step count and gradient count, from the
+    newest weights (waits for them)."""
     r, life, timeout_s = owner.world.rank, current_life(), owner.ctx.timeout_s
-    store = _store(owner.world)
+    store = _store(owner)
     store.set(f"dogwild/{r}/{life}/ident", str(process_identity()))
     store.set(f"dogwild/rejoin/{r}", str(life))
     with owner.collective("dogwild rejoin"):
@@ -478,13 +488,14 @@ def _rejoin(owner: Dogwild) -> _Peer:
     owner.idents = json.loads(store.get(f"dogwild/{r}/{life}/idents"))
     owner.idents[r] = process_identity()
     owner.token = int(store.get(f"dogwild/{r}/{life}/token"))
+    owner.lead = int(store.get(f"dogwild/{r}/{life}/lead"))
     owner.start_step = start
     peer = _Peer(owner, master, _Link(0, pair=pair), sent=taken)
     deadline = time.monotonic() + timeout_s
     while peer.newest is None and peer.error is None and time.monotonic() < deadline:
         peer.arrived.wait(_POLL_S)
     if peer.newest is None:
-        raise CommTimeout(f"dogwild rejoin: no weights from rank 0 ({peer.error or 'none came'})")
+        raise CommTimeout(f"dogwild rejoin: no weights from rank {owner.lead} ({peer.error or 'none came'})")
     peer._adopt()
     return peer
 
@@ -555,7 +566,7 @@ class _Master:
         if counts is not None:
             with self.lock:
                 self.publish()  # w is this rank's replica: every member adopts it at once
-        elif self.workers and self.board is not None and world.master_addr and world.master_port:
+        if self.board is not None and world.master_addr and world.master_port and len(self.taken) > 1:
             # replacements can come (--max-restarts under the local launcher)
             threading.Thread(target=self._admit, name="dogwild-admit", daemon=True).start()
 
@@ -565,6 +576,7 @@ class _Master:
         mine = counts[self.me]
         for r, c in counts.items():
             self.taken[r], self.steps[r], self.samples[r] = c["sent"], c["steps"], c["samples"]
+            self.lives[r] = c.get("life", 0)
         for r in range(len(self.taken)):  # held: what the weights this rank adopted hold, its own steps all
             got = mine["held"][r] if r < len(mine["held"]) else 0
             if got == float("inf"):  # it was done (all its gradients in), or lost (not known: none)
@@ -585,17 +597,17 @@ class _Master:
         self.senders[r].start()
 
     def _admit(self) -> None:
-        """Replacements of lost workers: each meets rank 0 over a pair group of its life, and carries
-        on from the dead worker's step and gradient counts."""
+        """Replacements of lost ranks: each meets this master over a pair group of its life, and carries
+        on from the dead rank's step and gradient counts."""
         store = None
         while not self.closing:
             time.sleep(_POLL_S)
             for r in sorted(self.lost):
-                store = store or _store(self.owner.world)
+                store = store or _store(self.owner)
                 if not store.check([f"dogwild/rejoin/{r}"]):
                     continue
                 life = int(store.get(f"dogwild/rejoin/{r}"))
-                if life > self.lives[r]:
+                if life > self.lives.get(r, 0):
                     self._admit_one(store, r, life)
 
     def _admit_one(self, store: dist.Store, r: int, life: int) -> None:
@@ -603,7 +615,8 @@ class _Master:
             ident = int(store.get(f"dogwild/{r}/{life}/ident"))
             store.set(f"dogwild/{r}/{life}/start", str(self.steps[r]))
             store.set(f"dogwild/{r}/{life}/taken", str(self.taken[r]))
-            store.set(f"dogwild/{r}/{life}/master", str(self.idents[0]))
+            store.set(f"dogwild/{r}/{life}/master", str(self.idents[self.me]))
+            store.set(f"dogwild/{r}/{life}/lead", str(self.me))
             store.set(f"dogwild/{r}/{life}/idents", json.dumps(self.idents))
             store.set(f"dogwild/{r}/{life}/token", str(self.owner.token))
             self.lives[r] = life
@@ -612,6 +625,10 @@ class _Master:
         except RuntimeError:
             return  # it died too: still lost
         with self.lock:
+            if r not in self.workers:  # the master that died (a master that took over admits it)
+                self.workers.add(r)
+                self.inboxes[r] = torch.empty(self.owner.layout.numel + HEADER)
+                self.broadcasts[r] = 0
             self.links[r], self.idents[r] = _Link(1, pair=pair), ident
             live = [self.taken[q] + self.skew[q] for q in self.taken if q not in self.done | self.lost]
             self.skew[r] = max(0, max(live, default=0) - self.taken[r])
