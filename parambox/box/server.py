@@ -603,8 +603,8 @@ class ServerBox(ParameterBox):
             raise BoxLost(
                 f"{what}: {who} died, and the part of the box it held went with it",
                 "Across nodes the box is held by its memory ranks (box.memory_ranks) or, without them, by the "
-                "workers: either's death ends the run; --max-restarts N restarts the job, an asynchronous "
-                "run's box rebuilt from the workers' replicas",
+                "workers: either's death ends the run, each surviving worker keeping its replica; --resume "
+                "(or --max-restarts N, at once) continues an asynchronous run, its box rebuilt from them",
             ) from None
 
     def apply(self, header: np.ndarray, lo: int, hi: int, src: np.ndarray) -> None:
