@@ -564,12 +564,28 @@ def _strategy(name: str, options: dict[str, Any] | None) -> tuple[type[Strategy]
     return cls, opts
 
 
+# Wrappers that exchange gradients themselves, by class name (FSDP's import alone takes half a second)
+_DATA_PARALLEL = {"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "FSDPModule"}
+
+
+def _exchanges_itself(module: nn.Module) -> bool:
+    return any(
+        c.__name__ in _DATA_PARALLEL and c.__module__.startswith("torch.") for c in type(module).__mro__
+    )
+
+
 def _check_pair(model: Any, optimizer: Any) -> None:
     if not isinstance(model, nn.Module):
         raise UserError(f"DistributedOptimizer: model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UserError(
             f"DistributedOptimizer: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    wrapped = next((m for m in model.modules() if _exchanges_itself(m)), None)
+    if wrapped is not None:
+        raise UserError(
+            f"DistributedOptimizer: the model is wrapped in {type(wrapped).__name__}, which exchanges the "
+            "gradients itself; pass the plain module (model.module): the strategy does the exchange"
         )
     own = {id(p) for p in model.parameters()}
     if not own:

@@ -211,6 +211,17 @@ def test_another_ranks_state_loads_without_its_error_feedback(strategy, key):
         again.close()
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_model_in_a_torch_data_parallel_wrapper_is_refused(nested):
+    """A script moving over kept its DDP (or DataParallel) wrapper: the wrapper averaged the gradients as
+    well, and an easgd run became synchronous averaging plus the elastic rule, silently."""
+    inner = nn.DataParallel(nn.Linear(4, 2))
+    model = nn.Sequential(inner, nn.Tanh()) if nested else inner
+    with pytest.raises(UserError, match=r"wrapped in DataParallel.*pass the plain module") as e:
+        parambox.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), "easgd")
+    assert "\n" not in str(e.value)
+
+
 def test_users_optimizer_is_the_strategys_and_a_copy_gets_its_groups():
     model = build(TiedNet, 0)
     opt = torch.optim.SGD([{"params": [model.enc.weight], "lr": 0.5}, {"params": [model.enc.bias]}], lr=0.1)
