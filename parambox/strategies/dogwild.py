@@ -162,7 +162,6 @@ class Dogwild(Strategy):
         self.start_step: int | None = None  # a replacement's first step
         self.lead = 0  # the master's rank: 0, or after its death the survivor that took over (failover)
         self.failovers = 0
-        self.dropped = 0  # this rank's gradients of steps whose send failed as the master died
         self.board = WorkerBoard.from_env()
         self.failover_store: Any = None  # the new master's: removed at close
         if rejoining():  # a replacement (rank 0's too): it meets the master of the moment
@@ -254,7 +253,7 @@ class Dogwild(Strategy):
         self.lead = min(members)
         with self.collective("dogwild failover"):
             if me == self.lead:
-                links = {r: _Link(1, pair=_failover_pair(store, r, 0, timeout_s)) for r in members if r != me}
+                links = {r: _Link(1, pair=_pair(store, r, 0, 0, timeout_s)) for r in members if r != me}
                 self.master = _Master(self, self.idents, links=links, counts=counts, old=old)
                 self.master.optimizer.load_state_dict(peer.optimizer.state_dict())
                 self.failover_store = self.token, self.failovers
@@ -263,7 +262,7 @@ class Dogwild(Strategy):
                     f"(members {members})"
                 )
             else:
-                pair = _failover_pair(store, me, 1, timeout_s)
+                pair = _pair(store, me, 0, 1, timeout_s)
                 self.peer = _Peer(self, self.idents[self.lead], _Link(1, pair=pair), sent=peer.sent)
                 self.peer.samples, self.peer.steps = peer.samples, peer.steps
 
@@ -304,8 +303,7 @@ class Dogwild(Strategy):
                 self.master.samples[self.lead] += samples
             self.master.steps[self.lead] = step + 1
         elif not self._as_peer(self.peer.end_step, loss, samples, step):
-            self.dropped += 1  # its send failed with the master: lost, from the weights and the replica
-            self._after_failover(step + 1)
+            self._after_failover(step + 1)  # its gradient, sent to the dead master, is lost
         extra = {"staleness": self.staleness}
         if self.halted:
             extra["nonfinite"] = 1.0
@@ -400,14 +398,13 @@ def _failover_path(token: int, generation: int) -> str:
 
 def _failover_store(token: int, generation: int, timeout_s: float) -> dist.Store:
     """The survivors' meeting place after the master's death (one host: the local launcher's)."""
-    store = dist.FileStore(_failover_path(token, generation), -1)
+    return _file_store(_failover_path(token, generation), timeout_s)
+
+
+def _file_store(path: str, timeout_s: float) -> dist.Store:
+    store = dist.FileStore(path, -1)  # -1: never removed by torch (the run's folder goes at its end)
     store.set_timeout(timedelta(seconds=timeout_s))
     return store
-
-
-def _failover_pair(store: dist.Store, r: int, rank: int, timeout_s: float) -> Any:
-    prefix = dist.PrefixStore(f"pair/{r}", store)
-    return dist.ProcessGroupGloo(prefix, rank, 2, timedelta(seconds=timeout_s))
 
 
 def _message_group(world_size: int) -> dist.ProcessGroup | None:
@@ -455,14 +452,11 @@ def _store(owner: Dogwild) -> dist.Store:
     """Where replacements meet the master: under the local launcher a file in the run's temporary
     folder, which outlives every rank (a master that took over serves it as rank 0 did); elsewhere the
     run's rendezvous store (rank 0 serves it: the same one its process group started on)."""
-    timeout = timedelta(seconds=_STORE_TIMEOUT_S)
     world = owner.world
     if owner.board is not None:
-        store = dist.FileStore(
-            os.path.join(tempfile.gettempdir(), f"parambox-dogwild-{world.master_port}"), -1
-        )
-        store.set_timeout(timeout)
-        return store
+        path = os.path.join(tempfile.gettempdir(), f"parambox-dogwild-{world.master_port}")
+        return _file_store(path, _STORE_TIMEOUT_S)
+    timeout = timedelta(seconds=_STORE_TIMEOUT_S)
     return pbdist.rendezvous_store(world, world.master_addr, world.master_port, timeout)
 
 
@@ -666,7 +660,9 @@ class _Master:
                     break
                 if time.monotonic() > deadline:
                     why = f"none came in {self.owner.ctx.timeout_s:.0f} s"
-                    raise CommTimeout(f"dogwild: rank 0 waiting for the slowest worker's gradients ({why})")
+                    raise CommTimeout(
+                        f"dogwild: rank {self.me} waiting for the slowest worker's gradients ({why})"
+                    )
                 self.changed.wait(_POLL_S)
             self.max_lag = max(self.max_lag, self.taken[self.me] - int(min(self.progress())))
 
@@ -740,7 +736,7 @@ class _Master:
                 self.held[src] += 1
                 self.samples[src] += int(msg[numel + 3])
             else:
-                warn(f"rank 0: dropped a non-finite gradient from rank {src}")
+                warn(f"rank {self.me}: dropped a non-finite gradient from rank {src}")
                 self.publish()  # the sender's count moved: its bounded wait must hear of it
             self.taken[src] += 1
 
@@ -943,7 +939,7 @@ class _Peer:
             self._adopt()
             if self.error is not None or time.monotonic() > deadline:
                 why = self.error or f"none came in {self.owner.ctx.timeout_s:.0f} s"
-                raise CommTimeout(f"dogwild: waiting for weights from rank 0 ({why})")
+                raise CommTimeout(f"dogwild: waiting for weights from rank {self.owner.lead} ({why})")
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> None:
         owner, numel, msg = self.owner, self.owner.layout.numel, self.msgs[self.cur]
@@ -1001,5 +997,5 @@ class _Peer:
                     break
         if self.error is not None or not self.final.is_set():
             why = self.error or f"none came in {owner.ctx.timeout_s:.0f} s"
-            raise CommTimeout(f"dogwild finish: no final weights from rank 0 ({why})")
+            raise CommTimeout(f"dogwild finish: no final weights from rank {owner.lead} ({why})")
         self._adopt()
