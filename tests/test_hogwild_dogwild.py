@@ -249,6 +249,29 @@ def test_dogwild_master_killed_the_lowest_survivor_takes_over_with_every_gradien
     assert not list(tmp_path.glob("parambox-dogwild-*"))
 
 
+@pytest.mark.timeout(90)
+def test_dogwild_a_master_that_took_over_may_die_too(tmp_path, monkeypatch):
+    """Four ranks: rank 0 killed at its step 3, then rank 1, its successor, at its step 8. Rank 2 takes
+    over from rank 1 as rank 1 did from rank 0; the result is still exactly w0 - lr sum_r c_r g_r (the
+    counts carried through both failovers in the weights' broadcasts), and rank 3's replica ends equal
+    to it."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    steps = 12
+    make = maker(Dogwild, DogwildOptions(), steps=steps)
+    res = run_forked(make, tmp_path / "out", n=4, faults={0: ("kill", 3), 1: ("kill", 8)})
+    assert set(res) == {2, 3}, res
+    lead = res[2]
+    assert lead["master"] == 2 and lead["lost_workers"] == [0, 1], lead
+    held = lead["applied_gradients"]
+    # rank 2 lost a few of its gradients at the first failover (as a worker), rank 3 at both
+    assert (
+        held[0] <= 3 and held[1] <= 8 and steps - 4 <= held[2] <= steps and steps - 8 <= held[3] <= steps
+    ), held
+    expected = W0.flatten() - LR * sum(held[r] * grad(r) for r in range(4))
+    assert torch.equal(torch.tensor(lead["weights"]), expected)
+    assert torch.equal(torch.tensor(res[3]["replica"]), expected)
+
+
 @pytest.mark.timeout(60)
 def test_dogwild_master_shares_every_update_with_all_workers(tmp_path):
     """Three ranks, equal constant gradients g, plain SGD: after v arrivals w = w0 - lr v g, whatever

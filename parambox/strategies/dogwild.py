@@ -56,8 +56,9 @@ every live worker (``lost_after_s`` at most) and names the members, and the lowe
 becomes the master: its replica (with the newest weights it had received) is ``w``, its own optimizer's
 state the master's, and it meets each member over a pair group. Each member goes on with its step and
 gradient counts; what it sent that the new ``w`` does not hold (at most the weights' lag and the sends
-in flight, ``max_ahead`` + 2 gradients a worker) is lost, from ``w`` and from its replica alike, and so
-is the gradient of a step whose send failed. The new master leads: it writes the checkpoints,
+in flight, ``max_ahead`` + 2 gradients a worker) is lost, from ``w`` and from its replica alike; the
+gradient of a step whose send failed goes again, to the new master (or into ``w``, on it). The new
+master leads: it writes the checkpoints,
 ``metrics.jsonl`` and the result. ``applied_gradients`` in the summary counts, per rank, the gradients
 the result holds.
 
@@ -71,7 +72,8 @@ starts from the newest weights). Rank 0's replacement so joins the survivor that
 
 Messages (float32, host memory): ``[gradient | kind, version used, loss, samples, steps done]``;
 broadcasts ``[weights | version, staleness, final, gradients taken from this worker, then per rank
-the gradients the weights hold (inf: done, halted or lost)]``. They travel over gloo also when the run's
+the gradients taken (inf: done, halted or lost: the staleness bound's count), then per rank the
+gradients the weights hold (fewer after a failover)]``. They travel over gloo also when the run's
 backend is nccl (a gloo group of their own: NCCL has no receive-from-any); GPU gradients and weights
 are staged through the host buffers.
 """
@@ -233,8 +235,10 @@ class Dogwild(Strategy):
         except (OSError, RuntimeError):
             raise error from None
         peer._adopt()  # the newest weights received: the fewest gradients lost
-        mine = {"sent": peer.sent, "steps": peer.steps, "samples": peer.samples, "held": peer.progress}
-        mine["life"] = current_life()
+        mine = {"sent": peer.sent, "steps": peer.steps, "samples": peer.samples, "life": current_life()}
+        # what this rank's replica holds of each rank's gradients: the adopted weights', and its own
+        # steps since (the pending ones, re-added on adoption)
+        mine["held"] = [*peer.held[:me], int(peer.held[me]) + len(peer.pending), *peer.held[me + 1 :]]
         store.set(f"in/{me}", json.dumps(mine))
         if store.add("ticket", 1) == 1:
             self._decide(store, old)
@@ -303,7 +307,10 @@ class Dogwild(Strategy):
                 self.master.samples[self.lead] += samples
             self.master.steps[self.lead] = step + 1
         elif not self._as_peer(self.peer.end_step, loss, samples, step):
-            self._after_failover(step + 1)  # its gradient, sent to the dead master, is lost
+            # Its send died with the master: the gradient goes again, in this rank's new role
+            if not self.is_master:
+                self.layout.gather_grads(self.model, self.peer.msgs[self.peer.cur][: self.layout.numel])
+            return self.end_step(loss, samples, step)
         extra = {"staleness": self.staleness}
         if self.halted:
             extra["nonfinite"] = 1.0
@@ -329,14 +336,6 @@ class Dogwild(Strategy):
             self.finish()  # the master died: again, in this rank's new role
             return
         self.timers.pop()
-
-    def _after_failover(self, steps: int) -> None:
-        """A failover inside a step: this rank's replica is the new weights, its step count ``steps``."""
-        if self.is_master:
-            self.master.steps[self.lead] = steps
-            self.model.zero_grad(set_to_none=True)
-        else:
-            self.peer.steps = steps
 
     def eval_model(self) -> nn.Module | None:
         """The master: a snapshot of the master weights ``w``."""
@@ -567,15 +566,11 @@ class _Master:
     def _inherit(self, counts: dict[int, dict], old: int | None) -> None:
         """A master that took over: every member's counts; the others are lost."""
         now = time.monotonic()
-        mine = counts[self.me]
         for r, c in counts.items():
             self.taken[r], self.steps[r], self.samples[r] = c["sent"], c["steps"], c["samples"]
             self.lives[r] = c.get("life", 0)
-        for r in range(len(self.taken)):  # held: what the weights this rank adopted hold, its own steps all
-            got = mine["held"][r] if r < len(mine["held"]) else 0
-            if got == float("inf"):  # it was done (all its gradients in), or lost (not known: none)
-                got = counts[r]["sent"] if r in counts else 0
-            self.held[r] = mine["sent"] if r == self.me else int(got)
+        for r, got in enumerate(counts[self.me]["held"]):  # what its replica, now w, holds
+            self.held[r] = int(got)
         for r in range(len(self.taken)):
             if r != self.me and r not in counts:
                 self.lost.add(r)
@@ -745,7 +740,8 @@ class _Master:
         """Send worker ``r`` the newest weights whenever they moved (one message in flight: updates
         that land meanwhile are coalesced into the next); after the end, the final weights once."""
         numel = self.owner.layout.numel
-        buf = torch.empty(numel + BCAST_HEADER + len(self.taken))
+        n = len(self.taken)
+        buf = torch.empty(numel + BCAST_HEADER + 2 * n)
         sent = 0  # every rank starts from the same weights: news 0 need not travel
 
         def news() -> bool:
@@ -761,6 +757,7 @@ class _Master:
                 final = self.closing
                 buf[:numel].copy_(self.w)
                 header = [self.version, self.last_staleness[r], final, self.taken[r], *self.progress()]
+                header += [self.held[q] for q in range(n)]
                 buf[numel:] = torch.tensor([float(v) for v in header])
                 sent = self.news
             if not self._send(buf, r, link) or final:
@@ -849,7 +846,8 @@ class _Peer:
         self.on_host = owner.x.device.type == "cpu"
         if self.on_host:  # backward accumulates straight into the message
             self.grads = [GradViews.of_flat(owner.model, owner.layout, m[:numel]) for m in self.msgs]
-        self.inbox = [torch.empty(numel + BCAST_HEADER + owner.world.world_size) for _ in range(2)]
+        n = owner.world.world_size
+        self.inbox = [torch.empty(numel + BCAST_HEADER + 2 * n) for _ in range(2)]
         self.newest: int | None = None  # the inbox buffer holding the newest complete broadcast
         self.lock = threading.Lock()
         self.final = threading.Event()
@@ -857,6 +855,7 @@ class _Peer:
         self.sent = sent  # gradients sent (a replacement: its predecessor's too)
         self.acked = sent  # of which the newest weights adopted hold (or rank 0 dropped)
         self.progress = [0.0] * owner.world.world_size  # every rank's gradients those weights hold
+        self.held = [0.0] * owner.world.world_size  # ... of which they hold (a failover loses a few)
         self.max_lag = 0  # the most steps this worker ran ahead of the weights it computed on
         # The worker's own updates, applied to x by an optimizer of its own; kept as (number of the
         # gradient, x after - x before) until the weights adopted hold that gradient.
@@ -899,7 +898,9 @@ class _Peer:
             version = int(buf[numel])
             owner.staleness = float(buf[numel + 1])
             self.acked = int(buf[numel + 3])
-            self.progress = buf[numel + BCAST_HEADER :].tolist()
+            n = len(self.progress)
+            self.progress = buf[numel + BCAST_HEADER : numel + BCAST_HEADER + n].tolist()
+            self.held = buf[numel + BCAST_HEADER + n :].tolist()
             if version != self.version:
                 owner.x.copy_(buf[:numel])
                 self.version = version
