@@ -258,7 +258,7 @@ class Dogwild(Strategy):
         with self.collective("dogwild failover"):
             if me == self.lead:
                 links = {r: _Link(1, pair=_pair(store, r, 0, 0, timeout_s)) for r in members if r != me}
-                self.master = _Master(self, self.idents, links=links, counts=counts, old=old)
+                self.master = _Master(self, self.idents, links=links, counts=counts)
                 self.master.optimizer.load_state_dict(peer.optimizer.state_dict())
                 self.failover_store = self.token, self.failovers
                 warn(
@@ -498,9 +498,8 @@ class _Master:
     receiving threads, one sender per worker.
 
     A master that takes over (``links``: its pair link to each surviving worker; ``counts``: every
-    member's check-in, its gradients sent, steps, samples, and the per-rank gradients the weights it
-    last adopted hold) starts from its own replica; the dead master ``old`` and every rank that is not
-    a member are lost."""
+    member's check-in: its gradients sent, steps, samples, life, and the per-rank gradients its replica
+    holds) starts from its own replica; every rank that is not a member is lost."""
 
     def __init__(
         self,
@@ -508,7 +507,6 @@ class _Master:
         idents: list[int],
         links: dict[int, _Link] | None = None,
         counts: dict[int, dict] | None = None,
-        old: int | None = None,
     ):
         self.owner, self.idents = owner, idents
         n, numel = owner.world.world_size, owner.layout.numel
@@ -545,7 +543,7 @@ class _Master:
         self.skew = dict.fromkeys(range(n), 0)  # a replacement's gradients counted as caught up
         self.lost_at: dict[int, float] = {}
         if counts is not None:
-            self._inherit(counts, old)
+            self._inherit(counts)
         self.board = WorkerBoard.from_env()  # the local launcher's: replacements under way
         self.staged = None if self.w.device.type == "cpu" else torch.empty_like(self.w)
         self.used_version = 0  # the version rank 0's own replica holds
@@ -563,7 +561,7 @@ class _Master:
             # replacements can come (--max-restarts under the local launcher)
             threading.Thread(target=self._admit, name="dogwild-admit", daemon=True).start()
 
-    def _inherit(self, counts: dict[int, dict], old: int | None) -> None:
+    def _inherit(self, counts: dict[int, dict]) -> None:
         """A master that took over: every member's counts; the others are lost."""
         now = time.monotonic()
         for r, c in counts.items():
@@ -575,8 +573,8 @@ class _Master:
             if r != self.me and r not in counts:
                 self.lost.add(r)
                 self.lost_at[r] = now
-        if old is not None:
-            self.steps[old] = max(self.steps[old], self.held[old])
+            if r not in counts:  # a rank lost at this or an earlier failover: at least what w holds of it
+                self.steps[r] = max(self.steps[r], self.held[r])
 
     def _start_threads(self, r: int) -> None:
         link = self.links[r]
