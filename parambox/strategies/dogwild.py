@@ -191,7 +191,7 @@ class Dogwild(Strategy):
     # -- failover: the master died, a survivor takes over ---------------------------------------------
     def _as_peer(self, fn, *args) -> bool:
         """``fn(*args)`` on this worker's peer; False where the master died during it and this rank
-        went through the failover instead (``fn``'s work is then undone: its gradient is lost)."""
+        went through the failover instead (the caller then does ``fn``'s work again in its new role)."""
         try:
             if self.peer.error is None or not self._master_dead():
                 fn(*args)
