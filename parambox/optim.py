@@ -258,6 +258,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad.zero_()
+        self.strategy.grads_cleared()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -380,6 +381,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             _follow_rates(copy, self.optimizer)
         before = self._base_steps
         with self._box_lost(), self._own_call():
+            self.strategy.settle_grads()
             self.last_result = self.strategy.end_step(detached, 0, self.step_count)
             unstepped = self._base_steps == before and not isinstance(self.optimizer, torch.optim.LBFGS)
             if unstepped and all(p.grad is None for p in self.model.parameters()):

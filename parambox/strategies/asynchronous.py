@@ -262,6 +262,9 @@ class AsyncStrategy(Strategy):
         self.g.zero_()
         self.grad_views.rebind_()
 
+    def settle_grads(self) -> None:
+        self.grad_views.settle_()
+
     def guard(self, loss: torch.Tensor | None, step: int) -> bool:
         """False (and the worker halts) when the loss is not finite: nothing of this step is pushed.
         An unknown loss (None) passes: every push refuses a non-finite update anyway."""

@@ -262,6 +262,17 @@ class Strategy:
         to hold back."""
         return self.passes.no_sync() if self.passes is not None else nullcontext()
 
+    def grads_cleared(self) -> None:
+        """``opt.zero_grad()`` in the middle of a step (after a backward, before ``step()``; a GAN's
+        loop zeroes the gradients the other model's backward made): what the passes so far accumulated
+        is gone, and the next backward exchanges afresh, as each backward does under DDP."""
+        if self.passes is not None:
+            self.passes.clear()
+
+    def settle_grads(self) -> None:
+        """Before ``end_step`` under ``DistributedOptimizer``: a rule whose ``.grad`` are views into a
+        buffer it reads moves there a gradient the loop detached from them (``GradViews.settle_``)."""
+
     def before_backward(self, loss: torch.Tensor) -> None:
         """Between the forward and the backward pass of a step the strategy drives (``step``), with
         the step's loss (with micro-batches: before the last one's backward, with the mean so far);

@@ -142,6 +142,13 @@ class BoxSync(Strategy):
                 "box-sync: a second backward after one that communicated in the same step; put the "
                 "micro-steps before the last inside opt.no_sync()"
             )
+        if syncs and self.passes.exchanged:
+            raise UserError(
+                "box-sync exchanges a step's gradients once, through the box's slot of the step: a "
+                "backward exchanged them, the loop zeroed them, and this one would exchange again (the "
+                "generator's backward of a GAN went through this model?); freeze the parameters that "
+                "backward must not train (requires_grad_(False)), or use allreduce or ps-sync"
+            )
         if syncs:
             self._average(self.step_now)
 

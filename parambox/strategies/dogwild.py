@@ -407,8 +407,10 @@ def _file_store(path: str, timeout_s: float) -> dist.Store:
 
 
 def _message_group(world_size: int) -> dist.ProcessGroup | None:
-    """The default group where it is gloo; a gloo group over every rank otherwise (nccl)."""
-    if world_size == 1 or dist.get_backend() == "gloo":
+    """A gloo group of this run's own over every rank: its threads send and receive while the loop
+    may use the default group (another ``DistributedOptimizer``'s exchanges, the script's own
+    collectives), whose messages would otherwise meet theirs."""
+    if world_size == 1:
         return None
     return dist.new_group(backend="gloo")
 
@@ -942,7 +944,9 @@ class _Peer:
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> None:
         owner, numel, msg = self.owner, self.owner.layout.numel, self.msgs[self.cur]
-        if not self.on_host:
+        if self.on_host:
+            self.grads[self.cur].settle_()  # a .grad the loop detached from the message goes into it
+        else:
             owner.layout.gather_grads(owner.model, msg[:numel])
         if not owner.finite(loss, [msg[:numel]], step):
             self._send(HALT, loss, 0, step)

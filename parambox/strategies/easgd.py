@@ -272,6 +272,9 @@ class SyncElasticAveraging(Strategy):
     def next_exchange(self, step: int) -> int:
         return period_end(step, self.options.tau)
 
+    def settle_grads(self) -> None:
+        self.grad_views.settle_()  # EAMSGD's local step reads g
+
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         if not (self.halted or loss is None or is_finite(loss)):
             self._halt("loss", step)

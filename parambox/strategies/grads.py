@@ -38,7 +38,7 @@ class BackwardPasses:
     """
 
     def __init__(self, owner: Strategy, params: list[nn.Parameter], on_end: Callable[[bool], None]):
-        self.owner, self.on_end = owner, on_end
+        self.owner, self.on_end, self.params = owner, on_end, params
         self.local_only = False
         self._handles = [p.register_post_accumulate_grad_hook(self._first_gradient) for p in params]
         self.reset()
@@ -47,8 +47,20 @@ class BackwardPasses:
         """A new step: no pass yet."""
         self.passes = 0  # passes finished
         self.syncs: bool | None = None  # whether the pass under way communicates (None: none under way)
-        self.synced = False  # a pass of this step communicated
+        self.synced = False  # a pass communicated since the step began or the loop last cleared .grad
+        self.exchanged = False  # a pass of this step communicated
         self.lost: PeerLost | None = None
+        self._left: list[torch.Tensor | None] = []  # the .grad as the last communicating pass left them
+
+    def clear(self) -> None:
+        """The loop zeroed ``.grad`` in the middle of the step (``opt.zero_grad()`` after a backward,
+        before ``step()``): what the passes so far accumulated is gone, the next one starts afresh."""
+        self.passes, self.synced = 0, False
+
+    def _dropped(self) -> bool:
+        """No parameter holds the ``.grad`` the last communicating pass left: the loop dropped them
+        (a module's ``zero_grad()``, as a GAN's loop calls it), and this pass's are a new accumulation."""
+        return all(left is None or p.grad is not left for p, left in zip(self.params, self._left))
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -66,11 +78,15 @@ class BackwardPasses:
     def _end(self) -> None:
         syncs, self.syncs = self.syncs, None
         self.passes += 1
+        if syncs and self.synced and self._dropped():
+            self.clear()
         try:
             self.on_end(bool(syncs))
         except PeerLost as e:
             self.lost = e
-        self.synced = self.synced or bool(syncs)
+        if syncs:
+            self.synced = self.exchanged = True
+            self._left = [p.grad for p in self.params]
 
     def raise_lost(self) -> None:
         """In the step's exchange: a peer lost during the last pass's communication, if any."""
@@ -125,11 +141,11 @@ class GradViews:
             first = not self.used[i]
             self.used[i] = True
             view = self.views[i]
-            if p.grad is not view:  # the .grad was dropped after begin_step: autograd made a new one
-                if first:
-                    view.copy_(p.grad)
-                else:
-                    view.add_(p.grad)
+            if p.grad is not view:
+                # The .grad was dropped after begin_step (a module's zero_grad(), which sets None) and
+                # autograd made a new one: it holds the whole gradient since the drop, the view's content
+                # is what the loop threw away.
+                view.copy_(p.grad)
                 p.grad = view
             if self.on_ready is not None:
                 self.on_ready(i, first)
@@ -141,6 +157,26 @@ class GradViews:
         self.used = [False] * len(self.params)
         for p, view in zip(self.params, self.views):
             if p.grad is not view:
+                p.grad = view
+
+    def settle_(self) -> None:
+        """Before the rule reads the buffers (hookless views): a ``.grad`` the loop dropped after the
+        step began (a module's ``zero_grad()``) and backward made anew goes into its view; one dropped
+        and not made again leaves a zero there (and ``.grad = None``: plain PyTorch skips it).
+
+        >>> lin = nn.Linear(2, 1); flat = torch.zeros(3)
+        >>> gv = GradViews(list(lin.parameters()), [flat[:2].view(1, 2), flat[2:]])
+        >>> lin(torch.ones(1, 2)).sum().backward(); lin.zero_grad(); lin(2 * torch.ones(1, 2)).sum().backward()
+        >>> gv.settle_(); flat.tolist()
+        [2.0, 2.0, 1.0]
+        """
+        for p, view in zip(self.params, self.views):
+            if p.grad is view:
+                continue
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
                 p.grad = view
 
     def drop_unused_(self, got_gradient: list[bool] | list[float]) -> None:

@@ -73,6 +73,9 @@ class Hogwild(AsyncStrategy):
         self.x = self.shared
         self.optimizer = ctx.make_optimizer(self.params)
 
+    def settle_grads(self) -> None:
+        """Nothing to move: its optimizer reads each parameter's own ``.grad``."""
+
     def begin_step(self, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self.seen = self.box.read_counter(self.counters.total)
