@@ -86,6 +86,17 @@ def test_eamsgd_nesterov_step():
     assert torch.allclose(s.v, full(-0.135)) and torch.allclose(x, full(0.765))
 
 
+def test_eamsgd_nesterov_step_decays_the_trainable_part_by_the_groups_weight_decay():
+    """g <- g + wd x where ``decays`` is 1: x = 1 everywhere, g = 0, eta = 0.1, wd = 0.5, delta = 0.5."""
+    x = full(1.0)
+    decays = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0])  # the last two: a frozen parameter's
+    s = NesterovStep(x, 0.1, 0.5, {"lr": 0.1, "weight_decay": 0.5}, decays)
+    s.lookahead_()
+    s.step_(torch.zeros(N))  # v = -0.1 * 0.5 * 1 = -0.05, x = 1 - 0.05
+    assert torch.allclose(x, torch.tensor([0.95, 0.95, 0.95, 1.0, 1.0]))
+    assert torch.allclose(s.v, torch.tensor([-0.05, -0.05, -0.05, 0.0, 0.0]))
+
+
 def sgd(worker: DownpourWorker, g: float, lr: float = 0.1) -> None:
     worker.x.sub_(lr * g)
 

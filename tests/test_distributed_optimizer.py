@@ -147,6 +147,62 @@ def test_the_wrapped_optimizer_stepped_directly_is_refused(strategy, through):
     base.step()  # released: a plain optimizer again
 
 
+def _eamsgd_alone(make_opt, steps: int = 4) -> dict[str, torch.Tensor]:
+    """Synchronous eamsgd in one process, one exchange after ``steps`` local Nesterov steps: the result,
+    the center, is ``x0 + alpha (x - x0)``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[0].bias.requires_grad_(False)
+    with parambox.DistributedOptimizer(
+        model, make_opt(model), "eamsgd", {"sync": True, "tau": steps, "alpha": 0.5}
+    ) as opt:
+        for step in range(steps):
+            opt.zero_grad()
+            F.mse_loss(model(torch.ones(3, 4) * step), torch.ones(3, 2)).backward()
+            opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _sgd_decay(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(_trainable(model), lr=0.1, weight_decay=0.5)
+
+
+def _two_rates(model: nn.Module) -> torch.optim.Optimizer:
+    ps = _trainable(model)
+    return torch.optim.SGD([{"params": ps[:2], "lr": 0.01}, {"params": ps[2:]}], lr=0.1)
+
+
+def _head_only(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model[2].parameters(), lr=0.1)
+
+
+def test_eamsgd_applies_the_optimizers_weight_decay_and_refuses_what_its_step_cannot_take():
+    """With momentum 0 eamsgd's local step is SGD's, weight decay included (before: ignored); a frozen
+    parameter does not decay. Param groups its one Nesterov step cannot follow, and parameters the
+    optimizer leaves out (which it trained anyway), are one-line errors."""
+    got = _eamsgd_alone(_sgd_decay)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[0].bias.requires_grad_(False)
+    x0 = {k: v.clone() for k, v in model.state_dict().items()}
+    plain = _sgd_decay(model)
+    for step in range(4):
+        plain.zero_grad()
+        F.mse_loss(model(torch.ones(3, 4) * step), torch.ones(3, 2)).backward()
+        plain.step()
+    center = {k: x0[k] + 0.5 * (v - x0[k]) for k, v in model.state_dict().items()}
+    assert max_diff(got, center) <= 1e-6
+    assert torch.equal(got["0.bias"], model[0].bias)  # frozen: not decayed
+    with pytest.raises(UserError, match=r"one lr for the whole model.*0\.01, 0\.1.*use easgd"):
+        _eamsgd_alone(_two_rates)
+    with pytest.raises(UserError, match=r"the optimizer holds 2 of the model's 3.*requires_grad_\(False\)"):
+        _eamsgd_alone(_head_only)
+
+
 def test_a_scheduler_on_the_users_optimizer_reaches_dogwilds_master_copy():
     """dogwild's master steps a copy of the user's optimizer: a scheduler on the user's set rates the
     master never saw (its weights moved at the first rate throughout). One process: the master's

@@ -75,16 +75,25 @@ class NesterovStep:
 
     ``lookahead_`` moves ``x`` to ``x + delta v`` before forward/backward; ``step_(g)`` then needs
     only the gradient there: ``v <- delta v - eta g`` and ``x <- (x + delta v) - eta g = x_old + v``.
+    The group's ``weight_decay`` adds ``wd x`` to ``g`` (SGD's coupled decay, at the point where ``g``
+    was taken), where ``decays`` is 1 (the trainable parameters; everywhere without it).
 
     >>> x = torch.zeros(2); s = NesterovStep(x, lr=0.1, delta=0.5)
     >>> s.lookahead_(); s.step_(torch.ones(2)); s.lookahead_(); s.step_(torch.ones(2)); x.tolist()
     [-0.25, -0.25]
     """
 
-    def __init__(self, x: torch.Tensor, lr: float, delta: float, group: dict[str, Any] | None = None):
-        self.x, self.delta = x, delta
-        # eta is read at each step from ``group`` (the run's optimizer's param group, where the lr
-        # schedule sets it), or fixed at ``lr``
+    def __init__(
+        self,
+        x: torch.Tensor,
+        lr: float,
+        delta: float,
+        group: dict[str, Any] | None = None,
+        decays: torch.Tensor | None = None,
+    ):
+        self.x, self.delta, self.decays = x, delta, decays
+        # eta and the weight decay are read at each step from ``group`` (the run's optimizer's param
+        # group, where the lr schedule sets it), or fixed at ``lr``
         self.group = group if group is not None else {"lr": lr}
         self.v = torch.zeros_like(x)
 
@@ -96,13 +105,17 @@ class NesterovStep:
         self.x.add_(self.v, alpha=self.delta)
 
     def step_(self, g: torch.Tensor) -> None:
+        wd = self.group.get("weight_decay", 0.0)
+        if wd:
+            g = g + wd * (self.x if self.decays is None else self.x * self.decays)
         self.v.mul_(self.delta).add_(g, alpha=-self.lr)
         self.x.add_(g, alpha=-self.lr)
 
 
 def make_local_step(strategy: Strategy, nesterov: bool) -> tuple[NesterovStep | None, float]:
     """(local step, lr). EASGD: the run's optimizer (``strategy.optimizer``) and None; EAMSGD: the
-    Nesterov step from the run's SGD settings, and no torch optimizer."""
+    Nesterov step from the run's SGD settings (one lr, momentum and weight decay for every trainable
+    parameter, all of them in the optimizer: a ``UserError`` naming what differs), no torch optimizer."""
     optimizer = strategy.ctx.make_optimizer(strategy.params)
     group = optimizer.param_groups[0]
     if not nesterov:
@@ -110,8 +123,32 @@ def make_local_step(strategy: Strategy, nesterov: bool) -> tuple[NesterovStep | 
         return None, group["lr"]
     if type(optimizer) is not torch.optim.SGD:
         raise UserError("eamsgd: its momentum step is SGD's; use --optimizer sgd (--momentum sets delta)")
+    for key in ("lr", "momentum", "weight_decay", "dampening"):
+        values = sorted({g[key] for g in optimizer.param_groups})
+        if len(values) > 1:
+            raise UserError(
+                f"eamsgd: its Nesterov step takes one {key} for the whole model, and the optimizer's param "
+                f"groups have {', '.join(f'{v:g}' for v in values)}: give them one, or use easgd, which "
+                "steps the optimizer as it is"
+            )
+    if group["dampening"]:
+        raise UserError("eamsgd: its Nesterov step has no dampening; give the SGD optimizer dampening=0")
+    covered = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    trainable = [p for p in strategy.params if p.requires_grad]
+    left_out = sum(id(p) not in covered for p in trainable)
+    if left_out:
+        raise UserError(
+            f"eamsgd: its Nesterov step moves every trainable parameter, and the optimizer holds "
+            f"{len(trainable) - left_out} of the model's {len(trainable)}: give it all of them, or freeze the "
+            "others (requires_grad_(False))"
+        )
+    decays = None
+    if len(trainable) < len(strategy.params):  # frozen parameters do not decay
+        decays = torch.zeros_like(strategy.x)
+        for p, view in zip(strategy.model.parameters(), strategy.layout.views(decays).values()):
+            view.fill_(float(p.requires_grad))
     strategy.optimizer = None
-    return NesterovStep(strategy.x, group["lr"], group["momentum"], group), group["lr"]
+    return NesterovStep(strategy.x, group["lr"], group["momentum"], group, decays), group["lr"]
 
 
 def sync_elastic_(
