@@ -59,7 +59,10 @@ class ParameterServerSync(Strategy):
     def _local_grad(self) -> torch.Tensor:
         got = torch.tensor([p.grad is not None for p in self.params], dtype=self.flat.dtype)
         return torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params]
+            [
+                _dense(p.grad).reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1)
+                for p in self.params
+            ]
             + [got.to(self.flat.device)]
         )
 
@@ -129,3 +132,8 @@ class ParameterServerSync(Strategy):
 
     def close(self) -> None:
         self.passes.close()
+
+
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient (``nn.Embedding(sparse=True)``) as the dense one the gather sends."""
+    return grad.to_dense() if grad.is_sparse else grad
