@@ -97,6 +97,18 @@ def test_eamsgd_nesterov_step_decays_the_trainable_part_by_the_groups_weight_dec
     assert torch.allclose(s.v, torch.tensor([-0.05, -0.05, -0.05, 0.0, 0.0]))
 
 
+def test_eamsgd_nesterov_step_follows_a_scheduled_momentum():
+    """delta is the group's momentum at each step (OneCycleLR cycles it): 0.5, then 0."""
+    x, group = full(1.0), {"lr": 0.1, "momentum": 0.5}
+    s = NesterovStep(x, 0.1, 0.5, group)
+    s.lookahead_()
+    s.step_(torch.ones(N))  # v = -0.1, x = 0.9
+    group["momentum"] = 0.0
+    s.lookahead_()  # x + 0 v
+    s.step_(torch.ones(N))  # v = 0 v - 0.1 = -0.1, x = 0.8
+    assert torch.allclose(x, full(0.8)) and torch.allclose(s.v, full(-0.1))
+
+
 def sgd(worker: DownpourWorker, g: float, lr: float = 0.1) -> None:
     worker.x.sub_(lr * g)
 

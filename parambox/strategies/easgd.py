@@ -91,15 +91,19 @@ class NesterovStep:
         group: dict[str, Any] | None = None,
         decays: torch.Tensor | None = None,
     ):
-        self.x, self.delta, self.decays = x, delta, decays
-        # eta and the weight decay are read at each step from ``group`` (the run's optimizer's param
-        # group, where the lr schedule sets it), or fixed at ``lr``
+        self.x, self.decays, self._delta = x, decays, delta
+        # eta, delta and the weight decay are read at each step from ``group`` (the run's optimizer's
+        # param group, where a schedule sets them: OneCycleLR cycles the momentum), or fixed
         self.group = group if group is not None else {"lr": lr}
         self.v = torch.zeros_like(x)
 
     @property
     def lr(self) -> float:
         return self.group["lr"]
+
+    @property
+    def delta(self) -> float:
+        return self.group.get("momentum", self._delta)
 
     def lookahead_(self) -> None:
         self.x.add_(self.v, alpha=self.delta)
