@@ -18,8 +18,11 @@ Limits, by design:
   parameters that is the user's optimizer itself (its param groups, state and any scheduler on it
   count). For another set (dogwild's master copy of the weights) it is a new optimizer of the same
   class, with the user's param groups mapped by position, and none of the user's state.
-- ``eamsgd`` runs its own momentum step, reading ``lr`` and ``momentum`` once; ``downpour`` with
-  ``adagrad`` its own Adagrad: a scheduler on the user's optimizer does not reach them.
+- ``eamsgd`` runs its own momentum step from an SGD optimizer's settings (read each step);
+  ``downpour`` with ``adagrad`` its own Adagrad, which a scheduler on the user's optimizer does not
+  reach.
+- Several optimizers over one model (Muon for the matrices, AdamW for the rest) come as a list, which
+  the strategy steps as one (``_Chain``); one ``DistributedOptimizer`` per model.
 - ``steps`` (the run's target per worker) matters to the asynchronous strategies' termination
   alignment (``should_stop()``); without it each worker stops when its own loop ends, and
   ``close()`` waits for every worker.
@@ -34,7 +37,7 @@ import inspect
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -83,6 +86,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     >>> (opt.rank, opt.world_size)
     (0, 1)
 
+    ``optimizer`` may be a list of torch optimizers over disjoint parameters of the model (Muon for
+    the weight matrices and AdamW for the rest): the strategy steps them as one, ``param_groups`` are
+    theirs in order, ``state_dict()`` holds each one's state, and a scheduler on each works.
+
     Gradient clipping between ``backward()`` and ``step()`` sees the averaged gradient under the
     synchronous gradient-averaging rule (``allreduce``, as with DDP) and the local gradient under
     the local-step rules (``easgd``, ``downpour``, ``diloco``'s inner steps, ...), as their papers
@@ -97,7 +104,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         strategy: str = "allreduce",
         options: dict[str, Any] | None = None,
         *,
@@ -107,6 +114,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: int = 1,
     ):
         cls, opts = _strategy(strategy, options)
+        optimizer = _one_optimizer(optimizer)
         _check_pair(model, optimizer)
         if steps is not None and steps < 1:
             raise UserError(f"DistributedOptimizer: steps must be at least 1, got {steps}")
@@ -155,7 +163,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # The wrapped optimizer's step() called by the script itself skips the exchange: refused (the
         # strategy's own calls run inside this object's methods, or on threads of its own)
         self._inside, self._thread, self._base_steps = 0, threading.get_ident(), 0
-        self._guard = optimizer.register_step_pre_hook(functools.partial(_direct_step, weakref.ref(self)))
+        direct = functools.partial(_direct_step, weakref.ref(self))
+        self._guards = [
+            o.register_step_pre_hook(direct) for o in getattr(optimizer, "optimizers", [optimizer])
+        ]
         # Synchronous rules pair every rank's collectives step by step: a rank that stops early would
         # have its close() matched against another's gradient exchange (a silently wrong model). Each
         # step opens with a one-element allreduce of "still stepping" (close() sends 0), so uneven step
@@ -470,8 +481,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _release(self) -> None:
         """Not collective: the strategy's buffers, boxes and threads, then the process group we made."""
         strategy = getattr(self, "strategy", None)
-        if getattr(self, "_guard", None) is not None:
-            self._guard.remove()
+        for guard in getattr(self, "_guards", []):
+            guard.remove()
         try:
             if not getattr(self, "_detached", True):
                 _own_memory_(self.model)
@@ -576,6 +587,86 @@ def _exchanges_itself(module: nn.Module) -> bool:
     )
 
 
+def _one_optimizer(optimizer: Any) -> Any:
+    """The optimizer a strategy steps: the user's, or for a list of them (over disjoint parameters) one
+    :class:`_Chain` of them; a ``UserError`` where the list is not that."""
+    if not isinstance(optimizer, (list, tuple)):
+        return optimizer
+    if not optimizer:
+        raise UserError("DistributedOptimizer: the list of optimizers is empty")
+    for i, o in enumerate(optimizer):
+        if not isinstance(o, torch.optim.Optimizer):
+            raise UserError(
+                f"DistributedOptimizer: optimizer {i} of the list must be a torch.optim.Optimizer, "
+                f"got {type(o).__name__}"
+            )
+    if len(optimizer) == 1:
+        return optimizer[0]
+    seen: dict[int, int] = {}
+    for i, o in enumerate(optimizer):
+        for g in o.param_groups:
+            for p in g["params"]:
+                if seen.setdefault(id(p), i) != i:
+                    raise UserError(
+                        f"DistributedOptimizer: optimizers {seen[id(p)]} and {i} of the list both hold a "
+                        "parameter; each parameter belongs to one of them"
+                    )
+    return _Chain(list(optimizer))
+
+
+class _Chain(torch.optim.Optimizer):
+    """Several torch optimizers over disjoint parameters of one model, stepped as one (Muon for the
+    weight matrices and AdamW for the rest, as current GPT recipes pair them): what a strategy steps
+    where ``DistributedOptimizer`` was given a list. Its param groups are the members', in order.
+
+    >>> lin = nn.Linear(2, 2)
+    >>> chain = _Chain([torch.optim.SGD([lin.weight], lr=0.1), torch.optim.Adam([lin.bias], lr=0.01)])
+    >>> [g["lr"] for g in chain.param_groups], len(chain.state_dict()["optimizers"])
+    ([0.1, 0.01], 2)
+    """
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        # (Optimizer.__init__ is not called: the groups and the state are the members')
+        self.optimizers = optimizers
+        self._optimizer_step_pre_hooks: dict[int, Callable] = {}
+        self._optimizer_step_post_hooks: dict[int, Callable] = {}
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> dict[Any, Any]:  # type: ignore[override]
+        return {p: s for o in self.optimizers for p, s in o.state.items()}
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizers[0].defaults
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        for o in self.optimizers:
+            o.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        states = state_dict.get("optimizers") if isinstance(state_dict, dict) else None
+        if not isinstance(states, list) or len(states) != len(self.optimizers):
+            raise UserError(
+                f"DistributedOptimizer.load_state_dict(): expected the state of {len(self.optimizers)} "
+                "optimizers (a DistributedOptimizer's state_dict() over the same list)"
+            )
+        for o, state in zip(self.optimizers, states):
+            o.load_state_dict(state)
+
+
 def _check_pair(model: Any, optimizer: Any) -> None:
     if not isinstance(model, nn.Module):
         raise UserError(f"DistributedOptimizer: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -588,6 +679,13 @@ def _check_pair(model: Any, optimizer: Any) -> None:
         raise UserError(
             f"DistributedOptimizer: the model is wrapped in {type(wrapped).__name__}, which exchanges the "
             "gradients itself; pass the plain module (model.module): the strategy does the exchange"
+        )
+    ref = _WATCHED.get(id(model))
+    other = ref() if ref is not None else None
+    if other is not None and other.model is model and not other.closed:
+        raise UserError(
+            f"DistributedOptimizer: the model is wrapped already, by DistributedOptimizer({other.name!r}); one "
+            "per model: give several torch optimizers as a list, DistributedOptimizer(model, [muon, adamw], ...)"
         )
     own = {id(p) for p in model.parameters()}
     if not own:
@@ -708,6 +806,13 @@ def same_kind(
     >>> [g["lr"] for g in same_kind(opt, list(a.parameters()), list(b.parameters())).param_groups]
     [0.5, 0.1]
     """
+    if isinstance(optimizer, _Chain):
+        if len(params) != len(own):
+            raise UserError(
+                "DistributedOptimizer: this strategy needs an optimizer over tensors other than the model's, "
+                "made from one of yours: give one optimizer, not a list"
+            )
+        return _Chain([same_kind(o, own, params) for o in optimizer.optimizers])
     accepted = inspect.signature(type(optimizer).__init__).parameters
     # Only what the constructor takes: AdamW's defaults hold decoupled_weight_decay, its __init__ does not.
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}

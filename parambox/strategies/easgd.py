@@ -126,7 +126,10 @@ def make_local_step(strategy: Strategy, nesterov: bool) -> tuple[NesterovStep | 
         strategy.optimizer = optimizer
         return None, group["lr"]
     if type(optimizer) is not torch.optim.SGD:
-        raise UserError("eamsgd: its momentum step is SGD's; use --optimizer sgd (--momentum sets delta)")
+        raise UserError(
+            f"eamsgd: its momentum step is SGD's, the optimizer is {_kind(optimizer)}: give it one torch.optim.SGD "
+            "(parambox train: --optimizer sgd; --momentum sets delta)"
+        )
     for key in ("lr", "momentum", "weight_decay", "dampening"):
         values = sorted({g[key] for g in optimizer.param_groups})
         if len(values) > 1:
@@ -153,6 +156,14 @@ def make_local_step(strategy: Strategy, nesterov: bool) -> tuple[NesterovStep | 
             view.fill_(float(p.requires_grad))
     strategy.optimizer = None
     return NesterovStep(strategy.x, group["lr"], group["momentum"], group, decays), group["lr"]
+
+
+def _kind(optimizer: torch.optim.Optimizer) -> str:
+    """``Adam``, or for several (``DistributedOptimizer``'s list) ``[Muon, AdamW]``."""
+    members = getattr(optimizer, "optimizers", None)
+    if members is None:
+        return type(optimizer).__name__
+    return f"[{', '.join(type(o).__name__ for o in members)}]"
 
 
 def sync_elastic_(

@@ -1,9 +1,15 @@
-"""Two models in one loop (a GAN), each in its own DistributedOptimizer: the generator's backward goes
+"""Several models or optimizers in one loop.
+
+Two models (a GAN), each in its own DistributedOptimizer: the generator's backward goes
 through the discriminator, whose gradients the loop then zeroes mid-step, with ``optD.zero_grad()`` or
 the module's ``D.zero_grad()`` (``.grad = None``, as PyTorch's DCGAN example writes it). Before, a
 rule with ``.grad`` views added the dropped gradient back (allreduce, and every rule reading its flat
 buffer: a silently different model), ps-sync and box-sync refused the loop with an error about
-micro-steps, and two dogwild optimizers crossed their messages on the default group."""
+micro-steps, and two dogwild optimizers crossed their messages on the default group.
+
+One model, two optimizers (Muon for the matrices, AdamW for the rest) given as a list: before, only one
+optimizer was taken, and a second DistributedOptimizer on the same model ran (allreduce) or stopped with
+an error about a moved model (easgd)."""
 
 from __future__ import annotations
 
@@ -15,10 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
+import parambox
 from parambox.errors import UserError
 from parambox.strategies import STRATEGIES, strategy_class
-from tests.gan_worker import gan
+from tests.several_worker import gan, muon_adamw
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_PARALLEL = [
@@ -75,7 +83,7 @@ def torchrun(out: Path, strategy: str, zero: str, freeze: bool = False, two_pass
             logs,
             "--nproc-per-node",
             "2",
-            str(ROOT / "tests" / "gan_worker.py"),
+            str(ROOT / "tests" / "several_worker.py"),
             strategy,
             str(out),
             zero,
@@ -108,3 +116,74 @@ def test_two_dogwild_optimizers_on_two_ranks_keep_their_messages_apart(tmp_path)
     ranks = [torch.load(tmp_path / f"dogwild-rank{r}.pt") for r in range(2)]
     assert diff(ranks[0], ranks[1]) == 0.0  # close(): every rank holds the master's weights
     assert all(torch.isfinite(v).all() for v in ranks[0].values())
+
+
+# -- one model, several optimizers ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", [s for s in DATA_PARALLEL if s != "eamsgd"])
+def test_muon_and_adamw_over_one_model_as_a_list(strategy):
+    """Every rule (but eamsgd, whose own step is SGD's) takes the list and steps both; where the rule is
+    plain SGD alone, the model equals plain PyTorch with the two optimizers."""
+    got = muon_adamw(strategy)
+    assert all(torch.isfinite(v).all() for v in got.values())
+    if strategy in PLAIN_ALONE or strategy in ("downpour", "dynsgd", "hogwild", "dogwild"):
+        assert diff(got, muon_adamw(None)) <= 1e-6
+
+
+def _chained(strategy: str, steps: range, state: dict | None = None) -> tuple[dict, dict, nn.Module]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    if state is not None:
+        model.load_state_dict(state["model"])
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    others = [p for p in model.parameters() if p.ndim != 2]
+    opts = [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(others, lr=0.01)]
+    opt = parambox.DistributedOptimizer(model, opts, strategy)
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+    for step in steps:
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), torch.sin(x[:, :4])).backward()
+        opt.step()
+    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optimizer": opt.state_dict()}
+    opt.close()
+    return saved, {k: v.clone() for k, v in model.state_dict().items()}, model
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "diloco"])
+def test_the_listed_optimizers_state_resumes_where_it_stopped(strategy):
+    """opt.state_dict() holds both optimizers' state (AdamW's moments, Muon's momentum): 3 steps, a
+    fresh process's objects loading it, 3 more, equal the 6 uninterrupted."""
+    _, whole, _ = _chained(strategy, range(6))
+    saved, _, _ = _chained(strategy, range(3))
+    assert len(saved["optimizer"]["optimizer"]["optimizers"]) == 2
+    _, resumed, _ = _chained(strategy, range(3, 6), saved)
+    assert diff(resumed, whole) <= 1e-6
+
+
+def test_a_second_wrapper_on_one_model_and_a_bad_list_are_one_line_errors():
+    model = nn.Linear(4, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (
+        parambox.DistributedOptimizer(model, sgd, "easgd"),
+        pytest.raises(UserError, match=r"wrapped already, by DistributedOptimizer\('easgd'\).*as a list"),
+    ):
+        parambox.DistributedOptimizer(model, torch.optim.Adam(model.parameters()), "easgd")
+    with pytest.raises(UserError, match="optimizers 0 and 1 of the list both hold a parameter"):
+        parambox.DistributedOptimizer(model, [sgd, torch.optim.Adam([model.weight])])
+    with pytest.raises(UserError, match="optimizer 1 of the list must be a torch.optim.Optimizer, got str"):
+        parambox.DistributedOptimizer(model, [sgd, "adam"])
+    with pytest.raises(UserError, match="eamsgd: its momentum step is SGD's"):
+        parambox.DistributedOptimizer(
+            model, [torch.optim.SGD([model.weight]), torch.optim.SGD([model.bias])], "eamsgd"
+        )
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "box-sync"])
+def test_muon_and_adamw_on_two_ranks_equal_one_process(tmp_path, strategy):
+    torchrun(tmp_path, strategy, "muon")
+    reference = muon_adamw(None, world=2)
+    for rank in range(2):
+        assert diff(torch.load(tmp_path / f"{strategy}-rank{rank}.pt"), reference) <= 1e-5, rank

@@ -1,0 +1,119 @@
+"""Several models or optimizers in one loop, as users write them: a GAN's two models, each wrapped in
+its own DistributedOptimizer (:func:`gan`), and one model with two optimizers, Muon for its weight
+matrices and AdamW for the rest, given to one DistributedOptimizer as a list (:func:`muon_adamw`).
+
+The discriminator ``D`` steps on real and generated samples, then the generator ``G`` steps through
+``D``: unless ``D`` is frozen there, that backward gives ``D`` gradients too (and, on a synchronous
+rule, exchanges them), which the loop zeroes at the next ``D`` step. ``zero`` says how: ``"opt"``
+(``optD.zero_grad()``, zeroes in place), ``"module"`` (``D.zero_grad()``, as PyTorch's DCGAN example:
+it sets ``.grad = None``) or ``"torch"`` (no parambox: :func:`gan` in one process is the reference).
+``two_passes``: ``D``'s real and fake losses in two backward passes (the DCGAN example), else one.
+
+``torchrun ... tests/several_worker.py STRATEGY OUT ZERO FREEZE TWO_PASSES`` (``ZERO`` = ``muon``: the
+second loop): each rank writes ``OUT/STRATEGY-rank<r>.pt`` (the weights after ``close()``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+B, STEPS = 8, 6
+
+
+def gan(
+    strategy: str | None, zero: str = "opt", freeze: bool = False, two_passes: bool = False
+) -> dict[str, torch.Tensor]:
+    """The loop on this rank's share of each global batch (``strategy=None``: plain PyTorch, one
+    process, the whole batch); both models' weights at the end, ``D.*`` and ``G.*``."""
+    import parambox
+
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 8))
+    D = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt_g = torch.optim.SGD(G.parameters(), lr=0.05, momentum=0.5)
+    opt_d = torch.optim.SGD(D.parameters(), lr=0.05, momentum=0.5)
+    rank, world = 0, 1
+    if strategy is not None:
+        opt_g = parambox.DistributedOptimizer(G, opt_g, strategy)
+        opt_d = parambox.DistributedOptimizer(D, opt_d, strategy)
+        rank, world = opt_g.rank, opt_g.world_size
+    share = slice(rank * B // world, (rank + 1) * B // world)
+    g = torch.Generator().manual_seed(1)
+    bce = nn.BCEWithLogitsLoss()
+    try:
+        for _ in range(STEPS):
+            z, real = torch.randn(B, 4, generator=g)[share], torch.randn(B, 8, generator=g)[share]
+            ones, zeros = torch.ones(len(z), 1), torch.zeros(len(z), 1)
+            D.zero_grad() if zero == "module" else opt_d.zero_grad()
+            fake = G(z)
+            if two_passes:
+                bce(D(real), ones).backward()
+                bce(D(fake.detach()), zeros).backward()
+            else:
+                (bce(D(real), ones) + bce(D(fake.detach()), zeros)).backward()
+            opt_d.step()
+            G.zero_grad() if zero == "module" else opt_g.zero_grad()
+            D.requires_grad_(not freeze)
+            bce(D(fake), ones).backward()
+            D.requires_grad_(True)
+            opt_g.step()
+            F.mse_loss(G(z), fake.detach())  # a look at G in grad mode, no backward: begins its next step
+    except BaseException:  # a refused loop: release both, as a `with` block does
+        if strategy is not None:
+            opt_d.abort()
+            opt_g.abort()
+        raise
+    if strategy is not None:
+        opt_d.close()
+        opt_g.close()
+    return {
+        f"{name}.{k}": v.detach().clone()
+        for name, m in (("D", D), ("G", G))
+        for k, v in m.state_dict().items()
+    }
+
+
+def muon_adamw(strategy: str | None, world: int = 1) -> dict[str, torch.Tensor]:
+    """Muon on the matrices, AdamW on the biases, a StepLR on each; this rank's share of each global
+    batch (``strategy=None``: plain PyTorch on the whole batch of ``world`` ranks)."""
+    import parambox
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    others = [p for p in model.parameters() if p.ndim != 2]
+    opts = [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(others, lr=0.01)]
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 2, 0.5) for o in opts]
+    opt, rank = None, 0
+    if strategy is not None:
+        opt = parambox.DistributedOptimizer(model, opts, strategy)
+        rank, world = opt.rank, opt.world_size
+    g = torch.Generator().manual_seed(2)
+    share = slice(rank * B, (rank + 1) * B) if opt is not None else slice(None)
+    for _ in range(STEPS):
+        x = torch.randn(world * B, 8, generator=g)[share]
+        for o in [opt] if opt is not None else opts:
+            o.zero_grad()
+        F.mse_loss(model(x), torch.sin(x[:, :4])).backward()
+        for o in [opt] if opt is not None else opts:
+            o.step()
+        for sched in scheds:
+            sched.step()
+    if opt is not None:
+        opt.close()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+if __name__ == "__main__":
+    strategy, out, zero, freeze, two = sys.argv[1:6]
+    if zero == "muon":
+        state = muon_adamw(strategy)
+    else:
+        state = gan(strategy, zero, freeze == "1", two == "1")
+    torch.save(state, Path(out) / f"{strategy}-rank{os.environ.get('RANK', '0')}.pt")
