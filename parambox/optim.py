@@ -160,6 +160,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._stepped = False  # a step ran in this process (load_state_dict must come before)
         self._hook = _watch_forward(self)
         self._placed = _placement(model)  # where the strategy put the parameters: checked every step
+        # The weights the strategy copied (a center, ...): weights loaded into the model before the
+        # first step would not reach its copy, so the first step compares (a load_state_dict() of a
+        # DistributedOptimizer's state restores the copy too, and clears it)
+        self._start = _fingerprint(model) if cls.copies_the_weights else None
         # The wrapped optimizer's step() called by the script itself skips the exchange: refused (the
         # strategy's own calls run inside this object's methods, or on threads of its own)
         self._inside, self._thread, self._base_steps = 0, threading.get_ident(), 0
@@ -256,6 +260,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # its own (error feedback) starts afresh here, as for a rank new to a resized run
             rule = self.strategy.joiner_state(rule)
         self.strategy.load_state_dict(rule)
+        self._start = None  # the strategy's copy of the weights came with its state
         self.step_count = int(ours["step"])
         self._placed = _placement(self.model)
 
@@ -315,6 +320,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "after it was wrapped (model.to(), .double(), .cuda(), a new layer); the strategy would "
                 "train its own copy: do that before creating the DistributedOptimizer, as with DDP"
             )
+        if self._start is not None:
+            start, self._start = self._start, None
+            if _fingerprint(self.model) != start:
+                self.abort()
+                raise UserError(
+                    f"DistributedOptimizer({self.name!r}): the model's weights changed between wrapping and the "
+                    f"first step (model.load_state_dict() after creating it?), and {self.name} keeps a copy of "
+                    "the weights it was given (its center, the master's, the global weights) that would never "
+                    "see them: load them before creating the DistributedOptimizer, as with DDP, or with "
+                    "opt.load_state_dict() of its state_dict()"
+                )
         self._begun = True
         self._check_aligned(stepping=True)
         with self._box_lost(), self._own_call():
@@ -752,6 +768,12 @@ def _direct_step(ref: weakref.ref, optimizer: torch.optim.Optimizer, args: Any, 
 def _placement(model: nn.Module) -> list[tuple[int, int]]:
     """Each parameter and where its data lives: a ``model.to()`` or a new layer after wrapping changes it."""
     return [(id(p), p.data_ptr()) for p in model.parameters()]
+
+
+def _fingerprint(model: nn.Module) -> list[tuple[float, float]]:
+    """Each parameter's sum and sum of squares (float64): changed by any load of other weights."""
+    with torch.no_grad():
+        return [(float(p.double().sum()), float(p.double().square().sum())) for p in model.parameters()]
 
 
 def _own_memory_(model: nn.Module) -> None:

@@ -147,6 +147,33 @@ def test_the_wrapped_optimizer_stepped_directly_is_refused(strategy, through):
     base.step()  # released: a plain optimizer again
 
 
+@pytest.mark.parametrize("strategy", DATA_PARALLEL)
+def test_weights_loaded_after_wrapping_train_or_are_refused_never_lost(strategy):
+    """model.load_state_dict() between wrapping and the first step: a rule that keeps no copy of the
+    weights trains from them (lr 0: they are the result); one that keeps a copy (a center, the master's,
+    DiLoCo's global weights) refuses in one line at the first step. Before, those ran and returned the
+    weights they had copied at wrapping, the loaded ones lost."""
+    torch.manual_seed(5)
+    loaded = nn.Linear(4, 2).state_dict()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = parambox.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.0), strategy)
+    model.load_state_dict(loaded)
+    if strategy_class(strategy).copies_the_weights:
+        with pytest.raises(
+            UserError, match=rf"\('{strategy}'\): the model's weights changed between wrapping"
+        ):
+            opt.zero_grad()
+        assert opt.closed
+        return
+    with opt:
+        for _ in range(3):
+            opt.zero_grad()
+            F.mse_loss(model(torch.randn(8, 4)), torch.ones(8, 2)).backward()
+            opt.step()
+    assert max_diff(model.state_dict(), loaded) == 0.0
+
+
 def _embedding_run(strategy: str, sparse: bool) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(20, 4, sparse=sparse), nn.Flatten(), nn.Linear(12, 2))

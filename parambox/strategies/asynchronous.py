@@ -96,6 +96,7 @@ class AsyncStrategy(Strategy):
     """
 
     Options = AsyncOptions
+    copies_the_weights = True  # the center in the box
     tolerates_worker_loss = True
     tolerates_rank0_loss = True  # the center lives in the box; another worker takes the result
     takes_spare_ranks = True  # a worker is one replica against the box: a spare rank can take its place

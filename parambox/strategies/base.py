@@ -114,6 +114,10 @@ class Strategy:
     # ``end_step``, so ``DistributedOptimizer`` can drive it inside a user's own loop. Pipeline
     # parallelism and L-BFGS must own forward/backward: they override ``step`` and set this.
     owns_forward_backward: ClassVar[bool] = False
+    # It keeps a copy of the weights it was built with (a center, the master's, DiLoCo's global weights):
+    # weights loaded into the model after ``DistributedOptimizer`` wrapped it would never reach that copy,
+    # so they are refused at the first step.
+    copies_the_weights: ClassVar[bool] = False
     # The exchange in perfmodel's terms ("ring", "tree", "ps", "box"), for `parambox pick`'s scaling
     # model; None: the box for strategies that survive a lost worker, a ring allreduce for the others.
     comm_topology: ClassVar[str | None] = None

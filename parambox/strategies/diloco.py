@@ -195,6 +195,7 @@ class Diloco(Strategy):
     """
 
     name = "diloco"
+    copies_the_weights = True  # the global weights
     period_options = ("inner_steps",)
     Options = DilocoOptions
     # The paper's inner optimizer: under the outer Nesterov step the run's default SGD (lr 0.03, momentum
@@ -432,6 +433,7 @@ class StreamingDiloco(Strategy):
     """
 
     name = "diloco"
+    copies_the_weights = True  # the global weights
     period_options = ("inner_steps",)
     Options = DilocoOptions
     default_optimizer = Diloco.default_optimizer

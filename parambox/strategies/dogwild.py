@@ -134,6 +134,7 @@ class Dogwild(Strategy):
     """
 
     name = "dogwild"
+    copies_the_weights = True  # the master's weights
     shared_center = True
     comm_topology = "ps"  # every gradient into rank 0, the weights out of it to every worker
     Options = DogwildOptions

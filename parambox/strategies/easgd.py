@@ -280,6 +280,7 @@ class SyncElasticAveraging(Strategy):
     """
 
     name = "easgd"
+    copies_the_weights = True  # the center
     period_options = ("tau",)
     Options = EasgdOptions
     tolerates_worker_loss = False  # an allreduce needs every worker
