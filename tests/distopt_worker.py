@@ -202,8 +202,37 @@ def uneven(strategies: list[str], out: Path) -> None:
     (out / f"uneven-rank{rank}.txt").write_text(told)
 
 
+def bf16_run(strategy: str | None, out: Path | None = None) -> dict[str, torch.Tensor]:
+    """TiedNet in bfloat16 throughout (``model.to(torch.bfloat16)``, AdamW), this rank's half of each
+    global batch; ``strategy=None``: plain PyTorch on the whole batch, the reference."""
+    import parambox
+
+    model = build(TiedNet, 0).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    rank, world = 0, 1
+    if strategy is not None:
+        opt = parambox.DistributedOptimizer(model, opt, strategy)
+        rank, world = opt.rank, opt.world_size
+    for step in range(NUMERICS_STEPS):
+        x, y = global_batch(step, 2)
+        x, y = x.to(torch.bfloat16), y.to(torch.bfloat16)
+        if strategy is not None:
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    if strategy is not None:
+        opt.close()
+    state = snapshot(model)
+    if out is not None:
+        torch.save(state, out / f"bf16-{strategy}-rank{rank}.pt")
+    return state
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "uneven":
+    if sys.argv[1] == "bf16":
+        bf16_run(sys.argv[2], Path(sys.argv[3]))
+    elif sys.argv[1] == "uneven":
         uneven(sys.argv[2].split(","), Path(sys.argv[3]))
     elif sys.argv[1] == "numerics":
         numerics(sys.argv[2].split(","), Path(sys.argv[3]))

@@ -25,6 +25,7 @@ from tests.distopt_worker import (
     SYNC,
     AnyNet,
     TiedNet,
+    bf16_run,
     build,
     global_batch,
     make_sgd,
@@ -172,6 +173,38 @@ def test_weights_loaded_after_wrapping_train_or_are_refused_never_lost(strategy)
             F.mse_loss(model(torch.randn(8, 4)), torch.ones(8, 2)).backward()
             opt.step()
     assert max_diff(model.state_dict(), loaded) == 0.0
+
+
+@pytest.mark.parametrize("strategy", DATA_PARALLEL)
+def test_a_bfloat16_model_trains_or_is_refused_in_one_line(strategy):
+    """model.to(torch.bfloat16): allreduce (bf16 buckets, as DDP), ps-sync and weight-avg train it as
+    plain PyTorch does; the rules with float32 buffers or a float32 box refuse it naming the dtype.
+    Before, each of those failed inside backward or the forward pass with a torch error."""
+    if strategy_class(strategy).float32_weights:
+        with pytest.raises(
+            UserError, match=rf"^{strategy} keeps the weights in float32.*are bfloat16: .*autocast"
+        ):
+            bf16_run(strategy)
+        return
+    got = bf16_run(strategy)
+    assert all(v.dtype == torch.bfloat16 for v in got.values())
+    assert max_diff(got, bf16_run(None)) == 0.0
+
+
+def test_a_bfloat16_model_under_compressed_allreduce_is_refused():
+    model = nn.Linear(4, 2).to(torch.bfloat16)
+    with pytest.raises(UserError, match=r"^allreduce with compression=int8 keeps the weights in float32"):
+        parambox.DistributedOptimizer(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), options={"compression": "int8"}
+        )
+
+
+def test_a_bfloat16_model_under_allreduce_on_two_ranks_equals_one_process(tmp_path):
+    """A bf16 allreduce of the halves' gradients: one process on the global batch, to bf16 rounding."""
+    torchrun("tests/distopt_worker.py", "bf16", "allreduce", str(tmp_path))
+    reference = bf16_run(None)
+    for rank in range(2):
+        assert max_diff(torch.load(tmp_path / f"bf16-allreduce-rank{rank}.pt"), reference) <= 4e-3
 
 
 def _embedding_run(strategy: str, sparse: bool) -> dict[str, torch.Tensor]:

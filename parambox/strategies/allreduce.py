@@ -40,7 +40,7 @@ from pydantic import Field
 
 from parambox.runtime.elastic import PeerLost
 from parambox.runtime.survival import CAUGHT_UP
-from parambox.strategies.base import Context, StepResult, Strategy, loss_value
+from parambox.strategies.base import Context, StepResult, Strategy, check_float32, loss_value
 from parambox.strategies.exchange import CompressionOptions, LowRankOptions, SumExchange
 from parambox.strategies.grads import BackwardPasses, GradViews
 from parambox.strategies.powersgd import PowerSGD
@@ -53,12 +53,13 @@ class AllReduceOptions(CompressionOptions, LowRankOptions):
 
 
 class _Bucket:
-    """Gradients of some parameters back to back, then one "got a gradient" flag per parameter."""
+    """Gradients of some parameters back to back, then one "got a gradient" flag per parameter; in
+    the parameters' dtype (bf16 parameters: a bf16 allreduce, as DDP's)."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
         self.params = params
         numel = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(numel + len(params), device=params[0].device)
+        self.buffer = torch.zeros(numel + len(params), device=params[0].device, dtype=params[0].dtype)
         self.flags = self.buffer[numel:]
         views, offset = [], 0
         for p in params:
@@ -73,10 +74,14 @@ class _Bucket:
 
 
 def build_buckets(params: list[torch.nn.Parameter], bucket_mb: float, first_mb: float) -> list[_Bucket]:
-    """Group parameters (in the order given) into buckets of about ``bucket_mb``; the first is smaller."""
+    """Group parameters (in the order given) into buckets of about ``bucket_mb``, one dtype a bucket;
+    the first is smaller."""
     buckets, current, size = [], [], 0
     limit = first_mb * 2**20
     for p in params:
+        if current and p.dtype != current[0].dtype:
+            buckets.append(_Bucket(current))
+            current, size, limit = [], 0, bucket_mb * 2**20
         current.append(p)
         size += p.numel() * p.element_size()
         if size >= limit:
@@ -90,6 +95,7 @@ def build_buckets(params: list[torch.nn.Parameter], bucket_mb: float, first_mb: 
 class AllReduce(Strategy):
     name = "allreduce"
     Options = AllReduceOptions
+    float32_weights = False  # buckets in the parameters' dtype; a compressed exchange is float32 (checked)
     survives_in_place = True
     per_rank_state = ("compression.error",)  # the error feedback a rank owes is its own
 
@@ -105,6 +111,8 @@ class AllReduce(Strategy):
         for b in self.buckets:
             b.grads = GradViews(b.params, b.views, track=True, on_ready=self._ready_in(b))
         self.optimizer = ctx.make_optimizer(params)
+        if options.compression != "none":
+            check_float32(f"allreduce with compression={options.compression}", self.model)
         self.compressed = self._compression(options) if self.distributed else None
         self.sent_bytes = 0  # this step's compressed messages
         if self.survival.joining:

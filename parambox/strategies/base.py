@@ -118,6 +118,9 @@ class Strategy:
     # weights loaded into the model after ``DistributedOptimizer`` wrapped it would never reach that copy,
     # so they are refused at the first step.
     copies_the_weights: ClassVar[bool] = False
+    # It keeps the weights or the gradients in float32 buffers (flat buffers, the box): a model whose
+    # parameters are another dtype (model.to(torch.bfloat16)) is refused in one line when it is built.
+    float32_weights: ClassVar[bool] = True
     # The exchange in perfmodel's terms ("ring", "tree", "ps", "box"), for `parambox pick`'s scaling
     # model; None: the box for strategies that survive a lost worker, a ring allreduce for the others.
     comm_topology: ClassVar[str | None] = None
@@ -201,6 +204,8 @@ class Strategy:
 
     def __init__(self, ctx: Context, options: Options):
         self.check_workers(ctx.world.world_size, options)
+        if self.float32_weights:
+            check_float32(self.name, ctx.model)
         self.ctx = ctx
         self.world = ctx.world
         self.model = ctx.model
@@ -421,6 +426,20 @@ def averaged_buffers(model: nn.Module) -> list[torch.Tensor]:
     [torch.Size([2]), torch.Size([2])]
     """
     return [b for b in model.buffers() if b.is_floating_point() and bool(torch.isfinite(b).all())]
+
+
+def check_float32(name: str, model: nn.Module) -> None:
+    """A ``UserError`` naming the dtypes where ``model``'s parameters are not all float32."""
+    dtypes = sorted(
+        {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.dtype != torch.float32}
+    )
+    if dtypes:
+        raise UserError(
+            f"{name} keeps the weights in float32 buffers (its exchanges and the box are float32), and the "
+            f"model's parameters are {', '.join(dtypes)}: keep the model in float32 and train in lower "
+            "precision under torch.autocast (bf16: no loss scaler needed), or use ps-sync or weight-avg, "
+            "which take the parameters as they are"
+        )
 
 
 def broadcast_tensors_(tensors: list[torch.Tensor], src: int = 0, group: Any = None) -> None:

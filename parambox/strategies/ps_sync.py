@@ -29,6 +29,7 @@ from parambox.strategies.tensors import trainable
 
 class ParameterServerSync(Strategy):
     name = "ps-sync"
+    float32_weights = False  # the parameters as they are
     comm_topology = "ps"  # perfmodel's: rank 0's link carries every gradient in and every copy out (pick)
     survives_in_place = True  # the server too: the oldest survivor serves, with a fresh optimizer
 

@@ -9,6 +9,7 @@ from parambox.strategies.base import Context, Options, StepResult, Strategy, los
 
 class Single(Strategy):
     name = "single"
+    float32_weights = False  # the parameters as they are
     max_workers = 1
     # The global batch of the default run (2 workers x 32), so that the baseline sees the samples of
     # each step of a default data-parallel run (the same ones: data/base.py's sampler). At 32 it saw

@@ -30,6 +30,7 @@ class WeightAvgOptions(ExchangeOptions):
 
 class WeightAveraging(Strategy):
     name = "weight-avg"
+    float32_weights = False  # the parameters as they are
     period_options = ("period",)
     Options = WeightAvgOptions
     survives_in_place = True
