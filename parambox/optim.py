@@ -160,6 +160,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._stepped = False  # a step ran in this process (load_state_dict must come before)
         self._hook = _watch_forward(self)
         self._placed = _placement(model)  # where the strategy put the parameters: checked every step
+        self._frozen = [p for p in model.parameters() if not p.requires_grad]  # outside every exchange
         # The weights the strategy copied (a center, ...): weights loaded into the model before the
         # first step would not reach its copy, so the first step compares (a load_state_dict() of a
         # DistributedOptimizer's state restores the copy too, and clears it)
@@ -319,6 +320,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"DistributedOptimizer({self.name!r}): the model's parameters were moved, cast or replaced "
                 "after it was wrapped (model.to(), .double(), .cuda(), a new layer); the strategy would "
                 "train its own copy: do that before creating the DistributedOptimizer, as with DDP"
+            )
+        thawed = sum(p.requires_grad for p in self._frozen)
+        if thawed:
+            self.abort()
+            raise UserError(
+                f"DistributedOptimizer({self.name!r}): {thawed} parameter(s) frozen when it was created now "
+                "require grad (requires_grad_(True) after wrapping): the strategy laid out its exchange for "
+                "the parameters trainable then, and would never exchange theirs; unfreeze before wrapping, "
+                "or close() it and wrap the model again"
             )
         if self._start is not None:
             start, self._start = self._start, None

@@ -175,6 +175,40 @@ def test_weights_loaded_after_wrapping_train_or_are_refused_never_lost(strategy)
     assert max_diff(model.state_dict(), loaded) == 0.0
 
 
+def _unfreezing(strategy: str | None, rewrap: bool) -> dict[str, torch.Tensor]:
+    """The first layer frozen for 3 steps, then trained 3 more (progressive unfreezing)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = base if strategy is None else parambox.DistributedOptimizer(model, base, strategy)
+    for step in range(6):
+        if step == 3:
+            model[0].requires_grad_(True)
+            if rewrap:
+                opt.close()
+                opt = parambox.DistributedOptimizer(model, base, strategy)
+        opt.zero_grad()
+        F.mse_loss(model(torch.ones(3, 4) * step), torch.ones(3, 2)).backward()
+        opt.step()
+    if strategy is not None:
+        opt.close()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("strategy", DATA_PARALLEL)
+def test_a_parameter_unfrozen_after_wrapping_is_refused_and_a_new_wrapper_takes_it(strategy):
+    """requires_grad_(True) on a layer frozen at wrapping: the next step refuses it in one line (before,
+    allreduce never averaged its gradient: two ranks trained it apart, 0.07 off one process). Closing
+    and wrapping again, with the same torch optimizer, trains it; allreduce then equals plain PyTorch."""
+    with pytest.raises(UserError, match=r"2 parameter\(s\) frozen when it was created now require grad"):
+        _unfreezing(strategy, rewrap=False)
+    got = _unfreezing(strategy, rewrap=True)
+    assert all(torch.isfinite(v).all() for v in got.values())
+    if strategy in ("allreduce", "ps-sync", "box-sync", "weight-avg", "single"):
+        assert max_diff(got, _unfreezing(None, rewrap=False)) <= 1e-6
+
+
 @pytest.mark.parametrize("strategy", DATA_PARALLEL)
 def test_a_bfloat16_model_trains_or_is_refused_in_one_line(strategy):
     """model.to(torch.bfloat16): allreduce (bf16 buckets, as DDP), ps-sync and weight-avg train it as
