@@ -716,6 +716,12 @@ def _check_pair(model: Any, optimizer: Any) -> None:
     own = {id(p) for p in model.parameters()}
     if not own:
         raise UserError("DistributedOptimizer: the model has no parameters")
+    lazy = [name for name, p in model.named_parameters() if nn.parameter.is_lazy(p)]
+    if lazy:
+        raise UserError(
+            f"DistributedOptimizer: the model's parameters {', '.join(lazy[:3])}{' ...' if len(lazy) > 3 else ''} "
+            "are not initialised yet (a Lazy module): run one forward pass on a batch before wrapping, as with DDP"
+        )
     foreign = sum(id(p) not in own for g in optimizer.param_groups for p in g["params"])
     if foreign:
         raise UserError(

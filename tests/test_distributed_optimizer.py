@@ -380,6 +380,16 @@ def test_another_ranks_state_loads_without_its_error_feedback(strategy, key):
         again.close()
 
 
+def test_a_lazy_module_not_yet_initialised_is_refused_naming_its_parameters():
+    model = nn.Sequential(nn.LazyLinear(8), nn.Tanh(), nn.Linear(8, 2))
+    with pytest.raises(
+        UserError, match=r"parameters 0.weight, 0.bias are not initialised yet.*one forward pass"
+    ):
+        parambox.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), "allreduce")
+    model(torch.ones(1, 4))  # initialised: now it wraps
+    parambox.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), "allreduce").close()
+
+
 @pytest.mark.parametrize("nested", [False, True])
 def test_a_model_in_a_torch_data_parallel_wrapper_is_refused(nested):
     """A script moving over kept its DDP (or DataParallel) wrapper: the wrapper averaged the gradients as
