@@ -126,8 +126,10 @@ def requeue_header(args: argparse.Namespace) -> list[str]:
 
 def requeue_lines(cfg, launch: str) -> list[str]:
     """Run ``launch`` in the background (a trap runs only while the shell waits), pass SLURM's signal on
-    to it, and requeue the job when the run stopped on it (exit ``REQUEUE_EXIT``). A start after a
-    requeue resumes: ``--resume`` once the run directory holds a checkpoint."""
+    to it, and requeue the job when the run stopped on it (exit ``REQUEUE_EXIT``), or when the signal
+    killed the run's processes before they could take it (exit 128 + its number: they were starting,
+    as SLURM may signal up to a minute early, so nothing was lost beyond the last checkpoint). A start
+    after a requeue resumes: ``--resume`` once the run directory holds a checkpoint."""
     sig = REQUEUE_SIGNAL.name.removeprefix("SIG")
     if cfg.out is None:  # a directory every start of the job finds: named after the job, not the step
         out, launch = f'runs/{cfg.strategy}-"$SLURM_JOB_ID"', f'{launch} --out "$out"'
@@ -139,8 +141,8 @@ def requeue_lines(cfg, launch: str) -> list[str]:
         'if [[ -e "$out/checkpoints/last.pt" ]]; then resume=--resume; fi',
         'echo "parambox: job $SLURM_JOB_ID, start ${SLURM_RESTART_COUNT:-0}, $SLURM_NTASKS tasks${resume:+, '
         'resuming $out}"',
-        "step= signalled=",
-        f'trap \'signalled=1; echo "parambox: {sig} before the time limit: checkpointing"; '
+        "step= signalled= heard=",
+        f'trap \'signalled=1 heard=1; echo "parambox: {sig} before the time limit: checkpointing"; '
         f'[[ -z $step ]] || kill -{sig} "$step" 2>/dev/null || true\' {sig}',
         f"{launch} $resume &",
         "step=$!",
@@ -151,6 +153,10 @@ def requeue_lines(cfg, launch: str) -> list[str]:
         'while (( code > 128 )) && [[ -n $signalled ]]; do signalled= code=0; wait "$step" || code=$?; done',
         f"if (( code == {REQUEUE_EXIT} )); then",
         '  echo "parambox: checkpoint saved; requeueing job $SLURM_JOB_ID"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        f"elif [[ -n $heard ]] && (( code == {128 + REQUEUE_SIGNAL.value} )); then",
+        f'  echo "parambox: {sig} came while the run was starting, before it could take it; requeueing job '
+        '$SLURM_JOB_ID (it resumes from its last checkpoint)"',
         '  scontrol requeue "$SLURM_JOB_ID"',
         "fi",
         'exit "$code"',
