@@ -307,7 +307,12 @@ def test_a_spare_rank_under_a_users_own_mpiexec(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    ("strategy", "rank", "spares"), [("easgd", 1, 1), ("easgd", 1, 0), ("downpour", 0, 1)]
+    ("strategy", "rank", "spares"),
+    [  # the suite keeps one (~25 s each): the others run in the long tier, as CI runs both
+        pytest.param("easgd", 1, 1, marks=pytest.mark.long),
+        ("easgd", 1, 0),
+        pytest.param("downpour", 0, 1, marks=pytest.mark.long),
+    ],
 )
 def test_a_stopped_worker_is_killed_and_replaced_by_a_spare_or_lost(tmp_path, strategy, rank, spares):
     """A worker (rank 0, the leader, too) SIGSTOPs itself at step 100 of 300 and nobody wakes it
