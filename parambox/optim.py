@@ -116,6 +116,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         cls, opts = _strategy(strategy, options)
         optimizer = _one_optimizer(optimizer)
         _check_pair(model, optimizer)
+        if strategy != "allreduce" and any(
+            _shards_itself(o) for o in getattr(optimizer, "optimizers", [optimizer])
+        ):
+            raise UserError(
+                f"DistributedOptimizer({strategy!r}): a ZeroRedundancyOptimizer steps each rank's shard of the "
+                "parameters and broadcasts it, which only a rule that averages the gradients first can take "
+                f"(allreduce); give {strategy} the plain optimizer (ZeroRedundancyOptimizer's optimizer_class)"
+            )
         if steps is not None and steps < 1:
             raise UserError(f"DistributedOptimizer: steps must be at least 1, got {steps}")
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
@@ -610,6 +618,14 @@ _DATA_PARALLEL = {"DistributedDataParallel", "DataParallel", "FullyShardedDataPa
 def _exchanges_itself(module: nn.Module) -> bool:
     return any(
         c.__name__ in _DATA_PARALLEL and c.__module__.startswith("torch.") for c in type(module).__mro__
+    )
+
+
+def _shards_itself(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's ``ZeroRedundancyOptimizer``: it broadcasts each rank's shard of the parameters."""
+    return any(
+        c.__name__ == "ZeroRedundancyOptimizer" and c.__module__.startswith("torch.")
+        for c in type(optimizer).__mro__
     )
 
 

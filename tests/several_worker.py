@@ -10,7 +10,7 @@ it sets ``.grad = None``) or ``"torch"`` (no parambox: :func:`gan` in one proces
 ``two_passes``: ``D``'s real and fake losses in two backward passes (the DCGAN example), else one.
 
 ``torchrun ... tests/several_worker.py STRATEGY OUT ZERO FREEZE TWO_PASSES`` (``ZERO`` = ``muon``: the
-second loop): each rank writes ``OUT/STRATEGY-rank<r>.pt`` (the weights after ``close()``).
+second loop; ``zero``: :func:`zero_adamw`): each rank writes ``OUT/STRATEGY-rank<r>.pt`` (the weights after ``close()``).
 """
 
 from __future__ import annotations
@@ -110,9 +110,42 @@ def muon_adamw(strategy: str | None, world: int = 1) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def zero_adamw(strategy: str | None, world: int = 1) -> dict[str, torch.Tensor]:
+    """AdamW sharded by torch's ZeroRedundancyOptimizer (DDP users' memory saver) under allreduce, this
+    rank's share of each global batch (``strategy=None``: plain AdamW on the whole batch)."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    import parambox
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    rank = 0
+    if strategy is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    else:
+        dist.init_process_group("gloo")  # ZeroRedundancyOptimizer needs the group when it is made
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.01)
+        opt = parambox.DistributedOptimizer(model, zero, strategy)
+        rank, world = opt.rank, opt.world_size
+    g = torch.Generator().manual_seed(3)
+    share = slice(rank * B, (rank + 1) * B) if strategy is not None else slice(None)
+    for _ in range(STEPS):
+        x = torch.randn(world * B, 8, generator=g)[share]
+        opt.zero_grad()
+        F.mse_loss(model(x), torch.cos(x[:, :4])).backward()
+        opt.step()
+    if strategy is not None:
+        opt.close()
+        dist.destroy_process_group()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 if __name__ == "__main__":
     strategy, out, zero, freeze, two = sys.argv[1:6]
-    if zero == "muon":
+    if zero == "zero":
+        state = zero_adamw(strategy)
+    elif zero == "muon":
         state = muon_adamw(strategy)
     else:
         state = gan(strategy, zero, freeze == "1", two == "1")

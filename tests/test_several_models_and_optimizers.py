@@ -26,7 +26,7 @@ from torch import nn
 import parambox
 from parambox.errors import UserError
 from parambox.strategies import STRATEGIES, strategy_class
-from tests.several_worker import gan, muon_adamw
+from tests.several_worker import gan, muon_adamw, zero_adamw
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_PARALLEL = [
@@ -187,3 +187,32 @@ def test_muon_and_adamw_on_two_ranks_equal_one_process(tmp_path, strategy):
     reference = muon_adamw(None, world=2)
     for rank in range(2):
         assert diff(torch.load(tmp_path / f"{strategy}-rank{rank}.pt"), reference) <= 1e-5, rank
+
+
+def test_a_zero_redundancy_optimizer_under_allreduce_on_two_ranks_equals_one_process(tmp_path):
+    """torch's ZeroRedundancyOptimizer (each rank steps its shard and broadcasts it) over the gradients
+    allreduce averaged: plain AdamW on the global batch."""
+    torchrun(tmp_path, "allreduce", "zero")
+    reference = zero_adamw(None, world=2)
+    for rank in range(2):
+        assert diff(torch.load(tmp_path / f"allreduce-rank{rank}.pt"), reference) <= 1e-5, rank
+
+
+def test_a_zero_redundancy_optimizer_is_refused_by_every_other_rule(tmp_path):
+    """Under easgd it ran, and each rank's shard took that rank's own step and overwrote the others'
+    replicas: the elastic rule silently became another. One process, a group of one."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = nn.Linear(4, 2)
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+        for strategy in ("easgd", "ps-sync", "diloco"):
+            with pytest.raises(
+                UserError, match=rf"\('{strategy}'\): a ZeroRedundancyOptimizer .* \(allreduce\)"
+            ):
+                parambox.DistributedOptimizer(model, zero, strategy)
+        parambox.DistributedOptimizer(model, zero, "allreduce").close()
+    finally:
+        dist.destroy_process_group()
