@@ -116,7 +116,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         cls, opts = _strategy(strategy, options)
         optimizer = _one_optimizer(optimizer)
         _check_pair(model, optimizer)
-        if strategy != "allreduce" and any(
+        if not cls.takes_sharded_optimizer and any(
             _shards_itself(o) for o in getattr(optimizer, "optimizers", [optimizer])
         ):
             raise UserError(

@@ -96,6 +96,7 @@ class AllReduce(Strategy):
     name = "allreduce"
     Options = AllReduceOptions
     float32_weights = False  # buckets in the parameters' dtype; a compressed exchange is float32 (checked)
+    takes_sharded_optimizer = True  # ZeroRedundancyOptimizer: the averaged gradient on every rank, as DDP's
     survives_in_place = True
     per_rank_state = ("compression.error",)  # the error feedback a rank owes is its own
 

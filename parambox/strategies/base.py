@@ -121,6 +121,9 @@ class Strategy:
     # It keeps the weights or the gradients in float32 buffers (flat buffers, the box): a model whose
     # parameters are another dtype (model.to(torch.bfloat16)) is refused in one line when it is built.
     float32_weights: ClassVar[bool] = True
+    # Every rank steps the same averaged gradient, so torch's ZeroRedundancyOptimizer (each rank steps its
+    # shard and broadcasts it) may be the optimizer under DistributedOptimizer, as under DDP.
+    takes_sharded_optimizer: ClassVar[bool] = False
     # The exchange in perfmodel's terms ("ring", "tree", "ps", "box"), for `parambox pick`'s scaling
     # model; None: the box for strategies that survive a lost worker, a ring allreduce for the others.
     comm_topology: ClassVar[str | None] = None
