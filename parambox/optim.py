@@ -166,9 +166,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._warned = False
         self._detached = False  # the parameters still live in the strategy's buffers
         self._stepped = False  # a step ran in this process (load_state_dict must come before)
+        self._initialised = False  # torch.distributed.checkpoint just created the optimizer's state
         self._hook = _watch_forward(self)
         self._placed = _placement(model)  # where the strategy put the parameters: checked every step
         self._frozen = [p for p in model.parameters() if not p.requires_grad]  # outside every exchange
+        # No gradient until the first backward, as a fresh model has (the strategy's views are bound
+        # again then): torch.distributed.checkpoint creates the optimizer's state only where no
+        # parameter has a .grad, and a template without that state would load none of the checkpoint's
+        for p in model.parameters():
+            p.grad = None
         # The weights the strategy copied (a center, ...): weights loaded into the model before the
         # first step would not reach its copy, so the first step compares (a load_state_dict() of a
         # DistributedOptimizer's state restores the copy too, and clears it)
@@ -228,23 +234,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state, plus what the strategy needs to resume (EASGD's center,
-        DiLoCo's outer momentum, the step count) under ``"parambox"``. This rank's: save it with the
-        model's ``state_dict()``; load both on every rank before the first step to resume. Loaded on
-        another rank (rank 0's file on every rank), what a rank owes of its own (its error feedback)
-        starts afresh there instead of being counted twice."""
-        own = self.strategy.optimizer is self.optimizer  # its state is the "optimizer" entry already
+        """The wrapped optimizer's ``state_dict()`` in torch's layout (``state``, ``param_groups``: a
+        plain torch optimizer loads it, and ``torch.distributed.checkpoint``'s ``get_state_dict`` keys it
+        by parameter name), plus under ``"parambox"`` what the strategy needs to resume (EASGD's center,
+        DiLoCo's outer momentum, the step count). This rank's: save it with the model's ``state_dict()``;
+        load both on every rank before the first step to resume. Loaded on another rank (rank 0's file
+        on every rank), what a rank owes of its own (its error feedback) starts afresh there instead of
+        being counted twice."""
+        own = self.strategy.optimizer is self.optimizer  # its state is torch's part already
         with self._box_lost():
             state = self.strategy.state_dict()
         rule = {k: v for k, v in state.items() if not (own and k == "optimizer")}
         return {
-            "optimizer": self.optimizer.state_dict(),
+            **self.optimizer.state_dict(),
             "parambox": {"strategy": self.name, "step": self.step_count, "rank": self.rank, "rule": rule},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (every rank, before the first step), or a plain torch optimizer's
-        ``state_dict()`` (a checkpoint of a run without parambox: the optimizer's state alone)."""
+        ``state_dict()`` (a checkpoint of a run without parambox, or ``torch.distributed.checkpoint``'s
+        ``set_state_dict``: the optimizer's state alone)."""
         if not isinstance(state_dict, dict):
             raise UserError(
                 f"DistributedOptimizer.load_state_dict(): expected a dict, got {type(state_dict).__name__}"
@@ -254,15 +263,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "DistributedOptimizer.load_state_dict(): call it before the first forward pass or step"
             )
         ours = state_dict.get("parambox")
-        if ours is None:
-            self.optimizer.load_state_dict(state_dict)
-            return
-        if ours.get("strategy") != self.name:
+        if ours is not None and ours.get("strategy") != self.name:
             raise UserError(
                 f"DistributedOptimizer.load_state_dict(): the state was saved by strategy "
                 f"{ours.get('strategy')!r}, this optimizer runs {self.name!r}"
             )
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "parambox"})
+        if ours is None:
+            return
         rule = ours["rule"]
         if ours.get("rank", self.rank) != self.rank:
             # Another rank's state (DDP's habit: rank 0 saves, every rank loads): what a rank owes of
@@ -277,6 +285,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients for the next backward, in place: they may be views into the strategy's
         buffers, so they are zeroed whatever ``set_to_none`` says."""
+        if not self._begun and self._initialised:  # after torch's state initialisation: no step begins
+            self._initialised = False
+            for p in self.model.parameters():
+                p.grad = None
+            return
         if not self._begun:
             self._begin()  # begin_step zeroes them, and does what the rule does before a forward pass
             return
@@ -346,10 +359,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"DistributedOptimizer({self.name!r}): the model's weights changed between wrapping and the "
                     f"first step (model.load_state_dict() after creating it?), and {self.name} keeps a copy of "
                     "the weights it was given (its center, the master's, the global weights) that would never "
-                    "see them: load them before creating the DistributedOptimizer, as with DDP, or with "
-                    "opt.load_state_dict() of its state_dict()"
+                    "see them: load them before creating the DistributedOptimizer, as with DDP (with "
+                    "torch.distributed.checkpoint: set_model_state_dict before, set_optimizer_state_dict after), "
+                    "or with opt.load_state_dict() of its state_dict()"
                 )
-        self._begun = True
+        self._begun, self._initialised = True, False
         self._check_aligned(stepping=True)
         with self._box_lost(), self._own_call():
             self.strategy.begin_step(self.step_count)
@@ -389,6 +403,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Exchange and apply this step's gradients the strategy's way (``closure``: as torch's).
         ``loss``: the step's loss, for ``last_result.loss`` and the strategies that watch it (a closure's
         return value serves the same; without either, ``last_result.loss`` is NaN)."""
+        if closure is None and self._torch_initialises_state():
+            with self._own_call():  # no exchange, no step counted: the state is about to be loaded
+                self.optimizer.step()
+            self._initialised = True
+            return None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -434,6 +453,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.step_count += 1
         self._placed = _placement(self.model)  # (a rule may rebind them as it steps)
         return loss
+
+    def _torch_initialises_state(self) -> bool:
+        """``torch.distributed.checkpoint``'s ``get_state_dict`` and ``set_state_dict`` step an optimizer
+        with no state once, every rate 0 and every gradient a zero tensor, to create its state: that
+        step is the wrapped optimizer's alone (a real step has gradients, or state, or a rate)."""
+        if self.optimizer.state:
+            return False
+        groups = self.optimizer.param_groups
+        if any(float(g.get("lr", 0.0)) != 0.0 for g in groups):
+            return False
+        params = [p for g in groups for p in g["params"] if p.requires_grad]
+        if not (params and all(p.grad is not None and not p.grad.any() for p in params)):
+            return False
+        if not self.strategy.optimizer_on_every_rank:
+            self.abort()
+            raise UserError(
+                f"DistributedOptimizer({self.name!r}): the optimizer's state is on the server (rank 0) alone, "
+                "and torch.distributed.checkpoint's get_state_dict/set_state_dict take it as every rank's: "
+                "save rank 0's opt.state_dict() with torch.save, and load it on every rank"
+            )
+        return True
 
     def _skip_for_scaler(self) -> bool:
         """Under ``GradScaler.step(opt)``: True where a gradient is not finite on this rank (or, in a
@@ -663,8 +703,8 @@ class _Chain(torch.optim.Optimizer):
 
     >>> lin = nn.Linear(2, 2)
     >>> chain = _Chain([torch.optim.SGD([lin.weight], lr=0.1), torch.optim.Adam([lin.bias], lr=0.01)])
-    >>> [g["lr"] for g in chain.param_groups], len(chain.state_dict()["optimizers"])
-    ([0.1, 0.01], 2)
+    >>> [g["lr"] for g in chain.param_groups], [g["params"] for g in chain.state_dict()["param_groups"]]
+    ([0.1, 0.01], [[0], [1]])
     """
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]):
@@ -696,17 +736,34 @@ class _Chain(torch.optim.Optimizer):
             o.zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+        """The members' states as one optimizer's (torch's layout): the groups in order, each member's
+        parameters numbered on from the previous member's, as ``get_state_dict`` merges optimizers."""
+        state: dict[Any, Any] = {}
+        groups: list[dict[str, Any]] = []
+        offset = 0
+        for o in self.optimizers:
+            own = o.state_dict()
+            state.update({offset + k: v for k, v in own["state"].items()})
+            groups += [{**g, "params": [offset + i for i in g["params"]]} for g in own["param_groups"]]
+            offset += sum(len(g["params"]) for g in o.param_groups)
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        states = state_dict.get("optimizers") if isinstance(state_dict, dict) else None
-        if not isinstance(states, list) or len(states) != len(self.optimizers):
+        """:meth:`state_dict`'s layout split back by the members' group counts (the keys may be
+        numbers or, from ``torch.distributed.checkpoint``, parameter names)."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        counts = [len(o.param_groups) for o in self.optimizers]
+        if not isinstance(groups, list) or len(groups) != sum(counts):
             raise UserError(
                 f"DistributedOptimizer.load_state_dict(): expected the state of {len(self.optimizers)} "
-                "optimizers (a DistributedOptimizer's state_dict() over the same list)"
+                f"optimizers with {sum(counts)} param groups in all (a DistributedOptimizer's state_dict() "
+                "over the same list)"
             )
-        for o, state in zip(self.optimizers, states):
-            o.load_state_dict(state)
+        state = state_dict.get("state", {})
+        for o, n in zip(self.optimizers, counts):
+            mine, groups = groups[:n], groups[n:]
+            keys = [k for g in mine for k in g["params"]]
+            o.load_state_dict({"state": {k: state[k] for k in keys if k in state}, "param_groups": mine})
 
 
 def _check_pair(model: Any, optimizer: Any) -> None:

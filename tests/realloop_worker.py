@@ -9,7 +9,8 @@ loaded in this fresh process); every run saves that checkpoint at ``STOP`` and
 ``torch.save(model)`` mid-run. Each rank writes its final weights to ``OUT/<strategy>-rank<r>.pt``.
 A sixth argument ``horovod`` writes the loop as horovod's users do: ``backward_passes_per_step=K``
 and K plain backward passes, then ``opt.synchronize()``, the clip, ``with opt.skip_synchronize():
-opt.step()``.
+opt.step()``; ``dcp`` checkpoints through ``torch.distributed.checkpoint`` instead, as torchtitan does
+(``get_state_dict`` and ``dcp.save`` at ``STOP``; ``dcp.load`` into a fresh wrap and ``set_state_dict``).
 :func:`reference` is the same loop in one process on the global batch: what a synchronous rule gives.
 """
 
@@ -79,7 +80,9 @@ def reference(k: int, world_size: int) -> dict[str, torch.Tensor]:
     return {n: v.detach().clone() for n, v in model.state_dict().items()}
 
 
-def run(strategy: str, out: Path, k: int, start: int, stop: int, horovod: bool = False) -> None:
+def run(
+    strategy: str, out: Path, k: int, start: int, stop: int, horovod: bool = False, dcp: bool = False
+) -> None:
     import parambox
 
     rank = int(os.environ.get("RANK", "0"))
@@ -95,7 +98,16 @@ def run(strategy: str, out: Path, k: int, start: int, stop: int, horovod: bool =
         model, base, strategy, options, steps=STEPS, timeout=60, backward_passes_per_step=passes
     )
     ckpt = out / f"{run_name}-ckpt-rank{rank}.pt"
-    if start:
+    if start and dcp:
+        from torch.distributed import checkpoint
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(model, opt)  # the fresh objects' state: what to load into
+        state = {"model": model_state, "optim": optim_state}
+        checkpoint.load(state, checkpoint_id=out / f"{run_name}-dcp")
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        assert opt.step_count == 0, opt.step_count  # torch's state initialisation stepped nothing
+    elif start:
         saved = torch.load(ckpt, weights_only=True)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
@@ -123,8 +135,15 @@ def run(strategy: str, out: Path, k: int, start: int, stop: int, horovod: bool =
         opt.zero_grad(set_to_none=True)
         if step == start:
             torch.save(model, io.BytesIO())  # the user's model stays picklable mid-run
-    if stop < STEPS:
+    if stop < STEPS and dcp:
+        from torch.distributed import checkpoint
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(model, opt)
+        checkpoint.save({"model": model_state, "optim": optim_state}, checkpoint_id=out / f"{run_name}-dcp")
+    elif stop < STEPS:
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, ckpt)
+    if stop < STEPS:
         opt.abort()  # the job ends here (a time limit): no close, the next process resumes
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -136,5 +155,6 @@ def run(strategy: str, out: Path, k: int, start: int, stop: int, horovod: bool =
 
 if __name__ == "__main__":
     names, folder, k, start, stop = sys.argv[1:6]
+    horovod, dcp = "horovod" in sys.argv[6:], "dcp" in sys.argv[6:]
     for name in names.split(","):
-        run(name, Path(folder), int(k), int(start), int(stop), sys.argv[6:] == ["horovod"])
+        run(name, Path(folder), int(k), int(start), int(stop), horovod, dcp)

@@ -23,7 +23,7 @@ import parambox
 from parambox.errors import UserError
 from parambox.strategies import STRATEGIES, strategy_class
 from tests.conftest import ROOT, run_cli
-from tests.realloop_worker import build, reference
+from tests.realloop_worker import batch, build, lr_at, reference
 
 # Deterministic rules: a resumed run is its uninterrupted run bit for bit; the synchronous gradient
 # averaging ones are one process (their .grad is averaged when backward() returns: clipping sees it).
@@ -93,6 +93,22 @@ def test_synchronous_rules_on_three_ranks_with_four_micro_steps_equal_one_proces
     one_process = reference(4, 3)
     for name in SYNCHRONOUS:
         for state in finals(tmp_path, name, 3):
+            assert diff(state, one_process) <= 1e-5, name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_torch_distributed_checkpoint_resumes_the_synchronous_rules_where_they_stopped(tmp_path):
+    """torchtitan's checkpoint: ``get_state_dict(model, opt)`` and ``dcp.save`` at step 5 on 2 ranks; a
+    fresh torchrun job wraps, ``dcp.load``s and ``set_state_dict``s (torch's state initialisation steps
+    the fresh DistributedOptimizer once: it counts no step), and steps 5-9 end at the one-process run."""
+    names = ("allreduce", "box-sync")  # (ps-sync's optimizer is the server's alone: refused, tier a)
+    torchrun(2, ",".join(names), str(tmp_path), "2", "0", "5", "dcp")
+    torchrun(2, ",".join(names), str(tmp_path), "2", "5", "10", "dcp")
+    assert not list(tmp_path.glob("*-ckpt-rank*.pt"))  # nothing went through opt.state_dict() files
+    one_process = reference(2, 2)
+    for name in names:
+        for state in finals(tmp_path, name):
             assert diff(state, one_process) <= 1e-5, name
 
 
@@ -182,8 +198,93 @@ def test_state_dict_round_trip_and_misuse():
     other = parambox.DistributedOptimizer(fresh, torch.optim.AdamW(fresh.parameters(), lr=0.01), "easgd")
     with pytest.raises(UserError, match="saved by strategy 'diloco'"):
         other.load_state_dict(state)
-    other.load_state_dict(state["optimizer"])  # a plain torch optimizer's state: the optimizer's alone
+    plain = {k: v for k, v in state.items() if k != "parambox"}  # torch's layout: the optimizer's alone
+    other.load_state_dict(plain)
     other.close()
+    # and the other way: a plain torch optimizer takes a DistributedOptimizer's state (fine-tuning on
+    # one device after a parambox run), its own moments in it
+    alone = torch.optim.AdamW(nn.Linear(3, 1).parameters(), lr=0.01)
+    alone.load_state_dict(state)
+    assert alone.state_dict()["state"][0]["step"] == 3
+
+
+def _dcp_run(
+    strategy: str, steps: range, folder: Path, muon: bool
+) -> tuple[dict, parambox.DistributedOptimizer]:
+    """realloop_worker's loop in one process: a fresh wrap that loads ``folder`` (a torch.distributed
+    checkpoint: ``get_state_dict`` of the fresh objects as the template, ``dcp.load``, ``set_state_dict``)
+    if ``steps`` does not start at 0, and saves one there after its last step if it stops before 10."""
+    from torch.distributed import checkpoint
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, adamw = build()
+    vectors = [p for p in model.parameters() if p.ndim == 1]
+    muon_adamw = [torch.optim.Muon([model.enc.weight, model.mid.weight], lr=0.02), torch.optim.AdamW(vectors)]
+    optimizer = muon_adamw if muon else adamw
+    opt = parambox.DistributedOptimizer(model, optimizer, strategy)
+    try:
+        if steps.start:
+            model_state, optim_state = get_state_dict(model, opt)
+            assert all(p.grad is None for p in model.parameters())  # as torch leaves a fresh model
+            state = {"model": model_state, "optim": optim_state}
+            checkpoint.load(state, checkpoint_id=folder)
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            assert opt.step_count == 0
+        for step in steps:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            x, y = batch(step, 0, 1)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        if steps.stop < 10:
+            model_state, optim_state = get_state_dict(model, opt)
+            names = {n for n, p in model.named_parameters()}  # the tie's dec.weight is enc.weight
+            assert set(optim_state["state"]) == names, optim_state["state"].keys()
+            checkpoint.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
+    except BaseException:
+        opt.abort()
+        raise
+    opt.close()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, opt
+
+
+@pytest.mark.parametrize("muon", [False, True], ids=["adamw", "muon+adamw"])
+@pytest.mark.parametrize("strategy", ["allreduce", "box-sync"])
+def test_torch_distributed_checkpoint_resumes_a_wrapped_optimizer_where_it_stopped(tmp_path, strategy, muon):
+    """torchtitan's checkpoint in one process: ``get_state_dict(model, opt)`` keys the optimizer's state
+    by parameter name (two optimizers merged as torch merges a list), ``dcp.save`` at step 4, and a fresh
+    wrap loading it ends where the uninterrupted 10 steps end."""
+    whole, _ = _dcp_run(strategy, range(10), tmp_path / "unused", muon)
+    _dcp_run(strategy, range(4), tmp_path / "ckpt", muon)
+    resumed, _ = _dcp_run(strategy, range(4, 10), tmp_path / "ckpt", muon)
+    assert diff(resumed, whole) == 0.0
+
+
+def test_torch_distributed_checkpoint_weights_after_wrapping_and_a_server_state_are_refused(tmp_path):
+    """DiLoCo keeps global weights it copied at wrapping: a ``set_state_dict`` of the model after wrapping
+    is refused at the first step naming the order that works; ps-sync's optimizer state is the server's
+    alone (torch's checkpoint would write one rank's as every rank's): refused in one line."""
+    _dcp_run("diloco", range(4), tmp_path / "ckpt", muon=False)
+    with pytest.raises(UserError, match="set_model_state_dict before, set_optimizer_state_dict after"):
+        _dcp_run("diloco", range(4, 10), tmp_path / "ckpt", muon=False)
+    # the order it names: the model loaded before wrapping, the optimizer's state after
+    from torch.distributed import checkpoint
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    model, adamw = build()
+    state = {"model": dsd.get_model_state_dict(model)}
+    checkpoint.load(state, checkpoint_id=tmp_path / "ckpt")
+    dsd.set_model_state_dict(model, state["model"])
+    with parambox.DistributedOptimizer(model, adamw, "diloco") as opt:
+        state = {"optim": dsd.get_optimizer_state_dict(model, opt)}
+        checkpoint.load(state, checkpoint_id=tmp_path / "ckpt")
+        dsd.set_optimizer_state_dict(model, opt, state["optim"])
+        assert float(adamw.state[model.enc.weight]["step"]) == 4  # AdamW's moments of the 4 steps
+        F.mse_loss(model(batch(4, 0, 1)[0]), batch(4, 0, 1)[1]).backward()
+        opt.step()
+    with pytest.raises(UserError, match="on the server .rank 0. alone"):
+        _dcp_run("ps-sync", range(4, 10), tmp_path / "ckpt", muon=False)
 
 
 class MaskedNet(nn.Module):

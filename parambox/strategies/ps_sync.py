@@ -32,6 +32,7 @@ class ParameterServerSync(Strategy):
     float32_weights = False  # the parameters as they are
     comm_topology = "ps"  # perfmodel's: rank 0's link carries every gradient in and every copy out (pick)
     survives_in_place = True  # the server too: the oldest survivor serves, with a fresh optimizer
+    optimizer_on_every_rank = False  # the server's alone
 
     def __init__(self, ctx: Context, options: Options):
         super().__init__(ctx, options)
