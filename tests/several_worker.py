@@ -79,35 +79,46 @@ def gan(
     }
 
 
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _fit(model: nn.Module, opts: list, share: slice, world: int, seed: int, target, scheds=()) -> nn.Module:
+    """``STEPS`` steps regressing ``target`` of the inputs on this rank's ``share`` of each global batch
+    of ``world * B``, stepping each of ``opts`` (then each of ``scheds``)."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(STEPS):
+        x = torch.randn(world * B, 8, generator=g)[share]
+        for o in opts:
+            o.zero_grad()
+        F.mse_loss(model(x), target(x[:, :4])).backward()
+        for o in opts:
+            o.step()
+        for sched in scheds:
+            sched.step()
+    return model
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def muon_adamw(strategy: str | None, world: int = 1) -> dict[str, torch.Tensor]:
     """Muon on the matrices, AdamW on the biases, a StepLR on each; this rank's share of each global
     batch (``strategy=None``: plain PyTorch on the whole batch of ``world`` ranks)."""
     import parambox
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    model = _net()
     matrices = [p for p in model.parameters() if p.ndim == 2]
     others = [p for p in model.parameters() if p.ndim != 2]
     opts = [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(others, lr=0.01)]
     scheds = [torch.optim.lr_scheduler.StepLR(o, 2, 0.5) for o in opts]
-    opt, rank = None, 0
-    if strategy is not None:
-        opt = parambox.DistributedOptimizer(model, opts, strategy)
-        rank, world = opt.rank, opt.world_size
-    g = torch.Generator().manual_seed(2)
-    share = slice(rank * B, (rank + 1) * B) if opt is not None else slice(None)
-    for _ in range(STEPS):
-        x = torch.randn(world * B, 8, generator=g)[share]
-        for o in [opt] if opt is not None else opts:
-            o.zero_grad()
-        F.mse_loss(model(x), torch.sin(x[:, :4])).backward()
-        for o in [opt] if opt is not None else opts:
-            o.step()
-        for sched in scheds:
-            sched.step()
-    if opt is not None:
-        opt.close()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if strategy is None:
+        return _weights(_fit(model, opts, slice(None), world, 2, torch.sin, scheds))
+    with parambox.DistributedOptimizer(model, opts, strategy) as opt:
+        _fit(model, [opt], slice(opt.rank * B, (opt.rank + 1) * B), opt.world_size, 2, torch.sin, scheds)
+    return _weights(model)  # after close(): the model every rank ends with
 
 
 def zero_adamw(strategy: str | None, world: int = 1) -> dict[str, torch.Tensor]:
@@ -118,27 +129,16 @@ def zero_adamw(strategy: str | None, world: int = 1) -> dict[str, torch.Tensor]:
 
     import parambox
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    rank = 0
+    model = _net()
     if strategy is None:
-        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    else:
-        dist.init_process_group("gloo")  # ZeroRedundancyOptimizer needs the group when it is made
-        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.01)
-        opt = parambox.DistributedOptimizer(model, zero, strategy)
-        rank, world = opt.rank, opt.world_size
-    g = torch.Generator().manual_seed(3)
-    share = slice(rank * B, (rank + 1) * B) if strategy is not None else slice(None)
-    for _ in range(STEPS):
-        x = torch.randn(world * B, 8, generator=g)[share]
-        opt.zero_grad()
-        F.mse_loss(model(x), torch.cos(x[:, :4])).backward()
-        opt.step()
-    if strategy is not None:
-        opt.close()
-        dist.destroy_process_group()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+        adamw = torch.optim.AdamW(model.parameters(), lr=0.01)
+        return _weights(_fit(model, [adamw], slice(None), world, 3, torch.cos))
+    dist.init_process_group("gloo")  # ZeroRedundancyOptimizer needs the group when it is made
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.01)
+    with parambox.DistributedOptimizer(model, zero, strategy) as opt:
+        _fit(model, [opt], slice(opt.rank * B, (opt.rank + 1) * B), opt.world_size, 3, torch.cos)
+    dist.destroy_process_group()
+    return _weights(model)
 
 
 if __name__ == "__main__":
