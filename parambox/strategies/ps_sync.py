@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from parambox.errors import UserError
 from parambox.runtime.survival import CAUGHT_UP
 from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
 from parambox.strategies.grads import BackwardPasses
@@ -50,6 +49,7 @@ class ParameterServerSync(Strategy):
         # so a clip between backward and step clips what the server applies, as in one process.
         self.passes = BackwardPasses(self, self.params, self._pass_end)
         self.grad: torch.Tensor | None = None  # this rank's gradients and flags, kept for a repeat
+        self.served: torch.Tensor | None = None  # the server's last mean, as its .grad was given it
 
     def begin_step(self, step: int) -> None:
         for p in self.params:
@@ -69,14 +69,19 @@ class ParameterServerSync(Strategy):
         )
 
     def _pass_end(self, syncs: bool) -> None:
-        if syncs and self.passes.synced:
-            raise UserError(
-                f"{self.name}: a second backward after one that communicated in the same step; put the "
-                "micro-steps before the last inside opt.no_sync()"
-            )
-        if syncs:
-            self.grad = self._local_grad()
-            self._gather(self.grad)
+        if not syncs:
+            return
+        local = self._local_grad()
+        if self.passes.synced:
+            # Another communicating pass of the step (the DCGAN example's real and fake passes, as DDP
+            # takes them): this rank's gradient is what it sent plus what accumulated since, and the
+            # server's .grad holds the mean it was given, not its own; the mean is gathered afresh.
+            n = self.flat.numel()
+            if self.leads:
+                local[:n] += self.grad[:n] - self.served
+            local[n:] = torch.maximum(local[n:], self.grad[n:])
+        self.grad = local
+        self._gather(self.grad)
 
     def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
         if self.passes.synced:  # gathered at the end of backward: a peer lost then is answered here
@@ -114,6 +119,7 @@ class ParameterServerSync(Strategy):
         if server and not self.stepped:  # a repeat after a failed broadcast does not step twice
             with self.timers.phase("average"):
                 mean = torch.stack(inbox).mean(dim=0)
+                self.served = mean[: self.flat.numel()].clone()  # (.grad accumulates into its views)
                 offset, got = 0, mean[self.flat.numel() :].tolist()
                 for p, anyone in zip(self.params, got):  # no rank computed it: as in one process
                     p.grad = mean[offset : offset + p.numel()].view_as(p) if anyone else None
