@@ -98,17 +98,21 @@ def test_synchronous_rules_on_three_ranks_with_four_micro_steps_equal_one_proces
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_torch_distributed_checkpoint_resumes_the_synchronous_rules_where_they_stopped(tmp_path):
+@pytest.mark.parametrize("resumed_on", [2, 3])
+def test_a_torch_distributed_checkpoint_resumes_the_synchronous_rules_where_they_stopped(
+    tmp_path, resumed_on
+):
     """torchtitan's checkpoint: ``get_state_dict(model, opt)`` and ``dcp.save`` at step 5 on 2 ranks; a
-    fresh torchrun job wraps, ``dcp.load``s and ``set_state_dict``s (torch's state initialisation steps
-    the fresh DistributedOptimizer once: it counts no step), and steps 5-9 end at the one-process run."""
+    fresh torchrun job (on 2 ranks, or on 3 as an elastic job that grew) wraps, ``dcp.load``s and
+    ``set_state_dict``s (torch's state initialisation steps the fresh DistributedOptimizer once: it
+    counts no step), and steps 5-9 end at the one-process run on each step's global batch."""
     names = ("allreduce", "box-sync")  # (ps-sync's optimizer is the server's alone: refused, tier a)
     torchrun(2, ",".join(names), str(tmp_path), "2", "0", "5", "dcp")
-    torchrun(2, ",".join(names), str(tmp_path), "2", "5", "10", "dcp")
+    torchrun(resumed_on, ",".join(names), str(tmp_path), "2", "5", "10", "dcp")
     assert not list(tmp_path.glob("*-ckpt-rank*.pt"))  # nothing went through opt.state_dict() files
-    one_process = reference(2, 2)
+    one_process = reference(2, 2, resized=(5, resumed_on))
     for name in names:
-        for state in finals(tmp_path, name):
+        for state in finals(tmp_path, name, resumed_on):
             assert diff(state, one_process) <= 1e-5, name
 
 
