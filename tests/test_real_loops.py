@@ -98,7 +98,7 @@ def test_synchronous_rules_on_three_ranks_with_four_micro_steps_equal_one_proces
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("resumed_on", [2, 3])
+@pytest.mark.parametrize("resumed_on", [pytest.param(2, marks=pytest.mark.long), 3])
 def test_a_torch_distributed_checkpoint_resumes_the_synchronous_rules_where_they_stopped(
     tmp_path, resumed_on
 ):

@@ -264,7 +264,7 @@ def test_spare_ranks_are_refused_where_no_spare_can_take_a_place():
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["easgd", "downpour"])
+@pytest.mark.parametrize("strategy", ["easgd", pytest.param("downpour", marks=pytest.mark.long)])
 def test_a_spare_rank_takes_the_place_of_a_killed_worker(tmp_path, strategy):
     """``--workers 2 --box rma --set box.spare_ranks=1``: ranks 0-1 train, rank 2 waits, rank 3 holds
     the box. Rank 1 SIGKILLed at step 100 of 300: the spare becomes worker 1, pulls the center, does
