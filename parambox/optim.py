@@ -269,6 +269,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"{ours.get('strategy')!r}, this optimizer runs {self.name!r}"
             )
         self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "parambox"})
+        if not self._holds_optimizer_state():  # never stepped here: no stale copy for a checkpoint to take
+            for o in getattr(self.optimizer, "optimizers", [self.optimizer]):
+                o.state.clear()
         if ours is None:
             return
         rule = ours["rule"]
@@ -404,8 +407,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``loss``: the step's loss, for ``last_result.loss`` and the strategies that watch it (a closure's
         return value serves the same; without either, ``last_result.loss`` is NaN)."""
         if closure is None and self._torch_initialises_state():
-            with self._own_call():  # no exchange, no step counted: the state is about to be loaded
-                self.optimizer.step()
+            if not self._stepped or self._holds_optimizer_state():
+                with self._own_call():  # no exchange, no step counted: the state is about to be loaded
+                    self.optimizer.step()
             self._initialised = True
             return None
         if closure is not None:
@@ -457,23 +461,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _torch_initialises_state(self) -> bool:
         """``torch.distributed.checkpoint``'s ``get_state_dict`` and ``set_state_dict`` step an optimizer
         with no state once, every rate 0 and every gradient a zero tensor, to create its state: that
-        step is the wrapped optimizer's alone (a real step has gradients, or state, or a rate)."""
+        step is the wrapped optimizer's alone (a real step has gradients, or state, or a rate). On a
+        rank whose optimizer the rule never steps (ps-sync's workers), it creates state only in a fresh
+        wrap, where it is the template a checkpoint loads into; later the rank offers no state, so the
+        checkpoint's one copy of each tensor is the server's."""
         if self.optimizer.state:
             return False
         groups = self.optimizer.param_groups
         if any(float(g.get("lr", 0.0)) != 0.0 for g in groups):
             return False
         params = [p for g in groups for p in g["params"] if p.requires_grad]
-        if not (params and all(p.grad is not None and not p.grad.any() for p in params)):
-            return False
-        if not self.strategy.optimizer_on_every_rank:
-            self.abort()
-            raise UserError(
-                f"DistributedOptimizer({self.name!r}): the optimizer's state is on the server (rank 0) alone, "
-                "and torch.distributed.checkpoint's get_state_dict/set_state_dict take it as every rank's: "
-                "save rank 0's opt.state_dict() with torch.save, and load it on every rank"
-            )
-        return True
+        return bool(params) and all(p.grad is not None and not p.grad.any() for p in params)
+
+    def _holds_optimizer_state(self) -> bool:
+        """The rule steps this rank's optimizer (every rank's, or here the server's)."""
+        return self.strategy.optimizer_on_every_rank or self.strategy.leads
 
     def _skip_for_scaler(self) -> bool:
         """Under ``GradScaler.step(opt)``: True where a gradient is not finite on this rank (or, in a

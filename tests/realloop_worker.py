@@ -65,16 +65,16 @@ def build() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
 
 
-def reference(k: int, world_size: int, resized: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+def reference(k: int, world_size: int, resized: dict[int, int] | None = None) -> dict[str, torch.Tensor]:
     """One process, the global batch, the same loop: accumulation, clipping, AdamW, schedule.
-    ``resized = (step, n)``: from that step on, the global batch of ``n`` ranks (a job resumed at n)."""
+    ``resized = {step: n, ...}``: from that step on, the global batch of ``n`` ranks (a job resumed at n)."""
     model, opt = build()
     for step in range(STEPS):
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        ws = resized[1] if resized is not None and step >= resized[0] else world_size
+        world_size = (resized or {}).get(step, world_size)
         for micro in range(k):
-            x, y = batch(step, micro, ws)
+            x, y = batch(step, micro, world_size)
             (F.mse_loss(model(x), y) / k).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()

@@ -125,8 +125,9 @@ class Strategy:
     # shard and broadcasts it) may be the optimizer under DistributedOptimizer, as under DDP.
     takes_sharded_optimizer: ClassVar[bool] = False
     # Every rank's optimizer holds the optimizer's state (the same on every rank where the rule is
-    # synchronous). False where one rank alone steps it (ps-sync's server): torch.distributed.checkpoint,
-    # which writes a tensor that every rank holds once, from any of them, is refused there.
+    # synchronous). False where the leading rank alone steps it (ps-sync's server): the others then hold
+    # none, so that torch.distributed.checkpoint, which writes one copy of a tensor every rank offers,
+    # writes the server's.
     optimizer_on_every_rank: ClassVar[bool] = True
     # The exchange in perfmodel's terms ("ring", "tree", "ps", "box"), for `parambox pick`'s scaling
     # model; None: the box for strategies that survive a lost worker, a ring allreduce for the others.
