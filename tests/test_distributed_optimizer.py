@@ -756,7 +756,7 @@ print(json.dumps({"rank": opt.rank, "trains": opt.trains, "accuracy": accuracy, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("skip", [pytest.param(False, marks=pytest.mark.long), True])
 def test_rma_box_memory_rank_in_a_users_loop_says_so_and_serves(tmp_path, skip):
     """``mpiexec -n 3`` on the rma box: rank 2 holds EASGD's center and trains nothing. Where its loop
     runs, its first step says so once, naming ``opt.trains`` and ``memory_ranks=0`` (before: "easgd has
