@@ -410,7 +410,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if not self._stepped or self._holds_optimizer_state():
                 with self._own_call():  # no exchange, no step counted: the state is about to be loaded
                     self.optimizer.step()
-            self._initialised = True
+            self._initialised = not self._begun  # (torch's zero_grad next must not begin a step)
             return None
         if closure is not None:
             with torch.enable_grad():

@@ -266,6 +266,32 @@ def test_torch_distributed_checkpoint_resumes_a_wrapped_optimizer_where_it_stopp
     assert diff(resumed, whole) == 0.0
 
 
+@pytest.mark.parametrize("strategy", [*SYNCHRONOUS, "diloco", "easgd"])
+def test_get_state_dict_every_step_changes_nothing_in_the_run(strategy):
+    """A checkpointer calling ``get_state_dict(model, opt)`` every step, with a stateless SGD (so torch
+    steps the optimizer at rate 0 to create its state whenever the gradients are unset): the run ends
+    where the run without it ends, and counts the same steps."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    def run(look: bool) -> tuple[dict, int]:
+        model = build()[0]
+        opt = parambox.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.05), strategy)
+        with opt:
+            for step in range(6):
+                opt.zero_grad()
+                if look:
+                    get_state_dict(model, opt)
+                x, y = batch(step, 0, 1)
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                if look:
+                    get_state_dict(model, opt)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, opt.step_count
+
+    (looked, steps), (plain, _) = run(True), run(False)
+    assert diff(looked, plain) == 0.0 and steps == 6
+
+
 def test_torch_distributed_checkpoint_of_weights_loaded_after_wrapping_is_refused_naming_the_order(tmp_path):
     """DiLoCo keeps global weights it copied at wrapping: a ``set_state_dict`` of the model after wrapping
     is refused at the first step naming the order that works, and that order works."""
