@@ -407,7 +407,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``loss``: the step's loss, for ``last_result.loss`` and the strategies that watch it (a closure's
         return value serves the same; without either, ``last_result.loss`` is NaN)."""
         if closure is None and self._torch_initialises_state():
-            if not self._stepped or self._holds_optimizer_state():
+            template = not self._stepped and not self.strategy.optimizer_on_every_rank  # the server saves it
+            if self._holds_optimizer_state() or template:
                 with self._own_call():  # no exchange, no step counted: the state is about to be loaded
                     self.optimizer.step()
             self._initialised = not self._begun  # (torch's zero_grad next must not begin a step)
@@ -461,10 +462,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _torch_initialises_state(self) -> bool:
         """``torch.distributed.checkpoint``'s ``get_state_dict`` and ``set_state_dict`` step an optimizer
         with no state once, every rate 0 and every gradient a zero tensor, to create its state: that
-        step is the wrapped optimizer's alone (a real step has gradients, or state, or a rate). On a
-        rank whose optimizer the rule never steps (ps-sync's workers), it creates state only in a fresh
-        wrap, where it is the template a checkpoint loads into; later the rank offers no state, so the
-        checkpoint's one copy of each tensor is the server's."""
+        step is the wrapped optimizer's alone (a real step has gradients, or state, or a rate). Where
+        the rule never steps that optimizer (eamsgd's own Nesterov step, dogwild's master copy, ps-sync's
+        workers) it creates no state, so the checkpoint's one copy of each tensor is the server's, or
+        there is none; except on ps-sync's workers in a fresh wrap: the template, which asks for the
+        state its server wrote."""
         if self.optimizer.state:
             return False
         groups = self.optimizer.param_groups
@@ -474,8 +476,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return bool(params) and all(p.grad is not None and not p.grad.any() for p in params)
 
     def _holds_optimizer_state(self) -> bool:
-        """The rule steps this rank's optimizer (every rank's, or here the server's)."""
-        return self.strategy.optimizer_on_every_rank or self.strategy.leads
+        """The rule steps the wrapped optimizer on this rank (its state is the run's)."""
+        return self.strategy.optimizer is self.optimizer
 
     def _skip_for_scaler(self) -> bool:
         """Under ``GradScaler.step(opt)``: True where a gradient is not finite on this rank (or, in a

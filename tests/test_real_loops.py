@@ -118,6 +118,30 @@ def test_a_torch_distributed_checkpoint_resumes_the_synchronous_rules_where_they
 
 
 @pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(400)
+def test_every_rule_takes_a_torch_distributed_checkpoint_in_the_order_that_keeps_its_copy(tmp_path):
+    """tests/dcp_worker.py on 2 ranks, every data-parallel rule: the model loaded before wrapping, the
+    optimizer's state after; the run goes on (no refusal, no hang) and every rank ends with one finite,
+    trained model."""
+    rules = [n for n in ONE_PROCESS if strategy_class(n).max_workers != 1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    with tempfile.TemporaryDirectory(prefix="pb-torchrun-") as logs:
+        cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--log-dir", logs]
+        cmd += ["--nproc-per-node", "2", "tests/dcp_worker.py", ",".join(rules), str(tmp_path)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=380, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    from tests.dcp_worker import build
+
+    init = build()[0].state_dict()
+    for name in rules:
+        a, b = finals(tmp_path, name)
+        assert diff(a, b) == 0.0, name
+        assert all(torch.isfinite(v).all() for v in a.values()), name
+        assert diff(a, init) > 1e-3, name
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_horovod_style_loop_on_three_ranks_equals_one_process(tmp_path):
     """horovod's idiom: backward_passes_per_step=4 and four plain backward passes, opt.synchronize(),
@@ -266,7 +290,7 @@ def test_torch_distributed_checkpoint_resumes_a_wrapped_optimizer_where_it_stopp
     assert diff(resumed, whole) == 0.0
 
 
-@pytest.mark.parametrize("strategy", [*SYNCHRONOUS, "diloco", "easgd"])
+@pytest.mark.parametrize("strategy", [*SYNCHRONOUS, "diloco", "easgd", "eamsgd", "dogwild"])
 def test_get_state_dict_every_step_changes_nothing_in_the_run(strategy):
     """A checkpointer calling ``get_state_dict(model, opt)`` every step, with a stateless SGD (so torch
     steps the optimizer at rate 0 to create its state whenever the gradients are unset): the run ends

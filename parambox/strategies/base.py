@@ -124,10 +124,9 @@ class Strategy:
     # Every rank steps the same averaged gradient, so torch's ZeroRedundancyOptimizer (each rank steps its
     # shard and broadcasts it) may be the optimizer under DistributedOptimizer, as under DDP.
     takes_sharded_optimizer: ClassVar[bool] = False
-    # Every rank's optimizer holds the optimizer's state (the same on every rank where the rule is
-    # synchronous). False where the leading rank alone steps it (ps-sync's server): the others then hold
-    # none, so that torch.distributed.checkpoint, which writes one copy of a tensor every rank offers,
-    # writes the server's.
+    # The rule steps the user's optimizer on every rank (where it steps it at all: eamsgd and dogwild
+    # step their own). False where the leading rank alone does (ps-sync's server): a fresh wrap's
+    # template for torch.distributed.checkpoint then asks every rank for the state the server wrote.
     optimizer_on_every_rank: ClassVar[bool] = True
     # The exchange in perfmodel's terms ("ring", "tree", "ps", "box"), for `parambox pick`'s scaling
     # model; None: the box for strategies that survive a lost worker, a ring allreduce for the others.
