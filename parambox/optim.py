@@ -88,13 +88,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     ``optimizer`` may be a list of torch optimizers over disjoint parameters of the model (Muon for
     the weight matrices and AdamW for the rest): the strategy steps them as one, ``param_groups`` are
-    theirs in order, ``state_dict()`` holds each one's state, and a scheduler on each works.
+    theirs in order, ``state_dict()`` holds their state as one optimizer's, and a scheduler on each
+    works. ``state_dict()`` is torch's layout plus the strategy's part under ``"parambox"``;
+    ``torch.distributed.checkpoint``'s ``get_state_dict`` and ``set_state_dict`` take it too.
 
     Gradient clipping between ``backward()`` and ``step()`` sees the averaged gradient under the
-    synchronous gradient-averaging rule (``allreduce``, as with DDP) and the local gradient under
-    the local-step rules (``easgd``, ``downpour``, ``diloco``'s inner steps, ...), as their papers
-    clip. ``ps-sync`` and ``box-sync`` average inside ``step()``: there it is the local gradient too. Accumulate with ``with opt.no_sync():`` around the micro-steps before the last (DDP's
-    name) or ``backward_passes_per_step=K`` (horovod's).
+    synchronous gradient-averaging rules (``allreduce``, ``box-sync``, and ``ps-sync`` on its server),
+    as with DDP, and the local gradient under the local-step rules (``easgd``, ``downpour``,
+    ``diloco``'s inner steps, ...), as their papers clip. Accumulate with ``with opt.no_sync():``
+    around the micro-steps before the last (DDP's name) or ``backward_passes_per_step=K`` (horovod's).
     """
 
     # torch.amp.GradScaler hands the scale and the inf flag to step(): every rank of a synchronous

@@ -9,6 +9,10 @@ parameter no rank computed a gradient for in a step has ``.grad = None`` on the 
 optimizer leaves it alone, as in one process. Frozen parameters are not exchanged. Buffers
 (batch-norm statistics) are rank 0's, broadcast before each forward pass, as DDP does.
 
+The gather runs at the end of each backward pass outside ``no_sync``. A second such pass in a step
+(PyTorch's DCGAN example: the real and the fake loss) gathers again, as DDP averages again: each rank
+sends everything it accumulated in the step, so the server's ``.grad`` is the mean of the sums.
+
 In a run that survives in place the server is the group's leader: when rank 0 dies the oldest
 survivor serves, from the weights of the last broadcast, with an optimizer of its own whose state
 (momentum) starts over.
