@@ -118,9 +118,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         cls, opts = _strategy(strategy, options)
         optimizer = _one_optimizer(optimizer)
         _check_pair(model, optimizer)
-        if not cls.takes_sharded_optimizer and any(
-            _shards_itself(o) for o in getattr(optimizer, "optimizers", [optimizer])
-        ):
+        if not cls.takes_sharded_optimizer and any(_shards_itself(o) for o in _members(optimizer)):
             raise UserError(
                 f"DistributedOptimizer({strategy!r}): a ZeroRedundancyOptimizer steps each rank's shard of the "
                 "parameters and broadcasts it, which only a rule that averages the gradients first can take "
@@ -185,9 +183,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # strategy's own calls run inside this object's methods, or on threads of its own)
         self._inside, self._thread, self._base_steps = 0, threading.get_ident(), 0
         direct = functools.partial(_direct_step, weakref.ref(self))
-        self._guards = [
-            o.register_step_pre_hook(direct) for o in getattr(optimizer, "optimizers", [optimizer])
-        ]
+        self._guards = [o.register_step_pre_hook(direct) for o in _members(optimizer)]
         # Synchronous rules pair every rank's collectives step by step: a rank that stops early would
         # have its close() matched against another's gradient exchange (a silently wrong model). Each
         # step opens with a one-element allreduce of "still stepping" (close() sends 0), so uneven step
@@ -272,7 +268,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "parambox"})
         if not self._holds_optimizer_state():  # never stepped here: no stale copy for a checkpoint to take
-            for o in getattr(self.optimizer, "optimizers", [self.optimizer]):
+            for o in _members(self.optimizer):
                 o.state.clear()
         if ours is None:
             return
@@ -469,10 +465,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         workers) it creates no state, so the checkpoint's one copy of each tensor is the server's, or
         there is none; except on ps-sync's workers in a fresh wrap: the template, which asks for the
         state its server wrote."""
-        if self.optimizer.state:
-            return False
-        groups = self.optimizer.param_groups
-        if any(float(g.get("lr", 0.0)) != 0.0 for g in groups):
+        groups = self.optimizer.param_groups  # (the rates first: a real step's rate is not 0)
+        if any(float(g.get("lr", 0.0)) != 0.0 for g in groups) or self.optimizer.state:
             return False
         params = [p for g in groups for p in g["params"] if p.requires_grad]
         return bool(params) and all(p.grad is not None and not p.grad.any() for p in params)
@@ -770,6 +764,11 @@ class _Chain(torch.optim.Optimizer):
             mine, groups = groups[:n], groups[n:]
             keys = [k for g in mine for k in g["params"]]
             o.load_state_dict({"state": {k: state[k] for k in keys if k in state}, "param_groups": mine})
+
+
+def _members(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers a ``_Chain`` holds, or ``optimizer`` itself."""
+    return optimizer.optimizers if isinstance(optimizer, _Chain) else [optimizer]
 
 
 def _check_pair(model: Any, optimizer: Any) -> None:
