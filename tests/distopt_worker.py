@@ -8,7 +8,8 @@ its final state to ``OUT/<strategy>-rank<r>.pt``.
 ``python tests/distopt_worker.py uneven STRATEGY OUT``: rank 1 runs two steps more than rank 0.
 
 ``python tests/distopt_worker.py anymodel STRATEGIES OUT``: the script initialises torch.distributed
-itself and runs every strategy in turn on :class:`AnyNet` (BatchNorm, a tied weight, a frozen layer,
+itself (its store holding the keys a dead life of the job left: torchrun's agents keep their store
+across restarts) and runs every strategy in turn on :class:`AnyNet` (BatchNorm, a tied weight, a frozen layer,
 a branch used every third step), saving ``OUT/<strategy>-rank<r>.pt`` and ``OUT/init.pt``.
 """
 
@@ -157,6 +158,14 @@ def anymodel(strategies: list[str], out: Path) -> None:
 
     dist.init_process_group("gloo")  # the user's own group: DistributedOptimizer must leave it alone
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    if rank == 0:  # what a dead life left in the store torchrun's agents keep across restarts
+        from parambox.box.shm import new_prefix
+
+        store = dist.distributed_c10d._get_default_store()
+        store.set("parambox/shm_prefix/node0", new_prefix())
+        for board in range(2 * len(strategies)):
+            store.set(f"parambox/board/{board}", "127.0.0.1:1")
+    dist.barrier()
     for run in strategies:  # "easgd+sync": easgd with sync=true
         strategy, _, form = run.partition("+")
         options = {"tau": 2} if strategy in ("easgd", "eamsgd", "hybrid") else {}

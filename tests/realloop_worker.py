@@ -10,7 +10,9 @@ loaded in this fresh process); every run saves that checkpoint at ``STOP`` and
 A sixth argument ``horovod`` writes the loop as horovod's users do: ``backward_passes_per_step=K``
 and K plain backward passes, then ``opt.synchronize()``, the clip, ``with opt.skip_synchronize():
 opt.step()``; ``dcp`` checkpoints through ``torch.distributed.checkpoint`` instead, as torchtitan does
-(``get_state_dict`` and ``dcp.save`` at ``STOP``; ``dcp.load`` into a fresh wrap and ``set_state_dict``).
+(``get_state_dict`` and ``dcp.save`` at ``STOP``; ``dcp.load`` into a fresh wrap and ``set_state_dict``);
+``restart`` is a job under ``torchrun --max-restarts``: it checkpoints every 2 steps, rank 1 SIGKILLs itself
+at step 5 in the first life, and each life resumes from the last checkpoint there is.
 :func:`reference` is the same loop in one process on the global batch: what a synchronous rule gives.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -83,7 +86,14 @@ def reference(k: int, world_size: int, resized: dict[int, int] | None = None) ->
 
 
 def run(
-    strategy: str, out: Path, k: int, start: int, stop: int, horovod: bool = False, dcp: bool = False
+    strategy: str,
+    out: Path,
+    k: int,
+    start: int,
+    stop: int,
+    horovod: bool = False,
+    dcp: bool = False,
+    restart: bool = False,
 ) -> None:
     import parambox
 
@@ -100,6 +110,9 @@ def run(
         model, base, strategy, options, steps=STEPS, timeout=60, backward_passes_per_step=passes
     )
     ckpt = out / f"{run_name}-ckpt-rank{rank}.pt"
+    first_life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    if restart and ckpt.exists():  # torchrun restarted the job: from the last checkpoint
+        start = int(torch.load(ckpt, weights_only=True)["step"])
     if start and dcp:
         from torch.distributed import checkpoint
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -116,6 +129,8 @@ def run(
         assert opt.step_count == start, (opt.step_count, start)
     ws, r = opt.world_size, opt.rank
     for step in range(start, stop):
+        if restart and first_life and rank == 1 and step == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         for micro in range(k):
@@ -137,6 +152,10 @@ def run(
         opt.zero_grad(set_to_none=True)
         if step == start:
             torch.save(model, io.BytesIO())  # the user's model stays picklable mid-run
+        if restart and step % 2 == 1:
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step + 1}
+            torch.save(state, ckpt.with_suffix(".tmp"))
+            os.replace(ckpt.with_suffix(".tmp"), ckpt)  # (a death while writing keeps the last one)
     if stop < STEPS and dcp:
         from torch.distributed import checkpoint
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -157,6 +176,6 @@ def run(
 
 if __name__ == "__main__":
     names, folder, k, start, stop = sys.argv[1:6]
-    horovod, dcp = "horovod" in sys.argv[6:], "dcp" in sys.argv[6:]
+    horovod, dcp, restart = ("horovod" in sys.argv[6:]), ("dcp" in sys.argv[6:]), ("restart" in sys.argv[6:])
     for name in names.split(","):
-        run(name, Path(folder), int(k), int(start), int(stop), horovod, dcp)
+        run(name, Path(folder), int(k), int(start), int(stop), horovod, dcp, restart)

@@ -22,6 +22,7 @@ import pytest
 
 from parambox.errors import UserError
 from parambox.run import elastic
+from parambox.runtime.dist import check_store
 from parambox.runtime.spawn import free_port
 from parambox.training import checkpoint
 from tests.conftest import ROOT, summary
@@ -71,9 +72,9 @@ def test_the_default_run_id_is_a_restart_only_by_its_count(tmp_path):
 def test_a_restart_over_the_agents_shared_store_is_refused_in_one_line():
     """Its keys from the last life sent the rendezvous to the dead workers' addresses (a 30 s timeout)."""
     with pytest.raises(UserError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
-        elastic.check_store(2, {"TORCHELASTIC_USE_AGENT_STORE": "True"})
-    elastic.check_store(1, {"TORCHELASTIC_USE_AGENT_STORE": "True"})  # one worker meets nobody
-    elastic.check_store(2, {"TORCHELASTIC_USE_AGENT_STORE": "False"})
+        check_store(2, {"TORCHELASTIC_USE_AGENT_STORE": "True"})
+    check_store(1, {"TORCHELASTIC_USE_AGENT_STORE": "True"})  # one worker meets nobody
+    check_store(2, {"TORCHELASTIC_USE_AGENT_STORE": "False"})
 
 
 def _prepare(out, monkeypatch, **env):

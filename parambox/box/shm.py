@@ -287,7 +287,10 @@ def _exchange_prefix(world: World, timeout: float) -> str:
         )
     from torch.distributed.distributed_c10d import _get_default_store
 
-    store, key = _get_default_store(), f"parambox/shm_prefix/node{world.node_rank}"
+    from parambox.runtime.dist import life_token
+
+    key = f"parambox/shm_prefix/{life_token()}/node{world.node_rank}"  # (not a dead life's key)
+    store = _get_default_store()
     if world.local_rank == 0:
         store.set(key, new_prefix())
     store.wait([key], datetime.timedelta(seconds=timeout))

@@ -26,7 +26,6 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from parambox.errors import UserError
 from parambox.training.checkpoint import atomic_write_json
 
 RECORD = Path("logs") / "torchelastic.json"
@@ -78,16 +77,3 @@ def record(run_dir: Path, env: Mapping[str, str] | None = None) -> None:
         recorded = None
     if not isinstance(recorded, dict) or recorded.get("run_id") != current["run_id"]:
         atomic_write_json(run_dir / RECORD, current)
-
-
-def check_store(world_size: int, env: Mapping[str, str] | None = None) -> None:
-    """A ``UserError`` for a restart of more than one worker over the store torch's agents share with
-    their workers across restarts (its default): the last life's keys would mislead this life's
-    rendezvous (torch issue 135712; seen here as a 30 s connect timeout per rank, then a failure)."""
-    env = os.environ if env is None else env
-    if world_size > 1 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        raise UserError(
-            "torchrun restarted this worker, but its agents share one store across restarts, whose keys "
-            "from the last life would mislead this one (torch issue 135712): set "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun"
-        )

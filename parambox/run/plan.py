@@ -154,11 +154,12 @@ def resolve(cfg: RunConfig, caller: Caller, resume: bool = False) -> Plan:
 def _elastic_restart(cfg: RunConfig, caller: Caller) -> bool:
     """Whether torchrun's agent restarted this worker in the run it names; then ``cfg.out`` is set."""
     from parambox.run import elastic
+    from parambox.runtime.dist import check_store
 
     out = (cfg.out or external_run_dir(cfg, caller)) if elastic.job() is not None else cfg.out
     if out is None or not elastic.is_restart(Path(out).resolve()):
         return False
-    elastic.check_store(World.from_env().world_size)
+    check_store(World.from_env().world_size)
     cfg.out = out
     return True
 

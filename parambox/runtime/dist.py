@@ -6,18 +6,19 @@ import contextlib
 import ipaddress
 import itertools
 import os
+import secrets
 import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from parambox.errors import CommTimeout
+from parambox.errors import CommTimeout, UserError
 from parambox.runtime.control import HEARTBEAT_ENV
 from parambox.runtime.elastic import ElasticGroup, destroy_default_group
 from parambox.runtime.faults import FaultPlan
@@ -63,6 +64,20 @@ def rendezvous_address(world: World, timeout_s: float = 300.0) -> tuple[str, int
     return "127.0.0.1", free_port()
 
 
+def check_store(world_size: int, env: Mapping[str, str] | None = None) -> None:
+    """A ``UserError`` for a restart of more than one worker over the store torch's agents share with
+    their workers across restarts (its default): the last life's keys would mislead this life's
+    rendezvous (torch issue 135712; seen here as a 30 s connect timeout per rank, then a failure, or a
+    hang; a plain DDP script whose ranks arrive a second apart fails the same way)."""
+    env = os.environ if env is None else env
+    if world_size > 1 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise UserError(
+            "torchrun restarted this worker, but its agents share one store across restarts, whose keys "
+            "from the last life would mislead this one (torch issue 135712): set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun"
+        )
+
+
 def init_distributed(
     world: World, timeout_s: float, survive_in_place: bool = False, defer_rejoin: bool = False
 ) -> None:
@@ -89,6 +104,8 @@ def init_distributed(
         if not (defer_rejoin and group.joins_late):
             group.join()
         return
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0:
+        check_store(world.world_size)  # (one line now, not a timeout in the rendezvous below)
     addr, port = rendezvous_address(world, timeout_s)
     timeout = timedelta(seconds=timeout_s)
     try:
@@ -200,6 +217,24 @@ def heartbeat_file() -> str | None:
     return path if rank == "0" else os.path.join(os.path.dirname(path), f"metrics.rank{rank}.jsonl")
 
 
+_LIFE: tuple[object, str] | None = None  # (the default group, its token)
+
+
+def life_token() -> str:
+    """A token that every rank of the default process group shares and no earlier group had, drawn by
+    rank 0 and broadcast (a collective: every rank calls it, in the same order as its other
+    collectives). Keys the ranks post in the group's store go under it: torchrun's agents keep one
+    store across restarts (its default), so a key of the dead life would otherwise be read as this
+    life's (a board address nobody serves: a 30 s connect timeout; an old box's name)."""
+    global _LIFE
+    group = dist.distributed_c10d._get_default_group()
+    if _LIFE is None or _LIFE[0] is not group:
+        token = [secrets.token_hex(8)]
+        dist.broadcast_object_list(token, src=0)
+        _LIFE = (group, token[0])
+    return _LIFE[1]
+
+
 # Boards made in this process so far: every rank makes its boards in the same order, so the n-th
 # board's address goes under a key of its own (a later board never finds an earlier one's address).
 _BOARDS = itertools.count()
@@ -219,7 +254,10 @@ class ProgressBoard:
         from torch.distributed.distributed_c10d import _get_default_store
 
         pg_store, rank = _get_default_store(), dist.get_rank()
-        addr, key = os.environ.get("MASTER_ADDR", "127.0.0.1"), f"parambox/board/{next(_BOARDS)}"
+        addr, key = (
+            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            f"parambox/board/{life_token()}/{next(_BOARDS)}",
+        )
         if rank == 0:
             world_size, timeout = dist.get_world_size(), timedelta(seconds=30)
             self.store = listening_store(addr, 0, world_size, timeout, wait=False)
