@@ -179,6 +179,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # first step would not reach its copy, so the first step compares (a load_state_dict() of a
         # DistributedOptimizer's state restores the copy too, and clears it)
         self._start = _fingerprint(model) if cls.copies_the_weights else None
+        # ... and between steps, the parameters' version counters as the last step left them: a
+        # load_state_dict() or in-place write to them after that would never reach its copy either
+        self._versions: list[int] | None = None
         # The wrapped optimizer's step() called by the script itself skips the exchange: refused (the
         # strategy's own calls run inside this object's methods, or on threads of its own)
         self._inside, self._thread, self._base_steps = 0, threading.get_ident(), 0
@@ -364,6 +367,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "torch.distributed.checkpoint: set_model_state_dict before, set_optimizer_state_dict after), "
                     "or with opt.load_state_dict() of its state_dict()"
                 )
+        if self._versions is not None and _versions(self.model) != self._versions:
+            self.abort()
+            raise UserError(
+                f"DistributedOptimizer({self.name!r}): the model's weights were written between steps "
+                f"(model.load_state_dict() mid-run, or an in-place write to a parameter), and {self.name} "
+                "keeps a copy of the weights (its center, the master's, the global weights) that would undo "
+                "or misread it: to go on from other weights, close() it, load them and wrap the model "
+                "again; to evaluate other weights, load them into a copy of the model (copy.deepcopy)"
+            )
         self._begun, self._initialised = True, False
         self._check_aligned(stepping=True)
         with self._box_lost(), self._own_call():
@@ -410,6 +422,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 with self._own_call():  # no exchange, no step counted: the state is about to be loaded
                     self.optimizer.step()
             self._initialised = not self._begun  # (torch's zero_grad next must not begin a step)
+            self._settle_versions()  # (a rate-0 step of its own: no write of the user's)
             return None
         if closure is not None:
             with torch.enable_grad():
@@ -455,7 +468,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self.optimizer.step()  # (dogwild's master applied it with its copy) a scheduler sees a step
         self.step_count += 1
         self._placed = _placement(self.model)  # (a rule may rebind them as it steps)
+        self._settle_versions()
         return loss
+
+    def _settle_versions(self) -> None:
+        """Where the rule keeps a copy of the weights, what the next step checks them against."""
+        if self.strategy.copies_the_weights:
+            self._versions = _versions(self.model)
 
     def _torch_initialises_state(self) -> bool:
         """``torch.distributed.checkpoint``'s ``get_state_dict`` and ``set_state_dict`` step an optimizer
@@ -862,6 +881,12 @@ def _direct_step(ref: weakref.ref, optimizer: torch.optim.Optimizer, args: Any, 
 def _placement(model: nn.Module) -> list[tuple[int, int]]:
     """Each parameter and where its data lives: a ``model.to()`` or a new layer after wrapping changes it."""
     return [(id(p), p.data_ptr()) for p in model.parameters()]
+
+
+def _versions(model: nn.Module) -> list[int]:
+    """Each parameter's version counter: an in-place write (``load_state_dict``'s ``copy_``, an
+    optimizer's step) moves it; a write through ``.data`` does not."""
+    return [p._version for p in model.parameters()]
 
 
 def _fingerprint(model: nn.Module) -> list[tuple[float, float]]:

@@ -209,6 +209,52 @@ def test_a_parameter_unfrozen_after_wrapping_is_refused_and_a_new_wrapper_takes_
         assert max_diff(got, _unfreezing(None, rewrap=False)) <= 1e-6
 
 
+def _reverted(strategy: str | None, write: str) -> dict[str, torch.Tensor]:
+    """6 steps; after step 3 the script writes the weights: ``load`` reverts to step 1's checkpoint with
+    ``model.load_state_dict``, ``data`` clips them through ``p.data`` (WGAN's habit), ``copy`` loads
+    other weights into a ``copy.deepcopy`` of the model to evaluate them."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = base if strategy is None else parambox.DistributedOptimizer(model, base, strategy)
+    for step in range(6):
+        if step == 1:
+            saved = copy.deepcopy(model.state_dict())
+        if step == 3 and write == "load":
+            model.load_state_dict(saved)
+        elif step == 3 and write == "data":
+            for p in model.parameters():
+                p.data.clamp_(-0.3, 0.3)
+        elif step == 3:
+            copy.deepcopy(model).load_state_dict(saved)
+        opt.zero_grad()
+        F.mse_loss(model(torch.ones(3, 4) * step), torch.ones(3, 2)).backward()
+        opt.step()
+    if strategy is not None:
+        opt.close()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("strategy", DATA_PARALLEL)
+def test_weights_loaded_mid_run_are_trained_on_or_refused_where_the_rule_keeps_a_copy(strategy):
+    """``model.load_state_dict()`` between steps (going back to a checkpoint): the rules whose model is
+    their state train on from the loaded weights, as plain PyTorch does; the rules that keep a copy of
+    the weights (a center, the master's, diloco's global weights) refuse it in one line at the next
+    step. Before, downpour's next pull silently undid it and diloco fed it to its outer optimizer as
+    a pseudo-gradient. A write through ``.data`` and a load into a copy of the model are not refused."""
+    if strategy_class(strategy).copies_the_weights:
+        with pytest.raises(
+            UserError, match=rf"^DistributedOptimizer\('{strategy}'\): the model's weights were "
+        ):
+            _reverted(strategy, "load")
+    else:
+        assert max_diff(_reverted(strategy, "load"), _reverted(None, "load")) <= 1e-6
+    for write in ("data", "copy"):
+        assert all(torch.isfinite(v).all() for v in _reverted(strategy, write).values())
+
+
 @pytest.mark.parametrize("strategy", DATA_PARALLEL)
 def test_a_bfloat16_model_trains_or_is_refused_in_one_line(strategy):
     """model.to(torch.bfloat16): allreduce (bf16 buckets, as DDP), ps-sync and weight-avg train it as
