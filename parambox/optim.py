@@ -209,6 +209,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.world.world_size
 
     @property
+    def workers(self) -> int:
+        """The ranks that train, ``0`` to ``workers - 1``: ``world_size`` less the rma box's memory
+        ranks, which read no data. Shard your data over them, on each rank where :attr:`trains`:
+        ``DistributedSampler(data, num_replicas=opt.workers, rank=opt.rank)``."""
+        return self.strategy.data_partition()[1]
+
+    @property
     def trains(self) -> bool:
         """False on a rank that only holds the box (the rma box's memory rank of an asynchronous
         strategy): its ``step()`` does nothing, and ``close()`` serves the workers until they end."""

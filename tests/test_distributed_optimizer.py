@@ -712,6 +712,57 @@ def test_a_worker_killed_in_a_users_loop_under_ulfm_the_others_close_with_one_mo
     assert "Traceback" not in stderr, stderr[-3000:]
 
 
+SAMPLER_LOOP = """
+import json
+import torch, torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+import parambox
+
+data = TensorDataset(torch.arange(100), torch.randn(100, 4))
+model = torch.nn.Linear(4, 1)
+opt = parambox.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), "easgd",
+                                    box="rma", steps=5, timeout=30)
+seen = []
+if opt.trains:
+    sampler = DistributedSampler(data, num_replicas=opt.workers, rank=opt.rank, seed=0)
+    for index, x in DataLoader(data, batch_size=10, sampler=sampler):
+        seen += index.tolist()
+        opt.zero_grad()
+        F.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+        opt.step()
+opt.close()
+print(json.dumps({"rank": opt.rank, "workers": opt.workers, "trains": opt.trains, "seen": seen}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_distributed_sampler_over_opt_workers_covers_the_data_once_with_a_memory_rank(tmp_path):
+    """``mpiexec -n 3``, the rma box on its memory rank (rank 2): ``opt.workers`` is 2 on every rank, so
+    a ``DistributedSampler`` over it gives the two workers every sample of the epoch once. Over
+    ``world_size`` (3) a third of the data would sit on the rank that trains nothing."""
+    from parambox.runtime import spawn
+    from tests.conftest import MPI_ENV
+
+    if spawn.find_mpiexec() is None:
+        pytest.skip("no mpiexec found")
+    script = tmp_path / "sampler.py"
+    script.write_text(SAMPLER_LOOP)
+    env = {**os.environ, **MPI_ENV, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    proc = spawn.start_mpi(
+        [sys.executable, str(script)], 3, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        spawn.stop([proc])
+    assert proc.returncode == 0, stderr[-3000:]
+    lines = sorted((json.loads(s) for s in stdout.splitlines() if s.startswith("{")), key=lambda x: x["rank"])
+    assert [(line["workers"], line["trains"]) for line in lines] == [(2, True), (2, True), (2, False)], lines
+    assert sorted(lines[0]["seen"] + lines[1]["seen"]) == list(range(100))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_own_loop_example_under_mpiexec_on_the_rma_box():
