@@ -299,6 +299,53 @@ def _embedding_run(strategy: str, sparse: bool) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+class _Strided(nn.Module):
+    """A ``channels_last`` convolution and a transposed parameter: no flat view of either."""
+
+    def __init__(self, contiguous: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.t = nn.Parameter(torch.randn(5, 4).t())
+        self.head = nn.Linear(5, 2)
+        if contiguous:
+            self.t.data = self.t.data.contiguous()
+        else:
+            self.to(memory_format=torch.channels_last)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.conv(x).mean((2, 3)) @ self.t))
+
+
+def _strided_run(
+    strategy: str | None, contiguous: bool, options: dict | None = None
+) -> dict[str, torch.Tensor]:
+    model = _Strided(contiguous)
+    base = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = base if strategy is None else parambox.DistributedOptimizer(model, base, strategy, options)
+    for step in range(6):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 3, 6, 6, generator=g), torch.randn(4, 2, generator=g)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    if strategy is not None:
+        opt.close()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("strategy", [*DATA_PARALLEL, "diloco+fragments"])
+def test_channels_last_and_transposed_parameters_train_as_contiguous_ones(strategy):
+    """A ``channels_last`` model (what cuDNN's tensor cores want) and a transposed parameter: every rule
+    gives the contiguous model's weights. Before, ps-sync, weight-avg and diloco failed at wrapping
+    inside torch's ``parameters_to_vector`` ("view size is not compatible with input tensor's size
+    and stride"), and Streaming DiLoCo writing a fragment back would have too."""
+    name, _, form = strategy.partition("+")
+    options = {"inner_steps": 2, "fragments": 2} if form else None
+    got = _strided_run(name, contiguous=False, options=options)
+    assert max_diff(got, _strided_run(name, contiguous=True, options=options)) <= 1e-6
+
+
 @pytest.mark.parametrize("strategy", DATA_PARALLEL)
 def test_a_sparse_embedding_trains_as_the_dense_one(strategy):
     """``nn.Embedding(sparse=True)`` (sparse .grad) gives the dense embedding's model on every rule

@@ -69,7 +69,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from pydantic import Field, model_validator
-from torch.nn.utils import parameters_to_vector
 
 from parambox.box import Layout
 from parambox.errors import UserError, warn
@@ -95,7 +94,7 @@ from parambox.strategies.exchange import (
     box_encoder,
 )
 from parambox.strategies.streaming import Fragment, cut, read_slice, write_slice_
-from parambox.strategies.tensors import trainable
+from parambox.strategies.tensors import flatten, trainable
 
 
 def _state_finite(optimizer: torch.optim.Optimizer) -> bool:
@@ -257,7 +256,7 @@ class Diloco(Strategy):
         self.optimizer = ctx.make_optimizer(self.params)
         self.numel = sum(p.numel() for p in self.params)
         # theta: the parameters, then the float buffers (averaged plainly, no outer step)
-        flat = parameters_to_vector([*self.params, *self.buffers]).detach().clone()
+        flat = flatten([*self.params, *self.buffers]).detach().clone()
         self.theta = torch.nn.Parameter(flat[: self.numel])  # a view: the outer step moves `flat`
         mu = options.outer_momentum
         # torch refuses nesterov=True without momentum: momentum 0 is plain SGD.
@@ -448,7 +447,7 @@ class StreamingDiloco(Strategy):
         self.tensors = [*self.params, *self.buffers]
         self.optimizer = ctx.make_optimizer(self.params)
         self.numel = sum(p.numel() for p in self.params)
-        self.theta = parameters_to_vector(self.tensors).detach().clone()
+        self.theta = flatten(self.tensors).detach().clone()
         self.fragments = cut(self.theta.numel(), options.fragments, options.inner_steps)
         mu = options.outer_momentum
         n = self.world.world_size

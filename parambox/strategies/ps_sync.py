@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import vector_to_parameters
 
 from parambox.runtime.survival import CAUGHT_UP
 from parambox.strategies.base import Context, Options, StepResult, Strategy, loss_value
 from parambox.strategies.grads import BackwardPasses
-from parambox.strategies.tensors import trainable
+from parambox.strategies.tensors import flatten, trainable
 
 
 class ParameterServerSync(Strategy):
@@ -42,7 +42,7 @@ class ParameterServerSync(Strategy):
         self.params = trainable(self.model)
         if self.survival.joining:  # a replacement: the server's weights (share_state sends the model)
             self.survival.share_state()
-        self.flat = parameters_to_vector(self.params).detach()
+        self.flat = flatten(self.params).detach()
         if self.world.world_size > 1 and not self.survival.joining:
             dist.broadcast(self.flat, src=0)
             vector_to_parameters(self.flat, self.params)
@@ -96,7 +96,7 @@ class ParameterServerSync(Strategy):
         # One sequence on every rank, also when repeated over the survivors after a lost worker:
         # gather the gradients (each rank's kept), the server steps once, broadcast the weights.
         if self.exchange(fn, step, again=lambda: self._gather_step_broadcast(self.grad)) is CAUGHT_UP:
-            self.flat = parameters_to_vector(self.params).detach()  # the leader's, this step's update made
+            self.flat = flatten(self.params).detach()  # the leader's, this step's update made
         elif not self.leads:
             vector_to_parameters(self.flat, self.params)
         return StepResult(loss_value(loss), samples, self.timers.pop())
@@ -136,7 +136,7 @@ class ParameterServerSync(Strategy):
                 self.optimizer = self.ctx.make_optimizer(self.params)
             self.optimizer.step()
             self.stepped = True
-            self.flat = parameters_to_vector(self.params).detach()
+            self.flat = flatten(self.params).detach()
         with self.timers.phase("broadcast"), self.collective("weight broadcast"):
             if self.world.world_size > 1:
                 dist.broadcast(self.flat, src=0, async_op=True).wait()

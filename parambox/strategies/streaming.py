@@ -79,6 +79,10 @@ def write_slice_(tensors: Sequence[torch.Tensor], start: int, values: torch.Tens
         for t in tensors:
             n = t.numel()
             lo, hi = max(start, pos), min(stop, pos + n)
-            if lo < hi:
+            if lo < hi and t.is_contiguous():
                 t.view(-1)[lo - pos : hi - pos].copy_(values[lo - start : hi - start])
+            elif lo < hi:  # (a channels_last or transposed parameter: no flat view of it)
+                whole = t.reshape(-1).clone()
+                whole[lo - pos : hi - pos] = values[lo - start : hi - start]
+                t.copy_(whole.view(t.shape))
             pos += n

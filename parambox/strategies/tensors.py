@@ -7,7 +7,7 @@ model's trainable parameters.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,3 +49,10 @@ def batch_size(batch: Any) -> int:
 def trainable(model: nn.Module) -> list[nn.Parameter]:
     """The parameters an optimizer may move: ``requires_grad`` ones, each once (tied weights once)."""
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors laid end to end, each in its logical (row-major) order: a new tensor. As torch's
+    ``parameters_to_vector``, which fails on a non-contiguous parameter (a ``channels_last``
+    convolution's weight, a transposed one)."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors])

@@ -17,11 +17,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from pydantic import Field
-from torch.nn.utils import parameters_to_vector
 
 from parambox.strategies.base import Context, StepResult, Strategy, averaged_buffers, loss_value, period_end
 from parambox.strategies.exchange import DeltaAverager, ExchangeOptions, SumExchange
-from parambox.strategies.tensors import trainable
+from parambox.strategies.tensors import flatten, trainable
 
 
 class WeightAvgOptions(ExchangeOptions):
@@ -47,7 +46,7 @@ class WeightAveraging(Strategy):
         else:
             self._average(-1)
         if options.overlap or options.compression != "none":
-            flat = parameters_to_vector(self.params + self.buffers).detach().clone()
+            flat = flatten(self.params + self.buffers).detach().clone()
             n = self.world.world_size
             exchange = SumExchange(
                 flat.numel(),
@@ -69,7 +68,7 @@ class WeightAveraging(Strategy):
         tensors = self.params + self.buffers
 
         def average() -> None:
-            flat = parameters_to_vector(tensors).detach()  # a copy: a failed allreduce leaves the weights
+            flat = flatten(tensors).detach()  # a copy: a failed allreduce leaves the weights
             with self.timers.phase("allreduce"), self.collective("weight averaging"):
                 dist.all_reduce(flat, async_op=True).wait()  # (nccl: see ElasticGroup._init)
             flat.div_(self.survival.group_size)

@@ -41,7 +41,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from pydantic import Field, field_validator
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import vector_to_parameters
 
 from parambox.box.layout import shard_range
 from parambox.errors import CommTimeout, UserError
@@ -71,7 +71,7 @@ from parambox.strategies.sandblaster.shards import (
     sharded_lbfgs_iteration,
 )
 from parambox.strategies.sandblaster.worker import PortionGrads, PortionWorker
-from parambox.strategies.tensors import batch_size, map_tensors
+from parambox.strategies.tensors import batch_size, flatten, map_tensors
 
 
 def parse_slow_worker(spec: str) -> tuple[int, float]:
@@ -165,7 +165,7 @@ class Sandblaster(Strategy):
         if self.world.rank in self.holders:
             start, stop = self.bounds[self.holders.index(self.world.rank)]
             self.store = ShardStore(start, stop, num_slots(options.history_size))
-            self.store.v[W].copy_(parameters_to_vector(self.params).detach().cpu()[start:stop])
+            self.store.v[W].copy_(flatten(self.params).detach().cpu()[start:stop])
         # Bytes this rank received in collectives (rank 0's count as the coordinator's), and in the
         # all-gathers that bring the iterate to rank 0 for the test set.
         self.collective_bytes_in, self.eval_bytes_in = 0, 0
