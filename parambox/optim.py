@@ -274,7 +274,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if ours is not None and ours.get("strategy") != self.name:
             raise UserError(
                 f"DistributedOptimizer.load_state_dict(): the state was saved by strategy "
-                f"{ours.get('strategy')!r}, this optimizer runs {self.name!r}"
+                f"{ours.get('strategy')!r}, this optimizer runs {self.name!r} (to go on under {self.name!r} "
+                "from the torch optimizer's state alone, drop the state's 'parambox' entry)"
             )
         self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "parambox"})
         if not self._holds_optimizer_state():  # never stepped here: no stale copy for a checkpoint to take
