@@ -6,7 +6,7 @@ The library API, for a user's own model, data, loss and script::
     import parambox
 
     def make_model(): ...            # -> any torch.nn.Module
-    def make_data(): ...             # -> (train, test) map-style Datasets
+    def make_data(): ...             # -> (train, test) Datasets: map-style, or IterableDatasets
 
     if __name__ == "__main__":       # local workers import this script to find make_model
         summary = parambox.train(model=make_model, data=make_data, strategy="easgd", workers=4,

@@ -219,3 +219,18 @@ def test_bench_local_runs_the_setups_it_is_given():
     assert set(out["setups"]) == {"sequential", "pipeline"}, out
     assert out["speedups"]["sequential"] == 1.0 and out["speedups"]["pipeline"] > 0
     assert set(out["setups"]["pipeline"]["bubble_fraction"]) == {"stage0", "stage1"}
+
+
+def test_a_batch_that_is_not_inputs_and_target_is_one_line(tmp_path):
+    """Items of three parts (an id, x, y) and a loss of the user's: the pipeline cannot feed them to its
+    stages. Before: "worker rank 0 failed: ValueError: too many values to unpack (expected 2)"."""
+    proc = run_cli(
+        "train", "--strategy", "pipeline", "--workers", "2", "--steps", "3", "--out", str(tmp_path / "run"),
+        "--data", "tests/stream_data.py:make_map_data", "--model", "tests/stream_data.py:make_model",
+        "--loss", "tests/stream_data.py:mse", "--batch-size", "16", "--no-progress", check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        "pipeline takes batches of (inputs, target)" in proc.stderr and "this batch is 3 parts" in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr

@@ -44,7 +44,8 @@ def train(
 
     ``model``: a zero-argument callable returning an ``nn.Module``, a zoo name or a reference
     (``module:function``, ``path/to/file.py:function``); ``data``: a zero-argument callable returning
-    ``(train, test)`` map-style Datasets (test may be None), a registered name or a reference;
+    ``(train, test)`` Datasets, map-style or ``IterableDataset`` streams (test may be None), a
+    registered name or a reference;
     ``loss(model, batch)`` -> scalar tensor (default: cross-entropy of ``model(x)`` against ``y`` for an
     ``(x, y)`` batch); ``metrics(model, batch)`` -> ``dict[str, float]`` averaged over the test set
     (default: the loss, and accuracy for class logits); ``collate(items)`` -> batch (default:

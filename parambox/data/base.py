@@ -53,8 +53,10 @@ class GlobalBatchSampler:
     (1, 12)
     """
 
-    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, seed: int):
-        assert 0 <= rank < world_size and batch_size > 0 and num_samples > 0
+    def __init__(self, num_samples: int | None, batch_size: int, rank: int, world_size: int, seed: int):
+        """``num_samples``: the data set's length; None for a stream (an ``IterableDataset``), whose
+        positions alone count (:meth:`span`): no permutation of it is drawn."""
+        assert 0 <= rank < world_size and batch_size > 0 and (num_samples is None or num_samples > 0)
         self.num_samples = num_samples
         self.rank = rank
         self.world_size = world_size
@@ -104,11 +106,18 @@ class GlobalBatchSampler:
         return self._perms[epoch]
 
     def epoch_of(self, step: int) -> float:
+        assert self.num_samples is not None, "a stream has no epochs of known length"
         return self.position(step) / self.num_samples
 
-    def indices(self, step: int) -> torch.Tensor:
+    def span(self, step: int) -> tuple[int, int]:
+        """This rank's slice of ``step``'s global batch: ``[start, stop)`` positions in the stream."""
         base, extra = divmod(self.global_batch_size, self.world_size)
         start = self.position(step) + self.rank * base + min(self.rank, extra)
+        return start, start + self.batch_size
+
+    def indices(self, step: int) -> torch.Tensor:
+        assert self.num_samples is not None, "a stream is read in order: span(), not indices()"
+        start = self.span(step)[0]
         out = []
         pos, need = start, self.batch_size
         while need:

@@ -282,7 +282,9 @@ def continue_recorded(cfg: RunConfig, caller: Caller) -> RunConfig:
     recorded = load_recorded(Path(cfg.out))
     rundir.check_trust(Path(cfg.out).resolve(), recorded, None)
     changed = [
-        f for f in sorted(cfg.model_fields_set - RESUMABLE) if _differs(getattr(cfg, f), getattr(recorded, f))
+        f
+        for f in sorted(cfg.model_fields_set - RESUMABLE)
+        if _differs(_as_recorded(f, getattr(cfg, f)), getattr(recorded, f))
     ]
     if changed:
         f = changed[0]
@@ -292,6 +294,17 @@ def continue_recorded(cfg: RunConfig, caller: Caller) -> RunConfig:
             f"(it may change only {', '.join(sorted(RESUMABLE - {'out'}))})"
         )
     return recorded.model_copy(update={f: getattr(cfg, f) for f in cfg.model_fields_set & RESUMABLE})
+
+
+def _as_recorded(field: str, value: Any) -> Any:
+    """A given ``file.py:function`` as the run recorded it: its path absolute (the same file, named
+    from the directory the run was started in, resumes it)."""
+    from parambox.workload import CALLABLE_FIELDS
+    from parambox.workload.refs import absolute, is_reference
+
+    if field in CALLABLE_FIELDS and isinstance(value, str) and is_reference(value):
+        return absolute(value)
+    return value
 
 
 def _differs(given: Any, recorded: Any) -> bool:

@@ -66,14 +66,15 @@ def continue_stream(
     }
 
 
-def check_slices(global_batch: int, num_ranks: int, grad_accum: int, len_data: int) -> None:
-    """A ``UserError`` naming the batch when the new count cannot cut the global batch."""
+def check_slices(global_batch: int, num_ranks: int, grad_accum: int, len_data: int | None) -> None:
+    """A ``UserError`` naming the batch when the new count cannot cut the global batch (``len_data``:
+    None for a stream)."""
     if global_batch < num_ranks:
         raise UserError(
             f"resize: the global batch of {global_batch} has fewer samples than the {num_ranks} workers; "
             "resume with fewer workers, or with resize=scale-batch"
         )
-    if global_batch > len_data:
+    if len_data is not None and global_batch > len_data:
         raise UserError(
             f"resize: the global batch of {global_batch} is more than the {len_data} training items; "
             "resume with resize=keep-global-batch or fewer workers"

@@ -1,4 +1,4 @@
-"""A user's map-style ``Dataset``s as training batches and test batches.
+"""A user's ``Dataset``s as training batches and test batches: map-style, or streams (``IterableDataset``).
 
 The global batch at step t is the one ``GlobalBatchSampler`` picks (data-parallel rank r takes slice
 r), whatever the number of workers, so resuming needs only t. The items are read by a
@@ -6,13 +6,15 @@ r), whatever the number of workers, so resuming needs only t. The items are read
 ``loader_workers`` background processes, so a slow dataset (decoding, augmentation) is loaded while
 the model computes. The first batch is loaded in the training process itself: an item that raises or
 items that cannot be collated are then reported as one line naming the data set, not as a
-DataLoader worker's traceback.
+DataLoader worker's traceback. A stream's global batch at step t is the same span of its items
+(:class:`StreamSource`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import multiprocessing
 import multiprocessing.util
 import os
@@ -23,7 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data import Dataset as TorchDataset
 
 from parambox.data.base import GlobalBatchSampler
@@ -120,6 +122,71 @@ class LoaderSource:
             shutdown()
 
 
+class StreamSource(LoaderSource):
+    """Batches of a user's ``IterableDataset`` for one data-parallel rank. The stream is the data set's
+    items pass after pass (a new ``iter()`` where one ends); the global batch at step t is the
+    sampler's span of it, whatever the number of workers, as for a map-style set, and this rank takes
+    its slice. A restart at step t (a resume, a new cut) reads the stream from its start, skipping the
+    items before t's. One background process reads it while the model computes."""
+
+    def _restart(self, step: int) -> Any:
+        self.close()
+        if self.num_workers > 0:
+            scratch_dir()
+            self._it = iter(
+                DataLoader(
+                    _Slices(self.dataset, self.sampler, step + 1, self.name),
+                    batch_size=None,  # each element is one step's items: collated as a batch
+                    collate_fn=self.collate,
+                    num_workers=1,  # one reader: a stream has one order
+                    prefetch_factor=PREFETCH_BATCHES,
+                    pin_memory=self.pin_memory,
+                    multiprocessing_context=_fork_context(),
+                    worker_init_fn=_init_loader_process,
+                )
+            )
+        else:
+            slices = iter(_Slices(self.dataset, self.sampler, step + 1, self.name))
+            self._it = (collate_items(items, self.collate, self.name) for items in slices)
+        self._next = step + 1
+        try:  # here: a bad item or batch is one line
+            first = next(iter(_Slices(self.dataset, self.sampler, step, self.name)))
+            return collate_items(first, self.collate, self.name)
+        except BaseException:
+            self.close()
+            raise
+
+
+class _Slices(IterableDataset):
+    """This rank's items of each step from ``start`` on, a list a step, read from the stream in order."""
+
+    def __init__(self, dataset: Any, sampler: GlobalBatchSampler, start: int, name: str):
+        self.dataset, self.sampler, self.start, self.name = dataset, sampler, start, name
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        items, pos = self._stream(), 0
+        for step in _count(self.start):
+            lo, hi = self.sampler.span(step)
+            next(itertools.islice(items, lo - pos, lo - pos), None)  # other ranks' items, earlier steps'
+            yield list(itertools.islice(items, hi - lo))
+            pos = hi
+
+    def _stream(self) -> Iterator[Any]:
+        read = 0
+        while True:
+            before = read
+            try:
+                for item in self.dataset:
+                    read += 1
+                    yield item
+            except Exception as e:
+                raise UserError(
+                    f"data {self.name}: reading item {read} of the stream raised {_one_line(e)}"
+                ) from e
+            if read == before:
+                raise UserError(f"data {self.name}: the training stream yields no items")
+
+
 def _init_loader_process(_worker_id: int) -> None:
     """In a loader process, first thing: its connections dropped, its temporary files in its
     maker's scratch folder."""
@@ -162,6 +229,10 @@ def load_items(dataset: TorchDataset, indices: list[int], collate: Collate, name
             items.append(dataset[i])
         except Exception as e:
             raise UserError(f"data {name}: reading item {i} raised {_one_line(e)}") from e
+    return collate_items(items, collate, name)
+
+
+def collate_items(items: list[Any], collate: Collate, name: str) -> Any:
     try:
         return collate(items)
     except Exception as e:
@@ -172,7 +243,12 @@ def load_items(dataset: TorchDataset, indices: list[int], collate: Collate, name
 def test_batches(
     dataset: TorchDataset, batch_size: int, collate: Collate, name: str, num_workers: int
 ) -> Iterator[Any]:
-    """The test set in order, ``batch_size`` items at a time."""
+    """The test set in order, ``batch_size`` items at a time (a stream: one pass of it)."""
+    if is_stream(dataset):
+        items = iter(dataset)
+        while chunk := list(itertools.islice(items, batch_size)):
+            yield collate_items(chunk, collate, name)
+        return
     n = len(dataset)  # type: ignore[arg-type]
     if num_workers == 0:
         for start in range(0, n, batch_size):
@@ -279,9 +355,15 @@ def is_map_style(obj: Any) -> bool:
     return hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
 
 
+def is_stream(obj: Any) -> bool:
+    return isinstance(obj, IterableDataset)
+
+
 def first_item(dataset: TorchDataset, name: str) -> Any:
     try:
-        return dataset[0]
+        return next(iter(dataset)) if is_stream(dataset) else dataset[0]
+    except StopIteration:
+        raise UserError(f"data {name}: the training stream yields no items") from None
     except Exception as e:
         raise UserError(f"data {name}: reading item 0 raised {_one_line(e)}") from e
 

@@ -6,7 +6,7 @@ library API (in the process that trains), a zoo / registry name, or a reference 
 are checked where they first run, and a problem is one line naming the function:
 
 - ``model()`` -> any ``nn.Module``, called on every rank after seeding (so all start equal);
-- ``data()`` -> ``(train, test)`` map-style Datasets (test may be None);
+- ``data()`` -> ``(train, test)`` Datasets, map-style or ``IterableDataset`` streams (test may be None);
 - ``loss(model, batch)`` -> a finite scalar tensor (checked on the first step);
 - ``metrics(model, batch)`` -> ``dict[str, float]``, averaged over the test set.
 
@@ -79,8 +79,9 @@ class UserData:
         self.train, self.test, self.name = train, test, name
         self.collate = collate or default_collate
         self.loader_workers = loader_workers
-        self.num_train = len(train)
-        self.has_test = test is not None and len(test) > 0
+        self.stream = loader.is_stream(train)  # an IterableDataset: its length is not known
+        self.num_train: int | None = None if self.stream else len(train)
+        self.has_test = test is not None and (loader.is_stream(test) or len(test) > 0)
         self.eval_batch = 256
         self.default_loss = default_loss
 
@@ -110,7 +111,8 @@ class UserData:
         if augment:
             warn(f"augment applies to the registered data sets; data {self.name} is used as it is")
         sampler = GlobalBatchSampler(self.num_train, batch_size, rank, world_size, seed)
-        return loader.LoaderSource(self.train, sampler, self.collate, self.name, self.loader_workers, pin)
+        source = loader.StreamSource if self.stream else loader.LoaderSource
+        return source(self.train, sampler, self.collate, self.name, self.loader_workers, pin)
 
     def test_batches(self) -> Iterator[Any]:
         if not self.has_test:
@@ -195,26 +197,26 @@ def load_data(cfg: Any, data_fn: Callable | None, collate: Callable | None) -> T
         raise UserError(f"data factory {name} raised {loader._one_line(e)}") from e
     if not (isinstance(result, tuple | list) and len(result) == 2):
         raise UserError(
-            f"data factory {name} returned a {type(result).__name__}; expected (train, test) map-style "
-            "Datasets (test may be None)"
+            f"data factory {name} returned a {type(result).__name__}; expected (train, test) "
+            "Datasets, map-style or IterableDatasets (test may be None)"
         )
     train, test = result
     if train is None:
         raise UserError(f"data factory {name} returned no training set (train is None; test may be)")
     for part, ds in (("train", train), ("test", test)):
-        if ds is not None and not loader.is_map_style(ds):
+        if ds is not None and not (loader.is_map_style(ds) or loader.is_stream(ds)):
             raise UserError(
-                f"data factory {name}: its {part} set is a {type(ds).__name__}, not a map-style Dataset "
-                "(__getitem__ and __len__)"
+                f"data factory {name}: its {part} set is a {type(ds).__name__}, neither a map-style Dataset "
+                "(__getitem__ and __len__) nor an IterableDataset"
             )
-    if len(train) == 0:
+    if not loader.is_stream(train) and len(train) == 0:
         raise UserError(f"data factory {name}: the training set is empty")
     return UserData(train, test, name, collate, cfg.loader_workers)
 
 
 def check_batch_fits(data: TensorData | UserData, batch_size: int, num_ranks: int) -> None:
     """A global batch larger than the training set would repeat items within one step."""
-    if batch_size * num_ranks > data.num_train:
+    if data.num_train is not None and batch_size * num_ranks > data.num_train:
         per = f"batch_size {batch_size} x {num_ranks} data-parallel workers = {batch_size * num_ranks}"
         raise UserError(
             f"{per if num_ranks > 1 else f'batch_size {batch_size}'} is more than the "

@@ -257,6 +257,12 @@ class Pipeline(Strategy):
 
     # -- the step -------------------------------------------------------------------------------
     def step(self, batch: Any, step: int) -> StepResult:
+        if not (isinstance(batch, tuple | list) and len(batch) == 2):
+            parts = f"{len(batch)} parts" if isinstance(batch, tuple | list) else f"a {type(batch).__name__}"
+            raise UserError(
+                f"{self.name} takes batches of (inputs, target): the inputs enter the first stage, the "
+                f"target meets your loss at the last (a loss of the form f(model(x), y)); this batch is {parts}"
+            )
         x, y = batch  # a pipeline needs (inputs, target): inputs enter stage 0, target meets the last
         if self.schedule is None:
             self.build_traced(x) if self.traced else self.build(self._timed_split(x))
