@@ -15,6 +15,7 @@ import contextlib
 import io
 import json
 import logging
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,20 @@ def example_inputs(workload) -> dict[str, torch.Tensor]:
     return {"x": x[:EXAMPLE_ITEMS]}
 
 
+def _cause(e: Exception) -> str:
+    """The exporter's error in one line: its exception summary where it gives one (its first line says
+    only which step failed), without the terminal's colour codes.
+
+    >>> _cause(RuntimeError("Failed to export. \\x1b[96mStep 1/3\\x1b[0m\\n## Exception summary\\n\\n"
+    ...                     "<class 'RuntimeError'>: a and b must have same reduction dim"))
+    'RuntimeError: a and b must have same reduction dim'
+    """
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    text = text.split("## Exception summary", 1)[-1]
+    first = (text.strip().splitlines() or [type(e).__name__])[0]
+    return re.sub(r"^<class '(?:\w+\.)*(\w+)'>", r"\1", first)
+
+
 def _call(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     if list(inputs) == ["x"]:
         return model(inputs["x"])
@@ -135,8 +150,7 @@ def _export(model: torch.nn.Module, inputs: dict[str, torch.Tensor], onnx_file: 
     except UserError:
         raise
     except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"torch.onnx.export cannot export this model: {first[:300]}") from e
+        raise UserError(f"torch.onnx.export cannot export this model: {_cause(e)[:300]}") from e
     finally:
         logger.setLevel(level)
     data = onnx_file.with_name(onnx_file.name + ".data")
