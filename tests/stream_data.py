@@ -48,3 +48,13 @@ def make_map_data():
         return TensorDataset(torch.tensor(ids), torch.stack(xs), torch.stack(ys))
 
     return tensors(Numbers()), tensors(Numbers(200, offset=10_000))
+
+
+def make_model_late_on_rank_2():
+    """The model, 3 s late on rank 2: a worker that joins a ``--workers 2:3`` run mid-stream."""
+    import os
+    import time
+
+    if os.environ.get("RANK") == "2":
+        time.sleep(3)
+    return make_model()

@@ -95,3 +95,25 @@ def test_a_stream_trained_by_two_workers_then_resumed_at_three_is_the_uninterrup
         if "initial_test_loss" in summary(cut)
         else summary(cut)["final_test_loss"] < 0.1
     )
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(400)
+def test_a_worker_that_joins_mid_stream_reads_its_slice_of_the_same_global_batches(tmp_path):
+    """``--workers 2:3`` (allreduce, in place): rank 2 joins a few steps in and the stream is cut again
+    over three; with the global batch kept (36), the run equals the one that had 3 workers from the
+    start (float tolerance: the slices' summation order)."""
+    args = ["--data", "tests/stream_data.py:make_data", "--loss", "tests/stream_data.py:mse", "--steps", "60"]
+    args += ["--batch-size", "12", "--lr", "0.05", "--no-progress", "--threads", "1", "--eval-every", "0"]
+    joined, fixed = tmp_path / "joined", tmp_path / "fixed"
+    run_cli(
+        "train", *args, "--workers", "2:3", "--set", "on_failure=shrink", "--timeout", "20", "--out", str(joined),
+        "--model", "tests/stream_data.py:make_model_late_on_rank_2", env={"PARAMBOX_FAULT": "0:0:slow"},
+    )  # fmt: skip
+    run_cli(
+        "train", *args, "--workers", "3", "--model", "tests/stream_data.py:make_model", "--out", str(fixed)
+    )
+    resized = [line for line in (joined / "metrics.jsonl").read_text().splitlines() if '"resize"' in line]
+    assert len(resized) == 1 and '"global_batch": 36' in resized[0], resized
+    assert max_abs_diff(final_weights(joined), final_weights(fixed)) < 1e-5
