@@ -388,6 +388,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._check_aligned(stepping=True)
         with self._box_lost(), self._own_call():
             self.strategy.begin_step(self.step_count)
+        self._settle_versions()  # (a pull of the center is the rule's own write; a step the scaler or
+        # the rule's end skips settles nothing after it)
 
     @contextlib.contextmanager
     def _box_lost(self) -> Iterator[None]:
