@@ -57,6 +57,16 @@ class _Empty(IterableDataset):
         return iter(())
 
 
+class _Once(IterableDataset):
+    """A stream over a generator made once: its second pass is empty."""
+
+    def __init__(self):
+        self.items = iter([torch.zeros(2)] * 6)
+
+    def __iter__(self):
+        return self.items
+
+
 class _Broken(IterableDataset):
     def __iter__(self):
         yield torch.zeros(2)
@@ -66,14 +76,23 @@ class _Broken(IterableDataset):
 @pytest.mark.parametrize(
     ("stream", "message"),
     [
-        (_Empty(), "the training stream yields no items"),
-        (_Broken(), r"reading item 1 of the stream raised OSError: disk gone"),
+        (_Empty, "the training stream yields no items$"),
+        (_Once, "the training stream yields no items on its next pass: its __iter__ must start it again"),
+        (_Broken, r"reading item 1 of the stream raised OSError: disk gone"),
     ],
 )
-def test_a_stream_that_yields_nothing_or_fails_is_one_line(stream, message):
-    source = StreamSource(stream, GlobalBatchSampler(None, 4, 0, 1, 0), default_collate, "make_data", 0)
-    with pytest.raises(UserError, match=rf"^data make_data: {message}"):
-        source.batch(0)
+@pytest.mark.parametrize("loaders", [0, 1])
+def test_a_stream_that_yields_nothing_or_fails_is_one_line(stream, message, loaders):
+    """Read here or by a background process (whose error arrives as a DataLoader's traceback): one line."""
+    source = StreamSource(
+        stream(), GlobalBatchSampler(None, 4, 0, 1, 0), default_collate, "make_data", loaders
+    )
+    try:
+        with pytest.raises(UserError, match=rf"^data make_data: {message}"):
+            source.batch(0)
+            source.batch(1)  # (a second pass)
+    finally:
+        source.close()
 
 
 @pytest.mark.slow

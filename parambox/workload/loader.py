@@ -39,6 +39,9 @@ SCRATCH_PREFIX = "parambox-loaders-"
 _LONGEST_SCRATCH = 107 - len("/pymp-12345678/listener-12345678")
 
 
+_FROM_A_LOADER = f"{UserError.__module__}.{UserError.__qualname__}: "  # as a DataLoader reraises it
+
+
 class _Steps:
     """A DataLoader batch sampler: the sampler's indices for ``start``, ``start + 1``, ... (endless)."""
 
@@ -80,9 +83,12 @@ class LoaderSource:
         try:
             return next(self._it)
         except Exception as e:
-            raise UserError(
-                f"data {self.name}: loading the batch of step {step} failed: {_last_line(e)}"
-            ) from e
+            line = _last_line(e)
+            if isinstance(e, UserError) and "\n" not in str(e):  # read here: it names the data set
+                raise
+            if line.startswith(_FROM_A_LOADER):  # a background reader's own one line
+                raise UserError(line.removeprefix(_FROM_A_LOADER)) from e
+            raise UserError(f"data {self.name}: loading the batch of step {step} failed: {line}") from e
 
     def _restart(self, step: int) -> Any:
         """Start the background workers on ``step + 1`` onwards, and load ``step`` here meanwhile."""
@@ -184,7 +190,14 @@ class _Slices(IterableDataset):
                     f"data {self.name}: reading item {read} of the stream raised {_one_line(e)}"
                 ) from e
             if read == before:
-                raise UserError(f"data {self.name}: the training stream yields no items")
+                raise UserError(
+                    f"data {self.name}: the training stream yields no items"
+                    + (
+                        " on its next pass: its __iter__ must start it again (a run reads it pass after pass)"
+                        if read
+                        else ""
+                    )
+                )
 
 
 def _init_loader_process(_worker_id: int) -> None:
