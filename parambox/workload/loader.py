@@ -97,10 +97,8 @@ class LoaderSource:
             scratch_dir()
             self._it = iter(
                 DataLoader(
-                    self.dataset,
-                    batch_sampler=_Steps(self.sampler, step + 1),
+                    **self._reader(step + 1),
                     collate_fn=self.collate,
-                    num_workers=self.num_workers,
                     prefetch_factor=PREFETCH_BATCHES,
                     pin_memory=self.pin_memory,
                     multiprocessing_context=_fork_context(),
@@ -108,13 +106,25 @@ class LoaderSource:
                 )
             )
         else:
-            self._it = (self.load(self.sampler.indices(s).tolist()) for s in _count(step + 1))
+            self._it = self._in_process(step + 1)
         self._next = step + 1
-        try:
-            return self.load(self.sampler.indices(step).tolist())
+        try:  # here: a bad item or batch is one line
+            return next(self._in_process(step))
         except BaseException:
             self.close()
             raise
+
+    def _reader(self, start: int) -> dict[str, Any]:
+        """What the background workers read from step ``start`` on (a DataLoader's arguments)."""
+        return {
+            "dataset": self.dataset,
+            "batch_sampler": _Steps(self.sampler, start),
+            "num_workers": self.num_workers,
+        }
+
+    def _in_process(self, start: int) -> Iterator[Any]:
+        """The batches of step ``start`` on, read in this process."""
+        return (self.load(self.sampler.indices(s).tolist()) for s in _count(start))
 
     def load(self, indices: list[int]) -> Any:
         """The collated items at ``indices``, read in this process; bad items are the user's error."""
@@ -135,32 +145,14 @@ class StreamSource(LoaderSource):
     its slice. A restart at step t (a resume, a new cut) reads the stream from its start, skipping the
     items before t's. One background process reads it while the model computes."""
 
-    def _restart(self, step: int) -> Any:
-        self.close()
-        if self.num_workers > 0:
-            scratch_dir()
-            self._it = iter(
-                DataLoader(
-                    _Slices(self.dataset, self.sampler, step + 1, self.name),
-                    batch_size=None,  # each element is one step's items: collated as a batch
-                    collate_fn=self.collate,
-                    num_workers=1,  # one reader: a stream has one order
-                    prefetch_factor=PREFETCH_BATCHES,
-                    pin_memory=self.pin_memory,
-                    multiprocessing_context=_fork_context(),
-                    worker_init_fn=_init_loader_process,
-                )
-            )
-        else:
-            slices = iter(_Slices(self.dataset, self.sampler, step + 1, self.name))
-            self._it = (collate_items(items, self.collate, self.name) for items in slices)
-        self._next = step + 1
-        try:  # here: a bad item or batch is one line
-            first = next(iter(_Slices(self.dataset, self.sampler, step, self.name)))
-            return collate_items(first, self.collate, self.name)
-        except BaseException:
-            self.close()
-            raise
+    def _reader(self, start: int) -> dict[str, Any]:
+        # each element is one step's items, collated as a batch; one reader: a stream has one order
+        slices = _Slices(self.dataset, self.sampler, start, self.name)
+        return {"dataset": slices, "batch_size": None, "num_workers": 1}
+
+    def _in_process(self, start: int) -> Iterator[Any]:
+        slices = _Slices(self.dataset, self.sampler, start, self.name)
+        return (collate_items(items, self.collate, self.name) for items in slices)
 
 
 class _Slices(IterableDataset):
