@@ -202,8 +202,8 @@ def test_options_are_checked():
         DilocoOptions(fragment_update_alpha=1.5)
     with pytest.raises(UserError, match="exclusive"):
         strategy_class("diloco").resolve(DilocoOptions(fragments=2, overlap=True))
-    with pytest.raises(UserError, match="synchronous form"):
-        strategy_class("diloco").resolve(DilocoOptions(fragment_sync_delay=1, asynchronous=True))
+    with pytest.raises(UserError, match="quorum's outer step and Streaming DiLoCo"):
+        strategy_class("diloco").resolve(DilocoOptions(fragment_sync_delay=1, asynchronous=True, quorum=2))
 
 
 def test_a_checkpoint_keeps_the_exchange_in_flight():

@@ -16,7 +16,8 @@ weights plus its own progress (``strategies/exchange.py``): parambox's rule, nei
 mixing nor Kale et al.'s eager update.
 
 Streaming DiLoCo (Douillard et al. 2025; torchft's ``DiLoCo`` with ``fragment_sync_delay`` and
-``fragment_update_alpha``), synchronous only: ``fragments`` (F) cuts the flat state in F equal slices,
+``fragment_update_alpha``), over allreduce (and asynchronous over the box: ``AsyncStreamingDiloco``,
+below): ``fragments`` (F) cuts the flat state in F equal slices,
 fragment ``f`` exchanged after the steps ``t`` with ``t % H == H f // F`` (so the link carries ``1/F`` of
 the model every ``H/F`` steps, not the whole model every H); ``fragment_sync_delay`` (tau) lets the
 allreduce run behind tau inner steps before the fragment's outer step lands; ``fragment_update_alpha``
@@ -58,6 +59,12 @@ arrived or one arrives ``grace_s`` after the pending step's first; that arrival 
 Nesterov step on their weighted mean. Every push gets the center back at once, and the worker's next
 round starts from it (its own contribution possibly still pending): nobody waits for the quorum. On the
 memory server the step is applied there, whole per shard; on the shm box by the pushing worker.
+
+Asynchronous Streaming DiLoCo (``asynchronous: true`` with ``fragments``, ``fragment_sync_delay`` or
+``fragment_update_alpha``; ``AsyncStreamingDiloco``): each fragment of the center is an asynchronous
+DiLoCo of its own, pushed at its offset in the worker's round (the synchronous schedule on the worker's
+own steps), its outer step Delayed Nesterov's under a ticket lock of its own, so the link carries a
+fragment at a time and two workers' arrivals of different fragments never wait for each other.
 """
 
 from __future__ import annotations
@@ -223,10 +230,10 @@ class Diloco(Strategy):
 
     @classmethod
     def resolve(cls, options: DilocoOptions) -> type[Strategy]:
-        if options.streaming and options.asynchronous:
+        if options.streaming and options.quorum:
             raise UserError(
-                "diloco: fragments, fragment_sync_delay and fragment_update_alpha (Streaming DiLoCo) are for the "
-                "synchronous form, not diloco.asynchronous=true"
+                "diloco: a quorum's outer step and Streaming DiLoCo (fragments, fragment_sync_delay, "
+                "fragment_update_alpha) do not combine: the quorum steps the whole model at once"
             )
         if options.streaming and options.overlap:
             raise UserError(
@@ -246,7 +253,9 @@ class Diloco(Strategy):
                 "form waits for every worker each round)"
             )
         if options.asynchronous:
-            return QuorumDiloco if options.quorum else AsyncDiloco
+            if options.quorum:
+                return QuorumDiloco
+            return AsyncStreamingDiloco if options.streaming else AsyncDiloco
         return StreamingDiloco if options.streaming else cls
 
     def __init__(self, ctx: Context, options: DilocoOptions):
@@ -638,7 +647,10 @@ class AsyncDiloco(AsyncStrategy):
         # (with a quorum, then the quorum's counters: QuorumNesterov)
         size = ctx.world.world_size
         quorum = QUORUM_COUNTERS + size if options.quorum else 0
-        super().__init__(ctx, options, extra_numel=2 * numel, extra_counters=2 + 2 * size + quorum)
+        fragments = (options.fragments - 1) * (2 + size)  # Streaming: each further fragment's ticket lock
+        super().__init__(
+            ctx, options, extra_numel=2 * numel, extra_counters=2 + 2 * size + quorum + fragments
+        )
         self.optimizer = ctx.make_optimizer(self.params)
         n = options.buffer_size or self.num_workers
         if options.momentum_activation > 1 / n:
@@ -935,3 +947,261 @@ class QuorumDiloco(AsyncDiloco):
     0.947-0.961, 0.913-0.955)."""
 
     default_options = {**AsyncDiloco.default_options, "outer_lr": 0.35}
+
+
+class AsyncStreamingDiloco(AsyncDiloco):
+    """Streaming DiLoCo, asynchronous, over the box: ``--set diloco.asynchronous=true --set diloco.fragments=2``.
+
+    The center is cut in ``fragments`` (F) slices (``strategies/streaming.py``), and each is an
+    asynchronous DiLoCo of its own: its pseudo-gradient ``g_f = theta_f - x_f`` (the center's fragment as
+    this worker last received it, minus its replica's) is pushed after the step of the worker's round at
+    the fragment's offset (``H f // F`` of the round's H steps, DyLU's H where it adapts; fragment 0 at the
+    round's end: :class:`StreamingDiloco`'s schedule on the worker's own steps), and its outer step is
+    Delayed Nesterov's on that slice of ``theta``, ``m`` and the block's accumulator, in turns of a ticket
+    lock of the fragment's own (so arrivals of different fragments never wait for each other). The new
+    center's fragment comes back with it; ``fragment_sync_delay`` (tau) runs the push and pull behind tau
+    inner steps, and then the replica's fragment becomes ``alpha x_f + (1 - alpha) theta_f``
+    (``fragment_update_alpha``), the next pseudo-gradient measured from ``theta_f``. ``compression`` encodes
+    each fragment's pushes with an error feedback of its own. At the end every exchange in flight lands
+    and every fragment's progress not yet pushed goes, as the synchronous form's last outer steps.
+
+    With one worker (Delayed Nesterov with N = 1 is Nesterov SGD) it is synchronous Streaming DiLoCo
+    exactly. Exclusive with ``quorum`` (one step of the whole model) and ``overlap``.
+    """
+
+    box_state_keys = (*AsyncDiloco.box_state_keys, "tickets")
+
+    def __init__(self, ctx: Context, options: DilocoOptions):
+        super().__init__(ctx, options)
+        size, n = ctx.world.world_size, options.buffer_size or self.num_workers
+        self.fragments = cut(self.numel, options.fragments, options.inner_steps)
+        m_start, a_start = self.extra_start, self.extra_start + self.numel
+        self.outers: list[DelayedNesterov] = []
+        for fr in self.fragments:
+            lock = self.outer.lock  # fragment 0: the whole model's counters; then a lock each
+            if fr.index > 0:
+                base = 2 + 2 * size + (fr.index - 1) * (2 + size)
+                lock = TicketLock(
+                    self.box,
+                    self.counters.extra(base),
+                    self.counters.extra(base + 1),
+                    self.counters.extra(base + 2),
+                    ctx.world.rank,
+                    self.num_workers,
+                    self.membership.lost_after_s,
+                )
+            self.outers.append(
+                DelayedNesterov(
+                    self.box,
+                    fr.numel,
+                    m_start + fr.start,
+                    a_start + fr.start,
+                    lock.ticket,
+                    options.outer_lr,
+                    options.outer_momentum,
+                    n,
+                    options.momentum_activation,
+                    lock,
+                )
+            )
+        # each fragment's error feedback (the whole model's encoder of the base class, which warned
+        # where the box takes no codes, is not used)
+        self.encoder = self.compressor = None
+        device, fused = self.x.device, self.box.fuses_outer_step
+        self.encoders = [
+            box_encoder(self.name, options, self.box, fr.numel, fr.start, device, warns=False)
+            if fused
+            else None
+            for fr in self.fragments
+        ]
+        self.compressors = [
+            None if fused else box_compressor(self.name, options, fr.numel, device, warns=False)
+            for fr in self.fragments
+        ]
+        tau = options.fragment_sync_delay
+        self.backgrounds = [
+            Background(ctx.timeout_s, f"asynchronous diloco fragment {fr.index} push") if tau else None
+            for fr in self.fragments
+        ]
+        self.incoming = [torch.empty(fr.numel, device=device) for fr in self.fragments]  # theta_f, back
+        self.land_in: list[int | None] = [None] * len(self.fragments)  # steps until its outer step lands
+        self.unsent = [0] * len(self.fragments)  # steps of progress not yet pushed, per fragment
+        self.sent_numel = 0
+
+    @property
+    def error(self) -> torch.Tensor | None:
+        owners = [e if e is not None else c for e, c in zip(self.encoders, self.compressors)]
+        return None if owners[0] is None else torch.cat([o.error for o in owners])
+
+    def _position(self, fr: Fragment) -> int:
+        """The step of the worker's round (1..H) after which ``fr`` is pushed."""
+        h = self.round_target
+        return h if fr.index == 0 else max(1, h * fr.index // len(self.fragments))
+
+    def end_step(self, loss: torch.Tensor | None, samples: int, step: int) -> StepResult:
+        now = time.perf_counter()
+        self.step_s.append(now - self.step_end)
+        self.step_end = now
+        self.sent_numel = 0
+        if self.guard(loss, step):
+            self.optimizer.step()
+            self.round_steps += 1
+            self.round_samples += samples
+            for fr in self.fragments:
+                self.unsent[fr.index] += 1
+                if self.land_in[fr.index] is not None:
+                    self.land_in[fr.index] -= 1
+                    if self.land_in[fr.index] <= 0:
+                        self._land(fr)
+            for fr in self.fragments:
+                if self.round_steps == self._position(fr) and not self.halted:
+                    self._send(fr, step)
+            if self.round_steps >= self.round_target:
+                self._measure_speed()
+                self.round_steps = self.round_samples = 0
+                self.round_target = self._next_target()
+                self.step_end = time.perf_counter()
+        extra = {"inner_steps": float(self.round_target), "exchange_wait_s": self.waited}
+        if self.sent_numel:
+            extra["exchange_bytes"] = 4.0 * self.sent_numel  # the box stores float32
+        self.waited = 0.0
+        result = self.step_result(loss, samples)
+        result.extra.update(extra)
+        return result
+
+    def _send(self, fr: Fragment, step: int, inline: bool = False) -> None:
+        """Push fragment ``fr``'s pseudo-gradient (its outer step) and pull its new center: at once with
+        tau = 0 (or ``inline``), else behind the next tau steps."""
+        i, lo, hi = fr.index, fr.start, fr.stop
+        if self.land_in[i] is not None:  # its last exchange first (DyLU shortened the round)
+            self._land(fr)
+        g = self.pulled[lo:hi] - self.x[lo:hi]
+        if not is_finite(g):
+            self.halt(f"pseudo-gradient of fragment {i}", step)
+            return
+        coded = None
+        if self.encoders[i] is not None:
+            coded = self.encoders[i].encode(g)
+        elif self.compressors[i] is not None:
+            g = self.compressors[i].round_trip(g)
+        self.unsent[i] = 0
+        self.sent_numel += fr.numel
+        background = self.backgrounds[i]
+        if background is None or inline:
+            t0 = time.perf_counter()
+            with self.timers.phase("push_pull"):
+                self._exchange(fr, g, coded)
+            self.waited += time.perf_counter() - t0
+            self.land_in[i] = 0
+            self._land(fr)
+        else:
+            background.start(lambda: self._exchange(fr, g, coded))
+            self.land_in[i] = self.options.fragment_sync_delay
+
+    def _exchange(self, fr: Fragment, g: torch.Tensor, coded: list[torch.Tensor] | None) -> None:
+        """Fragment ``fr``'s outer step with ``g`` and the pull of its new center into ``incoming``."""
+        i, lo, out, enc = fr.index, fr.start, self.incoming[fr.index], self.encoders[fr.index]
+
+        def push_pull(u: torch.Tensor, scale: float) -> None:
+            if coded is None:
+                self.box.push_pull(u, out, scale, lo)
+            else:  # (only Delayed Nesterov without momentum pushes on a fused box: g itself)
+                messages = self._coded_g(u, g, coded)
+                self.box.push_encoded_async(messages, u.numel(), enc.code, enc.params, scale, lo, out).wait()
+            done.append(True)
+
+        def outer_step(g: torch.Tensor, k: tuple, last: bool) -> None:
+            if coded is None:
+                self.box.outer_step_async(g, out, k, last, lo).wait()
+            else:
+                self.box.outer_step_encoded_async(
+                    coded, g.numel(), enc.code, enc.params, out, k, last, lo
+                ).wait()
+            done.append(True)
+
+        done: list[bool] = []
+        self.outers[i].apply_(g, push_pull, outer_step)
+        if not done:  # stalled past its turn: the center moved on without this arrival
+            self.box.pull(out, lo)
+        self.box.add_counter(self.counters.version, 1)
+
+    def _land(self, fr: Fragment) -> None:
+        """Fragment ``fr``'s new center arrived: the next pseudo-gradient is measured from it, and the
+        replica's fragment mixes it with its own (alpha)."""
+        i, lo, hi = fr.index, fr.start, fr.stop
+        if self.backgrounds[i] is not None:
+            self.waited += self.backgrounds[i].wait()
+        self.land_in[i] = None
+        theta, alpha = self.incoming[i], self.options.fragment_update_alpha
+        self.pulled[lo:hi].copy_(theta)
+        self.x[lo:hi].copy_(theta if alpha == 0 else torch.lerp(theta, self.x[lo:hi], alpha))
+
+    def flush(self) -> None:
+        for fr in self.fragments:
+            if self.land_in[fr.index] is not None:
+                self._land(fr)
+        for fr in self.fragments:
+            if self.unsent[fr.index] > 0 and not self.halted:
+                self._send(fr, self.ctx.steps, inline=True)
+
+    def close(self) -> None:
+        for fr, background in zip(self.fragments, self.backgrounds):
+            if background is not None and background.busy:
+                try:  # a halted worker's last pushes: let them land before the box goes
+                    background.wait()
+                except Exception as e:
+                    warn(
+                        f"rank {self.world.rank}: asynchronous diloco fragment {fr.index} push failed at close: {e}"
+                    )
+        super().close()
+
+    def state_dict(self) -> dict[str, Any]:
+        for background in self.backgrounds:  # an exchange in flight lands in the box; its theta_f is kept
+            if background is not None and background.busy:
+                self.waited += background.wait()
+        state = super().state_dict()
+        if self.serves:
+            return state
+        state["fragments"] = [
+            {
+                "land_in": self.land_in[fr.index],
+                "unsent": self.unsent[fr.index],
+                **(
+                    {"incoming": self.incoming[fr.index].clone()}
+                    if self.land_in[fr.index] is not None
+                    else {}
+                ),
+            }
+            for fr in self.fragments
+        ]
+        if self.world.rank == 0:
+            state["tickets"] = [self.box.read_counter(o.lock.ticket) for o in self.outers]
+        return state
+
+    def restart_from_center(self) -> None:
+        super().restart_from_center()
+        self.land_in = [None] * len(self.fragments)
+        self.unsent = [0] * len(self.fragments)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("fragments", [])
+        if saved and len(saved) != len(self.fragments):
+            raise UserError(
+                f"diloco: the checkpoint has {len(saved)} fragments, this run {len(self.fragments)}; resume "
+                "with the same diloco.fragments"
+            )
+        if not self.serves and self.world.rank == 0 and "tickets" in state:  # before super() bumps `ready`
+            for outer, ticket in zip(self.outers[1:], state["tickets"][1:]):
+                outer.lock.reset(int(ticket))
+        super().load_state_dict(state)
+        if self.serves:
+            return
+        owners = [e if e is not None else c for e, c in zip(self.encoders, self.compressors)]
+        if "error" in state and owners[0] is not None:
+            for fr, owner in zip(self.fragments, owners):
+                owner.error.copy_(state["error"][fr.start : fr.stop])
+        for fr, s in zip(self.fragments, saved):
+            self.land_in[fr.index] = s.get("land_in")
+            self.unsent[fr.index] = int(s.get("unsent", 0))
+            if "incoming" in s:
+                self.incoming[fr.index].copy_(s["incoming"])

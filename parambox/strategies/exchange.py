@@ -108,19 +108,20 @@ class ExchangeOptions(CompressionOptions):
 
 
 def box_compressor(
-    name: str, options: CompressionOptions, numel: int, device: torch.device
+    name: str, options: CompressionOptions, numel: int, device: torch.device, warns: bool = True
 ) -> Compressor | None:
     """The encoder of a push that the worker decodes itself (asynchronous diloco's pseudo-gradient where
     the box does not apply the outer step: the strategy runs it on float32), or None. The box stores
     float32, so the link carries float32 whatever the encoding: the pushed update is quantized (with
     error feedback), as a transport that carried the codes would deliver it, and the bytes stay (a
-    warning says so)."""
+    warning says so, where ``warns``)."""
     if options.compression == "none":
         return None
-    warn(
-        f"{name}.compression={options.compression}: this box takes the worker's decoded float32 (the rma "
-        "box's memory server, box.server, takes the codes): no link bytes are saved"
-    )
+    if warns:
+        warn(
+            f"{name}.compression={options.compression}: this box takes the worker's decoded float32 (the rma "
+            "box's memory server, box.server, takes the codes): no link bytes are saved"
+        )
     return Compressor(
         options.compression, numel, options.compression_block, device=device, ratio=options.compression_ratio
     )
