@@ -306,6 +306,40 @@ def test_bench_cluster_quick_form_has_every_key():
 
 @pytest.mark.slow
 @needs_root
+@pytest.mark.long
+def test_bench_cluster_with_two_workers_a_node_sets_each_setup_beside_its_simulation():
+    """--workers-per-node 2: four workers on two emulated nodes, each setup beside the simulator's step for
+    two workers a node; allreduce's ring over the four crosses each link with 2 x 3/4 of the gradient
+    each way, as simulated."""
+    pytest.importorskip("mpi4py")
+    before = root_state()
+    setups = "allreduce,box-sync,downpour,hybrid,ceiling"
+    argv = [
+        "bench",
+        "cluster",
+        "--quick",
+        "--setups",
+        setups,
+        "--gbps",
+        "1",
+        "--workers-per-node",
+        "2",
+        "--json",
+    ]
+    result = json.loads(run_cli(*argv, env=MPI_ENV, timeout=280).stdout)
+    assert (result["workers"], result["workers_per_node"]) == (4, 2)
+    entry = result["by_gbps"]["1"]
+    assert set(entry["simulated"]) == {"allreduce", "box-sync", "downpour", "hybrid"}
+    assert all(v["simulated_ms"] >= v["compute_ms"] > 0 for v in entry["simulated"].values())
+    size = 4.0 * result["parameters"]
+    assert entry["comm"]["allreduce"]["link_bytes_per_step_per_node"][0] == pytest.approx(
+        2 * 1.5 * size, rel=0.02
+    )
+    assert root_state() == before
+
+
+@pytest.mark.slow
+@needs_root
 def test_predict_validate_on_the_cluster_quick_form():
     before = root_state()
     argv = ["predict", "--model", "mlp", "--topology", "ring", "--validate", "--json", "--max-workers", "2"]

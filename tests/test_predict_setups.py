@@ -4,10 +4,11 @@ user's model, as a user runs it."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
-from parambox.perfmodel.simulate import PATTERNS
+from parambox.perfmodel.simulate import LINK_EFFICIENCY, PATTERNS
 from tests.conftest import run_cli
 
 
@@ -45,3 +46,39 @@ def test_predict_nodes_out_of_the_simulators_range_is_one_line():
         and "--nodes must be within 1..256" in bad.stderr
         and "Traceback" not in bad.stderr
     )
+
+
+def test_predict_ranks_the_setups_for_nodes_of_several_workers():
+    """4 workers on each of 2 nodes (--workers-per-node 4): the global batch of 1024 over the 8 workers
+    (128 each), allreduce's ring over all 8 (2 x 7 rounds, each one hop across each node's link), ps-sync
+    left out (simulated with one worker a node only)."""
+    out = run_cli(
+        "predict", "--model", "logreg", "--data", "digits", "--comp-table", "1:1,64:20,1024:300",
+        "--bandwidth-gbps", "0.1", "--latency-us", "10", "--topology", "ring", "--max-workers", "8",
+        "--nodes", "2", "--workers-per-node", "4", "--json",
+    )  # fmt: skip
+    s = json.loads(out.stdout)["setups"]
+    assert (s["nodes"], s["workers_per_node"]) == (2, 4)
+    by = {r["setup"]: r for r in s["ranking"]}
+    assert set(by) == set(PATTERNS) - {"ceiling", "ddp", "post-local-sgd", "ps-sync"}
+    compute = 20 * 2 ** (math.log(15) / math.log(16))  # 128 samples: log-log between 64:20 and 1024:300
+    rate = 0.1e9 / 8 * LINK_EFFICIENCY
+    ring = 2 * 7 * 10e-6 + 2 * 7 / 8 * 4 * 650 / rate  # one bucket: it starts once backward is done
+    assert by["allreduce"]["compute_ms"] == pytest.approx(compute)
+    assert by["allreduce"]["step_ms"] == pytest.approx(compute + 1e3 * ring)
+    assert all(r["samples_per_s"] == pytest.approx(1024 / (r["step_ms"] / 1e3)) for r in by.values())
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--workers-per-node", "2"], "--workers-per-node W (>= 1) goes with --nodes N"),
+        (
+            ["--nodes", "2", "--workers-per-node", "2", "--simulate", "ps-sync"],
+            "ps-sync is simulated with one",
+        ),
+    ],
+)
+def test_predict_workers_per_node_errors_are_one_line(extra, says):
+    bad = run_cli("predict", "--comp-ms", "10", *extra, check=False)
+    assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

@@ -3,6 +3,7 @@ max-min sharing, overlap and buckets, and ``parambox predict --simulate`` as a u
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -12,7 +13,15 @@ import simpy
 from parambox.errors import UserError
 from parambox.perfmodel.compute import ComputeProfile
 from parambox.perfmodel.scaling import predict_curve
-from parambox.perfmodel.simulate import LINK_EFFICIENCY, Fabric, Pattern, _Flow, simulate, simulate_curve
+from parambox.perfmodel.simulate import (
+    LINK_EFFICIENCY,
+    PATTERNS,
+    Fabric,
+    Pattern,
+    _Flow,
+    simulate,
+    simulate_curve,
+)
 from parambox.perfmodel.topology import Network, ring_allreduce_s
 from tests.conftest import run_cli
 
@@ -399,3 +408,83 @@ def test_the_tau_h_table_times_measured_steps_by_the_simulated_step():
         assert rows["diloco", 1]["seconds_to_target"][g] == pytest.approx(100 * (0.01 + ring), rel=1e-9)
         box = 10e-6 + 2 * (S / 2) / net.bandwidth  # easgd every step: the fused push-pull
         assert rows["easgd", 1]["seconds_to_target"][g] == pytest.approx(100 * (0.01 + box), rel=1e-9)
+
+
+# -- several workers a node ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, w", [(2, 2), (3, 2), (2, 4)])
+def test_with_several_workers_a_node_the_ring_runs_over_every_worker(n, w):
+    """gloo's ring over R = n w workers, node by node: 2(R-1) rounds of S/R, one hop of each crossing a
+    node's link, so each link carries 2(R-1)/R S after 2(R-1) latencies (R = 4 on 2 nodes: the 12.9 MB a
+    step a node that bench cluster measured for the CNN's 4.3 MB, against 8.6 MB for one worker a node)."""
+    r_ = n * w
+    r = simulate("weight-avg", n, 0.1, S, NET, steps=8, workers_per_node=w)
+    ring = 2 * (r_ - 1) * ALPHA + 2 * (r_ - 1) / r_ * S / RATE
+    assert r.phases_s["exchange"] * 8 / 2 == pytest.approx(ring, rel=1e-9)
+    assert r.link_bytes_per_step == pytest.approx(2 * 2 * (r_ - 1) / r_ * S / 4, rel=1e-9)
+    assert r.samples_per_s == pytest.approx(n * w * 64 / r.step_s, rel=1e-12)
+    gathered = simulate(
+        Pattern("allreduce", period=4, wire=0.25), n, 0.1, S, NET, steps=8, workers_per_node=w
+    )
+    assert gathered.phases_s["exchange"] * 8 / 2 == pytest.approx(
+        (r_ - 1) * ALPHA + (r_ - 1) * 0.25 * S / RATE, rel=1e-9
+    )
+
+
+@pytest.mark.parametrize("setup", ["box-sync", "hybrid"])
+def test_two_levels_and_hybrids_leader_cross_the_link_once_a_node(setup):
+    """box-sync's two levels (the node's sum, pushed by its leader once backward is done) and hybrid's
+    group leader: a node's link carries what one worker a node would (box-sync then not in buckets)."""
+    one = simulate(dataclasses.replace(PATTERNS[setup], bucketed=False), 2, 0.1, S, NET, steps=8)
+    two = simulate(setup, 2, 0.1, S, NET, steps=8, workers_per_node=2)
+    assert two.step_s == pytest.approx(one.step_s, rel=1e-12)
+    assert two.link_bytes_per_step == pytest.approx(one.link_bytes_per_step, rel=1e-12)
+    assert two.samples_per_s == pytest.approx(2 * one.samples_per_s, rel=1e-12)
+
+
+def test_through_a_node_cache_the_worker_that_syncs_waits_and_syncs_skip_while_one_is_in_flight():
+    """easgd every 4 steps through the node cache (``box/node_cache.py``): the exchanges end in the
+    node's shm box, and every w-th of the node syncs it inline (a fused push-pull, float32 even where
+    the pushes are encoded) unless a sync is under way. Two workers in step: the second to arrive
+    syncs, waits for it, and stays behind, so it is the one that syncs each period (its step, the
+    slowest: the compute plus a quarter of a sync) while the other never waits; until the other is a
+    period ahead, and they come to share the syncs (the default run, 64 steps)."""
+    sync = ALPHA + 2 * (S / 2) / RATE  # both nodes at once: their halves cross each link both ways
+    per_sync = 4 * (S / 2)  # sent + received a node: its push and pull, the other node's served
+    r = simulate("easgd-tau4-int8", 2, 0.1, S, NET, steps=8, workers_per_node=2)
+    assert sync < 0.4 and r.step_s == pytest.approx(0.1 + sync / 4, rel=1e-9)
+    assert r.link_bytes_per_step == pytest.approx(per_sync / 4, rel=1e-9)
+    shared = simulate("easgd-tau4", 2, 0.1, S, NET, workers_per_node=2)
+    assert 0.1 < shared.step_s < 0.1 + sync / 4 - 1e-4  # the slowest worker no longer takes them all
+    assert shared.link_bytes_per_step == pytest.approx(per_sync / 4, rel=1e-9)  # one sync a period
+    # downpour's every step, on a link slower than the compute: the node's pushes that come while a
+    # sync is under way leave their update to the next, so fewer syncs than steps cross it (one a step
+    # would be per_sync), one after the other, and no worker's step waits for more than one
+    slow = simulate("downpour", 2, sync / 4, S, NET, workers_per_node=2)
+    assert slow.link_bytes_per_step < 0.6 * per_sync
+    assert sync / 4 < slow.step_s < sync / 4 + sync
+
+
+def test_every_worker_of_a_node_pushes_its_own_where_nothing_caches_the_center():
+    """Asynchronous diloco (no node cache): each of a node's w workers push-pulls the whole model against
+    the shards over every rank, so the node's link carries w times one worker's exchange."""
+    one = ALPHA + 2 * (S / 2) / RATE
+    r = simulate("diloco-async", 2, 0.1, S, NET, steps=32, workers_per_node=3)
+    assert r.phases_s["exchange"] * 32 / 2 == pytest.approx(ALPHA + 3 * 2 * (S / 2) / RATE, rel=1e-9)
+    assert r.phases_s["exchange"] * 32 / 2 > 2.9 * (one - ALPHA)
+
+
+def test_ps_sync_with_several_workers_a_node_is_not_simulated():
+    with pytest.raises(UserError, match="ps-sync is simulated with one worker a node only"):
+        simulate("ps-sync", 2, 0.1, S, NET, workers_per_node=2)
+
+
+def test_the_validation_with_several_workers_a_node_takes_the_cluster_s_samples_over_every_worker():
+    from parambox.perfmodel.simulate import against_measured
+
+    step = simulate("weight-avg", 2, 0.1, S, NET, workers_per_node=2).step_s
+    rates = {"ceiling": 4 * 64 / 0.1, "weight-avg": 4 * 64 / step, "ps-sync": 1.0}
+    rows = against_measured(rates, 2, 64, S, NET, workers_per_node=2)
+    assert set(rows) == {"weight-avg"} and rows["weight-avg"]["compute_ms"] == pytest.approx(100.0)
+    assert rows["weight-avg"]["error"] == pytest.approx(0.0, abs=1e-9)

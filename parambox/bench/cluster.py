@@ -385,10 +385,9 @@ def run_bench_cluster(
             setup_s = cluster.setup_s
         entry = summarize(data, loopback["per_round"])
         entry.update(link_gbps=g, cluster_setup_s=setup_s, load_average_1m=[load0, os.getloadavg()[0]])
-        if workers_per_node == 1:
-            entry["simulated"] = _simulated(
-                entry, nodes, g, bench.batch, 4.0 * size["parameters"], model_shapes(bench)
-            )
+        entry["simulated"] = _simulated(
+            entry, nodes, g, bench.batch, 4.0 * size["parameters"], model_shapes(bench), workers_per_node
+        )
         result["by_gbps"][f"{g:g}"] = entry
     return result
 
@@ -400,6 +399,7 @@ def _simulated(
     batch: int,
     size_bytes: float,
     shapes: list[tuple[int, ...]],
+    workers_per_node: int = 1,
 ) -> dict[str, dict[str, float]]:
     """Each setup of one rate's ``entry`` beside the event simulator's step for it on these links,
     without and with the exchange's measured CPU on the workers' cores (``perfmodel/simulate.py``)."""
@@ -407,7 +407,16 @@ def _simulated(
     from parambox.perfmodel.topology import Network
 
     net = Network.from_gbps(gbps, 10.0)
-    return against_measured(entry["samples_per_s"], nodes, batch, size_bytes, net, cpu_ms_of(entry), shapes)
+    return against_measured(
+        entry["samples_per_s"],
+        nodes,
+        batch,
+        size_bytes,
+        net,
+        cpu_ms_of(entry),
+        shapes,
+        workers_per_node,
+    )
 
 
 def cpu_ms_of(entry: dict[str, Any]) -> dict[str, float]:

@@ -4,9 +4,10 @@ Defaults: global batch 1024 (so every n up to 1024 gets at least one sample: the
 defined on the whole grid), 10 Gbit/s links with 10 us latency, 4 servers / box shards, overlap 0, T_comp
 measured here with 1 thread (the fastest of 5 passes) over the local batch sizes the grid needs (powers of two up to 256, linear above).
 
-``--nodes N`` ranks parambox's setups for a cluster of N nodes (one worker each) at the given links
-(``--bandwidth-gbps``): every setup of ``--simulate`` (default all) simulated at n = N and ranked by samples/s,
-on the model given (a zoo name or your own factory, with ``--data``): ``perfmodel/ranking.py``.
+``--nodes N`` ranks parambox's setups for a cluster of N nodes (one worker each, or ``--workers-per-node W``)
+at the given links (``--bandwidth-gbps``): every setup of ``--simulate`` (default all) simulated at n = N and
+ranked by samples/s, on the model given (a zoo name or your own factory, with ``--data``):
+``perfmodel/ranking.py``.
 
 ``--simulate allreduce,ps-sync`` adds curves from ``perfmodel/simulate.py`` (named ``sim:SETUP``): each
 point a flow-level simulation of the setup's steps on n nodes with the same T_comp and network, where
@@ -90,6 +91,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="rank the simulated setups (--simulate, default all) for N nodes by samples per second at n = N",
     )
+    a(
+        "--workers-per-node",
+        type=int,
+        default=1,
+        metavar="W",
+        help="with --nodes: W workers on each node (its GPUs), exchanging as the strategies do with "
+        "several a node (box-sync's node sum, the node cache, hybrid's groups; default 1)",
+    )
     a("--validate", action="store_true", help="measure 1 and 2 workers here and compare with ring")
     a("--validate-batch", type=int, help="global batch of the validation (default min(global batch, 64))")
     a("--emulate-nodes", type=int, help="--validate on 2 emulated nodes (network namespaces; needs root)")
@@ -117,6 +126,12 @@ def _check(args: argparse.Namespace) -> None:
     if args.nodes is not None and not 1 <= args.nodes <= SIMULATED_MAX_NODES:
         raise UserError(
             f"--nodes must be within 1..{SIMULATED_MAX_NODES} (the simulator's), got {args.nodes}"
+        )
+    if args.workers_per_node < 1 or (args.workers_per_node > 1 and args.nodes is None):
+        raise UserError(f"--workers-per-node W (>= 1) goes with --nodes N, got {args.workers_per_node}")
+    if args.workers_per_node > 1 and "ps-sync" in _simulated(args):
+        raise UserError(
+            "--simulate ps-sync is simulated with one worker a node only: drop it or --workers-per-node"
         )
     _simulated(args)  # names checked before anything is measured
     for name in ("global_batch", "local_batch", "threads", "repeats", "max_measure_batch", "max_workers"):
@@ -236,7 +251,13 @@ def _every_setup(args: argparse.Namespace) -> list[str]:
     PostLocalSGD); not the low-rank ones where --parameters hides the shapes."""
     from parambox.bench.cluster import REFERENCES
 
-    return [p for p in PATTERNS if p not in REFERENCES and not (args.parameters and PATTERNS[p].low_rank)]
+    return [
+        p
+        for p in PATTERNS
+        if p not in REFERENCES
+        and not (args.parameters and PATTERNS[p].low_rank)
+        and not (args.workers_per_node > 1 and PATTERNS[p].exchange == "ps")  # one worker a node only
+    ]
 
 
 def _grid(args: argparse.Namespace) -> list[int]:
@@ -300,16 +321,26 @@ def _rank_setups(
     """--nodes N: every setup of --simulate (default all) simulated at n = N alone, ranked."""
     scaling = "strong" if "strong" in batches else "weak"
     setups = _simulated(args) or _every_setup(args)
-    _say(args, f"ranking {len(setups)} setups on {args.nodes} nodes (simulated)")
+    w = args.workers_per_node
+    each = f", {w} workers each" if w > 1 else ""
+    _say(args, f"ranking {len(setups)} setups on {args.nodes} nodes{each} (simulated)")
     curves = []
     for setup in setups:
         c = simulate_curve(
-            setup, compute, size_bytes, net, batches[scaling], scaling == "weak", [args.nodes], shapes=shapes
+            setup,
+            compute,
+            size_bytes,
+            net,
+            batches[scaling],
+            scaling == "weak",
+            [args.nodes],
+            shapes=shapes,
+            workers_per_node=w,
         )
         c.topology = f"sim:{setup}"
         curves.append(c)
-    rows = rank_setups(curves, args.nodes, batches[scaling], scaling == "weak")
-    return {"nodes": args.nodes, "scaling": scaling, "ranking": rows}
+    rows = rank_setups(curves, args.nodes, batches[scaling], scaling == "weak", w)
+    return {"nodes": args.nodes, "workers_per_node": w, "scaling": scaling, "ranking": rows}
 
 
 def _validate(

@@ -39,8 +39,10 @@ def curves_table(curves: list[ScalingCurve], title: str) -> Table:
 def setups_table(result: dict) -> Table:
     """parambox's setups ranked on ``result["setups"]["nodes"]`` nodes (``perfmodel/ranking.py``)."""
     s, net = result["setups"], result["network"]
+    w = s.get("workers_per_node", 1)
+    each = f" of {w} workers" if w > 1 else ""
     table = Table(
-        title=f"setups on {s['nodes']} nodes at {net['bandwidth_gbps']:.3g} Gbit/s ({s['scaling']} scaling, "
+        title=f"setups on {s['nodes']} nodes{each} at {net['bandwidth_gbps']:.3g} Gbit/s ({s['scaling']} scaling, "
         "simulated): samples per second, not time to a target (pick measures convergence)",
         title_justify="left",
     )

@@ -21,10 +21,12 @@ from parambox.perfmodel.scaling import ScalingCurve
 PREFIX = "sim:"  # the simulated curves' names
 
 
-def rank_setups(curves: list[ScalingCurve], nodes: int, batch: int, weak: bool) -> list[dict[str, Any]]:
+def rank_setups(
+    curves: list[ScalingCurve], nodes: int, batch: int, weak: bool, workers_per_node: int = 1
+) -> list[dict[str, Any]]:
     """The simulated setups among ``curves`` at n = ``nodes``, by samples per second (the global batch per
-    step under strong scaling, ``batch`` per node under weak), each with its step, compute and communication
-    and its rate over the fastest's."""
+    step under strong scaling, ``batch`` per worker under weak), each with its step, compute and
+    communication and its rate over the fastest's."""
     rows = []
     for c in curves:
         if not c.topology.startswith(PREFIX) or nodes not in c.n:
@@ -33,7 +35,7 @@ def rank_setups(curves: list[ScalingCurve], nodes: int, batch: int, weak: bool) 
         step, comp = c.t_iter_s[i], c.t_comp_s[i]
         if step is None or comp is None:
             continue
-        per_step = batch * nodes if weak else batch
+        per_step = batch * nodes * workers_per_node if weak else batch
         rows.append(
             {
                 "setup": c.topology.removeprefix(PREFIX),

@@ -1,9 +1,10 @@
 """A flow-level event simulator of the strategies' steps on a cluster: what ``parambox reproduce``
 uses for the claims one machine cannot host (1 to 256 nodes).
 
-Each node runs one worker. A worker computes (its measured step time, optionally with jitter) and
-exchanges as its strategy does, one pattern per setup of ``PATTERNS`` (the names of ``bench cluster``'s
-setups, plus ``ps-sync``):
+Each node runs one worker, or ``workers_per_node`` side by side (simulated as one: :func:`simulate`
+says what crosses the link then). A worker computes (its measured step time, optionally with jitter)
+and exchanges as its strategy does, one pattern per setup of ``PATTERNS`` (the names of ``bench
+cluster``'s setups, plus ``ps-sync``):
 
 - ``allreduce``: gloo's ring (reduce-scatter then all-gather, 2(n-1) rounds of S/n) in buckets that
   start during backward (1 MB first, then 25 MB, as ``strategies/allreduce.py``);
@@ -51,6 +52,7 @@ decodes after it; an overlapped exchange's on its own path as well).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import statistics
@@ -83,6 +85,10 @@ class Pattern:
     # each), and the messages are all-gathered (strategies/compress.py), not reduced
     wire: float = 1.0
     low_rank: int = 0  # PowerSGD's rank: two allreduces, sized from the model's shapes
+    # A "box" exchange on a node of several workers: "cache" (the node's shm box caches the center and
+    # syncs it across the link behind the workers: downpour, easgd, eamsgd), "leader" (one exchange a
+    # node: hybrid's group leader) or "each" (every worker's own: asynchronous diloco)
+    per_node: str = "each"
 
     @property
     def compressed(self) -> bool:
@@ -97,16 +103,16 @@ PATTERNS: dict[str, Pattern] = {
     "ddp": Pattern("allreduce", bucketed=True),
     "allreduce": Pattern("allreduce", bucketed=True),
     "box-sync": Pattern("box-sync", bucketed=True),
-    "downpour": Pattern("box", bucketed=True),
-    "downpour-overlap": Pattern("box", overlap=True),
+    "downpour": Pattern("box", bucketed=True, per_node="cache"),
+    "downpour-overlap": Pattern("box", overlap=True, per_node="cache"),
     "weight-avg": Pattern("allreduce", period=4),
     "post-local-sgd": Pattern("allreduce", period=4),  # torch's PeriodicModelAverager: weight-avg's exchange
-    "easgd-tau4": Pattern("box", period=4),
-    "easgd-tau16": Pattern("box", period=16),
+    "easgd-tau4": Pattern("box", period=4, per_node="cache"),
+    "easgd-tau16": Pattern("box", period=16, per_node="cache"),
     # One worker a node (bench cluster's groups = nodes): each group's allreduce is of one rank, and its
     # leader's exchange is easgd's, every tau = 4 steps
-    "hybrid": Pattern("box", period=4),
-    "eamsgd-tau16": Pattern("box", period=16),
+    "hybrid": Pattern("box", period=4, per_node="leader"),
+    "eamsgd-tau16": Pattern("box", period=16, per_node="cache"),
     "diloco": Pattern("allreduce", period=16),
     "diloco-overlap": Pattern("allreduce", period=16, overlap=True),
     "diloco-int8": Pattern("allreduce", period=16, wire=_INT8),
@@ -119,8 +125,10 @@ PATTERNS: dict[str, Pattern] = {
     "allreduce-powersgd": Pattern("allreduce", low_rank=4),
     "diloco-async": Pattern("box", period=16),
     "diloco-async-overlap": Pattern("box", period=16, overlap=True),
-    "downpour-int8": Pattern("box", wire=_INT8),  # encoded whole after backward, not in buckets
-    "easgd-tau4-int8": Pattern("box", period=4, wire=_INT8),
+    "downpour-int8": Pattern(
+        "box", wire=_INT8, per_node="cache"
+    ),  # encoded whole after backward, not in buckets
+    "easgd-tau4-int8": Pattern("box", period=4, wire=_INT8, per_node="cache"),
     "diloco-async-int8": Pattern("box", period=16, wire=_INT8),
     "ps-sync": Pattern("ps"),
 }
@@ -235,9 +243,12 @@ class Fabric:
 class _Cluster:
     """The simulated run: the fabric, the collectives' rendezvous, each node's step clock."""
 
-    def __init__(self, nodes: int, net: Network, seed: int, jitter: float):
+    def __init__(self, nodes: int, net: Network, seed: int, jitter: float, workers_per_node: int = 1):
         self.env = simpy.Environment()
         self.n = nodes
+        self.ranks = nodes * workers_per_node  # a collective's ring runs over every worker
+        self.syncing = [False] * nodes  # a node cache's sync of the center in flight
+        self.pushes = [0] * nodes  # exchanges made into a node's cache
         self.fabric = Fabric(self.env, nodes, net.bandwidth * LINK_EFFICIENCY, net.latency)
         self.rng, self.jitter = random.Random(seed), jitter
         self._events: dict[tuple, simpy.Event] = {}
@@ -265,25 +276,28 @@ class _Cluster:
         """Node ``me``'s part of a ring allreduce of ``nbytes``: once every node has arrived (a round
         needs its neighbours), 2(n-1) rounds of S/n to the next node, as one flow of 2(n-1)/n S over
         that link after 2(n-1) latencies. Exact where nothing else shares the links; with other traffic
-        the ring's share of a link is one flow's."""
-        n = self.n
+        the ring's share of a link is one flow's. With several workers a node the ring runs over all
+        R of them, node by node: 2(R-1) rounds of S/R, one hop of each round crossing each node's
+        link, the hops inside a node at memory speed (free here)."""
+        n, r = self.n, self.ranks
         if n == 1:
             return
         yield self.gate(("ring", tag))
-        yield self.env.timeout((2 * (n - 1) - 1) * self.fabric.latency)  # the send waits the last one
-        sent = self.fabric.send(me, (me + 1) % n, 2 * (n - 1) / n * nbytes)
+        yield self.env.timeout((2 * (r - 1) - 1) * self.fabric.latency)  # the send waits the last one
+        sent = self.fabric.send(me, (me + 1) % n, 2 * (r - 1) / r * nbytes)
         sent.callbacks.append(lambda _e: self.event(("ring in", tag, (me + 1) % n)).succeed())
         yield self.env.all_of([sent, self.event(("ring in", tag, me))])
 
     def ring_allgather(self, me: int, tag: tuple, nbytes: float):
-        """Node ``me``'s part of a ring all-gather of one ``nbytes`` message a node (gloo's): n-1 rounds
-        of one message to the next node, as one flow of (n-1) messages after n-1 latencies."""
-        n = self.n
+        """Node ``me``'s part of a ring all-gather of one ``nbytes`` message a worker (gloo's): R-1
+        rounds of one message to the next worker, as one flow of (R-1) messages over the node's link
+        after R-1 latencies (R workers; one a node: R = n)."""
+        n, r = self.n, self.ranks
         if n == 1:
             return
         yield self.gate(("gather", tag))
-        yield self.env.timeout((n - 2) * self.fabric.latency)
-        sent = self.fabric.send(me, (me + 1) % n, (n - 1) * nbytes)
+        yield self.env.timeout((r - 2) * self.fabric.latency)
+        sent = self.fabric.send(me, (me + 1) % n, (r - 1) * nbytes)
         sent.callbacks.append(lambda _e: self.event(("gather in", tag, (me + 1) % n)).succeed())
         yield self.env.all_of([sent, self.event(("gather in", tag, me))])
 
@@ -328,25 +342,48 @@ def simulate(
     average_bytes_per_s: float = 5e9,
     exchange_cpu_s: float = 0.0,
     shapes: list[tuple[int, ...]] | None = None,
+    workers_per_node: int = 1,
 ) -> SimResult:
     """``setup`` (a key of ``PATTERNS``, or a ``Pattern``) on ``nodes`` nodes, each step ``compute_s`` of compute on
     ``batch`` samples and ``size_bytes`` of gradient or weights; measured over ``steps`` steps after one
     exchange period of warm-up (default 4 periods, at least 8 steps). ``average_bytes_per_s``: how fast
     ps-sync's server sums the gathered gradients (its ``average`` phase). ``exchange_cpu_s``: the seconds
     of a core an overlapped exchange waits for besides its links (its CPU on cores the compute fills).
-    ``shapes``: the model's parameter shapes, which a ``low_rank`` pattern's message sizes come from."""
+    ``shapes``: the model's parameter shapes, which a ``low_rank`` pattern's message sizes come from.
+
+    ``workers_per_node`` (w): a node's w workers compute side by side and step together, so a node is
+    simulated as one, with its exchange as the strategy makes it across the link (``bench cluster
+    --workers-per-node``): a collective's ring over all ``nodes * w`` workers; box-sync's two levels
+    (the node's sum, pushed by its leader after backward, ``box/levels.py``); hybrid's group leader;
+    through a node cache (``per_node="cache"``: ``box/node_cache.py``) the workers' exchanges end in
+    the node's shm box and never wait on the link, and a sync of the center (float32, one fused
+    push-pull) starts whenever an exchange finds none in flight; every worker its own push-pull
+    (``per_node="each"``). Traffic inside a node is at memory speed: free here (its CPU is
+    ``against_measured``'s). Through a cache the worker that syncs waits for it while its node-mates go
+    on: they drift apart and come to share the syncs, and the step is the slowest worker's, over a
+    longer run (64 steps) to let them settle. ``bench cluster``'s barrier at the end of each timed
+    round (16 steps) brings them back in step, which this does not simulate."""
     if isinstance(setup, Pattern):
         pattern, setup = setup, f"{setup.exchange} every {setup.period}"
     elif setup in PATTERNS:
         pattern = PATTERNS[setup]
     else:
         raise UserError(f"simulate: setup {setup!r}; choose from {', '.join(PATTERNS)}")
-    if nodes < 1 or not compute_s > 0 or size_bytes < 0 or jitter < 0:
-        raise UserError("simulate: nodes >= 1, compute_s > 0, size_bytes >= 0, jitter >= 0")
+    if nodes < 1 or not compute_s > 0 or size_bytes < 0 or jitter < 0 or workers_per_node < 1:
+        raise UserError(
+            "simulate: nodes >= 1, compute_s > 0, size_bytes >= 0, jitter >= 0, workers_per_node >= 1"
+        )
+    w = workers_per_node
+    if w > 1 and pattern.exchange == "ps":
+        raise UserError(f"simulate: {setup} is simulated with one worker a node only")
+    pattern = _with_workers(pattern, w)
+    cached = w > 1 and pattern.exchange == "box" and pattern.per_node == "cache"
+    crossing = size_bytes * (w if pattern.exchange == "box" and pattern.per_node == "each" else 1)
     rounds = low_rank_bytes(setup, pattern.low_rank, shapes) if pattern.low_rank else ()
     warm = pattern.period
-    steps = steps or max(8, 4 * pattern.period)
-    run = _Cluster(nodes, net, seed, jitter)
+    # through a cache the workers drift apart (the one that syncs waits): a longer run settles it
+    steps = steps or (max(64, 16 * pattern.period) if cached else max(8, 4 * pattern.period))
+    run = _Cluster(nodes, net, seed, jitter, w)
     clocks: list[list[float]] = [[] for _ in range(nodes)]
     phases: dict[str, list[float]] = defaultdict(list)
 
@@ -365,13 +402,11 @@ def simulate(
                     if background is not None:
                         yield background
                     background = env.process(
-                        _exchange(
-                            run, pattern, me, k, size_bytes, average_bytes_per_s, exchange_cpu_s, rounds
-                        )
+                        _exchange(run, pattern, me, k, crossing, average_bytes_per_s, exchange_cpu_s, rounds)
                     )
                 else:
                     timed = yield env.process(
-                        _exchange(run, pattern, me, k, size_bytes, average_bytes_per_s, rounds=rounds)
+                        _exchange(run, pattern, me, k, crossing, average_bytes_per_s, rounds=rounds)
                     )
                     if me == 0 and k >= warm:
                         for name, s in (timed or {}).items():
@@ -381,13 +416,50 @@ def simulate(
                 phases["exchange"].append(env.now - t1)
             clocks[me].append(env.now)
 
-    for i in range(nodes):
-        run.env.process(worker(i))
+    def cached_worker(me: int, j: int):
+        """Worker ``j`` of node ``me`` through its node's cache: every ``w``-th exchange of the node
+        syncs it, inline, unless a sync is under way (``NodeCachedBox.sync(wait=False)``)."""
+        env, clock = run.env, clocks[me * w + j]
+        for k in range(warm + steps):
+            t0 = env.now
+            yield run.compute(compute_s)
+            t1 = env.now
+            if (k + 1) % pattern.period == 0 and nodes > 1:
+                run.pushes[me] += 1
+                if run.pushes[me] % w == 0 and not run.syncing[me]:
+                    run.syncing[me] = True
+                    yield from run.push_pull(me, size_bytes)
+                    run.syncing[me] = False
+            if me == 0 and j == 0 and k >= warm:
+                phases["compute"].append(t1 - t0)
+                phases["exchange"].append(env.now - t1)
+            clock.append(env.now)
+
+    if cached:
+        clocks = [[] for _ in range(nodes * w)]
+        for i in range(nodes * w):
+            run.env.process(cached_worker(i // w, i % w))
+    else:
+        for i in range(nodes):
+            run.env.process(worker(i))
     run.env.run()
-    step_s = statistics.mean((c[-1] - c[warm - 1]) / steps for c in clocks)
+    per_worker = [(c[-1] - c[warm - 1]) / steps for c in clocks]
+    # through a cache the slowest worker's (a node's workers differ: the one that syncs waits, and
+    # bench cluster's rounds end with a barrier)
+    step_s = max(per_worker) if cached else statistics.mean(per_worker)
     per_step = {name: sum(v) / steps for name, v in phases.items()}
     wire = statistics.mean(run.fabric.wire) / (warm + steps)
-    return SimResult(setup, nodes, step_s, nodes * batch / step_s, wire, per_step)
+    return SimResult(setup, nodes, step_s, nodes * w * batch / step_s, wire, per_step)
+
+
+def _with_workers(pattern: Pattern, w: int) -> Pattern:
+    """What crosses the link with ``w`` workers a node (:func:`simulate`): box-sync's node sum goes once
+    backward is done, a node cache syncs float32 in one piece."""
+    if w > 1 and pattern.exchange == "box-sync":
+        return dataclasses.replace(pattern, bucketed=False)
+    if w > 1 and pattern.exchange == "box" and pattern.per_node == "cache":
+        return dataclasses.replace(pattern, bucketed=False, overlap=False, wire=1.0)
+    return pattern
 
 
 def low_rank_bytes(setup: str, rank: int, shapes: list[tuple[int, ...]] | None) -> tuple[float, float]:
@@ -507,8 +579,9 @@ def against_measured(
     net: Network,
     cpu_ms: dict[str, float] | None = None,
     shapes: list[tuple[int, ...]] | None = None,
+    workers_per_node: int = 1,
 ) -> dict[str, dict[str, float]]:
-    """``bench cluster``'s view of one link rate (one worker per node): each setup's measured ms per
+    """``bench cluster``'s view of one link rate (``workers_per_node`` a node): each setup's measured ms per
     step beside its simulation, given that run's own compute time (its ``ceiling`` setup: the same
     processes never communicating, on the same cores). ``error`` = simulated / measured - 1: a setup
     far below 0 runs slower than its pattern over the links allows.
@@ -521,7 +594,9 @@ def against_measured(
 
     - a collective's (gloo's ring: reducing, copying, sending) runs inside the collective, which every
       rank waits on: it first fills the time the worker waits on the link, so the step is about the longer
-      of the links-alone step and the compute plus that CPU (allreduce, ddp, weight-avg, diloco);
+      of the links-alone step and the compute plus that CPU (allreduce, ddp, weight-avg, diloco); so
+      does box-sync's in two levels (several workers a node: the node's sum and its leader's push and
+      pull run after backward, while every worker of the node waits);
     - a compressed collective's (encoding the message before the all-gather, decoding every rank's
       after it; PowerSGD's products and orthogonalization between and around its two allreduces) lies
       before and after the link wait, not within it: the step grows by all of it;
@@ -537,15 +612,27 @@ def against_measured(
       (by ``period`` steps' worth). A sequential step has one path, and counts it once."""
     if "ceiling" not in samples_per_s:
         return {}
-    compute_s = nodes * batch / samples_per_s["ceiling"]
+    w = workers_per_node
+    compute_s = nodes * w * batch / samples_per_s["ceiling"]
     cpu = cpu_ms if cpu_ms and cpu_ms.get("ceiling", 0) > 0 else None
     share = cpu["ceiling"] / 1e3 / compute_s if cpu else 1.0
     out = {}
     for setup, rate in samples_per_s.items():
         if setup == "ceiling" or setup not in PATTERNS or not rate > 0:
             continue
-        measured = nodes * batch / rate
-        sim = simulate(setup, nodes, compute_s, size_bytes, net, batch=batch, shapes=shapes).step_s
+        if w > 1 and PATTERNS[setup].exchange == "ps":
+            continue
+        measured = nodes * w * batch / rate
+        sim = simulate(
+            setup,
+            nodes,
+            compute_s,
+            size_bytes,
+            net,
+            batch=batch,
+            shapes=shapes,
+            workers_per_node=w,
+        ).step_s
         out[setup] = {
             "compute_ms": compute_s * 1e3,
             "measured_ms": measured * 1e3,
@@ -555,7 +642,7 @@ def against_measured(
         if cpu and cpu.get(setup):
             extra = max(0.0, cpu[setup] - cpu["ceiling"]) / 1e3
             taken = extra / share  # compute seconds a step that CPU takes at the ceiling's share
-            pattern = PATTERNS[setup]
+            pattern = _with_workers(PATTERNS[setup], w)
             if _cpu_within_wait(pattern):
                 taken = max(0.0, taken - (sim - compute_s))
             behind = taken * pattern.period if pattern.overlap else 0.0  # on the exchange's path too
@@ -568,6 +655,7 @@ def against_measured(
                 batch=batch,
                 exchange_cpu_s=behind,
                 shapes=shapes,
+                workers_per_node=w,
             ).step_s
             out[setup].update(
                 exchange_cpu_ms=extra * 1e3,
@@ -579,7 +667,7 @@ def against_measured(
 
 def _cpu_within_wait(pattern: Pattern) -> bool:
     """The exchange's CPU first fills the worker's wait on the link (``against_measured``'s rules)."""
-    if pattern.exchange in ("allreduce", "ps"):
+    if pattern.exchange in ("allreduce", "ps") or (pattern.exchange == "box-sync" and not pattern.bucketed):
         return not pattern.compressed
     return pattern.exchange == "box" and pattern.period > 1 and not pattern.overlap and not pattern.compressed
 
@@ -594,18 +682,28 @@ def simulate_curve(
     worker_counts: list[int] = DEFAULT_WORKER_COUNTS,
     jitter: float = 0.0,
     shapes: list[tuple[int, ...]] | None = None,
+    workers_per_node: int = 1,
 ) -> ScalingCurve:
     """``predict_curve``'s curve for ``setup``, each point simulated (n <= ``SIMULATED_MAX_NODES``):
-    strong scaling splits the global ``batch`` over n, weak keeps ``batch`` per worker."""
+    strong scaling splits the global ``batch`` over the n nodes' workers (``workers_per_node`` each),
+    weak keeps ``batch`` per worker."""
     t_iter, t_comp, t_comm = [], [], []
     for n in worker_counts:
-        local = batch if weak else batch / n
+        local = batch if weak else batch / (n * workers_per_node)
         if local < 1 or n > SIMULATED_MAX_NODES:
             t_iter.append(None), t_comp.append(None), t_comm.append(None)
             continue
         tc = compute.time_s(local)
         step = simulate(
-            setup, n, tc, size_bytes, net, batch=max(1, round(local)), jitter=jitter, shapes=shapes
+            setup,
+            n,
+            tc,
+            size_bytes,
+            net,
+            batch=max(1, round(local)),
+            jitter=jitter,
+            shapes=shapes,
+            workers_per_node=workers_per_node,
         ).step_s
         t_iter.append(step)
         t_comp.append(tc)

@@ -31,6 +31,8 @@ VALIDATION_SETUPS = (
     "ddp,allreduce,allreduce-topk,allreduce-powersgd,box-sync,downpour,downpour-overlap,weight-avg,easgd-tau4,diloco,diloco-int8,"
     "diloco-async,ceiling"
 )
+# Two workers a node on two nodes: the two-level exchanges (box-sync's, the node cache's, hybrid's groups)
+TWO_LEVEL_SETUPS = "allreduce,box-sync,downpour,easgd-tau4,hybrid,diloco-overlap,ceiling"
 VALIDATION_TOLERANCE = 0.15  # issue 20: step time error <= 15 %
 SCALING_SAMPLES = 12288  # the scaling study's samples per run (the report's)
 SCALING_BATCH, SCALING_LR = 32, 0.1  # the scaling-study preset's per-worker batch and learning rate
@@ -48,19 +50,19 @@ def _reproduce():
 def measure_simulator(ctx):
     rp = _reproduce()
     d = ctx.dir("simulator")
-    nodes = (2,) if ctx.quick else (2, 4)
-    runs = []
-    for n in nodes:
-        args = ["bench", "cluster", "--nodes", str(n), "--setups", VALIDATION_SETUPS, "--json"]
+    # (nodes, workers a node): one worker a node at 2 and 4 nodes, and two a node at 2
+    shapes = [(2, 1)] if ctx.quick else [(2, 1), (4, 1), (2, 2)]
+    runs, rows = [], []
+    for n, w in shapes:
+        setups = VALIDATION_SETUPS if w == 1 else TWO_LEVEL_SETUPS
+        args = ["bench", "cluster", "--nodes", str(n), "--setups", setups, "--json"]
+        args += ["--workers-per-node", str(w)] if w > 1 else []
         args += ["--gbps", "1", "--quick"] if ctx.quick else ["--gbps", "1,0.1"]
-        path = d / f"cluster-{n}{'-quick' if ctx.quick else ''}.json"
+        path = d / f"cluster-{n}{f'x{w}' if w > 1 else ''}{'-quick' if ctx.quick else ''}.json"
         if not path.exists():
             path.write_text(rp.cli(args, timeout_s=3000.0))
         runs.append(rp.shown(args))
-    rows = []
-    for n in nodes:
-        bench = json.loads((d / f"cluster-{n}{'-quick' if ctx.quick else ''}.json").read_text())
-        rows += validation_rows(bench)
+        rows += validation_rows(json.loads(path.read_text()))
     measured = {"rows": rows, **error_summary(rows)}
     return " && ".join(runs), measured, None
 
@@ -72,6 +74,7 @@ def validation_rows(bench: dict[str, Any]) -> list[dict[str, Any]]:
     from parambox.perfmodel.topology import Network
 
     rows, shapes = [], model_shapes()
+    w = bench.get("workers_per_node", 1)
     for gbps, entry in bench["by_gbps"].items():
         net = Network.from_gbps(float(gbps), SIM_LATENCY_US)
         sims = against_measured(
@@ -82,8 +85,10 @@ def validation_rows(bench: dict[str, Any]) -> list[dict[str, Any]]:
             net,
             cpu_ms_of(entry),
             shapes,
+            workers_per_node=w,
         )
-        rows += [{"nodes": bench["nodes"], "gbps": float(gbps), "setup": k, **v} for k, v in sims.items()]
+        where = {"nodes": bench["nodes"], "workers_per_node": w, "gbps": float(gbps)}
+        rows += [{**where, "setup": k, **v} for k, v in sims.items()]
     return rows
 
 
@@ -131,7 +136,8 @@ def validation_table(m: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     header += ["exchange CPU ms", "simulated with it, ms", "error with it"]
     rows = [
         [
-            str(r["nodes"]),
+            str(r["nodes"])
+            + (f" ({r['workers_per_node']} workers each)" if r.get("workers_per_node", 1) > 1 else ""),
             f"{r['gbps']:g}",
             r["setup"],
             f"{r['compute_ms']:.1f}",
