@@ -104,6 +104,10 @@ def run(
     options.update({"sync": True} if form == "sync" else {})
     options.update({"compression": "int8"} if form == "int8" else {})  # error feedback in opt.state_dict()
     options.update({"period": 2} if strategy == "weight-avg" else {})
+    if form in ("stream", "astream"):  # Streaming DiLoCo: two fragments, each landing a step late, mixed
+        options.update(
+            fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5, asynchronous=form == "astream"
+        )
     model, base = build()
     passes = k if horovod else 1
     opt = parambox.DistributedOptimizer(

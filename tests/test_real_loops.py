@@ -29,9 +29,11 @@ from tests.realloop_worker import batch, build, lr_at, reference
 # averaging ones are one process (their .grad is averaged when backward() returns: clipping sees it).
 SYNCHRONOUS = ("allreduce", "ps-sync", "box-sync")
 DETERMINISTIC = ("allreduce", "ps-sync", "box-sync", "weight-avg", "easgd+sync", "diloco", "diloco+int8")
+DETERMINISTIC += ("diloco+stream",)  # Streaming DiLoCo: two fragments, tau 1, alpha 0.5
 # The rest (asynchronous: their interleaving is the machine's) finish, agree after close, and train.
 ASYNCHRONOUS = ("downpour", "dynsgd", "hogwild", "dogwild", "easgd", "hybrid", "diloco+async")
 ASYNCHRONOUS += ("downpour+int8", "easgd+int8")  # their pushes int8 with error feedback
+ASYNCHRONOUS += ("diloco+astream",)  # Streaming DiLoCo, asynchronous over the box
 
 
 def torchrun(
