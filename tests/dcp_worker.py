@@ -4,7 +4,8 @@ wrapping (``set_model_state_dict``), a fresh wrap given the optimizer's state af
 (``set_optimizer_state_dict``), 4 more steps.
 
 ``torchrun --nproc-per-node 2 tests/dcp_worker.py STRATEGIES OUT``: each rank writes
-``OUT/<strategy>-rank<r>.pt``, its weights after ``close()``.
+``OUT/<strategy>-rank<r>.pt``, its weights after ``close()``. ``diloco+stream`` and ``diloco+astream``
+run Streaming DiLoCo, synchronous and asynchronous.
 """
 
 from __future__ import annotations
@@ -37,10 +38,17 @@ def train(model: nn.Module, opt: parambox.DistributedOptimizer, steps: range) ->
         opt.step()
 
 
-def run(strategy: str, out: Path) -> None:
-    folder = out / f"{strategy}-dcp"
+# "diloco+stream": Streaming DiLoCo (two fragments, tau 1, alpha 0.5); "diloco+astream": asynchronous
+STREAMING = {"inner_steps": 2, "fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
+FORMS = {"stream": STREAMING, "astream": {**STREAMING, "asynchronous": True}}
+
+
+def run(name: str, out: Path) -> None:
+    folder = out / f"{name}-dcp"
+    strategy, _, form = name.partition("+")
+    options = FORMS.get(form)
     model, base = build()
-    with parambox.DistributedOptimizer(model, base, strategy, timeout=60) as opt:
+    with parambox.DistributedOptimizer(model, base, strategy, options, timeout=60) as opt:
         train(model, opt, range(4))
         model_state, optim_state = dsd.get_state_dict(model, opt)
         checkpoint.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
@@ -48,13 +56,13 @@ def run(strategy: str, out: Path) -> None:
     state = {"model": dsd.get_model_state_dict(model)}
     checkpoint.load(state, checkpoint_id=folder)
     dsd.set_model_state_dict(model, state["model"])
-    with parambox.DistributedOptimizer(model, base, strategy, timeout=60) as opt:
+    with parambox.DistributedOptimizer(model, base, strategy, options, timeout=60) as opt:
         state = {"optim": dsd.get_optimizer_state_dict(model, opt)}
         checkpoint.load(state, checkpoint_id=folder)
         dsd.set_optimizer_state_dict(model, opt, state["optim"])
         train(model, opt, range(4, 8))
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    torch.save(weights, out / f"{strategy}-rank{dist.get_rank()}.pt")
+    torch.save(weights, out / f"{name}-rank{dist.get_rank()}.pt")
 
 
 if __name__ == "__main__":

@@ -138,7 +138,10 @@ def test_every_rule_takes_a_torch_distributed_checkpoint_in_the_order_that_keeps
     """tests/dcp_worker.py on 2 ranks, every data-parallel rule: the model loaded before wrapping, the
     optimizer's state after; the run goes on (no refusal, no hang) and every rank ends with one finite,
     trained model."""
-    rules = [n for n in ONE_PROCESS if strategy_class(n).max_workers != 1]
+    rules = [n for n in ONE_PROCESS if strategy_class(n).max_workers != 1] + [
+        "diloco+stream",
+        "diloco+astream",
+    ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     with tempfile.TemporaryDirectory(prefix="pb-torchrun-") as logs:
         cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--log-dir", logs]
