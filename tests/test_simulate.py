@@ -49,6 +49,22 @@ def test_ps_sync_gathers_and_broadcasts_through_one_link(n):
     assert r.step_s == pytest.approx(0.1 + 2 * one_link + n * S / 2e9, rel=1e-9)
 
 
+@pytest.mark.parametrize("setup, ring", [("diloco-stream", True), ("diloco-async-stream", False)])
+def test_streaming_diloco_sends_a_fragment_every_h_over_f_steps_behind_the_next_ones(setup, ring):
+    """Streaming DiLoCo, H 16 in 4 fragments: a quarter of the model every 4 steps, each exchange behind
+    the next 4 steps' compute; with 4 steps' compute longer than it, the step is the compute alone, and
+    the link carries a quarter of diloco's every-16-steps bytes four times as often: the same bytes."""
+    whole = PATTERNS["diloco-async" if not ring else "diloco"]
+    r = simulate(setup, 2, 0.1, S, NET, steps=16)
+    assert r.step_s == pytest.approx(0.1, rel=1e-9)
+    assert r.link_bytes_per_step == pytest.approx(
+        simulate(whole, 2, 0.1, S, NET).link_bytes_per_step, rel=1e-9
+    )
+    slow = simulate(setup, 2, 0.001, S, NET, steps=16)  # the link paces it: one fragment's exchange every 4
+    one = 2 * ALPHA + S / 4 / RATE if ring else ALPHA + 2 * (S / 4 / 2) / RATE  # steps: ring, or push-pull
+    assert slow.step_s == pytest.approx(one / 4, rel=0.05)
+
+
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_a_compressed_collective_all_gathers_every_ranks_message(n):
     """wire < 1 (int8, int4, topk): each rank's message is that share of the float32 bytes and gloo's

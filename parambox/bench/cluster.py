@@ -247,6 +247,26 @@ SETUPS: dict[str, Setup] = {
         asynchronous=True,
         overlap=True,
     ),
+    "diloco-stream": strategy_setup(
+        "diloco",
+        what="parambox Streaming DiLoCo: inner_steps 16 in 4 fragments, a quarter of the model every 4 steps, "
+        "each landing 4 steps on (fragment_sync_delay 4, alpha 0.5)",
+        inner_steps=16,
+        fragments=4,
+        fragment_sync_delay=4,
+        fragment_update_alpha=0.5,
+    ),
+    "diloco-async-stream": strategy_setup(
+        "diloco",
+        box="rma",
+        what="parambox Streaming DiLoCo, asynchronous over the rma box: 4 fragments of inner_steps 16, each "
+        "push and pull behind the next 4 steps",
+        inner_steps=16,
+        asynchronous=True,
+        fragments=4,
+        fragment_sync_delay=4,
+        fragment_update_alpha=0.5,
+    ),
     "hybrid": strategy_setup(
         "hybrid", box="rma", what="parambox hybrid (groups = nodes: with 1 worker per node, EASGD tau 4)"
     ),

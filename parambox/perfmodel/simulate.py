@@ -27,7 +27,8 @@ cluster``'s setups, plus ``ps-sync``):
 - ``low_rank``: PowerSGD of that rank (``compression=powersgd``, ``strategies/powersgd.py``): two ring
   allreduces one after the other, the P's (with the tensors sent whole), then the Q's, their sizes
   PowerSGD's own for the model's ``shapes``, at the end of backward;
-- ``overlap``: the exchange runs behind the next steps' compute; the next exchange first waits for it.
+- ``overlap``: the exchange runs behind the next steps' compute; the next exchange first waits for it;
+- ``share`` below 1: Streaming DiLoCo's fragments, that share of the model an exchange.
 
 The network: every node has one full-duplex link to a non-blocking switch (the emulated cluster's
 shape, and a rack's). A message waits the link's latency, then flows over its sender's uplink and its
@@ -89,6 +90,9 @@ class Pattern:
     # syncs it across the link behind the workers: downpour, easgd, eamsgd), "leader" (one exchange a
     # node: hybrid's group leader) or "each" (every worker's own: asynchronous diloco)
     per_node: str = "each"
+    # The share of the model an exchange carries: Streaming DiLoCo's fragment, 1/F (every ``period`` =
+    # H/F steps one fragment goes; with ``overlap`` its outer step lands when the next one starts)
+    share: float = 1.0
 
     @property
     def compressed(self) -> bool:
@@ -123,6 +127,9 @@ PATTERNS: dict[str, Pattern] = {
     "diloco-h32-int8-overlap": Pattern("allreduce", period=32, overlap=True, wire=_INT8),
     "allreduce-topk": Pattern("allreduce", wire=2 * 0.01),
     "allreduce-powersgd": Pattern("allreduce", low_rank=4),
+    # Streaming DiLoCo, H 16 in 4 fragments: a quarter of the model every 4 steps, landing 4 steps on
+    "diloco-stream": Pattern("allreduce", period=4, overlap=True, share=0.25),
+    "diloco-async-stream": Pattern("box", period=4, overlap=True, share=0.25),
     "diloco-async": Pattern("box", period=16),
     "diloco-async-overlap": Pattern("box", period=16, overlap=True),
     "downpour-int8": Pattern(
@@ -378,7 +385,9 @@ def simulate(
         raise UserError(f"simulate: {setup} is simulated with one worker a node only")
     pattern = _with_workers(pattern, w)
     cached = w > 1 and pattern.exchange == "box" and pattern.per_node == "cache"
-    crossing = size_bytes * (w if pattern.exchange == "box" and pattern.per_node == "each" else 1)
+    crossing = (
+        size_bytes * pattern.share * (w if pattern.exchange == "box" and pattern.per_node == "each" else 1)
+    )
     rounds = low_rank_bytes(setup, pattern.low_rank, shapes) if pattern.low_rank else ()
     warm = pattern.period
     # through a cache the workers drift apart (the one that syncs waits): a longer run settles it
