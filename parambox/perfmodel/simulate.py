@@ -132,9 +132,8 @@ PATTERNS: dict[str, Pattern] = {
     "diloco-async-stream": Pattern("box", period=4, overlap=True, share=0.25),
     "diloco-async": Pattern("box", period=16),
     "diloco-async-overlap": Pattern("box", period=16, overlap=True),
-    "downpour-int8": Pattern(
-        "box", wire=_INT8, per_node="cache"
-    ),  # encoded whole after backward, not in buckets
+    # encoded whole after backward, not in buckets
+    "downpour-int8": Pattern("box", wire=_INT8, per_node="cache"),
     "easgd-tau4-int8": Pattern("box", period=4, wire=_INT8, per_node="cache"),
     "diloco-async-int8": Pattern("box", period=16, wire=_INT8),
     "ps-sync": Pattern("ps"),
