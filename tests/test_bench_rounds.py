@@ -69,3 +69,17 @@ def test_settled_waits_for_a_quiet_meter_and_no_longer_than_its_limit():
     settled(busy.read, limit_s=0.5)
     stop.set()
     assert time.monotonic() - t0 < 1.0
+
+
+def test_the_machines_cpu_counts_at_least_the_workers_own():
+    """``cpu_machine``: the whole machine's busy CPU a step (every process and the kernel's; other work on
+    a shared machine too): a step that spins 50 ms of this thread's CPU counts at least that much."""
+
+    def spin(_batch: object, _i: int) -> None:
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+
+    result = run_rounds({"spin": spin}, [None], 2, 4, 0, 1, lambda: None)
+    assert len(result.cpu_machine["spin"]) == 2
+    assert min(result.cpu_machine["spin"]) >= 0.045 and min(result.cpu["spin"]) >= 0.045

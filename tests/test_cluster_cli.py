@@ -298,6 +298,7 @@ def test_bench_cluster_quick_form_has_every_key():
         for c in comm.values():  # CPU a step, every rank's: the main thread's within the process's
             cpu, main = c["cpu_ms_per_step_per_rank"], c["main_thread_cpu_ms_per_step_per_rank"]
             assert len(cpu) == len(main) == 2 and all(0 < m <= p + 1e-6 for m, p in zip(main, cpu))
+            assert c["machine_cpu_ms_per_step"] > 0  # the whole machine's: every process and the kernel
         # each setup beside its simulation on the run's own compute time (the ceiling's step)
         assert set(entry["simulated"]) == {"ddp", "allreduce", "easgd-tau4"}
         assert all(v["simulated_ms"] > v["compute_ms"] > 0 for v in entry["simulated"].values())

@@ -309,8 +309,11 @@ def worker(setups: list[str], rounds: int, steps: int, warmup: int, bench: Workb
         close_setups(steppers)
         link = _gather_means(result.metered, setups) if meter else None
         mine = {name: _comm_per_step(result.outputs[name][warmup:]) for name in setups}
-        cpu_ms = {  # CPU per timed step, the medians over rounds: the process's, and its main thread's
-            name: [1e3 * statistics.median(c[name]) for c in (result.cpu, result.cpu_main)] for name in setups
+        cpu_ms = {  # CPU per timed step, the medians over rounds: the process's, its main thread's, the machine's
+            name: [
+                1e3 * statistics.median(c[name]) for c in (result.cpu, result.cpu_main, result.cpu_machine)
+            ]
+            for name in setups
         }
         mine = {name: {"comm": mine[name], "cpu_ms": cpu_ms[name]} for name in setups}
         comm: list[Any] = [None] * world.world_size  # every rank's: a rank far from the counters waits longer
@@ -507,6 +510,8 @@ def summarize(data: dict, loopback: dict[str, list[float]]) -> dict[str, Any]:
             # CPU ms a step per rank: the whole process, its main thread (the rest: gloo's, a box's server)
             "cpu_ms_per_step_per_rank": [c["cpu_ms"][0] for c in data["comm"][n]],
             "main_thread_cpu_ms_per_step_per_rank": [c["cpu_ms"][1] for c in data["comm"][n]],
+            # the whole machine's, every process and the kernel's (rank 0's view: one machine here)
+            "machine_cpu_ms_per_step": data["comm"][n][0]["cpu_ms"][2],
         }
         for n in names
     }

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+
 Stepper = Callable[[Any, int], Any]  # (batch, step index) -> anything (a loss, a StepResult, None)
 
 
@@ -26,13 +28,22 @@ class Rounds:
     """What ``run_rounds`` measured, per setup: samples/s per round, what each step returned (warm-up
     steps first), the increase of the ``meter`` per timed step, per round, and this process's CPU
     seconds per timed step, per round: all its threads' (``cpu``) and the calling thread's
-    (``cpu_main``; the rest is the communication threads': gloo's, a box's server)."""
+    (``cpu_main``; the rest is the communication threads': gloo's, a box's server), and the whole
+    machine's (``cpu_machine``: every process and the kernel's interrupt work, the network's included;
+    the same in every process on one machine)."""
 
     per_round: dict[str, list[float]]
     outputs: dict[str, list[Any]]
     metered: dict[str, list[float]] = field(default_factory=dict)
     cpu: dict[str, list[float]] = field(default_factory=dict)
     cpu_main: dict[str, list[float]] = field(default_factory=dict)
+    cpu_machine: dict[str, list[float]] = field(default_factory=dict)
+
+
+def _machine_cpu_s() -> float:
+    """CPU seconds the machine has spent busy so far (psutil's system-wide times, idle and iowait left out)."""
+    t = psutil.cpu_times()
+    return sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
 
 
 def run_rounds(
@@ -51,6 +62,7 @@ def run_rounds(
     names = list(steppers)
     result = Rounds({n: [] for n in names}, {n: [] for n in names}, {n: [] for n in names} if meter else {})
     result.cpu, result.cpu_main = {n: [] for n in names}, {n: [] for n in names}
+    result.cpu_machine = {n: [] for n in names}
     for name, step in steppers.items():
         result.outputs[name] += [step(batches[i % len(batches)], i) for i in range(warmup)]
     for r in range(rounds):
@@ -58,14 +70,16 @@ def run_rounds(
             step = steppers[name]
             barrier()
             count0 = meter() if meter else 0.0
+            machine0 = _machine_cpu_s()
             cpu0, main0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
             for i in range(steps):
                 result.outputs[name].append(step(batches[i % len(batches)], warmup + r * steps + i))
-            cpu1, main1 = time.process_time(), time.thread_time()
+            cpu1, main1, machine1 = time.process_time(), time.thread_time(), _machine_cpu_s()
             barrier()
             result.per_round[name].append(samples_per_step * steps / (time.perf_counter() - t0))
             result.cpu[name].append((cpu1 - cpu0) / steps)
             result.cpu_main[name].append((main1 - main0) / steps)
+            result.cpu_machine[name].append((machine1 - machine0) / steps)
             if meter:
                 result.metered[name].append((settled(meter) - count0) / steps)
     return result
