@@ -836,38 +836,53 @@ class AsyncDiloco(AsyncStrategy):
         assert u is g, "on a box that fuses the outer step, theta's update is pushed only as g itself"
         return coded
 
-    def _push_pull(self, g: torch.Tensor, out: torch.Tensor, coded: list[torch.Tensor] | None = None) -> None:
+    def _push_pull(
+        self,
+        g: torch.Tensor,
+        out: torch.Tensor,
+        coded: list[torch.Tensor] | None = None,
+        outer: DelayedNesterov | None = None,
+        encoder: Any = None,
+        start: int = 0,
+    ) -> None:
         """The outer step with ``g`` (``coded``: as the encoder sent it) and the pull of the new theta (in
-        the background thread: the box directly, not the client whose timers the step reports)."""
-        enc = self.encoder
+        the background thread: the box directly, not the client whose timers the step reports). A
+        fragment of theta (``AsyncStreamingDiloco``): its ``outer`` step, ``encoder``, and ``start``."""
+        enc = encoder or self.encoder
 
         def push_pull(u: torch.Tensor, scale: float) -> bool:
             if coded is None:
-                self.box.push_pull(u, out, scale)
+                self.box.push_pull(u, out, scale, start)
             else:
                 messages = self._coded_g(u, g, coded)
-                self.box.push_encoded_async(messages, u.numel(), enc.code, enc.params, scale, 0, out).wait()
+                self.box.push_encoded_async(
+                    messages, u.numel(), enc.code, enc.params, scale, start, out
+                ).wait()
             return True
 
         def outer_step(g: torch.Tensor, k: tuple, last: bool) -> bool:
             if coded is None:
-                self.box.outer_step_async(g, out, k, last).wait()
+                self.box.outer_step_async(g, out, k, last, start).wait()
             else:
-                self.box.outer_step_encoded_async(coded, g.numel(), enc.code, enc.params, out, k, last).wait()
+                self.box.outer_step_encoded_async(
+                    coded, g.numel(), enc.code, enc.params, out, k, last, start
+                ).wait()
             return True
 
-        if not self._outer_step(g, push_pull, outer_step):  # no step of theta by this arrival: fetch it
-            self.box.pull(out)
+        if not self._outer_step(
+            g, push_pull, outer_step, outer
+        ):  # no step of theta by this arrival: fetch it
+            self.box.pull(out, start)
         self.box.add_counter(self.counters.version, 1)
 
-    def _outer_step(self, g: torch.Tensor, push_pull: Any, outer_step: Any) -> bool:
+    def _outer_step(self, g: torch.Tensor, push_pull: Any, outer_step: Any, outer: Any = None) -> bool:
         """The outer step with ``g`` (Delayed Nesterov's, or the quorum's, weighted by the round's
-        samples): its push of theta made by ``push_pull(u, scale)`` (which pulls the new theta too), or
-        where the box applies the step, ``outer_step(g, coefficients, last)`` (which brings theta back);
-        False if nothing was pushed into theta (refused, or a quorum's arrival that closed no step): the
-        caller pulls theta."""
+        samples; ``outer``: a fragment's instead of the whole model's): its push of theta made by
+        ``push_pull(u, scale)`` (which pulls the new theta too), or where the box applies the step,
+        ``outer_step(g, coefficients, last)`` (which brings theta back); False if nothing was pushed into
+        theta (refused, or a quorum's arrival that closed no step): the caller pulls theta."""
         done = []
-        self.outer.apply_(
+        (outer or self.outer).apply_(
             g,
             lambda u, scale: done.append(push_pull(u, scale)),
             lambda g, k, last: done.append(outer_step(g, k, last)),
@@ -1100,30 +1115,8 @@ class AsyncStreamingDiloco(AsyncDiloco):
 
     def _exchange(self, fr: Fragment, g: torch.Tensor, coded: list[torch.Tensor] | None) -> None:
         """Fragment ``fr``'s outer step with ``g`` and the pull of its new center into ``incoming``."""
-        i, lo, out, enc = fr.index, fr.start, self.incoming[fr.index], self.encoders[fr.index]
-
-        def push_pull(u: torch.Tensor, scale: float) -> None:
-            if coded is None:
-                self.box.push_pull(u, out, scale, lo)
-            else:  # (only Delayed Nesterov without momentum pushes on a fused box: g itself)
-                messages = self._coded_g(u, g, coded)
-                self.box.push_encoded_async(messages, u.numel(), enc.code, enc.params, scale, lo, out).wait()
-            done.append(True)
-
-        def outer_step(g: torch.Tensor, k: tuple, last: bool) -> None:
-            if coded is None:
-                self.box.outer_step_async(g, out, k, last, lo).wait()
-            else:
-                self.box.outer_step_encoded_async(
-                    coded, g.numel(), enc.code, enc.params, out, k, last, lo
-                ).wait()
-            done.append(True)
-
-        done: list[bool] = []
-        self.outers[i].apply_(g, push_pull, outer_step)
-        if not done:  # stalled past its turn: the center moved on without this arrival
-            self.box.pull(out, lo)
-        self.box.add_counter(self.counters.version, 1)
+        i = fr.index
+        self._push_pull(g, self.incoming[i], coded, self.outers[i], self.encoders[i], fr.start)
 
     def _land(self, fr: Fragment) -> None:
         """Fragment ``fr``'s new center arrived: the next pseudo-gradient is measured from it, and the
