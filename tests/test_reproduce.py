@@ -4,6 +4,7 @@ every claim's verdict rule on given numbers, and the quick forms run as a user r
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import run_cli
@@ -315,6 +316,17 @@ def test_reproduce_workload_flags_go_with_the_time_to_target_claim(tmp_path, arg
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "workers, message",
+    [("1", "--workers must be at least 2"), ("2,4", "takes one --workers"), ("two", "list of int")],
+)
+def test_time_to_accuracy_takes_one_worker_count(tmp_path, workers, message):
+    proc = run_cli(
+        "sweep", "--study", "time-to-accuracy", "--workers", workers, "--out", str(tmp_path), check=False
+    )
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.long
 def test_reproduce_tau_h_quick_on_text_to_a_perplexity(tmp_path):
@@ -352,12 +364,16 @@ def test_reproduce_tau_h_quick_on_text_to_a_perplexity(tmp_path):
 def test_time_to_target_study_on_loopback_to_a_perplexity(tmp_path):
     out = tmp_path / "tta"
     run_cli(
-        "sweep", "--study", "time-to-accuracy", "--quick", "--gbps", "loopback", *BIGRAM,
+        "sweep", "--study", "time-to-accuracy", "--quick", "--gbps", "loopback", *BIGRAM, "--workers", "3",
         "--target", "perplexity=130", "--steps", "16", "--set", "eval_every=4", "--out", str(out),
         timeout=230,
     )  # fmt: skip
     res = json.loads((out / "results.json").read_text())
     assert res["target"] == {"metric": "perplexity", "value": 130.0, "lower_is_better": True}
+    assert res["workers"] == res["nodes"] == 3  # --workers N: N workers, one emulated node each at a rate
+    for e in res["by_gbps"]["loopback"]["setups"].values():
+        config = json.loads((Path(e["runs"][0]["run_dir"]) / "config.json").read_text())
+        assert config["workers"] == 3
     for e in res["by_gbps"]["loopback"]["setups"].values():
         run = e["runs"][0]
         first = next((t for t, ppl in run["curve"] if ppl <= 130), None)

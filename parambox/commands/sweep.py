@@ -23,8 +23,8 @@ against real runs at 2 and 4 workers (``--cross-check-steps``; ``--no-cross-chec
 ``--study scaling`` is the scaling study (§6; preset ``scaling-study``, ps-sync): 1..N workers per
 ``--strategy``, loss and accuracy against time, gather/average/broadcast time per worker count and
 time to ``--target-accuracy``. ``--study time-to-accuracy`` (preset ``time-to-accuracy``: LeNet on
-MNIST, 2 workers) trains every strategy setup of ``bench cluster`` (``--setups``) with each of
-``--seeds`` (default 0,1,2) on 2 emulated nodes at each of ``--gbps`` (default 1,0.1; needs root; ``loopback``:
+MNIST, 2 workers; ``--workers N`` for N) trains every strategy setup of ``bench cluster`` (``--setups``)
+with each of ``--seeds`` (default 0,1,2) on one emulated node a worker at each of ``--gbps`` (default 1,0.1; needs root; ``loopback``:
 this machine's processes, no cluster) and
 reports the median training seconds to ``--target-accuracy`` (default 0.98; or ``--target perplexity=12``, a
 metric in its own units and direction) per setup, and the best
@@ -61,7 +61,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--preset", help="base run config (default: digits-sweep, neuron-study or scaling-study)")
     p.add_argument("--strategy", help="comma list of strategies (default: the preset's)")
-    p.add_argument("--workers", help="comma list (grid default 1,2; neuron 2,4,8,16; scaling 1,2)")
+    p.add_argument(
+        "--workers",
+        help="comma list (grid default 1,2; neuron 2,4,8,16; scaling 1,2); time-to-accuracy: one count",
+    )
     p.add_argument("--batch-size", help="comma list of per-worker batch sizes (grid default 16,32,64)")
     p.add_argument("--lr", help="comma list of learning rates (grid default 0.05,0.1,0.2)")
     size = p.add_mutually_exclusive_group()
@@ -235,16 +238,22 @@ def run_time_to_accuracy(args: argparse.Namespace) -> int:
 
     if args.emulate_nodes is not None or args.link_gbps is not None:
         raise UserError("--study time-to-accuracy builds its own cluster: use --gbps, not --link-gbps")
-    if args.workers or args.strategy or args.loss_threshold is not None:
-        raise UserError("--study time-to-accuracy takes --setups (not --strategy/--workers/--loss-threshold)")
+    if args.strategy or args.loss_threshold is not None:
+        raise UserError("--study time-to-accuracy takes --setups (not --strategy/--loss-threshold)")
     base = base_config(args, "time-to-accuracy", QUICK_TTA if args.quick else None)  # the user's flags win
-    for flag, key, kind in (("--lr", "lr", float), ("--batch-size", "batch_size", int)):
+    for flag, key, kind in (
+        ("--workers", "workers", int),
+        ("--lr", "lr", float),
+        ("--batch-size", "batch_size", int),
+    ):
         text = getattr(args, key)
         if text:
             values = parse_list(text, kind, flag)
             if len(values) > 1:
                 raise UserError(f"--study time-to-accuracy takes one {flag}")
             base[key] = values[0]
+    if base.get("workers", 2) < 2:
+        raise UserError("--study time-to-accuracy compares exchanges: --workers must be at least 2")
     if args.steps:
         base["steps"] = args.steps
     if args.target is not None and args.target_accuracy is not None:
