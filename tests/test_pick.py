@@ -746,6 +746,7 @@ def test_a_compressed_candidates_link_bytes_against_its_float32_twin_in_closed_f
             "--eval-every",
         ),
         (["--workers", "2", "--target-accuracy", "0.9", "--validate-runs", "0"], "--validate-runs"),
+        (["--workers", "64", "--target-accuracy", "0.9", "--validate"], "this machine runs"),
         (
             ["--workers", "2", "--target-accuracy", "0.9", "--compression", "none,int3"],
             "--compression 'none,int3'",

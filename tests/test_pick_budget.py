@@ -232,6 +232,27 @@ def test_without_a_budget_every_candidate_is_measured_and_the_result_is_whole(mo
     assert result["partial"] is False and result["budget"] is None and not result["unmeasured"]
 
 
+def test_more_workers_than_cores_probe_as_many_as_run_and_neither_race_nor_validate(monkeypatch, tmp_path):
+    """--workers 4 on 2 cores: the runs train 2 workers (a race or a validation at 2 would score a
+    ranking made for 4), so the race is left out and said, and --validate is refused before anything
+    runs."""
+    from dataclasses import replace
+
+    from parambox.studies.pick import run_pick
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    fake = FakeRuns(monkeypatch, {"reference": 1.0, "probe": 0.5, "confirm": 1.0})
+    s = replace(settings(tmp_path / "p", None, confirm=3), workers=4)
+    result = run_pick(s, lambda _: None)
+    assert result["workers"] == 4 and result["probe_workers"] == 2 and result["confirmed"] == 0
+    assert "not raced" in result["race"] and "probes of 2 scaled to 4" in result["race"]
+    assert [kind for kind, *_ in fake.calls].count("confirm") == 0
+    assert all(r["confirmed_s"] is None and "confirmed" not in r["reason"] for r in result["ranking"])
+    with pytest.raises(UserError, match="--validate scores the predictions for 4 workers .* --workers 2"):
+        replace(s, validate=True)  # the settings refuse it: nothing runs
+    assert run_pick(replace(s, workers=2, out=tmp_path / "q"), lambda _: None)["race"] is None  # raced
+
+
 def test_a_budget_spent_in_the_reference_run_is_a_one_line_user_error(monkeypatch, tmp_path):
     from parambox.studies.pick import run_pick
 

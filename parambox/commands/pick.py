@@ -16,7 +16,9 @@ to the target and put first in the order they reached it. --validate trains ever
 to the target (--validate K: the top K and K others at random) and scores the predictions: Kendall's
 tau between predicted and measured order, the top pick's hit, the median prediction error per
 strategy and family; each validated setup runs --validate-runs R times (default 3), its median the
-measurement. --seeds N repeats it all with N seeds. The runs live in --out (reference/,
+measurement. With more workers than this machine's cores, the probes run as many workers as there
+are cores and the model scales their communication to N; the race is then left out ("race" in
+pick.json says so) and --validate refused: both would train N. --seeds N repeats it all with N seeds. The runs live in --out (reference/,
 probes/, confirm/, validation/; seed-K/ each with several seeds) beside pick.json.
 pick.json holds the ranking so far after every run ("partial": true, the candidates not yet probed
 under "unmeasured"), so a pick stopped by Ctrl-C has an answer. --budget 10m bounds the whole pick: the
@@ -319,6 +321,8 @@ def print_result(result: dict) -> None:
         print(f"the budget of {budget['seconds']:g} s ran out in {budget['spent_in']}: a partial ranking")
     for x in result.get("unmeasured", []):
         print(f"not measured: {x['setup']}")
+    if result.get("race"):
+        print(f"note: {result['race']}")
     if not result["confident"]:
         print("note: the top pick's band overlaps the runner-up's: the two are too close to call from probes")
     v = result.get("validation")

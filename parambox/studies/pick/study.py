@@ -115,6 +115,14 @@ class PickSettings:
     budget_s: float | None = None  # the whole pick's time limit (None: none; ``budget``)
     compressions: tuple[str, ...] = DEFAULT_COMPRESSIONS  # the encodings tried on exchanges that take one
 
+    def __post_init__(self) -> None:
+        n = self.probe_workers
+        if self.validate and n < self.workers:
+            raise UserError(
+                f"--validate scores the predictions for {self.workers} workers by training {self.workers}, but "
+                f"this machine runs {n} at a time (its cores): validate on the cluster, or pick for --workers {n}"
+            )
+
     @property
     def probe_workers(self) -> int:
         """Probe with N workers where the cores allow, else with as many as there are cores (at least 2,
@@ -195,7 +203,13 @@ def run_pick(s: PickSettings, say: Say = print) -> dict[str, Any]:
             raise UserError("the budget ran out before any candidate was probed: raise --budget")
         raise UserError("no candidate could be probed here; see the excluded list (--json)")
     st.order = pm.rank_order([p for _, _, p in entries])
-    if s.confirm and not budget.spent_in:
+    if s.confirm and n < s.workers:
+        st.race = (
+            f"not raced: a race trains {s.workers} workers and this machine runs {n} at a time, so the "
+            f"ranking is the model's, from probes of {n} scaled to {s.workers}; race it where {s.workers} run"
+        )
+        say(st.race)
+    elif s.confirm and not budget.spent_in:
         st.order, st.confirmed = _confirm(s, base, entries, st.order, ref, reference, say, st)
     result = st.result()
     if s.validate and not budget.spent_in:
@@ -227,6 +241,7 @@ class _State:
     order: list[int] = field(default_factory=list)
     confirmed: dict[int, list[runs.Measured]] = field(default_factory=dict)
     measured: list[Candidate] = field(default_factory=list)
+    race: str | None = None  # why the top predictions were not raced, where they were not
 
     @property
     def unmeasured(self) -> list[Candidate]:
@@ -268,6 +283,7 @@ class _State:
             "excluded": self.excluded,
             "unmeasured": [_describe(c) for c in self.unmeasured],
             "confirmed": len(self.confirmed),
+            "race": self.race,
             "confident": bool(ranking)
             and _confident(by_prediction, self.reference.label)
             and ranking[0]["predicted_rank"] == 1,
