@@ -18,8 +18,9 @@ tau between predicted and measured order, the top pick's hit, the median predict
 strategy and family; each validated setup runs --validate-runs R times (default 3), its median the
 measurement. With more workers than this machine's cores, the probes run as many workers as there
 are cores and the model scales their communication to N; the race is then left out ("race" in
-pick.json says so) and --validate refused: both would train N. --seeds N repeats it all with N seeds. The runs live in --out (reference/,
-probes/, confirm/, validation/; seed-K/ each with several seeds) beside pick.json.
+pick.json says so) and --validate refused: both would train N. --seeds N repeats it all with N
+seeds. The runs live in --out (reference/, probes/, confirm/, validation/; seed-K/ each with several
+seeds) beside pick.json.
 pick.json holds the ranking so far after every run ("partial": true, the candidates not yet probed
 under "unmeasured"), so a pick stopped by Ctrl-C has an answer. --budget 10m bounds the whole pick: the
 reference first, then one probe per strategy, then their other options, then the race and validation;

@@ -23,9 +23,9 @@ against real runs at 2 and 4 workers (``--cross-check-steps``; ``--no-cross-chec
 ``--study scaling`` is the scaling study (§6; preset ``scaling-study``, ps-sync): 1..N workers per
 ``--strategy``, loss and accuracy against time, gather/average/broadcast time per worker count and
 time to ``--target-accuracy``. ``--study time-to-accuracy`` (preset ``time-to-accuracy``: LeNet on
-MNIST, 2 workers; ``--workers N`` for N) trains every strategy setup of ``bench cluster`` (``--setups``)
-with each of ``--seeds`` (default 0,1,2) on one emulated node a worker at each of ``--gbps`` (default 1,0.1; needs root; ``loopback``:
-this machine's processes, no cluster) and
+MNIST, 2 workers; ``--workers N`` for N) trains every strategy setup of ``bench cluster``
+(``--setups``) with each of ``--seeds`` (default 0,1,2) on one emulated node a worker at each of
+``--gbps`` (default 1,0.1; needs root; ``loopback``: this machine's processes, no cluster) and
 reports the median training seconds to ``--target-accuracy`` (default 0.98; or ``--target perplexity=12``, a
 metric in its own units and direction) per setup, and the best
 setup against ``allreduce``; ``--quick`` is a short form on digits (target 0.8, 1 seed, 1 Gbit/s).
