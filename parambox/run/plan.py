@@ -271,6 +271,20 @@ RESUMABLE = frozenset(
 )
 
 
+def no_checkpoint(caller: Caller, last: Path) -> UserError:
+    """A resume with nothing to resume from: a run that stopped before its first checkpoint says how
+    to checkpoint sooner."""
+    every, interval = (
+        ("--checkpoint-every", "--checkpoint-interval-s")
+        if caller.kind == "cli"
+        else ("checkpoint_every", "checkpoint_interval_s")
+    )
+    return UserError(
+        f"{caller.field('resume')}: {last} does not exist: no checkpoint was written (the run stopped "
+        f"before its first: {interval} sets the seconds between them, 600 by default; {every} counts steps)"
+    )
+
+
 def continue_recorded(cfg: RunConfig, caller: Caller) -> RunConfig:
     """A resume continues the run its directory recorded: a given field that would change the training
     is refused; the ones in ``RESUMABLE`` may change."""
@@ -278,7 +292,7 @@ def continue_recorded(cfg: RunConfig, caller: Caller) -> RunConfig:
         raise UserError(f"{caller.field('resume')} needs {caller.field('out')}: the run directory")
     last = Path(cfg.out).resolve() / "checkpoints" / "last.pt"
     if not last.exists():
-        raise UserError(f"{caller.field('resume')}: {last} does not exist")
+        raise no_checkpoint(caller, last)
     recorded = load_recorded(Path(cfg.out))
     rundir.check_trust(Path(cfg.out).resolve(), recorded, None)
     changed = [
@@ -390,7 +404,7 @@ def _check_and_record(plan: Plan, run_dir: Path) -> None:
     cfg, caller = plan.cfg, plan.caller
     if plan.resume:
         if not (run_dir / "checkpoints" / "last.pt").exists():
-            raise UserError(f"{caller.field('resume')}: {run_dir / 'checkpoints' / 'last.pt'} does not exist")
+            raise no_checkpoint(caller, run_dir / "checkpoints" / "last.pt")
     elif plan.restarted:  # restarted before the first checkpoint: the run starts again
         if plan.world.is_main:
             print(f"parambox: restarting {run_dir} from step 0 (no checkpoint yet)", flush=True)
